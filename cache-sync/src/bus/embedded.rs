@@ -1,0 +1,489 @@
+//! The in-process transport: the default, and the one the demo and most tests use.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::watch;
+
+use super::{
+    ChangeBus, Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
+    Subscription,
+};
+use crate::error::{Error, Result};
+
+const KIND: &str = "embedded";
+
+/// An in-memory broadcast bus for nodes that share one process.
+///
+/// Each topic is a log with bounded history (by record count and by bytes).
+/// Publishing never blocks on subscribers: a subscriber that falls further
+/// behind than the history reaches gets [`Delivery::Lost`] with
+/// [`LossReason::Trimmed`], and then continues from the oldest record kept.
+///
+/// Positions carry this bus instance's id, so a position stored by an earlier
+/// process (or another bus) is recognised as [`LossReason::HistoryReset`]
+/// instead of being misread as an offset into this history.
+///
+/// Clones share the same topics.
+#[derive(Clone, Debug)]
+pub struct EmbeddedBus {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    partition: String,
+    max_records: usize,
+    max_bytes: usize,
+    topics: Mutex<HashMap<String, Arc<Topic>>>,
+}
+
+#[derive(Debug)]
+struct Topic {
+    log: Mutex<Log>,
+    /// The end offset, so subscribers can wait for new records.
+    end_tx: watch::Sender<u64>,
+}
+
+#[derive(Debug, Default)]
+struct Log {
+    /// Offset of `records[0]`.
+    first: u64,
+    records: VecDeque<Stored>,
+    bytes: usize,
+    last_ts: Option<SystemTime>,
+    /// Timestamp of the newest record trimmed, to tell whether a timestamp
+    /// start reaches into history that is gone.
+    trimmed_ts: Option<SystemTime>,
+}
+
+#[derive(Debug)]
+struct Stored {
+    ts: SystemTime,
+    tag: Arc<str>,
+    payload: Bytes,
+}
+
+impl Log {
+    fn end(&self) -> u64 {
+        self.first + self.records.len() as u64
+    }
+}
+
+/// Builds an [`EmbeddedBus`].
+#[derive(Debug, Clone)]
+pub struct EmbeddedBusBuilder {
+    max_records: usize,
+    max_bytes: usize,
+}
+
+impl Default for EmbeddedBusBuilder {
+    fn default() -> Self {
+        Self {
+            max_records: 10_000,
+            max_bytes: 64 << 20,
+        }
+    }
+}
+
+impl EmbeddedBusBuilder {
+    /// Records kept per topic for replay and slow subscribers. Default 10 000.
+    pub fn max_records(mut self, n: usize) -> Self {
+        self.max_records = n.max(1);
+        self
+    }
+
+    /// Payload bytes kept per topic. Default 64 MiB.
+    pub fn max_bytes(mut self, n: usize) -> Self {
+        self.max_bytes = n.max(1);
+        self
+    }
+
+    /// The bus.
+    pub fn build(self) -> EmbeddedBus {
+        // A random instance id: positions from another instance must not alias.
+        let id = RandomState::new().hash_one(std::process::id());
+        EmbeddedBus {
+            shared: Arc::new(Shared {
+                partition: format!("embedded-{id:016x}"),
+                max_records: self.max_records,
+                max_bytes: self.max_bytes,
+                topics: Mutex::default(),
+            }),
+        }
+    }
+}
+
+impl Default for EmbeddedBus {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl EmbeddedBus {
+    /// A bus with the default history (10 000 records or 64 MiB per topic).
+    pub fn new() -> Self {
+        Self::builder().build()
+    }
+
+    /// Configures history bounds.
+    pub fn builder() -> EmbeddedBusBuilder {
+        EmbeddedBusBuilder::default()
+    }
+
+    fn topic(&self, name: &str) -> Arc<Topic> {
+        let mut topics = lock(&self.shared.topics);
+        topics
+            .entry(name.to_owned())
+            .or_insert_with(|| {
+                Arc::new(Topic {
+                    log: Mutex::default(),
+                    end_tx: watch::Sender::new(0),
+                })
+            })
+            .clone()
+    }
+
+    fn position(&self, offset: u64) -> Position {
+        Position::single(self.shared.partition.clone(), Offset::Seq(offset))
+    }
+}
+
+/// The log stays consistent at every await-free step, so a panic elsewhere
+/// while holding the lock cannot leave it half-written; keep serving.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[async_trait]
+impl ChangeBus for EmbeddedBus {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    fn filters_by_tag(&self) -> bool {
+        true
+    }
+
+    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        let topic = self.topic(topic);
+        let end = {
+            let mut log = lock(&topic.log);
+            // Timestamps never go backwards, so a timestamp start can bisect.
+            let now = SystemTime::now();
+            let ts = log.last_ts.map_or(now, |last| last.max(now));
+            log.last_ts = Some(ts);
+            log.bytes += payload.len();
+            log.records.push_back(Stored {
+                ts,
+                tag: tag.into(),
+                payload,
+            });
+            while log.records.len() > self.shared.max_records
+                || (log.bytes > self.shared.max_bytes && log.records.len() > 1)
+            {
+                if let Some(old) = log.records.pop_front() {
+                    log.bytes -= old.payload.len();
+                    log.trimmed_ts = Some(old.ts);
+                    log.first += 1;
+                }
+            }
+            log.end()
+        };
+        topic.end_tx.send_replace(end);
+        Ok(Some(self.position(end)))
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        let partition = self.shared.partition.clone();
+        let topic = self.topic(topic);
+        let mut pending_loss = None;
+        let cursor = {
+            let log = lock(&topic.log);
+            match options.from {
+                StartFrom::Latest => log.end(),
+                StartFrom::Earliest => log.first,
+                StartFrom::Position(p) => match p.get(&partition) {
+                    Some(Offset::Seq(n)) if *n <= log.end() => *n,
+                    _ => {
+                        pending_loss = Some(Loss::new(
+                            LossReason::HistoryReset,
+                            None,
+                            Some(self.position(log.end())),
+                        ));
+                        log.end()
+                    }
+                },
+                StartFrom::Timestamp(t) => {
+                    if log.trimmed_ts.is_some_and(|trimmed| trimmed >= t) {
+                        pending_loss = Some(Loss::new(
+                            LossReason::Trimmed,
+                            None,
+                            Some(self.position(log.first)),
+                        ));
+                    }
+                    log.first + log.records.partition_point(|r| r.ts < t) as u64
+                }
+            }
+        };
+        let end_rx = topic.end_tx.subscribe();
+        Ok(Box::new(EmbeddedSubscription {
+            topic,
+            partition,
+            cursor,
+            pending_loss,
+            end_rx,
+            tags: options.tags.map(|t| t.into_iter().collect()),
+        }))
+    }
+}
+
+#[derive(Debug)]
+struct EmbeddedSubscription {
+    topic: Arc<Topic>,
+    partition: String,
+    cursor: u64,
+    pending_loss: Option<Loss>,
+    end_rx: watch::Receiver<u64>,
+    tags: Option<HashSet<String>>,
+}
+
+impl EmbeddedSubscription {
+    fn position_at(&self, offset: u64) -> Position {
+        Position::single(self.partition.clone(), Offset::Seq(offset))
+    }
+
+    fn poll_log(&mut self, max: usize) -> Option<Delivery> {
+        if let Some(loss) = self.pending_loss.take() {
+            return Some(Delivery::Lost(loss));
+        }
+        let log = lock(&self.topic.log);
+        if self.cursor < log.first {
+            let missed = log.first - self.cursor;
+            self.cursor = log.first;
+            return Some(Delivery::Lost(Loss::new(
+                LossReason::Trimmed,
+                Some(missed),
+                Some(self.position_at(self.cursor)),
+            )));
+        }
+        if self.cursor >= log.end() {
+            return None;
+        }
+        // Scan at most `max` records, matching or not, so a burst for other
+        // caches cannot make one call walk the whole history.
+        let start = (self.cursor - log.first) as usize;
+        let mut records = Vec::new();
+        for (i, r) in log.records.range(start..).take(max.max(1)).enumerate() {
+            let offset = self.cursor + i as u64;
+            if self.tags.as_ref().is_none_or(|t| t.contains(&*r.tag)) {
+                records.push(Record::new(
+                    self.position_at(offset + 1),
+                    Some(r.tag.to_string()),
+                    r.payload.clone(),
+                ));
+            }
+        }
+        let scanned = (log.end() - self.cursor).min(max.max(1) as u64);
+        self.cursor += scanned;
+        Some(Delivery::Batch {
+            records,
+            position: self.position_at(self.cursor),
+        })
+    }
+}
+
+#[async_trait]
+impl Subscription for EmbeddedSubscription {
+    async fn next(&mut self, max: usize) -> Result<Delivery> {
+        loop {
+            // Mark the current end as seen *before* looking at the log, so a
+            // publish between the look and the wait still wakes us.
+            self.end_rx.borrow_and_update();
+            if let Some(d) = self.poll_log(max) {
+                return Ok(d);
+            }
+            if self.end_rx.changed().await.is_err() {
+                return Err(Error::disconnected(KIND, "the embedded bus was dropped"));
+            }
+        }
+    }
+
+    fn position(&self) -> Option<Position> {
+        Some(self.position_at(self.cursor))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    async fn publish_n(bus: &EmbeddedBus, topic: &str, tag: &str, n: usize) {
+        for i in 0..n {
+            bus.publish(topic, tag, Bytes::from(format!("{tag}-{i}")))
+                .await
+                .unwrap();
+        }
+    }
+
+    fn payloads(d: Delivery) -> Vec<String> {
+        match d {
+            Delivery::Batch { records, .. } => records
+                .into_iter()
+                .map(|r| String::from_utf8(r.payload.to_vec()).unwrap())
+                .collect(),
+            Delivery::Lost(l) => panic!("unexpected loss {l:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn every_subscriber_gets_every_record_in_order() {
+        let bus = EmbeddedBus::new();
+        let mut a = bus
+            .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
+            .await
+            .unwrap();
+        let mut b = bus
+            .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
+            .await
+            .unwrap();
+        publish_n(&bus, "t", "x", 3).await;
+        assert_eq!(payloads(a.next(10).await.unwrap()), ["x-0", "x-1", "x-2"]);
+        assert_eq!(payloads(b.next(2).await.unwrap()), ["x-0", "x-1"]);
+        assert_eq!(payloads(b.next(2).await.unwrap()), ["x-2"]);
+    }
+
+    #[tokio::test]
+    async fn next_waits_for_a_publish_and_is_cancel_safe() {
+        let bus = EmbeddedBus::new();
+        let mut s = bus
+            .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
+            .await
+            .unwrap();
+        assert!(
+            tokio::time::timeout(Duration::from_millis(20), s.next(10))
+                .await
+                .is_err()
+        );
+        let bus2 = bus.clone();
+        tokio::spawn(async move { publish_n(&bus2, "t", "x", 1).await });
+        assert_eq!(payloads(s.next(10).await.unwrap()), ["x-0"]);
+    }
+
+    #[tokio::test]
+    async fn falling_behind_history_is_a_loss_never_a_skip() {
+        let bus = EmbeddedBus::builder().max_records(4).build();
+        let mut s = bus
+            .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
+            .await
+            .unwrap();
+        publish_n(&bus, "t", "x", 10).await;
+        match s.next(100).await.unwrap() {
+            Delivery::Lost(l) => {
+                assert_eq!(l.reason, LossReason::Trimmed);
+                assert_eq!(l.missed, Some(6));
+            }
+            d => panic!("expected a loss, got {d:?}"),
+        }
+        assert_eq!(
+            payloads(s.next(100).await.unwrap()),
+            ["x-6", "x-7", "x-8", "x-9"]
+        );
+    }
+
+    #[tokio::test]
+    async fn byte_bound_trims_too() {
+        let bus = EmbeddedBus::builder().max_bytes(8).build();
+        let mut s = bus
+            .subscribe("t", SubscribeOptions::new(StartFrom::Earliest))
+            .await
+            .unwrap();
+        publish_n(&bus, "t", "x", 3).await; // 3 bytes each
+        assert!(matches!(s.next(10).await.unwrap(), Delivery::Lost(_)));
+        assert_eq!(payloads(s.next(10).await.unwrap()), ["x-1", "x-2"]);
+    }
+
+    #[tokio::test]
+    async fn resumes_from_a_position_and_rejects_foreign_ones() {
+        let bus = EmbeddedBus::new();
+        publish_n(&bus, "t", "x", 3).await;
+        let mut s = bus
+            .subscribe("t", SubscribeOptions::new(StartFrom::Earliest))
+            .await
+            .unwrap();
+        let Delivery::Batch { position, .. } = s.next(2).await.unwrap() else {
+            panic!()
+        };
+        let mut resumed = bus
+            .subscribe(
+                "t",
+                SubscribeOptions::new(StartFrom::Position(position.clone())),
+            )
+            .await
+            .unwrap();
+        assert_eq!(payloads(resumed.next(10).await.unwrap()), ["x-2"]);
+
+        // The same position read by a different bus (a restarted process).
+        let other = EmbeddedBus::new();
+        publish_n(&other, "t", "y", 5).await;
+        let mut s = other
+            .subscribe("t", SubscribeOptions::new(StartFrom::Position(position)))
+            .await
+            .unwrap();
+        match s.next(10).await.unwrap() {
+            Delivery::Lost(l) => assert_eq!(l.reason, LossReason::HistoryReset),
+            d => panic!("expected a history reset, got {d:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn starts_from_a_timestamp() {
+        let bus = EmbeddedBus::new();
+        publish_n(&bus, "t", "x", 2).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let t = SystemTime::now();
+        publish_n(&bus, "t", "y", 2).await;
+        let mut s = bus
+            .subscribe("t", SubscribeOptions::new(StartFrom::Timestamp(t)))
+            .await
+            .unwrap();
+        assert_eq!(payloads(s.next(10).await.unwrap()), ["y-0", "y-1"]);
+    }
+
+    #[tokio::test]
+    async fn tag_filter_skips_other_caches_but_advances() {
+        let bus = EmbeddedBus::new();
+        let mut s = bus
+            .subscribe(
+                "t",
+                SubscribeOptions::new(StartFrom::Latest).with_tags(["keep"]),
+            )
+            .await
+            .unwrap();
+        publish_n(&bus, "t", "other", 2).await;
+        publish_n(&bus, "t", "keep", 1).await;
+        assert_eq!(payloads(s.next(10).await.unwrap()), ["keep-0"]);
+    }
+
+    #[tokio::test]
+    async fn topics_are_separate() {
+        let bus = EmbeddedBus::new();
+        let mut s = bus
+            .subscribe("a", SubscribeOptions::new(StartFrom::Latest))
+            .await
+            .unwrap();
+        publish_n(&bus, "b", "x", 1).await;
+        publish_n(&bus, "a", "y", 1).await;
+        assert_eq!(payloads(s.next(10).await.unwrap()), ["y-0"]);
+    }
+}

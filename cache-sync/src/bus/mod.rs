@@ -1,0 +1,336 @@
+//! The transport: a topic that every node reads in full (broadcast).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::error::Result;
+
+pub(crate) mod embedded;
+
+/// Where a subscriber stands in a topic: one offset per partition.
+///
+/// Opaque to applications; meaningful only to the transport that produced it.
+/// A single-log transport (the embedded bus, a Redis stream, a NATS stream)
+/// uses one partition; RocketMQ uses one per message queue. It serializes to
+/// JSON as a map from partition name to offset, like RocketMQ's
+/// `offsets.json`:
+///
+/// ```json
+/// {"broker-a:0": 1042, "broker-a:1": 977}
+/// ```
+///
+/// Each offset is the *next* one to read, as in RocketMQ's consumer offsets.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Position(BTreeMap<String, Offset>);
+
+/// One partition's offset: a sequence number, or a transport-specific id such
+/// as a Redis stream entry id.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(untagged)]
+#[non_exhaustive]
+pub enum Offset {
+    /// A numeric offset or sequence (embedded bus, NATS, RocketMQ).
+    Seq(u64),
+    /// An opaque id (a Redis stream entry id).
+    Id(String),
+}
+
+impl Position {
+    /// A position in a transport with a single partition.
+    pub fn single(partition: impl Into<String>, offset: Offset) -> Self {
+        let mut p = Self::default();
+        p.set(partition, offset);
+        p
+    }
+
+    /// Sets one partition's offset.
+    pub fn set(&mut self, partition: impl Into<String>, offset: Offset) {
+        self.0.insert(partition.into(), offset);
+    }
+
+    /// One partition's offset.
+    pub fn get(&self, partition: &str) -> Option<&Offset> {
+        self.0.get(partition)
+    }
+
+    /// Partitions and their offsets, in partition order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Offset)> {
+        self.0.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// Has no partition at all (nothing consumed yet).
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Takes every partition that `later` names from `later`.
+    pub fn advance(&mut self, later: &Position) {
+        for (k, v) in &later.0 {
+            self.0.insert(k.clone(), v.clone());
+        }
+    }
+}
+
+impl fmt::Display for Position {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("{")?;
+        for (i, (k, v)) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            match v {
+                Offset::Seq(n) => write!(f, "{k}: {n}")?,
+                Offset::Id(s) => write!(f, "{k}: {s}")?,
+            }
+        }
+        f.write_str("}")
+    }
+}
+
+/// Where a new subscription begins, like RocketMQ's consume-from-where.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StartFrom {
+    /// Only events published after the subscription is established. The right
+    /// choice for a cache that starts empty.
+    Latest,
+    /// The oldest event the transport still holds.
+    Earliest,
+    /// Right after a stored position. If the transport no longer holds it, the
+    /// subscription first yields [`Delivery::Lost`].
+    Position(Position),
+    /// The first event published at or after this time, where the transport
+    /// keeps timestamps; otherwise [`Error::Unsupported`](crate::Error).
+    Timestamp(SystemTime),
+}
+
+/// What a subscription is asked for.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct SubscribeOptions {
+    /// Where to begin.
+    pub from: StartFrom,
+    /// Only events with one of these tags (cache names). `None` means all.
+    /// A transport may deliver more than asked; the consumer filters again.
+    pub tags: Option<Vec<String>>,
+}
+
+impl SubscribeOptions {
+    /// All tags, from `from`.
+    pub fn new(from: StartFrom) -> Self {
+        Self { from, tags: None }
+    }
+
+    /// Only these tags.
+    pub fn with_tags(mut self, tags: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        self.tags = Some(tags.into_iter().map(Into::into).collect());
+        self
+    }
+}
+
+/// One event as the transport carries it.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Record {
+    /// The position just after this record (only its own partition).
+    pub position: Position,
+    /// The tag it was published with: the cache name.
+    pub tag: Option<String>,
+    /// The encoded event. Untrusted.
+    pub payload: Bytes,
+}
+
+impl Record {
+    /// A record.
+    pub fn new(position: Position, tag: Option<String>, payload: Bytes) -> Self {
+        Self {
+            position,
+            tag,
+            payload,
+        }
+    }
+}
+
+/// What a subscription yields.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Delivery {
+    /// Consecutive records, oldest first.
+    Batch {
+        /// The records, possibly none when everything read was filtered out.
+        records: Vec<Record>,
+        /// The position after the whole batch, filtered records included.
+        position: Position,
+    },
+    /// The transport knows that events may have been lost between the last
+    /// batch and the next one. The consumer invalidates everything.
+    Lost(Loss),
+}
+
+/// What a transport knows about a loss.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Loss {
+    /// Why.
+    pub reason: LossReason,
+    /// How many events were lost, when the transport can tell.
+    pub missed: Option<u64>,
+    /// Where the subscription continues.
+    pub resume_at: Option<Position>,
+}
+
+impl Loss {
+    /// A loss.
+    pub fn new(reason: LossReason, missed: Option<u64>, resume_at: Option<Position>) -> Self {
+        Self {
+            reason,
+            missed,
+            resume_at,
+        }
+    }
+}
+
+/// Why events may have been lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LossReason {
+    /// History was trimmed past the subscriber's position (it fell behind, or
+    /// the stored position is too old).
+    Trimmed,
+    /// A reconnect on a transport that does not replay (Pub/Sub).
+    Reconnected,
+    /// The stored position belongs to a history that no longer exists (the
+    /// stream was deleted or the broker lost its data).
+    HistoryReset,
+    /// The transport saw a gap in its own offsets.
+    Gap,
+    /// The consumer saw a gap in a publisher's sequence numbers.
+    PublisherGap,
+    /// A local buffer between the transport and the consumer overflowed.
+    Overflow,
+}
+
+impl LossReason {
+    /// A short, stable label for logs and status.
+    pub fn label(self) -> &'static str {
+        match self {
+            LossReason::Trimmed => "trimmed",
+            LossReason::Reconnected => "reconnected",
+            LossReason::HistoryReset => "history_reset",
+            LossReason::Gap => "gap",
+            LossReason::PublisherGap => "publisher_gap",
+            LossReason::Overflow => "overflow",
+        }
+    }
+}
+
+impl fmt::Display for LossReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// A transport that carries change events from publishers to every node.
+///
+/// Every subscriber reads the whole topic (broadcast): there are no consumer
+/// groups sharing work.
+///
+/// # Contract
+/// - Within a partition, records arrive in publish order.
+/// - A subscription never skips silently. Whenever it cannot guarantee that
+///   it delivered everything after the previous batch (history trimmed, a
+///   reconnect on a lossy transport, a full local buffer), it yields
+///   [`Delivery::Lost`] before the next batch.
+/// - [`Subscription::next`] is cancel-safe: dropping its future loses nothing.
+/// - An `Err` from `next` means the subscription is broken. The consumer drops
+///   it and subscribes again from the last position it received.
+#[async_trait]
+pub trait ChangeBus: Send + Sync + 'static {
+    /// A short name for status and logs: `"embedded"`, `"redis-streams"`, ….
+    fn kind(&self) -> &'static str;
+
+    /// Whether the transport honours [`SubscribeOptions::tags`]. If it does,
+    /// the consumer re-subscribes when caches are registered later.
+    fn filters_by_tag(&self) -> bool {
+        false
+    }
+
+    /// Publishes one encoded event under a tag (the cache name). Returns the
+    /// position of the record where the transport knows it.
+    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>>;
+
+    /// Starts a subscription. When this returns, every event published
+    /// afterwards will be delivered (or a loss signalled).
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>>;
+}
+
+/// A live subscription to a topic.
+#[async_trait]
+pub trait Subscription: Send + fmt::Debug {
+    /// Waits until at least one record or a loss is available (long poll),
+    /// then returns at most `max` records. Cancel-safe.
+    async fn next(&mut self, max: usize) -> Result<Delivery>;
+
+    /// Where the subscription stands now, if the transport can tell before
+    /// the first batch. Lets the consumer re-subscribe without a gap.
+    fn position(&self) -> Option<Position> {
+        None
+    }
+}
+
+#[async_trait]
+impl<T: ChangeBus + ?Sized> ChangeBus for std::sync::Arc<T> {
+    fn kind(&self) -> &'static str {
+        (**self).kind()
+    }
+
+    fn filters_by_tag(&self) -> bool {
+        (**self).filters_by_tag()
+    }
+
+    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        (**self).publish(topic, tag, payload).await
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        (**self).subscribe(topic, options).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn position_json_is_a_partition_map() {
+        let mut p = Position::single("broker-a:0", Offset::Seq(1042));
+        p.set("stream", Offset::Id("1700-0".into()));
+        let json = serde_json::to_string(&p).unwrap();
+        assert_eq!(json, r#"{"broker-a:0":1042,"stream":"1700-0"}"#);
+        assert_eq!(serde_json::from_str::<Position>(&json).unwrap(), p);
+        assert_eq!(p.to_string(), "{broker-a:0: 1042, stream: 1700-0}");
+    }
+
+    #[test]
+    fn advance_takes_only_named_partitions() {
+        let mut p = Position::single("q0", Offset::Seq(5));
+        p.set("q1", Offset::Seq(9));
+        p.advance(&Position::single("q1", Offset::Seq(10)));
+        assert_eq!(p.get("q0"), Some(&Offset::Seq(5)));
+        assert_eq!(p.get("q1"), Some(&Offset::Seq(10)));
+    }
+}

@@ -1,0 +1,614 @@
+//! The cache: a moka cache that events keep in step.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
+use std::future::{Future, ready};
+use std::hash::Hash;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use moka::ops::compute::Op;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::{RwLock, watch};
+
+use crate::event::{Change, Header, decode_part};
+use crate::status::CacheStatus;
+
+mod versions;
+
+use versions::{RefreshDecision, VersionTable};
+
+/// Default bound on per-key version records; see [`SyncedCacheBuilder::max_tracked_keys`].
+pub const DEFAULT_MAX_TRACKED_KEYS: usize = 100_000;
+
+/// A `moka::future::Cache` kept in step with the rest of the cluster.
+///
+/// Reads work as in moka. Reads never publish anything: to tell other nodes
+/// about a change, use a [`Publisher`](crate::Publisher).
+///
+/// Register it with a [`Node`](crate::Node) so the node's consumer applies
+/// change events to it. Clones share the same cache.
+///
+/// # Loads never resurrect stale data
+/// Every write to a key (an event, a local insert or invalidation) and every
+/// load result goes through moka's per-key `and_compute_with`, so they are
+/// serialised per key. A load takes a token when it starts; if any write to
+/// its key, or any clear, lands before the load's result is installed, the
+/// result is discarded and the load is retried (up to
+/// [`max_load_retries`](SyncedCacheBuilder::max_load_retries) times; after
+/// that the last result is returned to the caller without being cached).
+///
+/// Do not write to the wrapped moka cache directly: such writes bypass the
+/// per-key bookkeeping.
+pub struct SyncedCache<K, V> {
+    inner: Arc<Inner<K, V>>,
+}
+
+impl<K, V> Clone for SyncedCache<K, V> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<K, V> fmt::Debug for SyncedCache<K, V> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SyncedCache")
+            .field("name", &self.inner.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`SyncedCache`] with non-default settings.
+pub struct SyncedCacheBuilder<K, V> {
+    name: String,
+    cache: moka::future::Cache<K, V>,
+    max_tracked_keys: usize,
+    max_load_retries: u32,
+}
+
+impl<K, V> fmt::Debug for SyncedCacheBuilder<K, V> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SyncedCacheBuilder")
+            .field("name", &self.name)
+            .field("max_tracked_keys", &self.max_tracked_keys)
+            .field("max_load_retries", &self.max_load_retries)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K, V> SyncedCacheBuilder<K, V>
+where
+    K: Hash + Eq + Clone + Send + Sync + 'static,
+    V: Clone + Send + Sync + 'static,
+{
+    /// How many per-key version records (tombstones included) are kept.
+    /// Default 100 000. Each costs one key clone and about 40 bytes, plus up
+    /// to two more key clones in the eviction queue. Once full, the least
+    /// recently written record is dropped and its version folded into a floor
+    /// for untracked keys: a refresh at or below the floor becomes an
+    /// invalidation, so eviction never lets an older value in.
+    pub fn max_tracked_keys(mut self, n: usize) -> Self {
+        self.max_tracked_keys = n.max(1);
+        self
+    }
+
+    /// How many times a load whose key was written meanwhile is retried
+    /// before its result is returned uncached. Default 3.
+    pub fn max_load_retries(mut self, n: u32) -> Self {
+        self.max_load_retries = n;
+        self
+    }
+
+    /// The cache.
+    pub fn build(self) -> SyncedCache<K, V> {
+        SyncedCache {
+            inner: Arc::new(Inner {
+                name: self.name,
+                cache: self.cache,
+                table: Mutex::new(VersionTable::new(self.max_tracked_keys)),
+                clear_gate: RwLock::new(()),
+                flights: Mutex::default(),
+                max_load_retries: self.max_load_retries,
+                registered: AtomicBool::new(false),
+                stats: Stats::default(),
+            }),
+        }
+    }
+}
+
+pub(crate) struct Inner<K, V> {
+    name: String,
+    cache: moka::future::Cache<K, V>,
+    table: Mutex<VersionTable<K>>,
+    /// Clears take it exclusively, per-key writes shared. moka's
+    /// `invalidate_all` only drops entries inserted before it runs, so without
+    /// this a load that passed its check just before a clear could insert just
+    /// after it.
+    clear_gate: RwLock<()>,
+    flights: Mutex<HashMap<K, Arc<Flight<V>>>>,
+    max_load_retries: u32,
+    registered: AtomicBool,
+    stats: Stats,
+}
+
+type SharedError = Arc<dyn Any + Send + Sync>;
+type FlightResult<V> = Option<Result<V, SharedError>>;
+
+/// One in-flight load that concurrent callers for the same key wait on.
+struct Flight<V> {
+    result: watch::Sender<FlightResult<V>>,
+}
+
+#[derive(Default)]
+struct Stats {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    loads: AtomicU64,
+    load_failures: AtomicU64,
+    loads_superseded: AtomicU64,
+    invalidations: AtomicU64,
+    refreshes: AtomicU64,
+    stale_ignored: AtomicU64,
+    refresh_fallbacks: AtomicU64,
+    clears: AtomicU64,
+    loss_resyncs: AtomicU64,
+    rejected_events: AtomicU64,
+    events_applied: AtomicU64,
+    /// Highest version applied; 0 while none.
+    version: AtomicU64,
+    last_applied_us: AtomicU64,
+    last_latency_us: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Nothing here can panic mid-update, but if a caller's Hash/Eq did,
+    // serving stale bookkeeping beats taking the node down.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+pub(crate) fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+impl<K, V> SyncedCache<K, V>
+where
+    K: Hash + Eq + Clone + Send + Sync + 'static,
+    V: Clone + Send + Sync + 'static,
+{
+    /// Wraps `cache` under `name`, the name publishers use for it.
+    pub fn new(name: impl Into<String>, cache: moka::future::Cache<K, V>) -> Self {
+        Self::builder(name, cache).build()
+    }
+
+    /// Wraps `cache` with non-default settings.
+    pub fn builder(
+        name: impl Into<String>,
+        cache: moka::future::Cache<K, V>,
+    ) -> SyncedCacheBuilder<K, V> {
+        SyncedCacheBuilder {
+            name: name.into(),
+            cache,
+            max_tracked_keys: DEFAULT_MAX_TRACKED_KEYS,
+            max_load_retries: 3,
+        }
+    }
+
+    /// The name events address it by.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The cached value, if any. Counts a hit or a miss.
+    pub async fn get(&self, key: &K) -> Option<V> {
+        let v = self.inner.cache.get(key).await;
+        let counter = if v.is_some() {
+            &self.inner.stats.hits
+        } else {
+            &self.inner.stats.misses
+        };
+        counter.fetch_add(1, Relaxed);
+        v
+    }
+
+    /// Inserts locally. Not published; other nodes are unaffected.
+    /// A load of `key` already in flight will not overwrite it.
+    pub async fn insert(&self, key: K, value: V) {
+        self.inner
+            .write(key, |table, k| {
+                table.touch(k);
+                Op::Put(value)
+            })
+            .await;
+    }
+
+    /// Removes locally. Not published. A load of `key` already in flight will
+    /// not install its result.
+    pub async fn invalidate(&self, key: &K) {
+        self.inner.invalidate(key.clone(), None).await;
+    }
+
+    /// Removes everything locally. Not published. No load already in flight
+    /// will install its result.
+    pub async fn invalidate_all(&self) {
+        self.inner.clear(None).await;
+    }
+
+    /// Approximate number of entries, as moka reports it.
+    pub fn entry_count(&self) -> u64 {
+        self.inner.cache.entry_count()
+    }
+
+    /// A snapshot of the counters shown by the status endpoint.
+    pub fn status(&self) -> CacheStatus {
+        self.inner.snapshot()
+    }
+
+    /// Returns the cached value, or runs `loader` and caches its result.
+    ///
+    /// Concurrent calls for one key share a single load. If the key is
+    /// written (by an event or locally) or the cache cleared while the load
+    /// runs, its result is not cached and `loader` runs again, so the value
+    /// returned is never older than the last change applied before the call
+    /// returns; see the type-level docs.
+    pub async fn get_with<F, Fut>(&self, key: K, mut loader: F) -> V
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = V>,
+    {
+        match self
+            .try_get_with(key, || {
+                let f = loader();
+                async move { Ok::<V, std::convert::Infallible>(f.await) }
+            })
+            .await
+        {
+            Ok(v) => v,
+            Err(never) => match *never {},
+        }
+    }
+
+    /// Like [`get_with`](Self::get_with) for a fallible loader. An error is
+    /// not cached, and is shared (as in moka) with the callers that waited on
+    /// the same load.
+    pub async fn try_get_with<F, Fut, E>(&self, key: K, mut loader: F) -> Result<V, Arc<E>>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<V, E>>,
+        E: Send + Sync + 'static,
+    {
+        if let Some(v) = self.get(&key).await {
+            return Ok(v);
+        }
+        loop {
+            let flight = {
+                let mut flights = lock(&self.inner.flights);
+                match flights.get(&key) {
+                    Some(f) => Err(f.result.subscribe()),
+                    None => {
+                        let f = Arc::new(Flight {
+                            result: watch::Sender::new(None),
+                        });
+                        flights.insert(key.clone(), f.clone());
+                        Ok(f)
+                    }
+                }
+            };
+            match flight {
+                Ok(flight) => {
+                    let _landing = FlightGuard {
+                        inner: &self.inner,
+                        key: &key,
+                        flight: &flight,
+                    };
+                    let result = self.inner.load(&key, &mut loader).await;
+                    let shared = result.clone().map_err(|e| e as SharedError);
+                    flight.result.send_replace(Some(shared));
+                    return result;
+                }
+                Err(mut rx) => {
+                    // Err: the leader was cancelled before it finished; lead a new load.
+                    let Ok(done) = rx.wait_for(Option::is_some).await else {
+                        continue;
+                    };
+                    match done.clone() {
+                        Some(Ok(v)) => return Ok(v),
+                        Some(Err(e)) => match e.downcast::<E>() {
+                            Ok(e) => return Err(e),
+                            // The leader's loader had another error type; load ourselves.
+                            Err(_) => continue,
+                        },
+                        None => continue,
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Removes a flight from the map when its leader finishes or is cancelled.
+struct FlightGuard<'a, K: Hash + Eq, V> {
+    inner: &'a Inner<K, V>,
+    key: &'a K,
+    flight: &'a Arc<Flight<V>>,
+}
+
+impl<K: Hash + Eq, V> Drop for FlightGuard<'_, K, V> {
+    fn drop(&mut self) {
+        let mut flights = lock(&self.inner.flights);
+        if flights
+            .get(self.key)
+            .is_some_and(|f| Arc::ptr_eq(f, self.flight))
+        {
+            flights.remove(self.key);
+        }
+    }
+}
+
+impl<K, V> Inner<K, V>
+where
+    K: Hash + Eq + Clone + Send + Sync + 'static,
+    V: Clone + Send + Sync + 'static,
+{
+    /// Applies one decision to one key, atomically with respect to every
+    /// other write to that key. Returns whether the decision changed anything.
+    async fn write<F>(&self, key: K, decide: F) -> bool
+    where
+        F: FnOnce(&mut VersionTable<K>, &K) -> Op<V>,
+    {
+        let _gate = self.clear_gate.read().await;
+        let mut changed = false;
+        let k = key.clone();
+        self.cache
+            .entry(key)
+            .and_compute_with(|_| {
+                let op = decide(&mut lock(&self.table), &k);
+                changed = !matches!(op, Op::Nop);
+                ready(op)
+            })
+            .await;
+        changed
+    }
+
+    async fn invalidate(&self, key: K, version: Option<u64>) {
+        self.write(key, |table, k| {
+            table.invalidate(k, version);
+            Op::Remove
+        })
+        .await;
+    }
+
+    async fn refresh(&self, key: K, value: V, version: Option<u64>) -> RefreshDecision {
+        let mut decision = RefreshDecision::Stale;
+        self.write(key, |table, k| {
+            decision = table.refresh(k, version);
+            match decision {
+                RefreshDecision::Apply => Op::Put(value),
+                RefreshDecision::Invalidate => Op::Remove,
+                RefreshDecision::Stale => Op::Nop,
+            }
+        })
+        .await;
+        decision
+    }
+
+    async fn clear(&self, version: Option<u64>) {
+        let _gate = self.clear_gate.write().await;
+        lock(&self.table).clear(version);
+        self.cache.invalidate_all();
+    }
+
+    /// Runs the loader until its result can be installed without having
+    /// crossed a write to the key.
+    async fn load<F, Fut, E>(&self, key: &K, loader: &mut F) -> Result<V, Arc<E>>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<V, E>>,
+    {
+        let mut attempt = 0;
+        loop {
+            let token = lock(&self.table).load_token();
+            self.stats.loads.fetch_add(1, Relaxed);
+            let value = match loader().await {
+                Ok(v) => v,
+                Err(e) => {
+                    self.stats.load_failures.fetch_add(1, Relaxed);
+                    return Err(Arc::new(e));
+                }
+            };
+            let installed = self
+                .write(key.clone(), |table, k| {
+                    if table.superseded(k, token) {
+                        Op::Nop
+                    } else {
+                        Op::Put(value.clone())
+                    }
+                })
+                .await;
+            if installed {
+                return Ok(value);
+            }
+            self.stats.loads_superseded.fetch_add(1, Relaxed);
+            // A refresh that superseded us may have installed a newer value.
+            if let Some(v) = self.cache.get(key).await {
+                return Ok(v);
+            }
+            attempt += 1;
+            if attempt > self.max_load_retries {
+                tracing::debug!(cache = %self.name, "key kept changing during loads; returning the last load uncached");
+                return Ok(value);
+            }
+        }
+    }
+
+    fn snapshot(&self) -> CacheStatus {
+        let s = &self.stats;
+        let version = s.version.load(Relaxed);
+        let last = s.last_applied_us.load(Relaxed);
+        CacheStatus {
+            name: self.name.clone(),
+            version: (version > 0).then_some(version),
+            entries: self.cache.entry_count(),
+            tracked_keys: lock(&self.table).len() as u64,
+            hits: s.hits.load(Relaxed),
+            misses: s.misses.load(Relaxed),
+            loads: s.loads.load(Relaxed),
+            load_failures: s.load_failures.load(Relaxed),
+            loads_superseded: s.loads_superseded.load(Relaxed),
+            events_applied: s.events_applied.load(Relaxed),
+            invalidations: s.invalidations.load(Relaxed),
+            refreshes: s.refreshes.load(Relaxed),
+            stale_ignored: s.stale_ignored.load(Relaxed),
+            refresh_fallbacks: s.refresh_fallbacks.load(Relaxed),
+            clears: s.clears.load(Relaxed),
+            loss_resyncs: s.loss_resyncs.load(Relaxed),
+            rejected_events: s.rejected_events.load(Relaxed),
+            last_applied_at_us: (last > 0).then_some(last),
+            last_latency_us: (last > 0).then(|| s.last_latency_us.load(Relaxed)),
+        }
+    }
+}
+
+/// What the consumer needs from a registered cache, without its types.
+#[async_trait]
+pub(crate) trait CacheHandle: Send + Sync {
+    fn name(&self) -> &str;
+    /// Claims the cache for one node. False if it is already registered.
+    fn claim(&self) -> bool;
+    /// Applies one decoded event. Undecodable keys or values are answered
+    /// here (invalidation or a resync), counted, and logged.
+    async fn apply(&self, header: &Header, change: Change);
+    /// Drops everything, because events may have been lost.
+    async fn resync(&self);
+    /// Drops everything, on registration (not counted as a loss).
+    async fn reset(&self);
+    /// An event for this cache could not be read at all.
+    async fn reject(&self, reason: &str);
+    fn status(&self) -> CacheStatus;
+}
+
+impl<K: 'static, V: 'static> SyncedCache<K, V> {
+    pub(crate) fn handle(&self) -> Arc<dyn CacheHandle>
+    where
+        Inner<K, V>: CacheHandle,
+    {
+        self.inner.clone()
+    }
+}
+
+#[async_trait]
+impl<K, V> CacheHandle for Inner<K, V>
+where
+    K: Hash + Eq + Clone + Send + Sync + Serialize + DeserializeOwned + 'static,
+    V: Clone + Send + Sync + DeserializeOwned + 'static,
+{
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn claim(&self) -> bool {
+        !self.registered.swap(true, Relaxed)
+    }
+
+    async fn apply(&self, header: &Header, change: Change) {
+        let s = &self.stats;
+        if let Some(v) = change.max_version() {
+            s.version.fetch_max(v, Relaxed);
+        }
+        match change {
+            Change::Clear { version } => {
+                self.clear(version).await;
+                s.clears.fetch_add(1, Relaxed);
+            }
+            Change::Invalidate { keys } => {
+                let mut decoded = Vec::with_capacity(keys.len());
+                for kv in keys {
+                    match decode_part::<K>(&kv.key, "key") {
+                        Ok(k) => decoded.push((k, kv.version)),
+                        Err(e) => return self.reject_and_resync(header, &e.to_string()).await,
+                    }
+                }
+                for (k, version) in decoded {
+                    self.invalidate(k, version).await;
+                    s.invalidations.fetch_add(1, Relaxed);
+                }
+            }
+            Change::Refresh { entries } => {
+                let mut decoded = Vec::with_capacity(entries.len());
+                for e in &entries {
+                    match decode_part::<K>(&e.key, "key") {
+                        Ok(k) => decoded.push(k),
+                        Err(err) => return self.reject_and_resync(header, &err.to_string()).await,
+                    }
+                }
+                for (k, e) in decoded.into_iter().zip(entries) {
+                    match decode_part::<V>(&e.value, "value") {
+                        Ok(v) => match self.refresh(k, v, e.version).await {
+                            RefreshDecision::Apply => s.refreshes.fetch_add(1, Relaxed),
+                            RefreshDecision::Stale => s.stale_ignored.fetch_add(1, Relaxed),
+                            RefreshDecision::Invalidate => s.invalidations.fetch_add(1, Relaxed),
+                        },
+                        Err(err) => {
+                            // Never drop a failed refresh: the old value would stay.
+                            tracing::warn!(
+                                cache = %self.name, origin = %header.origin, seq = header.seq,
+                                reason = %err, "refresh value did not decode; invalidating the key instead"
+                            );
+                            s.rejected_events.fetch_add(1, Relaxed);
+                            s.refresh_fallbacks.fetch_add(1, Relaxed);
+                            self.invalidate(k, e.version).await;
+                            s.invalidations.fetch_add(1, Relaxed)
+                        }
+                    };
+                }
+            }
+        }
+        s.events_applied.fetch_add(1, Relaxed);
+        let now = now_us();
+        s.last_applied_us.store(now, Relaxed);
+        s.last_latency_us
+            .store(now.saturating_sub(header.published_at_us), Relaxed);
+    }
+
+    async fn resync(&self) {
+        self.clear(None).await;
+        self.stats.loss_resyncs.fetch_add(1, Relaxed);
+    }
+
+    async fn reset(&self) {
+        self.clear(None).await;
+    }
+
+    async fn reject(&self, reason: &str) {
+        self.stats.rejected_events.fetch_add(1, Relaxed);
+        tracing::warn!(cache = %self.name, %reason, "unreadable event for this cache; invalidating it all, since it may have carried a change");
+        self.resync().await;
+    }
+
+    fn status(&self) -> CacheStatus {
+        self.snapshot()
+    }
+}
+
+impl<K, V> Inner<K, V>
+where
+    K: Hash + Eq + Clone + Send + Sync + Serialize + DeserializeOwned + 'static,
+    V: Clone + Send + Sync + DeserializeOwned + 'static,
+{
+    async fn reject_and_resync(&self, header: &Header, reason: &str) {
+        tracing::warn!(cache = %self.name, origin = %header.origin, seq = header.seq, %reason,
+            "event key did not decode; cannot tell which entries it meant");
+        self.stats.rejected_events.fetch_add(1, Relaxed);
+        self.resync().await;
+    }
+}
+
+#[cfg(test)]
+mod tests;

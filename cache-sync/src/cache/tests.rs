@@ -1,0 +1,342 @@
+use std::sync::atomic::AtomicUsize;
+use std::time::Duration;
+
+use tokio::sync::{Barrier, oneshot};
+
+use super::*;
+use crate::event::{EntryVersion, KeyVersion, encode_part};
+
+type Cache = SyncedCache<String, String>;
+
+fn cache() -> Cache {
+    SyncedCache::new("t", moka::future::Cache::new(1000))
+}
+
+fn header() -> Header {
+    Header {
+        cache: "t".into(),
+        origin: "test".into(),
+        publisher: 1,
+        seq: 1,
+        published_at_us: now_us(),
+    }
+}
+
+fn b<T: Serialize + ?Sized>(v: &T) -> bytes::Bytes {
+    encode_part(v, "test").unwrap()
+}
+
+async fn refresh(c: &Cache, k: &str, v: &str, version: Option<u64>) {
+    let change = Change::Refresh {
+        entries: vec![EntryVersion {
+            key: b(k),
+            value: b(v),
+            version,
+        }],
+    };
+    c.inner.apply(&header(), change).await;
+}
+
+async fn invalidate(c: &Cache, k: &str, version: Option<u64>) {
+    let change = Change::Invalidate {
+        keys: vec![KeyVersion { key: b(k), version }],
+    };
+    c.inner.apply(&header(), change).await;
+}
+
+async fn clear(c: &Cache) {
+    c.inner
+        .apply(&header(), Change::Clear { version: None })
+        .await;
+}
+
+/// A "database" with one row, whose loader reads the row and then parks on a
+/// barrier, so the test can apply a change between the read and the install.
+struct SlowDb {
+    row: Mutex<String>,
+    reads: AtomicUsize,
+    /// The first load waits here twice: after reading, and before returning.
+    gate: Barrier,
+}
+
+impl SlowDb {
+    fn new(v: &str) -> Arc<Self> {
+        Arc::new(Self {
+            row: Mutex::new(v.into()),
+            reads: AtomicUsize::new(0),
+            gate: Barrier::new(2),
+        })
+    }
+
+    async fn load(&self) -> String {
+        let v = lock(&self.row).clone();
+        if self.reads.fetch_add(1, Relaxed) == 0 {
+            self.gate.wait().await; // read done
+            self.gate.wait().await; // change applied
+        }
+        v
+    }
+
+    fn set(&self, v: &str) {
+        *lock(&self.row) = v.into();
+    }
+}
+
+/// Regression for the bug every peer had: a load starts, an invalidation
+/// lands, then the load installs the value it read before the invalidation.
+async fn load_racing_with(change: impl AsyncFnOnce(&Cache)) -> (Cache, String) {
+    let c = cache();
+    let db = SlowDb::new("old");
+    let load = {
+        let (c, db) = (c.clone(), db.clone());
+        tokio::spawn(async move { c.get_with("k".into(), || db.load()).await })
+    };
+    db.gate.wait().await; // the loader has read "old"
+    db.set("new");
+    change(&c).await;
+    db.gate.wait().await; // let the loader return "old"
+    let got = load.await.unwrap();
+    (c, got)
+}
+
+#[tokio::test]
+async fn an_invalidation_during_a_load_wins() {
+    let (c, got) = load_racing_with(async |c| invalidate(c, "k", None).await).await;
+    assert_eq!(
+        got, "new",
+        "the load must be retried, not return what it read before"
+    );
+    assert_eq!(c.get(&"k".into()).await.as_deref(), Some("new"));
+    assert_eq!(c.status().loads_superseded, 1);
+}
+
+#[tokio::test]
+async fn a_refresh_during_a_load_wins() {
+    let (c, got) = load_racing_with(async |c| refresh(c, "k", "new", Some(2)).await).await;
+    assert_eq!(got, "new");
+    assert_eq!(c.get(&"k".into()).await.as_deref(), Some("new"));
+    assert_eq!(c.status().loads_superseded, 1);
+}
+
+#[tokio::test]
+async fn a_clear_during_a_load_wins() {
+    let (c, got) = load_racing_with(async |c| clear(c).await).await;
+    assert_eq!(got, "new");
+    assert_eq!(c.get(&"k".into()).await.as_deref(), Some("new"));
+}
+
+#[tokio::test]
+async fn a_loss_resync_during_a_load_wins() {
+    let (c, got) = load_racing_with(async |c| c.inner.resync().await).await;
+    assert_eq!(got, "new");
+    assert_eq!(c.get(&"k".into()).await.as_deref(), Some("new"));
+}
+
+#[tokio::test]
+async fn a_local_insert_during_a_load_wins() {
+    let (c, got) = load_racing_with(async |c| c.insert("k".into(), "mine".into()).await).await;
+    assert_eq!(got, "mine");
+    assert_eq!(c.get(&"k".into()).await.as_deref(), Some("mine"));
+}
+
+#[tokio::test]
+async fn a_change_to_another_key_does_not_disturb_a_load() {
+    let (c, got) = load_racing_with(async |c| invalidate(c, "other", None).await).await;
+    assert_eq!(got, "old");
+    assert_eq!(c.status().loads_superseded, 0);
+}
+
+#[tokio::test]
+async fn a_key_that_keeps_changing_is_returned_uncached_after_the_retries() {
+    let c = SyncedCache::builder("t", moka::future::Cache::new(10))
+        .max_load_retries(2)
+        .build();
+    let loads = AtomicUsize::new(0);
+    let got = c
+        .get_with("k".to_string(), || async {
+            loads.fetch_add(1, Relaxed);
+            c.invalidate(&"k".into()).await; // a write lands during every load
+            "v".to_string()
+        })
+        .await;
+    assert_eq!(got, "v");
+    assert_eq!(loads.load(Relaxed), 3);
+    assert_eq!(
+        c.get(&"k".into()).await,
+        None,
+        "a superseded result is never cached"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_loads_of_one_key_are_coalesced() {
+    let c = cache();
+    let loads = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (c, loads) = (c.clone(), loads.clone());
+        tasks.push(tokio::spawn(async move {
+            c.get_with("k".into(), || async {
+                loads.fetch_add(1, Relaxed);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                "v".to_string()
+            })
+            .await
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), "v");
+    }
+    assert_eq!(loads.load(Relaxed), 1);
+}
+
+#[tokio::test]
+async fn an_error_is_shared_with_waiters_and_not_cached() {
+    let c = cache();
+    let (release, released) = oneshot::channel::<()>();
+    let leader = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            let mut released = Some(released);
+            c.try_get_with("k".into(), || {
+                let r = released.take();
+                async move {
+                    if let Some(r) = r {
+                        let _ = r.await;
+                    }
+                    Err::<String, _>("db down")
+                }
+            })
+            .await
+        })
+    };
+    tokio::task::yield_now().await;
+    let follower = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            c.try_get_with("k".into(), || async { Ok::<_, &str>("unused".to_string()) })
+                .await
+        })
+    };
+    tokio::task::yield_now().await;
+    release.send(()).unwrap();
+    assert_eq!(*leader.await.unwrap().unwrap_err(), "db down");
+    assert_eq!(*follower.await.unwrap().unwrap_err(), "db down");
+    assert_eq!(c.get(&"k".into()).await, None);
+    assert_eq!(c.status().load_failures, 1);
+}
+
+#[tokio::test]
+async fn a_cancelled_leader_does_not_strand_its_waiters() {
+    let c = cache();
+    let leader = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            c.get_with("k".into(), || std::future::pending::<String>())
+                .await
+        })
+    };
+    tokio::task::yield_now().await;
+    let follower = {
+        let c = c.clone();
+        tokio::spawn(async move { c.get_with("k".into(), || async { "v".to_string() }).await })
+    };
+    tokio::task::yield_now().await;
+    leader.abort();
+    let got = tokio::time::timeout(Duration::from_secs(5), follower)
+        .await
+        .expect("follower hung");
+    assert_eq!(got.unwrap(), "v");
+}
+
+#[tokio::test]
+async fn older_refreshes_never_overwrite_newer_ones() {
+    let c = cache();
+    c.insert("k".into(), "loaded".into()).await;
+    refresh(&c, "k", "v2", Some(2)).await;
+    refresh(&c, "k", "v1", Some(1)).await;
+    assert_eq!(c.get(&"k".into()).await.as_deref(), Some("v2"));
+    invalidate(&c, "k", Some(5)).await;
+    refresh(&c, "k", "v4", Some(4)).await;
+    assert_eq!(c.get(&"k".into()).await, None, "the tombstone keeps v4 out");
+    refresh(&c, "k", "v6", Some(6)).await;
+    assert_eq!(c.get(&"k".into()).await.as_deref(), Some("v6"));
+    let s = c.status();
+    assert_eq!(
+        (s.refreshes, s.stale_ignored, s.invalidations, s.version),
+        (2, 2, 1, Some(6))
+    );
+}
+
+#[tokio::test]
+async fn a_refresh_that_does_not_decode_becomes_an_invalidation() {
+    let c = cache();
+    c.insert("k".into(), "old".into()).await;
+    let bad_value = bytes::Bytes::from_static(&[0xFF, 0xFF, 0xFF]);
+    let change = Change::Refresh {
+        entries: vec![
+            EntryVersion {
+                key: b("k"),
+                value: bad_value,
+                version: Some(3),
+            },
+            EntryVersion {
+                key: b("j"),
+                value: b("fine"),
+                version: Some(3),
+            },
+        ],
+    };
+    c.inner.apply(&header(), change).await;
+    assert_eq!(
+        c.get(&"k".into()).await,
+        None,
+        "the old value must not survive"
+    );
+    assert_eq!(
+        c.get(&"j".into()).await.as_deref(),
+        Some("fine"),
+        "the rest of the batch applies"
+    );
+    let s = c.status();
+    assert_eq!((s.refresh_fallbacks, s.rejected_events), (1, 1));
+}
+
+#[tokio::test]
+async fn a_key_that_does_not_decode_invalidates_the_whole_cache() {
+    let c = cache();
+    c.insert("a".into(), "1".into()).await;
+    let change = Change::Invalidate {
+        keys: vec![KeyVersion {
+            key: b(&42u64),
+            version: None,
+        }],
+    };
+    c.inner.apply(&header(), change).await;
+    assert_eq!(c.get(&"a".into()).await, None);
+    assert_eq!(c.status().rejected_events, 1);
+}
+
+#[tokio::test]
+async fn a_versioned_clear_keeps_older_refreshes_out() {
+    let c = cache();
+    c.insert("a".into(), "1".into()).await;
+    c.inner
+        .apply(&header(), Change::Clear { version: Some(10) })
+        .await;
+    refresh(&c, "b", "old", Some(9)).await;
+    refresh(&c, "c", "same", Some(10)).await;
+    assert_eq!(c.get(&"a".into()).await, None);
+    assert_eq!(c.get(&"b".into()).await, None);
+    assert_eq!(c.get(&"c".into()).await.as_deref(), Some("same"));
+}
+
+#[tokio::test]
+async fn reads_count_hits_and_misses() {
+    let c = cache();
+    assert_eq!(c.get(&"k".into()).await, None);
+    c.get_with("k".into(), || async { "v".to_string() }).await;
+    c.get(&"k".into()).await;
+    let s = c.status();
+    assert_eq!((s.hits, s.misses, s.loads), (1, 2, 1));
+}

@@ -1,0 +1,691 @@
+//! The broadcasting consumer: one per node, applying every event on its topic
+//! to the caches the node registered.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::hash::Hash;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+use crate::bus::{
+    ChangeBus, Delivery, Loss, LossReason, Position, Record, StartFrom, SubscribeOptions,
+    Subscription,
+};
+use crate::cache::{CacheHandle, SyncedCache, now_us};
+use crate::error::{Error, Result};
+use crate::event::{
+    DEFAULT_MAX_EVENT_BYTES, MAX_EVENT_BYTES_CEILING, decode_change, decode_header,
+};
+use crate::publish::Publisher;
+use crate::status::{NodeStatus, StatusServer};
+
+mod offsets;
+
+pub use offsets::{FileOffsetStore, MemoryOffsetStore, OffsetStore};
+
+/// The topic used when none is set.
+pub const DEFAULT_TOPIC: &str = "cache-sync";
+
+/// One application node: a broadcasting consumer plus the caches it keeps in
+/// step, and the source of its status.
+///
+/// Cheap to clone; clones share the consumer. The consumer stops when
+/// [`shutdown`](Self::shutdown) is called, or when the last clone is dropped
+/// (without persisting its position).
+#[derive(Clone)]
+pub struct Node {
+    handle: Arc<Handle>,
+}
+
+impl fmt::Debug for Node {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Node")
+            .field("id", &self.handle.shared.id)
+            .field("topic", &self.handle.shared.topic)
+            .field("transport", &self.handle.shared.bus.kind())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Owned by the `Node` clones only; the tasks hold `Shared`, so dropping the
+/// last `Node` can stop them.
+struct Handle {
+    shared: Arc<Shared>,
+    stop: watch::Sender<bool>,
+    tasks: tokio::sync::Mutex<Option<(JoinHandle<()>, JoinHandle<()>)>>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.stop.send_replace(true);
+    }
+}
+
+struct Shared {
+    id: String,
+    topic: String,
+    bus: Arc<dyn ChangeBus>,
+    offsets: Arc<dyn OffsetStore>,
+    config: Config,
+    caches: RwLock<HashMap<String, Arc<dyn CacheHandle>>>,
+    /// Bumped on every registration, so the fetcher can re-subscribe with
+    /// the new tag set.
+    registrations: watch::Sender<u64>,
+    position: Mutex<Position>,
+    consuming: AtomicBool,
+    stats: NodeStats,
+}
+
+#[derive(Debug, Clone)]
+struct Config {
+    start_from: StartFrom,
+    max_batch: usize,
+    max_inflight_batches: usize,
+    max_event_bytes: usize,
+    persist_interval: Duration,
+    min_backoff: Duration,
+    max_backoff: Duration,
+}
+
+#[derive(Default)]
+struct NodeStats {
+    received: AtomicU64,
+    skipped: AtomicU64,
+    rejected: AtomicU64,
+    losses: AtomicU64,
+    publisher_gaps: AtomicU64,
+    transport_errors: AtomicU64,
+    last_loss: Mutex<Option<(String, u64)>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Configures and starts a [`Node`].
+pub struct NodeBuilder {
+    id: String,
+    topic: String,
+    bus: Arc<dyn ChangeBus>,
+    offsets: Arc<dyn OffsetStore>,
+    config: Config,
+    caches: Vec<Arc<dyn CacheHandle>>,
+}
+
+impl fmt::Debug for NodeBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NodeBuilder")
+            .field("id", &self.id)
+            .field("topic", &self.topic)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NodeBuilder {
+    /// The topic to consume (and, for [`Node::publisher`], to publish to).
+    /// Use one topic per application or domain, not one for the whole company:
+    /// every node reads every event on its topic. Default `"cache-sync"`.
+    pub fn topic(mut self, topic: impl Into<String>) -> Self {
+        self.topic = topic.into();
+        self
+    }
+
+    /// Where to start when the offset store holds no position. Default
+    /// [`StartFrom::Latest`], right for caches that start empty.
+    pub fn start_from(mut self, from: StartFrom) -> Self {
+        self.config.start_from = from;
+        self
+    }
+
+    /// Where the position is kept. Default: a [`MemoryOffsetStore`].
+    pub fn offset_store(mut self, store: impl OffsetStore) -> Self {
+        self.offsets = Arc::new(store);
+        self
+    }
+
+    /// Most records fetched and applied as one batch. Default 256.
+    pub fn max_batch(mut self, n: usize) -> Self {
+        self.config.max_batch = n;
+        self
+    }
+
+    /// Batches fetched but not yet applied. When the caches are slow, the
+    /// fetcher waits: memory stays bounded by
+    /// `max_inflight_batches × max_batch × max_event_bytes`. Default 4.
+    pub fn max_inflight_batches(mut self, n: usize) -> Self {
+        self.config.max_inflight_batches = n;
+        self
+    }
+
+    /// Events larger than this are rejected unread. Default 1 MiB; at most
+    /// [`MAX_EVENT_BYTES_CEILING`](crate::MAX_EVENT_BYTES_CEILING).
+    pub fn max_event_bytes(mut self, n: usize) -> Self {
+        self.config.max_event_bytes = n;
+        self
+    }
+
+    /// How often the position is saved. Default 5 s (RocketMQ's default).
+    pub fn persist_interval(mut self, every: Duration) -> Self {
+        self.config.persist_interval = every;
+        self
+    }
+
+    /// Wait between re-subscription attempts after a transport error:
+    /// starts at `min`, doubles up to `max`. Default 100 ms to 5 s.
+    pub fn reconnect_backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.config.min_backoff = min;
+        self.config.max_backoff = max;
+        self
+    }
+
+    /// Registers a cache before the consumer starts. See [`Node::register`].
+    pub fn register<K, V>(mut self, cache: &SyncedCache<K, V>) -> Self
+    where
+        K: Hash + Eq + Clone + Send + Sync + Serialize + DeserializeOwned + 'static,
+        V: Clone + Send + Sync + DeserializeOwned + 'static,
+    {
+        self.caches.push(cache.handle());
+        self
+    }
+
+    /// Validates the configuration, subscribes, and starts consuming. When it
+    /// returns, every event published afterwards reaches this node.
+    pub async fn start(self) -> Result<Node> {
+        let c = &self.config;
+        if self.id.is_empty() || self.topic.is_empty() {
+            return Err(Error::Config("node id and topic must not be empty".into()));
+        }
+        if c.max_batch == 0 || c.max_inflight_batches == 0 {
+            return Err(Error::Config(
+                "max_batch and max_inflight_batches must be at least 1".into(),
+            ));
+        }
+        if c.max_event_bytes == 0 || c.max_event_bytes > MAX_EVENT_BYTES_CEILING {
+            return Err(Error::Config(format!(
+                "max_event_bytes must be between 1 and {MAX_EVENT_BYTES_CEILING}"
+            )));
+        }
+        if c.persist_interval.is_zero() || c.min_backoff > c.max_backoff {
+            return Err(Error::Config(
+                "persist_interval must be non-zero and min_backoff <= max_backoff".into(),
+            ));
+        }
+        let shared = Arc::new(Shared {
+            id: self.id,
+            topic: self.topic,
+            bus: self.bus,
+            offsets: self.offsets,
+            config: self.config,
+            caches: RwLock::default(),
+            registrations: watch::Sender::new(0),
+            position: Mutex::default(),
+            consuming: AtomicBool::new(false),
+            stats: NodeStats::default(),
+        });
+        for cache in self.caches {
+            shared.register(cache).await?;
+        }
+
+        let stored = shared.offsets.load(&shared.topic).await?;
+        let from = match stored {
+            Some(p) => StartFrom::Position(p),
+            None => shared.config.start_from.clone(),
+        };
+        let subscription = shared.subscribe(from).await?;
+        if let Some(p) = subscription.position() {
+            *lock(&shared.position) = p;
+        }
+        shared.consuming.store(true, Relaxed);
+        tracing::info!(node = %shared.id, topic = %shared.topic, transport = shared.bus.kind(), "consumer started");
+
+        let (stop, stop_rx) = watch::channel(false);
+        let (tx, rx) = mpsc::channel(shared.config.max_inflight_batches);
+        let fetcher = tokio::spawn(fetch_loop(shared.clone(), subscription, tx, stop_rx));
+        let applier = tokio::spawn(apply_loop(shared.clone(), rx));
+        Ok(Node {
+            handle: Arc::new(Handle {
+                shared,
+                stop,
+                tasks: tokio::sync::Mutex::new(Some((fetcher, applier))),
+            }),
+        })
+    }
+}
+
+impl Node {
+    /// Configures a node with this id on this transport.
+    pub fn builder(id: impl Into<String>, bus: impl ChangeBus) -> NodeBuilder {
+        NodeBuilder {
+            id: id.into(),
+            topic: DEFAULT_TOPIC.into(),
+            bus: Arc::new(bus),
+            offsets: Arc::new(MemoryOffsetStore::new()),
+            config: Config {
+                start_from: StartFrom::Latest,
+                max_batch: 256,
+                max_inflight_batches: 4,
+                max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
+                persist_interval: Duration::from_secs(5),
+                min_backoff: Duration::from_millis(100),
+                max_backoff: Duration::from_secs(5),
+            },
+            caches: Vec::new(),
+        }
+    }
+
+    /// Starts a node with default settings.
+    pub async fn start(id: impl Into<String>, bus: impl ChangeBus) -> Result<Node> {
+        Self::builder(id, bus).start().await
+    }
+
+    /// The node's id.
+    pub fn id(&self) -> &str {
+        &self.handle.shared.id
+    }
+
+    /// The topic it consumes.
+    pub fn topic(&self) -> &str {
+        &self.handle.shared.topic
+    }
+
+    /// Registers a cache, so events naming it are applied to it.
+    ///
+    /// The cache is emptied first: nothing it held was kept in step before
+    /// now, so register caches before warming them. Fails if the name is
+    /// taken on this node or the cache is registered on another node.
+    pub async fn register<K, V>(&self, cache: &SyncedCache<K, V>) -> Result<()>
+    where
+        K: Hash + Eq + Clone + Send + Sync + Serialize + DeserializeOwned + 'static,
+        V: Clone + Send + Sync + DeserializeOwned + 'static,
+    {
+        self.handle.shared.register(cache.handle()).await
+    }
+
+    /// A publisher on this node's transport and topic, with the node id as
+    /// its origin.
+    pub fn publisher(&self) -> Publisher {
+        let s = &self.handle.shared;
+        Publisher::builder(s.bus.clone())
+            .topic(s.topic.clone())
+            .origin(s.id.clone())
+            .max_event_bytes(s.config.max_event_bytes)
+            .build()
+    }
+
+    /// Whether the consumer is running and its transport healthy.
+    pub fn is_consuming(&self) -> bool {
+        self.handle.shared.consuming.load(Relaxed) && !*self.handle.stop.borrow()
+    }
+
+    /// What the status endpoint reports.
+    pub fn status(&self) -> NodeStatus {
+        let s = &self.handle.shared;
+        let mut caches: Vec<_> = s.caches().values().map(|c| c.status()).collect();
+        caches.sort_by(|a, b| a.name.cmp(&b.name));
+        let last_loss = lock(&s.stats.last_loss).clone();
+        NodeStatus {
+            node_id: s.id.clone(),
+            transport: s.bus.kind().to_owned(),
+            topic: s.topic.clone(),
+            consuming: self.is_consuming(),
+            position: lock(&s.position).clone(),
+            events_received: s.stats.received.load(Relaxed),
+            events_skipped: s.stats.skipped.load(Relaxed),
+            events_rejected: s.stats.rejected.load(Relaxed),
+            losses: s.stats.losses.load(Relaxed),
+            publisher_gaps: s.stats.publisher_gaps.load(Relaxed),
+            transport_errors: s.stats.transport_errors.load(Relaxed),
+            last_loss_reason: last_loss.as_ref().map(|(r, _)| r.clone()),
+            last_loss_at_us: last_loss.map(|(_, at)| at),
+            caches,
+        }
+    }
+
+    /// An axum router serving `GET /cache-sync/status`,
+    /// `GET /cache-sync/caches/{name}` and `GET /healthz`, to mount in the
+    /// application's own server. No keys or values are shown.
+    pub fn status_router(&self) -> axum::Router {
+        crate::status::router(self.clone())
+    }
+
+    /// Serves [`status_router`](Self::status_router) on its own listener.
+    /// Pass a loopback address (see
+    /// [`DEFAULT_STATUS_ADDR`](crate::DEFAULT_STATUS_ADDR)) unless the
+    /// endpoint is meant to be reachable from other hosts.
+    pub async fn serve_status(&self, addr: impl tokio::net::ToSocketAddrs) -> Result<StatusServer> {
+        StatusServer::bind(self.clone(), addr).await
+    }
+
+    /// Stops fetching, applies what was already fetched, saves the position,
+    /// and waits for the consumer to finish.
+    pub async fn shutdown(&self) -> Result<()> {
+        self.handle.stop.send_replace(true);
+        let tasks = self.handle.tasks.lock().await.take();
+        if let Some((fetcher, applier)) = tasks {
+            let _ = fetcher.await;
+            let _ = applier.await;
+        }
+        self.handle.shared.consuming.store(false, Relaxed);
+        self.handle.shared.persist().await
+    }
+}
+
+/// What the fetcher hands the applier, in order.
+enum Fetched {
+    Delivery(Delivery),
+    /// These caches were registered after the last subscription and may have
+    /// had events filtered out by the transport: empty them.
+    Reset(Vec<String>),
+}
+
+impl Shared {
+    fn caches(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Arc<dyn CacheHandle>>> {
+        self.caches.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn cache(&self, name: &str) -> Option<Arc<dyn CacheHandle>> {
+        self.caches().get(name).cloned()
+    }
+
+    async fn register(&self, cache: Arc<dyn CacheHandle>) -> Result<()> {
+        let name = cache.name().to_owned();
+        if name.is_empty() || name.len() > 255 {
+            return Err(Error::Config(format!(
+                "cache name {name:?} must be 1 to 255 bytes"
+            )));
+        }
+        {
+            let mut caches = self.caches.write().unwrap_or_else(|p| p.into_inner());
+            if caches.contains_key(&name) {
+                return Err(Error::DuplicateCache(name));
+            }
+            if !cache.claim() {
+                return Err(Error::Config(format!(
+                    "cache {name:?} is already registered on a node"
+                )));
+            }
+            caches.insert(name.clone(), cache.clone());
+        }
+        // After the insert: events applied meanwhile are wiped too, which is
+        // safe; the other order could drop one that arrived in between.
+        cache.reset().await;
+        self.registrations.send_modify(|n| *n += 1);
+        tracing::debug!(node = %self.id, cache = %name, "cache registered");
+        Ok(())
+    }
+
+    async fn subscribe(&self, from: StartFrom) -> Result<Box<dyn Subscription>> {
+        let mut options = SubscribeOptions::new(from);
+        if self.bus.filters_by_tag() {
+            options = options.with_tags(self.caches().keys().cloned());
+        }
+        self.bus.subscribe(&self.topic, options).await
+    }
+
+    async fn persist(&self) -> Result<()> {
+        let position = lock(&self.position).clone();
+        if position.is_empty() {
+            return Ok(());
+        }
+        self.offsets.save(&self.topic, &position).await
+    }
+
+    async fn resync_all(&self, reason: LossReason, missed: Option<u64>) {
+        self.stats.losses.fetch_add(1, Relaxed);
+        *lock(&self.stats.last_loss) = Some((reason.label().to_owned(), now_us()));
+        let caches: Vec<_> = self.caches().values().cloned().collect();
+        tracing::warn!(
+            node = %self.id, topic = %self.topic, reason = reason.label(), ?missed, caches = caches.len(),
+            "events may have been lost; invalidating every cache on the topic"
+        );
+        for cache in caches {
+            cache.resync().await;
+        }
+    }
+}
+
+/// Reads from the transport into a bounded channel. Owns the subscription
+/// and re-subscribes after errors, from the last position it fetched.
+async fn fetch_loop(
+    shared: Arc<Shared>,
+    subscription: Box<dyn Subscription>,
+    tx: mpsc::Sender<Fetched>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let cfg = &shared.config;
+    let mut fetched = subscription.position();
+    let mut sub = Some(subscription);
+    let mut registrations = shared.registrations.subscribe();
+    let mut subscribed_names: HashSet<String> = shared.caches().keys().cloned().collect();
+    let mut backoff = Duration::ZERO;
+
+    loop {
+        let Some(s) = sub.as_mut() else {
+            if !backoff.is_zero() {
+                tokio::select! {
+                    _ = stop.wait_for(|s| *s) => break,
+                    () = tokio::time::sleep(backoff) => {}
+                }
+            }
+            let from = match &fetched {
+                Some(p) => StartFrom::Position(p.clone()),
+                None => {
+                    // Nowhere to resume from: whatever came between is lost.
+                    let loss = Loss::new(LossReason::Reconnected, None, None);
+                    if tx
+                        .send(Fetched::Delivery(Delivery::Lost(loss)))
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                    shared.config.start_from.clone()
+                }
+            };
+            let names: HashSet<String> = shared.caches().keys().cloned().collect();
+            match shared.subscribe(from).await {
+                Ok(new) => {
+                    fetched = new.position().or(fetched);
+                    sub = Some(new);
+                    backoff = Duration::ZERO;
+                    shared.consuming.store(true, Relaxed);
+                    let added: Vec<String> = names.difference(&subscribed_names).cloned().collect();
+                    subscribed_names = names;
+                    if !added.is_empty() && tx.send(Fetched::Reset(added)).await.is_err() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    shared.stats.transport_errors.fetch_add(1, Relaxed);
+                    backoff = (backoff * 2).clamp(cfg.min_backoff, cfg.max_backoff);
+                    tracing::warn!(node = %shared.id, error = %e, retry_in = ?backoff, "re-subscribe failed");
+                }
+            }
+            continue;
+        };
+
+        let next = tokio::select! {
+            biased;
+            _ = stop.wait_for(|s| *s) => break,
+            Ok(()) = registrations.changed(), if shared.bus.filters_by_tag() => {
+                // New tags: re-subscribe where we are, at once.
+                fetched = s.position().or(fetched);
+                sub = None;
+                continue;
+            }
+            next = s.next(cfg.max_batch) => next,
+        };
+        match next {
+            Ok(delivery) => {
+                match &delivery {
+                    Delivery::Batch { position, .. } => {
+                        fetched
+                            .get_or_insert_with(Position::default)
+                            .advance(position);
+                    }
+                    Delivery::Lost(loss) => {
+                        if let Some(p) = &loss.resume_at {
+                            fetched.get_or_insert_with(Position::default).advance(p);
+                        }
+                    }
+                }
+                tokio::select! {
+                    biased;
+                    _ = stop.wait_for(|s| *s) => break,
+                    sent = tx.send(Fetched::Delivery(delivery)) => if sent.is_err() { break },
+                }
+            }
+            Err(e) => {
+                shared.stats.transport_errors.fetch_add(1, Relaxed);
+                shared.consuming.store(false, Relaxed);
+                backoff = (backoff * 2).clamp(cfg.min_backoff, cfg.max_backoff);
+                tracing::warn!(node = %shared.id, error = %e, retry_in = ?backoff, "subscription failed; re-subscribing");
+                sub = None;
+            }
+        }
+    }
+}
+
+/// Applies fetched batches in order and saves the position periodically.
+async fn apply_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<Fetched>) {
+    let mut seqs = PublisherSeqs::default();
+    let mut persist = tokio::time::interval(shared.config.persist_interval);
+    persist.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    persist.tick().await;
+    let mut dirty = false;
+    loop {
+        tokio::select! {
+            next = rx.recv() => match next {
+                None => break,
+                Some(Fetched::Delivery(Delivery::Batch { records, position })) => {
+                    apply_records(&shared, &mut seqs, records).await;
+                    lock(&shared.position).advance(&position);
+                    dirty = true;
+                }
+                Some(Fetched::Delivery(Delivery::Lost(loss))) => {
+                    // Every publisher may have lost events; their next sequence
+                    // numbers will jump, and that is already answered here.
+                    seqs.clear();
+                    shared.resync_all(loss.reason, loss.missed).await;
+                    if let Some(p) = loss.resume_at {
+                        lock(&shared.position).advance(&p);
+                    }
+                    dirty = true;
+                }
+                Some(Fetched::Reset(names)) => {
+                    for name in names {
+                        if let Some(cache) = shared.cache(&name) {
+                            cache.reset().await;
+                        }
+                    }
+                }
+            },
+            _ = persist.tick(), if dirty => {
+                dirty = false;
+                if let Err(e) = shared.persist().await {
+                    tracing::warn!(node = %shared.id, error = %e, "could not save position");
+                }
+            }
+        }
+    }
+}
+
+/// Last sequence number seen per (publisher, cache), to detect gaps.
+#[derive(Default)]
+struct PublisherSeqs {
+    last: HashMap<(u64, String), u64>,
+}
+
+/// Bounds memory when publishers come and go: forgetting baselines only
+/// delays gap detection for the next event of each, it never raises a false one.
+const MAX_TRACKED_PUBLISHERS: usize = 100_000;
+
+impl PublisherSeqs {
+    fn clear(&mut self) {
+        self.last.clear();
+    }
+
+    /// Records `seq` and returns how many events were skipped before it.
+    fn observe(&mut self, publisher: u64, cache: &str, seq: u64) -> u64 {
+        if self.last.len() >= MAX_TRACKED_PUBLISHERS {
+            self.last.clear();
+        }
+        match self.last.get_mut(&(publisher, cache.to_owned())) {
+            Some(last) => {
+                let missed = seq.saturating_sub(*last + 1);
+                // A redelivery (seq <= last) is applied again but does not move back.
+                *last = (*last).max(seq);
+                missed
+            }
+            None => {
+                self.last.insert((publisher, cache.to_owned()), seq);
+                0
+            }
+        }
+    }
+}
+
+async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, records: Vec<Record>) {
+    let limit = shared.config.max_event_bytes;
+    for record in records {
+        shared.stats.received.fetch_add(1, Relaxed);
+        // Tag filter: skip other caches' events without decoding them.
+        let tagged = match record.tag.as_deref() {
+            Some(tag) => match shared.cache(tag) {
+                Some(c) => Some(c),
+                None => {
+                    shared.stats.skipped.fetch_add(1, Relaxed);
+                    continue;
+                }
+            },
+            None => None,
+        };
+        let (header, offset) = match decode_header(&record.payload, limit) {
+            Ok(h) => h,
+            Err(e) => {
+                reject(shared, &record, &e.to_string(), e.kind().label());
+                // It may have been a real change for this cache that we cannot read.
+                if let Some(cache) = tagged {
+                    cache.reject(&e.to_string()).await;
+                }
+                continue;
+            }
+        };
+        let Some(cache) = shared.cache(&header.cache) else {
+            shared.stats.skipped.fetch_add(1, Relaxed);
+            continue;
+        };
+        let missed = seqs.observe(header.publisher, &header.cache, header.seq);
+        if missed > 0 {
+            shared.stats.publisher_gaps.fetch_add(1, Relaxed);
+            tracing::warn!(node = %shared.id, cache = %header.cache, origin = %header.origin,
+                publisher = header.publisher, seq = header.seq, missed, "gap in a publisher's sequence");
+            shared
+                .resync_all(LossReason::PublisherGap, Some(missed))
+                .await;
+        }
+        match decode_change(&record.payload, offset) {
+            Ok(change) => cache.apply(&header, change).await,
+            Err(e) => {
+                reject(shared, &record, &e.to_string(), e.kind().label());
+                cache.reject(&e.to_string()).await;
+            }
+        }
+    }
+}
+
+fn reject(shared: &Shared, record: &Record, reason: &str, label: &str) {
+    shared.stats.rejected.fetch_add(1, Relaxed);
+    tracing::warn!(node = %shared.id, tag = ?record.tag, position = %record.position, bytes = record.payload.len(),
+        kind = label, %reason, "rejected an unreadable event");
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,225 @@
+use std::fmt;
+
+/// A `Result` whose error is [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Everything that can go wrong in cache-sync.
+///
+/// Branch on the predicates ([`is_disconnected`](Error::is_disconnected),
+/// [`is_decode`](Error::is_decode), …) rather than on variants: new variants
+/// may be added in minor releases.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The transport could not reach its broker, or the connection dropped.
+    #[error("{transport} transport disconnected: {source}")]
+    Disconnected {
+        /// Which transport (`"embedded"`, `"redis-streams"`, …).
+        transport: &'static str,
+        /// What the client library reported.
+        #[source]
+        source: BoxError,
+    },
+
+    /// The broker answered, but with an error.
+    #[error("{transport} transport error: {source}")]
+    Transport {
+        /// Which transport.
+        transport: &'static str,
+        /// What the client library reported.
+        #[source]
+        source: BoxError,
+    },
+
+    /// Bytes from the outside could not be decoded into an event, key or value.
+    #[error("cannot decode event: {0}")]
+    Decode(#[from] DecodeError),
+
+    /// A key or value could not be encoded.
+    #[error("cannot encode {what}: {message}")]
+    Encode {
+        /// `"key"`, `"value"` or `"event"`.
+        what: &'static str,
+        /// The encoder's message.
+        message: String,
+    },
+
+    /// One key or value alone encodes to more than the event size limit, so no
+    /// batch split can make it fit.
+    #[error("encoded {what} is {size} bytes, over the {limit}-byte event limit")]
+    TooLarge {
+        /// `"key"`, `"value"` or `"event"`.
+        what: &'static str,
+        /// Its encoded size.
+        size: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+
+    /// Two caches were registered under one name on one node.
+    #[error("a cache named {0:?} is already registered on this node")]
+    DuplicateCache(String),
+
+    /// The transport cannot do what was asked (say, start from a timestamp).
+    #[error("{transport} transport does not support {what}")]
+    Unsupported {
+        /// Which transport.
+        transport: &'static str,
+        /// What it cannot do.
+        what: &'static str,
+    },
+
+    /// A setting is out of range or inconsistent. Raised at start-up, never later.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+
+    /// Reading or writing local state (the offset file) failed.
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        /// The file involved.
+        path: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The node has shut down.
+    #[error("the node has shut down")]
+    Shutdown,
+}
+
+impl Error {
+    /// The broker is unreachable or the connection dropped. Usually worth a retry.
+    pub fn is_disconnected(&self) -> bool {
+        matches!(self, Error::Disconnected { .. })
+    }
+
+    /// Input from the outside (an event, a key, a value) did not decode.
+    pub fn is_decode(&self) -> bool {
+        matches!(self, Error::Decode(_))
+    }
+
+    /// An event, key or value is over the size limit.
+    pub fn is_too_large(&self) -> bool {
+        matches!(self, Error::TooLarge { .. })
+            || matches!(self, Error::Decode(d) if matches!(d.kind, DecodeErrorKind::TooLarge { .. }))
+    }
+
+    /// The transport does not support the requested operation.
+    pub fn is_unsupported(&self) -> bool {
+        matches!(self, Error::Unsupported { .. })
+    }
+
+    pub(crate) fn disconnected(transport: &'static str, source: impl Into<BoxError>) -> Self {
+        Error::Disconnected {
+            transport,
+            source: source.into(),
+        }
+    }
+
+    pub(crate) fn io(path: impl fmt::Display, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.to_string(),
+            source,
+        }
+    }
+}
+
+/// Why a payload was rejected. Every rejection is counted and logged with this
+/// reason; none of them panics or stops the consumer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kind}")]
+pub struct DecodeError {
+    pub(crate) kind: DecodeErrorKind,
+}
+
+impl DecodeError {
+    pub(crate) fn new(kind: DecodeErrorKind) -> Self {
+        Self { kind }
+    }
+
+    /// The reason, as a machine-readable kind.
+    pub fn kind(&self) -> &DecodeErrorKind {
+        &self.kind
+    }
+}
+
+/// The reason a payload was rejected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DecodeErrorKind {
+    /// Zero bytes.
+    Empty,
+    /// The first byte names a format this build does not know.
+    UnknownFormat(u8),
+    /// More bytes than the configured limit.
+    TooLarge {
+        /// Bytes received.
+        size: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// The bytes are not a valid encoding (garbage, truncated, or a length
+    /// prefix that claims more than the limit).
+    Malformed(String),
+    /// The value decoded but bytes were left over.
+    TrailingBytes(usize),
+    /// A key or value did not decode into the cache's types.
+    TypeMismatch {
+        /// `"key"` or `"value"`.
+        what: &'static str,
+        /// The decoder's message.
+        message: String,
+    },
+}
+
+impl DecodeErrorKind {
+    /// A short, stable label, used as the `reason` field in logs.
+    pub fn label(&self) -> &'static str {
+        match self {
+            DecodeErrorKind::Empty => "empty",
+            DecodeErrorKind::UnknownFormat(_) => "unknown_format",
+            DecodeErrorKind::TooLarge { .. } => "too_large",
+            DecodeErrorKind::Malformed(_) => "malformed",
+            DecodeErrorKind::TrailingBytes(_) => "trailing_bytes",
+            DecodeErrorKind::TypeMismatch { .. } => "type_mismatch",
+        }
+    }
+}
+
+impl fmt::Display for DecodeErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DecodeErrorKind::Empty => f.write_str("empty payload"),
+            DecodeErrorKind::UnknownFormat(v) => write!(f, "unknown format version {v}"),
+            DecodeErrorKind::TooLarge { size, limit } => {
+                write!(f, "payload is {size} bytes, over the {limit}-byte limit")
+            }
+            DecodeErrorKind::Malformed(m) => write!(f, "malformed payload: {m}"),
+            DecodeErrorKind::TrailingBytes(n) => write!(f, "{n} trailing bytes after the event"),
+            DecodeErrorKind::TypeMismatch { what, message } => {
+                write!(f, "{what} does not decode into the cache's type: {message}")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn predicates_tell_broker_trouble_from_bad_input() {
+        let e = Error::disconnected("embedded", "gone");
+        assert!(e.is_disconnected() && !e.is_decode());
+        let e = Error::from(DecodeError::new(DecodeErrorKind::Empty));
+        assert!(e.is_decode() && !e.is_disconnected());
+        let e = Error::from(DecodeError::new(DecodeErrorKind::TooLarge {
+            size: 2,
+            limit: 1,
+        }));
+        assert!(e.is_decode() && e.is_too_large());
+    }
+}

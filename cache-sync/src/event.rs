@@ -1,0 +1,314 @@
+//! The change event and its wire format.
+//!
+//! A payload is one format byte followed by two bincode-2 values: the
+//! [`Header`] and the [`Change`]. Keys and values inside a change are
+//! themselves bincode-encoded byte strings, so a node can read the envelope
+//! without knowing any cache's types, skip events for caches it does not hold
+//! after reading only the header, and reject one bad value without losing the
+//! rest of the batch.
+
+use bincode::config::{self, Configuration, LittleEndian, Varint};
+use bytes::Bytes;
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+
+use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
+
+/// The only wire format this build reads and writes.
+pub(crate) const FORMAT_V1: u8 = 1;
+
+/// The default limit on one encoded event: 1 MiB.
+pub const DEFAULT_MAX_EVENT_BYTES: usize = 1 << 20;
+
+/// The highest limit that can be configured.
+///
+/// bincode's own limit is a compile-time constant. It bounds how much a length
+/// prefix may claim, so a forged prefix in a small payload cannot make the
+/// decoder reserve gigabytes. The configured (runtime) limit is then enforced
+/// on the payload length before decoding starts.
+pub const MAX_EVENT_BYTES_CEILING: usize = 64 << 20;
+
+type WireConfig = Configuration<LittleEndian, Varint, config::Limit<MAX_EVENT_BYTES_CEILING>>;
+
+const fn wire_config() -> WireConfig {
+    config::standard().with_limit::<MAX_EVENT_BYTES_CEILING>()
+}
+
+/// Who sent an event and when. Decoded first and on its own, so that skipping
+/// an event for another cache costs only this.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Header {
+    pub(crate) cache: String,
+    /// Node id (or admin service name) of the publisher, for logs and status.
+    pub(crate) origin: String,
+    /// Random per publisher instance; a restarted publisher gets a new one.
+    pub(crate) publisher: u64,
+    /// Per (publisher, cache), starting at 1 and increasing by exactly 1.
+    pub(crate) seq: u64,
+    /// Microseconds since the Unix epoch, publisher's clock. Used for latency only.
+    pub(crate) published_at_us: u64,
+}
+
+/// What changed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum Change {
+    Invalidate { keys: Vec<KeyVersion> },
+    Refresh { entries: Vec<EntryVersion> },
+    Clear { version: Option<u64> },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct KeyVersion {
+    pub(crate) key: Bytes,
+    pub(crate) version: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct EntryVersion {
+    pub(crate) key: Bytes,
+    pub(crate) value: Bytes,
+    pub(crate) version: Option<u64>,
+}
+
+impl Change {
+    /// How many keys the change names; `Clear` counts as one.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Change::Invalidate { keys } => keys.len(),
+            Change::Refresh { entries } => entries.len(),
+            Change::Clear { .. } => 1,
+        }
+    }
+
+    pub(crate) fn max_version(&self) -> Option<u64> {
+        match self {
+            Change::Invalidate { keys } => keys.iter().filter_map(|k| k.version).max(),
+            Change::Refresh { entries } => entries.iter().filter_map(|e| e.version).max(),
+            Change::Clear { version } => *version,
+        }
+    }
+}
+
+pub(crate) fn encode(header: &Header, change: &Change) -> Result<Vec<u8>> {
+    let mut out = vec![FORMAT_V1];
+    let encode_err = |e: bincode::error::EncodeError| Error::Encode {
+        what: "event",
+        message: e.to_string(),
+    };
+    out.extend(bincode::serde::encode_to_vec(header, wire_config()).map_err(encode_err)?);
+    out.extend(bincode::serde::encode_to_vec(change, wire_config()).map_err(encode_err)?);
+    Ok(out)
+}
+
+/// Checks the format byte and size, and reads the header only.
+/// Returns the header and the offset where the change begins.
+pub(crate) fn decode_header(bytes: &[u8], limit: usize) -> Result<(Header, usize), DecodeError> {
+    let Some((&format, rest)) = bytes.split_first() else {
+        return Err(DecodeError::new(DecodeErrorKind::Empty));
+    };
+    if bytes.len() > limit {
+        return Err(DecodeError::new(DecodeErrorKind::TooLarge {
+            size: bytes.len(),
+            limit,
+        }));
+    }
+    if format != FORMAT_V1 {
+        return Err(DecodeError::new(DecodeErrorKind::UnknownFormat(format)));
+    }
+    let (header, used) =
+        bincode::serde::decode_from_slice::<Header, _>(rest, wire_config()).map_err(malformed)?;
+    Ok((header, 1 + used))
+}
+
+/// Reads the change that follows the header, rejecting trailing bytes.
+pub(crate) fn decode_change(bytes: &[u8], offset: usize) -> Result<Change, DecodeError> {
+    let rest = bytes.get(offset..).unwrap_or_default();
+    let (change, used) =
+        bincode::serde::decode_from_slice::<Change, _>(rest, wire_config()).map_err(malformed)?;
+    if used != rest.len() {
+        return Err(DecodeError::new(DecodeErrorKind::TrailingBytes(
+            rest.len() - used,
+        )));
+    }
+    Ok(change)
+}
+
+/// Decodes a whole event.
+#[cfg(test)]
+pub(crate) fn decode(bytes: &[u8], limit: usize) -> Result<(Header, Change), DecodeError> {
+    let (header, offset) = decode_header(bytes, limit)?;
+    Ok((header, decode_change(bytes, offset)?))
+}
+
+fn malformed(e: bincode::error::DecodeError) -> DecodeError {
+    DecodeError::new(DecodeErrorKind::Malformed(e.to_string()))
+}
+
+/// Encodes one key or value.
+pub(crate) fn encode_part<T: Serialize + ?Sized>(value: &T, what: &'static str) -> Result<Bytes> {
+    bincode::serde::encode_to_vec(value, wire_config())
+        .map(Bytes::from)
+        .map_err(|e| Error::Encode {
+            what,
+            message: e.to_string(),
+        })
+}
+
+/// Decodes one key or value into the cache's type, rejecting trailing bytes.
+pub(crate) fn decode_part<T: DeserializeOwned>(
+    bytes: &[u8],
+    what: &'static str,
+) -> Result<T, DecodeError> {
+    let mismatch =
+        |message: String| DecodeError::new(DecodeErrorKind::TypeMismatch { what, message });
+    let (value, used) = bincode::serde::decode_from_slice::<T, _>(bytes, wire_config())
+        .map_err(|e| mismatch(e.to_string()))?;
+    if used != bytes.len() {
+        return Err(mismatch(format!("{} trailing bytes", bytes.len() - used)));
+    }
+    Ok(value)
+}
+
+/// Encoded size of a key or entry inside a change, used to split batches
+/// before they exceed the event limit. Over-estimates the varint prefixes.
+pub(crate) fn framed_len(parts: &[&Bytes]) -> usize {
+    parts.iter().map(|p| p.len() + 9).sum::<usize>() + 10
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn header() -> Header {
+        Header {
+            cache: "countries".into(),
+            origin: "node-1".into(),
+            publisher: 42,
+            seq: 7,
+            published_at_us: 1_700_000_000_000_000,
+        }
+    }
+
+    fn refresh() -> Change {
+        Change::Refresh {
+            entries: vec![EntryVersion {
+                key: encode_part("de", "key").unwrap(),
+                value: encode_part("Germany", "value").unwrap(),
+                version: Some(3),
+            }],
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        for change in [
+            refresh(),
+            Change::Invalidate {
+                keys: vec![KeyVersion {
+                    key: encode_part(&1u32, "key").unwrap(),
+                    version: None,
+                }],
+            },
+            Change::Clear { version: Some(9) },
+        ] {
+            let bytes = encode(&header(), &change).unwrap();
+            assert_eq!(
+                decode(&bytes, DEFAULT_MAX_EVENT_BYTES).unwrap(),
+                (header(), change)
+            );
+        }
+    }
+
+    fn kind(bytes: &[u8], limit: usize) -> DecodeErrorKind {
+        decode(bytes, limit).unwrap_err().kind
+    }
+
+    #[test]
+    fn rejects_unknown_format_empty_oversized_and_trailing() {
+        let mut bytes = encode(&header(), &refresh()).unwrap();
+        assert_eq!(kind(&[], 1024), DecodeErrorKind::Empty);
+        assert!(matches!(
+            kind(&bytes, 10),
+            DecodeErrorKind::TooLarge { limit: 10, .. }
+        ));
+        bytes.push(0);
+        assert_eq!(kind(&bytes, 1024), DecodeErrorKind::TrailingBytes(1));
+        bytes[0] = 2;
+        assert_eq!(kind(&bytes, 1024), DecodeErrorKind::UnknownFormat(2));
+    }
+
+    #[test]
+    fn rejects_every_truncation() {
+        let bytes = encode(&header(), &refresh()).unwrap();
+        for cut in 1..bytes.len() {
+            let k = kind(&bytes[..cut], 1024);
+            assert!(
+                matches!(k, DecodeErrorKind::Malformed(_)),
+                "cut at {cut}: {k:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn forged_length_prefix_is_rejected_without_allocating_it() {
+        // A 20-byte payload whose cache-name length claims 2^62 bytes.
+        let mut bytes = vec![FORMAT_V1];
+        bytes.push(253); // bincode varint marker: a u64 follows
+        bytes.extend((1u64 << 62).to_le_bytes());
+        bytes.extend([0u8; 11]);
+        assert!(matches!(kind(&bytes, 1024), DecodeErrorKind::Malformed(_)));
+    }
+
+    #[test]
+    fn parts_reject_wrong_types() {
+        let b = encode_part("not a number", "value").unwrap();
+        let err = decode_part::<u64>(&b, "value").unwrap_err();
+        assert!(matches!(
+            err.kind,
+            DecodeErrorKind::TypeMismatch { what: "value", .. }
+        ));
+        let b = encode_part(&(1u8, 2u8), "key").unwrap();
+        assert!(
+            decode_part::<u8>(&b, "key").is_err(),
+            "trailing bytes must not be ignored"
+        );
+    }
+
+    #[test]
+    fn framed_len_bounds_the_real_size() {
+        let e = match refresh() {
+            Change::Refresh { entries } => entries,
+            _ => unreachable!(),
+        };
+        let real = encode(&header(), &Change::Refresh { entries: e.clone() })
+            .unwrap()
+            .len()
+            - encode(&header(), &Change::Refresh { entries: vec![] })
+                .unwrap()
+                .len();
+        assert!(framed_len(&[&e[0].key, &e[0].value]) >= real);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode(&bytes, 4096);
+            let _ = decode_part::<(String, Vec<u64>)>(&bytes, "value");
+        }
+
+        #[test]
+        fn mutated_events_never_panic(flip in 0usize..200, byte in any::<u8>()) {
+            let mut bytes = encode(&header(), &refresh()).unwrap();
+            let i = flip % bytes.len();
+            bytes[i] = byte;
+            if let Ok((_, Change::Refresh { entries })) = decode(&bytes, 4096) {
+                for e in entries {
+                    let _ = decode_part::<String>(&e.key, "key");
+                    let _ = decode_part::<String>(&e.value, "value");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! Keep in-process [`moka`] caches on many application nodes in step.
+//!
+//! An admin service publishes a change event to a topic; every node runs a
+//! broadcasting consumer (every node gets every event) that invalidates or
+//! refreshes its own caches; every node reports over HTTP what its caches
+//! hold and which version they are at.
+//!
+//! The path of an event, module by module: [`Publisher`] (and
+//! [`DictionaryPublisher`]) encode it → a [`ChangeBus`] carries it
+//! ([`EmbeddedBus`] in-process by default) → the [`Node`]'s consumer decodes
+//! and applies it → [`SyncedCache`] → [`Node::status_router`].
+//!
+//! ```no_run
+//! use cache_sync::{EmbeddedBus, Node, Publisher, SyncedCache};
+//!
+//! # async fn run() -> cache_sync::Result<()> {
+//! let bus = EmbeddedBus::new();
+//!
+//! // On every application node:
+//! let countries = SyncedCache::new("countries", moka::future::Cache::<String, String>::new(10_000));
+//! let node = Node::builder("node-1", bus.clone()).register(&countries).start().await?;
+//! let name = countries.get_with("de".to_string(), || async { "Germany".to_string() }).await;
+//! let status = node.serve_status("127.0.0.1:9464").await?; // GET /cache-sync/status
+//!
+//! // In the admin service:
+//! let table = Publisher::new(bus).dictionary::<String, String>("countries");
+//! table.upsert(&"de".to_string(), &"Deutschland".to_string()).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Guarantees
+//!
+//! ## What a version is
+//! A version is a `u64` attached to one entry of an event: the version of
+//! that row. Larger means newer. [`DictionaryPublisher`] assigns
+//! microsecond timestamps made strictly increasing, or takes the caller's
+//! own (a database row version). Versions of different keys are never
+//! compared with each other, except against the floor a versioned clear sets.
+//!
+//! - A refresh at version *v* is installed only if *v* is greater than every
+//!   version the node has seen for that key; otherwise it is ignored and
+//!   counted as `stale_ignored`.
+//! - An invalidation always removes the entry (removal is never stale) and
+//!   leaves a tombstone at its version, so a late, older refresh cannot bring
+//!   the key back.
+//! - A versioned clear removes everything and ignores later refreshes older
+//!   than its version. [`DictionaryPublisher::replace_all`] sends one, then
+//!   the new rows at the same version.
+//! - Unversioned events are applied in delivery order.
+//!
+//! Per-key versions live in a bounded table ([`SyncedCacheBuilder::max_tracked_keys`],
+//! default 100 000 keys per cache). When a record is evicted, its version is
+//! folded into a floor for every untracked key: a refresh at or below that
+//! floor is applied as an invalidation, which is always safe, so eviction
+//! only costs an extra load, never correctness.
+//!
+//! A cache's reported `version` is the highest entry version it has applied.
+//! The node's `position` means every event before it has been applied.
+//!
+//! ## Ordering
+//! Events from one publisher to one cache carry consecutive sequence numbers
+//! and are applied in transport order (the embedded bus and a single stream
+//! are totally ordered). Events from different publishers are ordered by
+//! their versions alone; give concurrent writers of one table the
+//! database's versions.
+//!
+//! ## Loads
+//! A read-through load ([`SyncedCache::get_with`]) never installs a value
+//! read before a change that was applied while it ran: each load holds a
+//! token, every write to its key (or a clear) invalidates the token, and the
+//! install is atomic with the check (moka's per-key `and_compute_with`).
+//! A superseded load is retried; concurrent loads of one key are coalesced.
+//!
+//! ## What happens on loss
+//! Zero tolerance: one possibly missed event is enough to act.
+//! - The transport signals a loss ([`Delivery::Lost`]): history trimmed past
+//!   the node, a stored position from a history that no longer exists, a
+//!   reconnect on a lossy transport, a full local buffer.
+//! - The consumer sees a gap in a publisher's sequence numbers.
+//! - The consumer cannot re-subscribe from a known position.
+//!
+//! Each of these invalidates every cache on the topic, and is counted
+//! (`losses`, `publisher_gaps`, each cache's `loss_resyncs`) and logged.
+//!
+//! ## Bad input
+//! Garbage, truncated, oversized (over 1 MiB by default) or unknown-format
+//! payloads, and keys or values that do not decode into the cache's types,
+//! are counted, logged with a reason, and skipped; the consumer never panics.
+//! Where such an event was meant for a cache the node holds (its transport
+//! tag or header names it), the cache is invalidated, since the event may
+//! have carried a change. A refresh whose value does not decode becomes an
+//! invalidation of its key: a failure is never silently dropped.
+//!
+//! ## Redelivery
+//! Positions are saved periodically and on shutdown through an
+//! [`OffsetStore`]; after a crash some events are applied again. Applying an
+//! event twice has the same effect as once.
+//!
+//! # Features
+//! The embedded bus needs no feature and no server. Broker transports come
+//! behind cargo features.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![warn(missing_docs)]
+
+mod bus;
+mod cache;
+mod consumer;
+mod error;
+mod event;
+mod publish;
+mod status;
+
+#[doc(inline)]
+pub use bus::embedded::{EmbeddedBus, EmbeddedBusBuilder};
+#[doc(inline)]
+pub use bus::{
+    ChangeBus, Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
+    Subscription,
+};
+#[doc(inline)]
+pub use cache::{DEFAULT_MAX_TRACKED_KEYS, SyncedCache, SyncedCacheBuilder};
+#[doc(inline)]
+pub use consumer::{
+    DEFAULT_TOPIC, FileOffsetStore, MemoryOffsetStore, Node, NodeBuilder, OffsetStore,
+};
+#[doc(inline)]
+pub use error::{DecodeError, DecodeErrorKind, Error, Result};
+#[doc(inline)]
+pub use event::{DEFAULT_MAX_EVENT_BYTES, MAX_EVENT_BYTES_CEILING};
+#[doc(inline)]
+pub use publish::{DictionaryPublisher, Published, Publisher, PublisherBuilder};
+#[doc(inline)]
+pub use status::{CacheStatus, DEFAULT_STATUS_ADDR, NodeStatus, StatusServer};
+
+/// The README's examples are compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;

@@ -1,0 +1,556 @@
+//! The publisher: how admin services tell every node what changed.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::{BuildHasher, RandomState};
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use serde::Serialize;
+
+use crate::bus::{ChangeBus, Position};
+use crate::cache::now_us;
+use crate::consumer::DEFAULT_TOPIC;
+use crate::error::{Error, Result};
+use crate::event::{
+    Change, DEFAULT_MAX_EVENT_BYTES, EntryVersion, Header, KeyVersion, MAX_EVENT_BYTES_CEILING,
+    encode, encode_part, framed_len,
+};
+
+/// Publishes change events for named caches.
+///
+/// Each call is one batch; a batch larger than the event size limit is split
+/// into several events, in order. Events to one cache from one publisher are
+/// numbered 1, 2, 3, … so nodes can detect a missing one. Publishing to one
+/// cache is serialised, so the numbers reach the transport in order.
+///
+/// A failed publish returns an error and still uses up its sequence number:
+/// if the event did reach some nodes, the next one must not reuse the number,
+/// and if it did not, nodes see a gap and invalidate, which is safe.
+///
+/// Cheap to clone; clones share the sequence numbers.
+#[derive(Clone)]
+pub struct Publisher {
+    inner: Arc<PublisherInner>,
+}
+
+struct PublisherInner {
+    bus: Arc<dyn ChangeBus>,
+    topic: String,
+    origin: String,
+    id: u64,
+    max_event_bytes: usize,
+    seqs: Mutex<HashMap<String, Arc<tokio::sync::Mutex<u64>>>>,
+}
+
+impl fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Publisher")
+            .field("topic", &self.inner.topic)
+            .field("origin", &self.inner.origin)
+            .field("id", &format_args!("{:016x}", self.inner.id))
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`Publisher`].
+pub struct PublisherBuilder {
+    bus: Arc<dyn ChangeBus>,
+    topic: String,
+    origin: String,
+    max_event_bytes: usize,
+}
+
+impl fmt::Debug for PublisherBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PublisherBuilder")
+            .field("topic", &self.topic)
+            .field("origin", &self.origin)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PublisherBuilder {
+    /// The topic to publish to. Default `"cache-sync"`.
+    pub fn topic(mut self, topic: impl Into<String>) -> Self {
+        self.topic = topic.into();
+        self
+    }
+
+    /// A name for this publisher in nodes' logs (a service or node name).
+    pub fn origin(mut self, origin: impl Into<String>) -> Self {
+        self.origin = origin.into();
+        self
+    }
+
+    /// Largest event sent; larger batches are split. Keep it at or below the
+    /// nodes' limit. Default 1 MiB, clamped to
+    /// [`MAX_EVENT_BYTES_CEILING`](crate::MAX_EVENT_BYTES_CEILING).
+    pub fn max_event_bytes(mut self, n: usize) -> Self {
+        self.max_event_bytes = n.clamp(256, MAX_EVENT_BYTES_CEILING);
+        self
+    }
+
+    /// The publisher.
+    pub fn build(self) -> Publisher {
+        Publisher {
+            inner: Arc::new(PublisherInner {
+                bus: self.bus,
+                topic: self.topic,
+                origin: self.origin,
+                // Random: a restarted publisher must not continue an old numbering.
+                id: RandomState::new().hash_one((std::process::id(), now_us())),
+                max_event_bytes: self.max_event_bytes,
+                seqs: Mutex::default(),
+            }),
+        }
+    }
+}
+
+/// What a publish call sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Published {
+    /// Events sent (0 for an empty batch; more than 1 when it was split).
+    pub events: usize,
+    /// The transport position of the last one, where the transport reports it.
+    pub position: Option<Position>,
+}
+
+impl Publisher {
+    /// A publisher on `bus` with the default topic.
+    pub fn new(bus: impl ChangeBus) -> Self {
+        Self::builder(bus).build()
+    }
+
+    /// Configures a publisher on `bus`.
+    pub fn builder(bus: impl ChangeBus) -> PublisherBuilder {
+        PublisherBuilder {
+            bus: Arc::new(bus),
+            topic: DEFAULT_TOPIC.into(),
+            origin: "publisher".into(),
+            max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
+        }
+    }
+
+    /// Tells every node to drop `keys` from `cache`. Unversioned: applied in
+    /// delivery order.
+    pub async fn invalidate<K: Serialize>(
+        &self,
+        cache: &str,
+        keys: impl IntoIterator<Item = K>,
+    ) -> Result<Published> {
+        self.invalidate_versioned(cache, keys.into_iter().map(|k| (k, None)))
+            .await
+    }
+
+    /// Tells every node to drop `keys`, each leaving a tombstone at its version
+    /// so an older refresh arriving later is ignored.
+    pub async fn invalidate_versioned<K: Serialize>(
+        &self,
+        cache: &str,
+        keys: impl IntoIterator<Item = (K, Option<u64>)>,
+    ) -> Result<Published> {
+        let mut items = Vec::new();
+        for (k, version) in keys {
+            items.push(KeyVersion {
+                key: encode_part(&k, "key")?,
+                version,
+            });
+        }
+        let changes = self.split(
+            items,
+            |k| framed_len(&[&k.key]),
+            |keys| Change::Invalidate { keys },
+        )?;
+        self.send(cache, changes).await
+    }
+
+    /// Tells every node to replace the values of these keys where they hold
+    /// them. Unversioned: applied in delivery order.
+    pub async fn refresh<K: Serialize, V: Serialize>(
+        &self,
+        cache: &str,
+        entries: impl IntoIterator<Item = (K, V)>,
+    ) -> Result<Published> {
+        self.refresh_versioned(cache, entries.into_iter().map(|(k, v)| (k, v, None)))
+            .await
+    }
+
+    /// Like [`refresh`](Self::refresh), with a version per entry: a node
+    /// ignores a refresh older than what it already reflects for that key.
+    pub async fn refresh_versioned<K: Serialize, V: Serialize>(
+        &self,
+        cache: &str,
+        entries: impl IntoIterator<Item = (K, V, Option<u64>)>,
+    ) -> Result<Published> {
+        let mut items = Vec::new();
+        for (k, v, version) in entries {
+            items.push(EntryVersion {
+                key: encode_part(&k, "key")?,
+                value: encode_part(&v, "value")?,
+                version,
+            });
+        }
+        let changes = self.split(
+            items,
+            |e| framed_len(&[&e.key, &e.value]),
+            |entries| Change::Refresh { entries },
+        )?;
+        self.send(cache, changes).await
+    }
+
+    /// Tells every node to drop everything in `cache`.
+    pub async fn clear(&self, cache: &str) -> Result<Published> {
+        self.send(cache, vec![Change::Clear { version: None }])
+            .await
+    }
+
+    /// Drops everything and makes `version` a floor: refreshes older than it
+    /// that arrive later are ignored.
+    pub async fn clear_versioned(&self, cache: &str, version: u64) -> Result<Published> {
+        self.send(
+            cache,
+            vec![Change::Clear {
+                version: Some(version),
+            }],
+        )
+        .await
+    }
+
+    /// A typed publisher for one dictionary table, cached under `cache`.
+    pub fn dictionary<K: Serialize, V: Serialize>(
+        &self,
+        cache: impl Into<String>,
+    ) -> DictionaryPublisher<K, V> {
+        DictionaryPublisher {
+            publisher: self.clone(),
+            cache: cache.into(),
+            clock: Arc::new(VersionClock::default()),
+            _types: PhantomData,
+        }
+    }
+
+    /// Packs items into as few changes as fit the size limit.
+    fn split<T>(
+        &self,
+        items: Vec<T>,
+        size: impl Fn(&T) -> usize,
+        make: impl Fn(Vec<T>) -> Change,
+    ) -> Result<Vec<Change>> {
+        // Room for the header (cache name and origin are at most a few
+        // hundred bytes) and the format byte.
+        let budget = self
+            .inner
+            .max_event_bytes
+            .saturating_sub(64 + self.inner.origin.len() + 255);
+        let mut changes = Vec::new();
+        let mut batch = Vec::new();
+        let mut used = 0;
+        for item in items {
+            let n = size(&item);
+            if n > budget {
+                return Err(Error::TooLarge {
+                    what: "entry",
+                    size: n,
+                    limit: budget,
+                });
+            }
+            if used + n > budget && !batch.is_empty() {
+                changes.push(make(std::mem::take(&mut batch)));
+                used = 0;
+            }
+            used += n;
+            batch.push(item);
+        }
+        if !batch.is_empty() {
+            changes.push(make(batch));
+        }
+        Ok(changes)
+    }
+
+    async fn send(&self, cache: &str, changes: Vec<Change>) -> Result<Published> {
+        if cache.is_empty() || cache.len() > 255 {
+            return Err(Error::Config(format!(
+                "cache name {cache:?} must be 1 to 255 bytes"
+            )));
+        }
+        let seq = {
+            let mut seqs = self.inner.seqs.lock().unwrap_or_else(|p| p.into_inner());
+            seqs.entry(cache.to_owned()).or_default().clone()
+        };
+        // Held across the publish so numbers reach the transport in order.
+        let mut seq = seq.lock().await;
+        let mut published = Published {
+            events: 0,
+            position: None,
+        };
+        for change in changes {
+            *seq += 1;
+            let header = Header {
+                cache: cache.to_owned(),
+                origin: self.inner.origin.clone(),
+                publisher: self.inner.id,
+                seq: *seq,
+                published_at_us: now_us(),
+            };
+            let payload = encode(&header, &change)?;
+            if payload.len() > self.inner.max_event_bytes {
+                return Err(Error::TooLarge {
+                    what: "event",
+                    size: payload.len(),
+                    limit: self.inner.max_event_bytes,
+                });
+            }
+            let position = self
+                .inner
+                .bus
+                .publish(&self.inner.topic, cache, Bytes::from(payload))
+                .await?;
+            published.events += 1;
+            published.position = position.or(published.position);
+        }
+        Ok(published)
+    }
+}
+
+/// Hands out row versions: microseconds since the Unix epoch, bumped so each
+/// is strictly greater than the last this clock gave or saw. Across restarts
+/// of the admin service versions keep increasing as long as the clock does
+/// not step back by more than the time between two writes.
+#[derive(Debug, Default)]
+struct VersionClock {
+    last: AtomicU64,
+}
+
+impl VersionClock {
+    fn next(&self) -> u64 {
+        let now = now_us();
+        let prev = self
+            .last
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |last| {
+                Some(now.max(last + 1))
+            })
+            .unwrap_or_else(|v| v);
+        now.max(prev + 1)
+    }
+
+    fn observe(&self, version: u64) {
+        self.last.fetch_max(version, Ordering::AcqRel);
+    }
+}
+
+/// Publishes changes to one dictionary table (country codes, categories,
+/// feature flags …) whose rows are cached under one name on every node.
+///
+/// Every change carries a row version. By default the helper assigns
+/// monotonically increasing versions (see below); pass your own, such as the
+/// row's version column, with the `_with_version` methods when several
+/// services write the same table, so that the database orders them.
+///
+/// Automatic versions are microseconds since the Unix epoch, forced to be
+/// strictly increasing within this helper and above any version passed in.
+pub struct DictionaryPublisher<K, V> {
+    publisher: Publisher,
+    cache: String,
+    clock: Arc<VersionClock>,
+    _types: PhantomData<fn(&K, &V)>,
+}
+
+impl<K, V> Clone for DictionaryPublisher<K, V> {
+    fn clone(&self) -> Self {
+        Self {
+            publisher: self.publisher.clone(),
+            cache: self.cache.clone(),
+            clock: self.clock.clone(),
+            _types: PhantomData,
+        }
+    }
+}
+
+impl<K, V> fmt::Debug for DictionaryPublisher<K, V> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DictionaryPublisher")
+            .field("cache", &self.cache)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
+    /// The cache name it publishes to.
+    pub fn cache(&self) -> &str {
+        &self.cache
+    }
+
+    /// A row was inserted or updated: every node installs `row` (unless it
+    /// already reflects a newer version). Returns the version used.
+    pub async fn upsert(&self, key: &K, row: &V) -> Result<u64> {
+        self.upsert_with_version(key, row, self.clock.next()).await
+    }
+
+    /// [`upsert`](Self::upsert) with the caller's version.
+    pub async fn upsert_with_version(&self, key: &K, row: &V, version: u64) -> Result<u64> {
+        self.clock.observe(version);
+        self.publisher
+            .refresh_versioned(&self.cache, [(key, row, Some(version))])
+            .await?;
+        Ok(version)
+    }
+
+    /// Several rows at one version, split into events as the size limit needs.
+    pub async fn upsert_many<'a>(
+        &self,
+        rows: impl IntoIterator<Item = (&'a K, &'a V)>,
+    ) -> Result<u64>
+    where
+        K: 'a,
+        V: 'a,
+    {
+        let version = self.clock.next();
+        let rows = rows.into_iter().map(|(k, v)| (k, v, Some(version)));
+        self.publisher.refresh_versioned(&self.cache, rows).await?;
+        Ok(version)
+    }
+
+    /// A row was deleted: every node drops it and keeps a tombstone, so an
+    /// older upsert that arrives late cannot bring it back.
+    pub async fn delete(&self, key: &K) -> Result<u64> {
+        self.delete_with_version(key, self.clock.next()).await
+    }
+
+    /// [`delete`](Self::delete) with the caller's version.
+    pub async fn delete_with_version(&self, key: &K, version: u64) -> Result<u64> {
+        self.clock.observe(version);
+        self.publisher
+            .invalidate_versioned(&self.cache, [(key, Some(version))])
+            .await?;
+        Ok(version)
+    }
+
+    /// The table was replaced wholesale: every node drops all rows, then
+    /// installs these. A clear at the same version goes first, so rows the
+    /// new table lacks disappear and no older refresh can return afterwards.
+    pub async fn replace_all<'a>(
+        &self,
+        rows: impl IntoIterator<Item = (&'a K, &'a V)>,
+    ) -> Result<u64>
+    where
+        K: 'a,
+        V: 'a,
+    {
+        self.replace_all_with_version(rows, self.clock.next()).await
+    }
+
+    /// [`replace_all`](Self::replace_all) with the caller's version.
+    pub async fn replace_all_with_version<'a>(
+        &self,
+        rows: impl IntoIterator<Item = (&'a K, &'a V)>,
+        version: u64,
+    ) -> Result<u64>
+    where
+        K: 'a,
+        V: 'a,
+    {
+        self.clock.observe(version);
+        self.publisher.clear_versioned(&self.cache, version).await?;
+        let rows = rows.into_iter().map(|(k, v)| (k, v, Some(version)));
+        self.publisher.refresh_versioned(&self.cache, rows).await?;
+        Ok(version)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::EmbeddedBus;
+    use crate::bus::{Delivery, StartFrom, SubscribeOptions};
+    use crate::event::decode;
+
+    async fn drain(bus: &EmbeddedBus) -> Vec<(Header, Change)> {
+        let mut sub = bus
+            .subscribe(DEFAULT_TOPIC, SubscribeOptions::new(StartFrom::Earliest))
+            .await
+            .unwrap();
+        match sub.next(10_000).await.unwrap() {
+            Delivery::Batch { records, .. } => records
+                .iter()
+                .map(|r| decode(&r.payload, MAX_EVENT_BYTES_CEILING).unwrap())
+                .collect(),
+            Delivery::Lost(l) => panic!("{l:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn sequences_count_per_cache_from_one() {
+        let bus = EmbeddedBus::new();
+        let p = Publisher::builder(bus.clone()).origin("admin").build();
+        p.invalidate("a", ["x"]).await.unwrap();
+        p.invalidate("b", ["y"]).await.unwrap();
+        p.clear("a").await.unwrap();
+        let seqs: Vec<_> = drain(&bus)
+            .await
+            .iter()
+            .map(|(h, _)| (h.cache.clone(), h.seq))
+            .collect();
+        assert_eq!(seqs, [("a".into(), 1), ("b".into(), 1), ("a".into(), 2)]);
+    }
+
+    #[tokio::test]
+    async fn large_batches_split_under_the_limit_and_oversized_entries_fail() {
+        let bus = EmbeddedBus::new();
+        let p = Publisher::builder(bus.clone())
+            .max_event_bytes(4096)
+            .build();
+        let rows: Vec<(u32, String)> = (0..100).map(|i| (i, "v".repeat(200))).collect();
+        let sent = p.refresh("t", rows).await.unwrap();
+        assert!(sent.events > 1, "{sent:?}");
+        let events = drain(&bus).await;
+        assert_eq!(events.len(), sent.events);
+        assert_eq!(events.iter().map(|(_, c)| c.len()).sum::<usize>(), 100);
+        let err = p
+            .refresh("t", [(1u32, "v".repeat(5000))])
+            .await
+            .unwrap_err();
+        assert!(err.is_too_large(), "{err}");
+        assert_eq!(p.refresh::<u32, u32>("t", []).await.unwrap().events, 0);
+    }
+
+    #[tokio::test]
+    async fn dictionary_versions_increase_and_respect_caller_versions() {
+        let bus = EmbeddedBus::new();
+        let dict = Publisher::new(bus.clone()).dictionary::<String, String>("countries");
+        let a = dict.upsert(&"de".into(), &"Germany".into()).await.unwrap();
+        let b = dict.delete(&"de".into()).await.unwrap();
+        assert!(b > a);
+        let c = dict
+            .upsert_with_version(&"fr".into(), &"France".into(), u64::MAX / 2)
+            .await
+            .unwrap();
+        let d = dict.upsert(&"it".into(), &"Italy".into()).await.unwrap();
+        assert!(d > c, "auto versions must pass caller versions");
+        let v = dict
+            .replace_all([(&"se".to_string(), &"Sweden".to_string())])
+            .await
+            .unwrap();
+        let events = drain(&bus).await;
+        let kinds: Vec<_> = events.iter().map(|(_, c)| c.max_version()).collect();
+        assert_eq!(
+            kinds,
+            [Some(a), Some(b), Some(c), Some(d), Some(v), Some(v)]
+        );
+        assert!(matches!(events[4].1, Change::Clear { .. }));
+    }
+
+    #[test]
+    fn clock_is_strictly_increasing_even_when_called_in_the_same_microsecond() {
+        let clock = VersionClock::default();
+        let mut last = 0;
+        for _ in 0..10_000 {
+            let v = clock.next();
+            assert!(v > last);
+            last = v;
+        }
+    }
+}
