@@ -207,3 +207,120 @@ impl Drop for StatusServer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use axum::body::Body;
+    use axum::http::Request;
+    use http_body_util::BodyExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tower::ServiceExt;
+
+    use super::*;
+    use crate::{EmbeddedBus, SyncedCache};
+
+    async fn node_with_cache() -> (Node, SyncedCache<String, String>) {
+        let cache = SyncedCache::new("countries", moka::future::Cache::new(100));
+        let node = Node::builder("node-7", EmbeddedBus::new())
+            .register(&cache)
+            .start()
+            .await
+            .unwrap();
+        cache
+            .insert("secret-key-123".into(), "secret-value-456".into())
+            .await;
+        cache.get(&"secret-key-123".into()).await;
+        (node, cache)
+    }
+
+    async fn get(router: Router, uri: &str) -> (StatusCode, serde_json::Value, String) {
+        let response = router
+            .oneshot(Request::get(uri).body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let text = String::from_utf8(bytes.to_vec()).unwrap();
+        (status, serde_json::from_str(&text).unwrap(), text)
+    }
+
+    #[tokio::test]
+    async fn status_lists_caches_without_their_keys() {
+        let (node, _cache) = node_with_cache().await;
+        let (code, json, text) = get(node.status_router(), "/cache-sync/status").await;
+        assert_eq!(code, StatusCode::OK);
+        assert_eq!(json["node_id"], "node-7");
+        assert_eq!(json["transport"], "embedded");
+        assert_eq!(json["consuming"], true);
+        let cache = &json["caches"][0];
+        assert_eq!(cache["name"], "countries");
+        assert_eq!(cache["hits"], 1);
+        for field in [
+            "version",
+            "entries",
+            "loads",
+            "invalidations",
+            "refreshes",
+            "clears",
+            "loss_resyncs",
+            "rejected_events",
+            "last_applied_at_us",
+        ] {
+            assert!(cache.get(field).is_some(), "missing {field} in {cache}");
+        }
+        assert!(!text.contains("secret"), "keys or values leaked: {text}");
+        let parsed: NodeStatus = serde_json::from_str(&text).unwrap();
+        assert_eq!(parsed, node.status());
+    }
+
+    #[tokio::test]
+    async fn one_cache_by_name_and_a_json_404_for_unknown_names() {
+        let (node, _cache) = node_with_cache().await;
+        let (code, json, _) = get(node.status_router(), "/cache-sync/caches/countries").await;
+        assert_eq!(
+            (code, json["name"].as_str()),
+            (StatusCode::OK, Some("countries"))
+        );
+        let (code, json, _) = get(node.status_router(), "/cache-sync/caches/nope").await;
+        assert_eq!(code, StatusCode::NOT_FOUND);
+        assert_eq!(json["cache"], "nope");
+        assert!(json["error"].as_str().unwrap().contains("no cache"));
+    }
+
+    #[tokio::test]
+    async fn healthz_follows_the_consumer() {
+        let (node, _cache) = node_with_cache().await;
+        let (code, _, _) = get(node.status_router(), "/healthz").await;
+        assert_eq!(code, StatusCode::OK);
+        node.shutdown().await.unwrap();
+        let (code, json, _) = get(node.status_router(), "/healthz").await;
+        assert_eq!(
+            (code, json["status"].as_str()),
+            (StatusCode::SERVICE_UNAVAILABLE, Some("not consuming"))
+        );
+    }
+
+    #[tokio::test]
+    async fn serves_on_a_loopback_listener() {
+        let (node, _cache) = node_with_cache().await;
+        let server = node.serve_status("127.0.0.1:0").await.unwrap();
+        let addr = server.local_addr();
+        assert!(addr.ip().is_loopback());
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream
+            .write_all(
+                b"GET /cache-sync/status HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+            )
+            .await
+            .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        assert!(response.contains("\"node_id\":\"node-7\""), "{response}");
+        server.shutdown().await.unwrap();
+        assert!(
+            tokio::net::TcpStream::connect(addr).await.is_err(),
+            "still listening after shutdown"
+        );
+    }
+}

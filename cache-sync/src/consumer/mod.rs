@@ -238,6 +238,10 @@ impl NodeBuilder {
             Some(p) => StartFrom::Position(p),
             None => shared.config.start_from.clone(),
         };
+        // Taken before subscribing: a registration from here on must trigger a
+        // re-subscription, even if it lands before the fetcher first runs.
+        let registrations = shared.registrations.subscribe();
+        let names: HashSet<String> = shared.caches().keys().cloned().collect();
         let subscription = shared.subscribe(from).await?;
         if let Some(p) = subscription.position() {
             *lock(&shared.position) = p;
@@ -247,7 +251,16 @@ impl NodeBuilder {
 
         let (stop, stop_rx) = watch::channel(false);
         let (tx, rx) = mpsc::channel(shared.config.max_inflight_batches);
-        let fetcher = tokio::spawn(fetch_loop(shared.clone(), subscription, tx, stop_rx));
+        let fetcher = tokio::spawn(fetch_loop(
+            shared.clone(),
+            Subscribed {
+                subscription,
+                registrations,
+                names,
+            },
+            tx,
+            stop_rx,
+        ));
         let applier = tokio::spawn(apply_loop(shared.clone(), rx));
         Ok(Node {
             handle: Arc::new(Handle {
@@ -451,19 +464,30 @@ impl Shared {
     }
 }
 
+/// The initial subscription and what it was made with.
+struct Subscribed {
+    subscription: Box<dyn Subscription>,
+    registrations: watch::Receiver<u64>,
+    /// The caches registered when it was made.
+    names: HashSet<String>,
+}
+
 /// Reads from the transport into a bounded channel. Owns the subscription
 /// and re-subscribes after errors, from the last position it fetched.
 async fn fetch_loop(
     shared: Arc<Shared>,
-    subscription: Box<dyn Subscription>,
+    initial: Subscribed,
     tx: mpsc::Sender<Fetched>,
     mut stop: watch::Receiver<bool>,
 ) {
     let cfg = &shared.config;
+    let Subscribed {
+        subscription,
+        mut registrations,
+        names: mut subscribed_names,
+    } = initial;
     let mut fetched = subscription.position();
     let mut sub = Some(subscription);
-    let mut registrations = shared.registrations.subscribe();
-    let mut subscribed_names: HashSet<String> = shared.caches().keys().cloned().collect();
     let mut backoff = Duration::ZERO;
 
     loop {

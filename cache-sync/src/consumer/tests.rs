@@ -1,1 +1,447 @@
+use std::sync::atomic::AtomicUsize;
+use std::time::Duration;
 
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use super::*;
+use crate::EmbeddedBus;
+use crate::event::{Change, EntryVersion, Header, encode, encode_part};
+
+type Cache = SyncedCache<String, String>;
+
+fn cache(name: &str) -> Cache {
+    SyncedCache::new(name, moka::future::Cache::new(1000))
+}
+
+/// Polls until `f` holds; tests never sleep a fixed time to "let it settle".
+async fn eventually(what: &str, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !f().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+async fn holds(c: &Cache, k: &str, v: Option<&str>) -> bool {
+    c.get(&k.to_string()).await.as_deref() == v
+}
+
+fn raw_event(cache: &str, publisher: u64, seq: u64, change: &Change) -> Bytes {
+    let header = Header {
+        cache: cache.into(),
+        origin: "forger".into(),
+        publisher,
+        seq,
+        published_at_us: now_us(),
+    };
+    Bytes::from(encode(&header, change).unwrap())
+}
+
+fn refresh_change(k: &str, v: &str) -> Change {
+    Change::Refresh {
+        entries: vec![EntryVersion {
+            key: encode_part(k, "key").unwrap(),
+            value: encode_part(v, "value").unwrap(),
+            version: None,
+        }],
+    }
+}
+
+#[tokio::test]
+async fn applies_events_including_its_own() {
+    let bus = EmbeddedBus::new();
+    let c = cache("countries");
+    let node = Node::builder("n1", bus.clone())
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    node.publisher()
+        .refresh("countries", [("de", "Germany")])
+        .await
+        .unwrap();
+    eventually("own refresh applied", async || {
+        holds(&c, "de", Some("Germany")).await
+    })
+    .await;
+    Publisher::new(bus)
+        .invalidate("countries", ["de"])
+        .await
+        .unwrap();
+    eventually("invalidation applied", async || holds(&c, "de", None).await).await;
+    let s = node.status();
+    assert_eq!(
+        (
+            s.events_received,
+            s.losses,
+            s.publisher_gaps,
+            s.events_rejected
+        ),
+        (2, 0, 0, 0)
+    );
+    assert!(!s.position.is_empty());
+    node.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn skips_events_for_caches_it_does_not_hold() {
+    let bus = EmbeddedBus::new();
+    let c = cache("mine");
+    let node = Node::builder("n1", bus.clone())
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    let p = Publisher::new(bus);
+    p.refresh("theirs", [("k", "v")]).await.unwrap();
+    p.refresh("mine", [("k", "v")]).await.unwrap();
+    eventually("mine applied", async || holds(&c, "k", Some("v")).await).await;
+    // The embedded bus filters by tag, so "theirs" never even reaches the node.
+    assert_eq!(node.status().events_received, 1);
+}
+
+#[tokio::test]
+async fn garbage_is_rejected_counted_and_survived() {
+    let bus = EmbeddedBus::new();
+    let c = cache("t");
+    let node = Node::builder("n1", bus.clone())
+        .max_event_bytes(4096)
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    c.insert("k".into(), "cached".into()).await;
+    for payload in [
+        Bytes::from_static(b""),
+        Bytes::from_static(b"\x01garbage"),
+        Bytes::from_static(b"\x09unknown format"),
+        Bytes::from(vec![1u8; 10_000]),
+    ] {
+        bus.publish(DEFAULT_TOPIC, "t", payload).await.unwrap();
+    }
+    let p = node.publisher();
+    p.refresh("t", [("after", "ok")]).await.unwrap();
+    eventually("valid event after garbage", async || {
+        holds(&c, "after", Some("ok")).await
+    })
+    .await;
+    let s = node.status();
+    assert_eq!(s.events_rejected, 4);
+    assert!(s.consuming);
+    // Each might have been a change to "t", so "t" was invalidated each time.
+    assert_eq!(s.caches[0].rejected_events, 4);
+    assert_eq!(c.get(&"k".into()).await, None);
+}
+
+#[tokio::test]
+async fn a_gap_in_a_publishers_sequence_invalidates_everything() {
+    let bus = EmbeddedBus::new();
+    let (a, b) = (cache("a"), cache("b"));
+    let node = Node::builder("n1", bus.clone())
+        .register(&a)
+        .register(&b)
+        .start()
+        .await
+        .unwrap();
+    bus.publish(
+        DEFAULT_TOPIC,
+        "a",
+        raw_event("a", 7, 1, &refresh_change("x", "1")),
+    )
+    .await
+    .unwrap();
+    eventually("seq 1", async || holds(&a, "x", Some("1")).await).await;
+    b.insert("y".into(), "kept until the gap".into()).await;
+    // Sequence 2 and 3 never arrive.
+    bus.publish(
+        DEFAULT_TOPIC,
+        "a",
+        raw_event("a", 7, 4, &refresh_change("z", "4")),
+    )
+    .await
+    .unwrap();
+    eventually("seq 4", async || holds(&a, "z", Some("4")).await).await;
+    assert_eq!(
+        a.get(&"x".into()).await,
+        None,
+        "stale entries before the gap are gone"
+    );
+    assert_eq!(
+        b.get(&"y".into()).await,
+        None,
+        "every cache on the topic is invalidated"
+    );
+    let s = node.status();
+    assert_eq!((s.publisher_gaps, s.losses), (1, 1));
+    assert_eq!(s.last_loss_reason.as_deref(), Some("publisher_gap"));
+    // A redelivery of an old sequence number is not a gap.
+    bus.publish(
+        DEFAULT_TOPIC,
+        "a",
+        raw_event("a", 7, 2, &refresh_change("w", "2")),
+    )
+    .await
+    .unwrap();
+    bus.publish(
+        DEFAULT_TOPIC,
+        "a",
+        raw_event("a", 7, 5, &refresh_change("v", "5")),
+    )
+    .await
+    .unwrap();
+    eventually("seq 5", async || holds(&a, "v", Some("5")).await).await;
+    assert_eq!(node.status().publisher_gaps, 1);
+}
+
+#[tokio::test]
+async fn falling_behind_the_history_is_answered_by_invalidating() {
+    // History of 4 records, and the consumer cannot run while we publish 50
+    // (the current-thread runtime only switches tasks at an await that blocks).
+    let bus = EmbeddedBus::builder().max_records(4).build();
+    let c = cache("t");
+    let node = Node::builder("n1", bus.clone())
+        .max_batch(1)
+        .max_inflight_batches(1)
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    c.insert("stale".into(), "old".into()).await;
+    let p = node.publisher();
+    for i in 0..50 {
+        p.refresh("t", [(format!("k{i}"), "v")]).await.unwrap();
+    }
+    eventually("last event applied", async || {
+        holds(&c, "k49", Some("v")).await
+    })
+    .await;
+    let s = node.status();
+    assert!(s.losses >= 1, "{s:?}");
+    assert_eq!(s.last_loss_reason.as_deref(), Some("trimmed"));
+    assert!(s.caches[0].loss_resyncs >= 1);
+    assert_eq!(c.get(&"stale".into()).await, None);
+}
+
+/// Wraps the embedded bus; the first subscription fails after one batch.
+#[derive(Debug, Clone)]
+struct FlakyBus {
+    inner: EmbeddedBus,
+    subscribes: Arc<AtomicUsize>,
+}
+
+#[derive(Debug)]
+struct FlakySub {
+    inner: Box<dyn Subscription>,
+    batches_before_failure: Option<usize>,
+}
+
+#[async_trait]
+impl ChangeBus for FlakyBus {
+    fn kind(&self) -> &'static str {
+        "flaky"
+    }
+
+    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        self.inner.publish(topic, tag, payload).await
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        let first = self.subscribes.fetch_add(1, Relaxed) == 0;
+        let inner = self.inner.subscribe(topic, options).await?;
+        Ok(Box::new(FlakySub {
+            inner,
+            batches_before_failure: first.then_some(1),
+        }))
+    }
+}
+
+#[async_trait]
+impl Subscription for FlakySub {
+    async fn next(&mut self, max: usize) -> Result<Delivery> {
+        match &mut self.batches_before_failure {
+            Some(0) => Err(Error::disconnected("flaky", "connection reset")),
+            Some(n) => {
+                *n -= 1;
+                self.inner.next(max).await
+            }
+            None => self.inner.next(max).await,
+        }
+    }
+
+    fn position(&self) -> Option<Position> {
+        self.inner.position()
+    }
+}
+
+#[tokio::test]
+async fn a_broken_subscription_resumes_where_it_was_without_loss() {
+    let flaky = FlakyBus {
+        inner: EmbeddedBus::new(),
+        subscribes: Arc::default(),
+    };
+    let c = cache("t");
+    let node = Node::builder("n1", flaky.clone())
+        .max_batch(1)
+        .reconnect_backoff(Duration::from_millis(1), Duration::from_millis(10))
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    let p = node.publisher();
+    for i in 0..5 {
+        p.refresh("t", [(format!("k{i}"), "v")]).await.unwrap();
+    }
+    eventually("all applied", async || holds(&c, "k4", Some("v")).await).await;
+    for i in 0..5 {
+        assert!(holds(&c, &format!("k{i}"), Some("v")).await, "k{i} lost");
+    }
+    let s = node.status();
+    assert_eq!(s.transport_errors, 1);
+    assert_eq!(s.losses, 0, "resuming from a known position loses nothing");
+    assert_eq!(flaky.subscribes.load(Relaxed), 2);
+    assert!(node.is_consuming());
+}
+
+#[tokio::test]
+async fn shutdown_saves_the_position_and_a_restart_replays_from_it() {
+    let bus = EmbeddedBus::new();
+    let store = MemoryOffsetStore::new();
+    let node = Node::builder("n1", bus.clone())
+        .offset_store(store.clone())
+        .register(&cache("t"))
+        .start()
+        .await
+        .unwrap();
+    let p = node.publisher();
+    p.refresh("t", [("a", "1")]).await.unwrap();
+    eventually("applied", async || node.status().events_received == 1).await;
+    node.shutdown().await.unwrap();
+    assert!(!node.is_consuming());
+    let saved = store
+        .load(DEFAULT_TOPIC)
+        .await
+        .unwrap()
+        .expect("position saved on shutdown");
+
+    p.refresh("t", [("b", "2")]).await.unwrap(); // while the node is down
+    let c = cache("t");
+    let node = Node::builder("n1", bus)
+        .offset_store(store.clone())
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    assert_eq!(node.status().position, saved);
+    eventually("replayed", async || holds(&c, "b", Some("2")).await).await;
+    assert_eq!(
+        c.get(&"a".into()).await,
+        None,
+        "only what came after the saved position is replayed"
+    );
+}
+
+#[tokio::test]
+async fn file_store_positions_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let bus = EmbeddedBus::new();
+    let node = Node::builder("n1", bus.clone())
+        .offset_store(FileOffsetStore::new(dir.path()))
+        .persist_interval(Duration::from_millis(10))
+        .register(&cache("t"))
+        .start()
+        .await
+        .unwrap();
+    node.publisher().refresh("t", [("a", "1")]).await.unwrap();
+    let path = dir.path().join("offsets.json");
+    eventually("saved periodically", async || {
+        std::fs::read_to_string(&path).is_ok_and(|s| s.contains("\"offsetTable\""))
+    })
+    .await;
+    node.shutdown().await.unwrap();
+    let stored = FileOffsetStore::new(dir.path())
+        .load(DEFAULT_TOPIC)
+        .await
+        .unwrap();
+    assert_eq!(stored, Some(node.status().position));
+}
+
+#[tokio::test]
+async fn caches_can_be_registered_after_start() {
+    let bus = EmbeddedBus::new();
+    let node = Node::start("n1", bus.clone()).await.unwrap();
+    let c = cache("late");
+    c.insert("warm".into(), "from before".into()).await;
+    node.register(&c).await.unwrap();
+    assert_eq!(
+        c.get(&"warm".into()).await,
+        None,
+        "registration empties the cache"
+    );
+    node.publisher()
+        .refresh("late", [("k", "v")])
+        .await
+        .unwrap();
+    eventually("applied after late registration", async || {
+        holds(&c, "k", Some("v")).await
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn misconfiguration_fails_at_start() {
+    let bus = EmbeddedBus::new();
+    let err = Node::builder("n1", bus.clone())
+        .register(&cache("x"))
+        .register(&cache("x"))
+        .start()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::DuplicateCache(ref n) if n == "x"),
+        "{err}"
+    );
+
+    let shared = cache("y");
+    let _n1 = Node::builder("n1", bus.clone())
+        .register(&shared)
+        .start()
+        .await
+        .unwrap();
+    let err = Node::builder("n2", bus.clone())
+        .register(&shared)
+        .start()
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("already registered"), "{err}");
+
+    let err = Node::builder("n3", bus.clone())
+        .max_event_bytes(usize::MAX)
+        .start()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    let err = Node::builder("", bus).start().await.unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
+}
+
+#[tokio::test]
+async fn dropping_the_last_handle_stops_the_consumer() {
+    let bus = EmbeddedBus::new();
+    let c = cache("t");
+    let node = Node::builder("n1", bus.clone())
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    let weak = Arc::downgrade(&node.handle.shared);
+    drop(node);
+    eventually("tasks exited", async || weak.strong_count() == 0).await;
+}
