@@ -121,7 +121,8 @@ pub use bus::{
 pub use cache::{DEFAULT_MAX_TRACKED_KEYS, SyncedCache, SyncedCacheBuilder};
 #[doc(inline)]
 pub use consumer::{
-    DEFAULT_TOPIC, FileOffsetStore, MemoryOffsetStore, Node, NodeBuilder, OffsetStore,
+    DEFAULT_LOSS_QUARANTINE, DEFAULT_TOPIC, FileOffsetStore, MemoryOffsetStore, Node, NodeBuilder,
+    OffsetStore,
 };
 #[doc(inline)]
 pub use error::{DecodeError, DecodeErrorKind, Error, Result};

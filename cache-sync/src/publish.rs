@@ -186,19 +186,7 @@ impl Publisher {
         cache: &str,
         entries: impl IntoIterator<Item = (K, V, Option<u64>)>,
     ) -> Result<Published> {
-        let mut items = Vec::new();
-        for (k, v, version) in entries {
-            items.push(EntryVersion {
-                key: encode_part(&k, "key")?,
-                value: encode_part(&v, "value")?,
-                version,
-            });
-        }
-        let changes = self.split(
-            items,
-            |e| framed_len(&[&e.key, &e.value]),
-            |entries| Change::Refresh { entries },
-        )?;
+        let changes = self.refresh_changes(entries)?;
         self.send(cache, changes).await
     }
 
@@ -231,6 +219,43 @@ impl Publisher {
             clock: Arc::new(VersionClock::default()),
             _types: PhantomData,
         }
+    }
+
+    fn invalidate_changes<K: Serialize>(
+        &self,
+        keys: impl IntoIterator<Item = (K, Option<u64>)>,
+    ) -> Result<Vec<Change>> {
+        let mut items = Vec::new();
+        for (k, version) in keys {
+            items.push(KeyVersion {
+                key: encode_part(&k, "key")?,
+                version,
+            });
+        }
+        self.split(
+            items,
+            |k| framed_len(&[&k.key]),
+            |keys| Change::Invalidate { keys },
+        )
+    }
+
+    fn refresh_changes<K: Serialize, V: Serialize>(
+        &self,
+        entries: impl IntoIterator<Item = (K, V, Option<u64>)>,
+    ) -> Result<Vec<Change>> {
+        let mut items = Vec::new();
+        for (k, v, version) in entries {
+            items.push(EntryVersion {
+                key: encode_part(&k, "key")?,
+                value: encode_part(&v, "value")?,
+                version,
+            });
+        }
+        self.split(
+            items,
+            |e| framed_len(&[&e.key, &e.value]),
+            |entries| Change::Refresh { entries },
+        )
     }
 
     /// Packs items into as few changes as fit the size limit.
@@ -272,6 +297,18 @@ impl Publisher {
     }
 
     async fn send(&self, cache: &str, changes: Vec<Change>) -> Result<Published> {
+        self.send_with(cache, || Ok((changes, ())))
+            .await
+            .map(|(p, ())| p)
+    }
+
+    /// Builds the changes while holding the cache's publish lock, so that
+    /// versions assigned in `build` reach the transport in version order.
+    async fn send_with<T>(
+        &self,
+        cache: &str,
+        build: impl FnOnce() -> Result<(Vec<Change>, T)>,
+    ) -> Result<(Published, T)> {
         if cache.is_empty() || cache.len() > 255 {
             return Err(Error::Config(format!(
                 "cache name {cache:?} must be 1 to 255 bytes"
@@ -283,6 +320,7 @@ impl Publisher {
         };
         // Held across the publish so numbers reach the transport in order.
         let mut seq = seq.lock().await;
+        let (changes, out) = build()?;
         let mut published = Published {
             events: 0,
             position: None,
@@ -312,7 +350,7 @@ impl Publisher {
             published.events += 1;
             published.position = position.or(published.position);
         }
-        Ok(published)
+        Ok((published, out))
     }
 }
 
@@ -387,16 +425,15 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
     /// A row was inserted or updated: every node installs `row` (unless it
     /// already reflects a newer version). Returns the version used.
     pub async fn upsert(&self, key: &K, row: &V) -> Result<u64> {
-        self.upsert_with_version(key, row, self.clock.next()).await
+        self.upsert_many([(key, row)]).await
     }
 
     /// [`upsert`](Self::upsert) with the caller's version.
     pub async fn upsert_with_version(&self, key: &K, row: &V, version: u64) -> Result<u64> {
-        self.clock.observe(version);
-        self.publisher
-            .refresh_versioned(&self.cache, [(key, row, Some(version))])
-            .await?;
-        Ok(version)
+        self.publish(Some(version), |p, v| {
+            p.refresh_changes([(key, row, Some(v))])
+        })
+        .await
     }
 
     /// Several rows at one version, split into events as the size limit needs.
@@ -408,25 +445,23 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
         K: 'a,
         V: 'a,
     {
-        let version = self.clock.next();
-        let rows = rows.into_iter().map(|(k, v)| (k, v, Some(version)));
-        self.publisher.refresh_versioned(&self.cache, rows).await?;
-        Ok(version)
+        self.publish(None, |p, v| {
+            p.refresh_changes(rows.into_iter().map(|(k, r)| (k, r, Some(v))))
+        })
+        .await
     }
 
     /// A row was deleted: every node drops it and keeps a tombstone, so an
     /// older upsert that arrives late cannot bring it back.
     pub async fn delete(&self, key: &K) -> Result<u64> {
-        self.delete_with_version(key, self.clock.next()).await
+        self.publish(None, |p, v| p.invalidate_changes([(key, Some(v))]))
+            .await
     }
 
     /// [`delete`](Self::delete) with the caller's version.
     pub async fn delete_with_version(&self, key: &K, version: u64) -> Result<u64> {
-        self.clock.observe(version);
-        self.publisher
-            .invalidate_versioned(&self.cache, [(key, Some(version))])
-            .await?;
-        Ok(version)
+        self.publish(Some(version), |p, v| p.invalidate_changes([(key, Some(v))]))
+            .await
     }
 
     /// The table was replaced wholesale: every node drops all rows, then
@@ -440,7 +475,7 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
         K: 'a,
         V: 'a,
     {
-        self.replace_all_with_version(rows, self.clock.next()).await
+        self.publish(None, |p, v| replace_changes(p, rows, v)).await
     }
 
     /// [`replace_all`](Self::replace_all) with the caller's version.
@@ -453,12 +488,45 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
         K: 'a,
         V: 'a,
     {
-        self.clock.observe(version);
-        self.publisher.clear_versioned(&self.cache, version).await?;
-        let rows = rows.into_iter().map(|(k, v)| (k, v, Some(version)));
-        self.publisher.refresh_versioned(&self.cache, rows).await?;
-        Ok(version)
+        self.publish(Some(version), |p, v| replace_changes(p, rows, v))
+            .await
     }
+
+    /// Publishes under the table's publish lock. An automatic version is taken
+    /// inside the lock, so this helper's versions reach the transport in
+    /// increasing order even when it is called from many tasks at once.
+    async fn publish(
+        &self,
+        version: Option<u64>,
+        build: impl FnOnce(&Publisher, u64) -> Result<Vec<Change>>,
+    ) -> Result<u64> {
+        let (_, v) = self
+            .publisher
+            .send_with(&self.cache, || {
+                let v = match version {
+                    Some(v) => {
+                        self.clock.observe(v);
+                        v
+                    }
+                    None => self.clock.next(),
+                };
+                Ok((build(&self.publisher, v)?, v))
+            })
+            .await?;
+        Ok(v)
+    }
+}
+
+fn replace_changes<'a, K: Serialize + 'a, V: Serialize + 'a>(
+    p: &Publisher,
+    rows: impl IntoIterator<Item = (&'a K, &'a V)>,
+    version: u64,
+) -> Result<Vec<Change>> {
+    let mut changes = vec![Change::Clear {
+        version: Some(version),
+    }];
+    changes.extend(p.refresh_changes(rows.into_iter().map(|(k, r)| (k, r, Some(version))))?);
+    Ok(changes)
 }
 
 #[cfg(test)]

@@ -93,6 +93,9 @@ pub struct CacheStatus {
     pub stale_ignored: u64,
     /// Refreshes whose value did not decode, applied as invalidations.
     pub refresh_fallbacks: u64,
+    /// Versioned refreshes applied as invalidations because they arrived
+    /// within the quarantine after a loss or registration.
+    pub refreshes_quarantined: u64,
     /// Clear events applied.
     pub clears: u64,
     /// Times the whole cache was invalidated because events may have been lost.

@@ -1,1 +1,143 @@
+//! Shared machinery for cache-sync's cross-module tests: a versioned
+//! in-memory "database" as the source of truth, nodes that read through to
+//! it, and a fence that tells when every node has caught up.
 
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use cache_sync::{ChangeBus, Node, NodeBuilder, Publisher, SyncedCache};
+
+/// Cache values: `None` caches a missing row (negative caching).
+pub type Row = Option<String>;
+
+/// The source of truth. Every write bumps one table-wide version, as a
+/// database sequence or an `updated_at` column would.
+#[derive(Debug, Default)]
+pub struct Db {
+    state: Mutex<DbState>,
+}
+
+#[derive(Debug, Default)]
+struct DbState {
+    rows: BTreeMap<String, String>,
+    version: u64,
+}
+
+impl Db {
+    /// Writes a row; returns its new version.
+    pub fn upsert(&self, key: &str, value: &str) -> u64 {
+        let mut s = self.state.lock().expect("db lock");
+        s.version += 1;
+        s.rows.insert(key.to_owned(), value.to_owned());
+        s.version
+    }
+
+    /// Deletes a row; returns the version of the deletion.
+    pub fn delete(&self, key: &str) -> u64 {
+        let mut s = self.state.lock().expect("db lock");
+        s.version += 1;
+        s.rows.remove(key);
+        s.version
+    }
+
+    /// Reads a row.
+    pub fn get(&self, key: &str) -> Row {
+        self.state.lock().expect("db lock").rows.get(key).cloned()
+    }
+}
+
+/// A node holding the table under test and a fence cache.
+#[derive(Debug)]
+pub struct TestNode {
+    /// The node.
+    pub node: Node,
+    /// The table under test.
+    pub table: SyncedCache<String, Row>,
+    /// Holds the last fence value published.
+    pub fence: SyncedCache<String, u64>,
+}
+
+/// Name of the cache under test.
+pub const TABLE: &str = "table";
+const FENCE: &str = "fence";
+
+impl TestNode {
+    /// Starts a node on `bus` with a table cache and a fence cache.
+    pub async fn start(
+        id: &str,
+        bus: impl ChangeBus,
+        configure: impl FnOnce(NodeBuilder) -> NodeBuilder,
+    ) -> cache_sync::Result<Self> {
+        let table = SyncedCache::new(TABLE, moka::future::Cache::new(10_000));
+        let fence = SyncedCache::new(FENCE, moka::future::Cache::new(10));
+        let builder = configure(Node::builder(id, bus))
+            .register(&table)
+            .register(&fence);
+        Ok(Self {
+            node: builder.start().await?,
+            table,
+            fence,
+        })
+    }
+
+    /// Reads through to `db`, yielding `yields` times in the middle of the
+    /// load so that events can land while it runs.
+    pub async fn read(&self, db: &Db, key: &str, yields: u32) -> Row {
+        self.table
+            .get_with(key.to_owned(), || async move {
+                let row = db.get(key);
+                for _ in 0..yields {
+                    tokio::task::yield_now().await;
+                }
+                row
+            })
+            .await
+    }
+}
+
+/// Publishes a fence and waits until every node has applied it. The
+/// transport is ordered, so every node has then applied everything
+/// published before the fence.
+pub async fn fence(publisher: &Publisher, nodes: &[TestNode], n: u64) {
+    publisher
+        .refresh(FENCE, [("fence", n)])
+        .await
+        .expect("publish fence");
+    for node in nodes {
+        let key = "fence".to_owned();
+        eventually(
+            &format!("{} applies fence {n}", node.node.id()),
+            async || node.fence.get(&key).await == Some(n),
+        )
+        .await;
+    }
+}
+
+/// Polls `f` until it holds, failing after 20 s with `what`.
+pub async fn eventually(what: &str, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !f().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Every entry every node holds must equal the database's row.
+pub async fn assert_no_stale_entries(db: &Db, nodes: &[TestNode], keys: &[String]) {
+    for node in nodes {
+        for key in keys {
+            if let Some(cached) = node.table.get(key).await {
+                assert_eq!(
+                    cached,
+                    db.get(key),
+                    "{} holds a stale value for {key}",
+                    node.node.id()
+                );
+            }
+        }
+    }
+}

@@ -7,7 +7,7 @@ use std::future::{Future, ready};
 use std::hash::Hash;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use moka::ops::compute::Op;
@@ -116,6 +116,8 @@ where
                 flights: Mutex::default(),
                 max_load_retries: self.max_load_retries,
                 registered: AtomicBool::new(false),
+                quarantine_until: Mutex::new(None),
+                quarantine: Mutex::new(Duration::ZERO),
                 stats: Stats::default(),
             }),
         }
@@ -134,6 +136,11 @@ pub(crate) struct Inner<K, V> {
     flights: Mutex<HashMap<K, Arc<Flight<V>>>>,
     max_load_retries: u32,
     registered: AtomicBool,
+    /// Until then, versioned refreshes are applied as invalidations; see
+    /// `CacheHandle::resync`.
+    quarantine_until: Mutex<Option<tokio::time::Instant>>,
+    /// How long each resync quarantines, set by the node at registration.
+    quarantine: Mutex<Duration>,
     stats: Stats,
 }
 
@@ -156,6 +163,7 @@ struct Stats {
     refreshes: AtomicU64,
     stale_ignored: AtomicU64,
     refresh_fallbacks: AtomicU64,
+    refreshes_quarantined: AtomicU64,
     clears: AtomicU64,
     loss_resyncs: AtomicU64,
     rejected_events: AtomicU64,
@@ -467,6 +475,7 @@ where
             refreshes: s.refreshes.load(Relaxed),
             stale_ignored: s.stale_ignored.load(Relaxed),
             refresh_fallbacks: s.refresh_fallbacks.load(Relaxed),
+            refreshes_quarantined: s.refreshes_quarantined.load(Relaxed),
             clears: s.clears.load(Relaxed),
             loss_resyncs: s.loss_resyncs.load(Relaxed),
             rejected_events: s.rejected_events.load(Relaxed),
@@ -480,14 +489,21 @@ where
 #[async_trait]
 pub(crate) trait CacheHandle: Send + Sync {
     fn name(&self) -> &str;
-    /// Claims the cache for one node. False if it is already registered.
-    fn claim(&self) -> bool;
+    /// Claims the cache for one node, which quarantines refreshes for
+    /// `quarantine` after each resync. False if it is already registered.
+    fn claim(&self, quarantine: Duration) -> bool;
     /// Applies one decoded event. Undecodable keys or values are answered
     /// here (invalidation or a resync), counted, and logged.
     async fn apply(&self, header: &Header, change: Change);
-    /// Drops everything, because events may have been lost.
+    /// Drops everything, because events may have been lost, and applies
+    /// versioned refreshes as invalidations for `quarantine`: a refresh
+    /// delivered after the loss may be older than a lost event for its key
+    /// (two writers publish in another order than they committed), and only
+    /// the source of truth can tell.
     async fn resync(&self);
-    /// Drops everything, on registration (not counted as a loss).
+    /// Drops everything, on registration (not counted as a loss). Quarantines
+    /// as `resync` does: events published before the node subscribed are
+    /// unknown to it, just like lost ones.
     async fn reset(&self);
     /// An event for this cache could not be read at all.
     async fn reject(&self, reason: &str);
@@ -513,8 +529,12 @@ where
         &self.name
     }
 
-    fn claim(&self) -> bool {
-        !self.registered.swap(true, Relaxed)
+    fn claim(&self, quarantine: Duration) -> bool {
+        if self.registered.swap(true, Relaxed) {
+            return false;
+        }
+        *lock(&self.quarantine) = quarantine;
+        true
     }
 
     async fn apply(&self, header: &Header, change: Change) {
@@ -541,6 +561,7 @@ where
                 }
             }
             Change::Refresh { entries } => {
+                let quarantined = self.quarantined();
                 let mut decoded = Vec::with_capacity(entries.len());
                 for e in &entries {
                     match decode_part::<K>(&e.key, "key") {
@@ -550,6 +571,10 @@ where
                 }
                 for (k, e) in decoded.into_iter().zip(entries) {
                     match decode_part::<V>(&e.value, "value") {
+                        Ok(_) if quarantined && e.version.is_some() => {
+                            self.invalidate(k, e.version).await;
+                            s.refreshes_quarantined.fetch_add(1, Relaxed)
+                        }
                         Ok(v) => match self.refresh(k, v, e.version).await {
                             RefreshDecision::Apply => s.refreshes.fetch_add(1, Relaxed),
                             RefreshDecision::Stale => s.stale_ignored.fetch_add(1, Relaxed),
@@ -578,11 +603,16 @@ where
     }
 
     async fn resync(&self) {
-        self.clear(None).await;
+        self.reset().await;
         self.stats.loss_resyncs.fetch_add(1, Relaxed);
     }
 
     async fn reset(&self) {
+        let until = tokio::time::Instant::now() + *lock(&self.quarantine);
+        {
+            let mut q = lock(&self.quarantine_until);
+            *q = Some(q.map_or(until, |old| old.max(until)));
+        }
         self.clear(None).await;
     }
 
@@ -607,6 +637,10 @@ where
             "event key did not decode; cannot tell which entries it meant");
         self.stats.rejected_events.fetch_add(1, Relaxed);
         self.resync().await;
+    }
+
+    fn quarantined(&self) -> bool {
+        lock(&self.quarantine_until).is_some_and(|until| tokio::time::Instant::now() < until)
     }
 }
 

@@ -340,3 +340,26 @@ async fn reads_count_hits_and_misses() {
     let s = c.status();
     assert_eq!((s.hits, s.misses, s.loads), (1, 2, 1));
 }
+
+#[tokio::test(start_paused = true)]
+async fn after_a_resync_versioned_refreshes_are_quarantined() {
+    let c = cache();
+    assert!(c.inner.claim(Duration::from_secs(10)));
+    c.inner.resync().await;
+    refresh(&c, "k", "maybe older than what was lost", Some(10)).await;
+    assert_eq!(c.get(&"k".into()).await, None, "applied as an invalidation");
+    refresh(&c, "u", "unversioned", None).await;
+    assert_eq!(
+        c.get(&"u".into()).await.as_deref(),
+        Some("unversioned"),
+        "delivery order still holds"
+    );
+    tokio::time::advance(Duration::from_secs(11)).await;
+    refresh(&c, "k", "after the window", Some(11)).await;
+    assert_eq!(
+        c.get(&"k".into()).await.as_deref(),
+        Some("after the window")
+    );
+    let s = c.status();
+    assert_eq!((s.refreshes_quarantined, s.loss_resyncs), (1, 1));
+}

@@ -32,6 +32,9 @@ pub use offsets::{FileOffsetStore, MemoryOffsetStore, OffsetStore};
 /// The topic used when none is set.
 pub const DEFAULT_TOPIC: &str = "cache-sync";
 
+/// See [`NodeBuilder::loss_quarantine`].
+pub const DEFAULT_LOSS_QUARANTINE: Duration = Duration::from_secs(10);
+
 /// One application node: a broadcasting consumer plus the caches it keeps in
 /// step, and the source of its status.
 ///
@@ -91,6 +94,7 @@ struct Config {
     persist_interval: Duration,
     min_backoff: Duration,
     max_backoff: Duration,
+    loss_quarantine: Duration,
 }
 
 #[derive(Default)]
@@ -182,6 +186,23 @@ impl NodeBuilder {
     pub fn reconnect_backoff(mut self, min: Duration, max: Duration) -> Self {
         self.config.min_backoff = min;
         self.config.max_backoff = max;
+        self
+    }
+
+    /// After a loss (and after a cache is registered), versioned refreshes
+    /// are applied as invalidations for this long. Default 10 s.
+    ///
+    /// Why: a node that missed an event cannot know its version. When two
+    /// writers publish in a different order than they committed, a refresh
+    /// delivered after the loss can be older than the lost event for its key,
+    /// and installing it would leave the node stale until the next change.
+    /// Dropping the entry instead makes the next read load it from the source
+    /// of truth. Set this above the longest time between assigning a version
+    /// (the database commit) and publishing it, retries included. With a
+    /// single publisher per table using automatic versions the window is not
+    /// needed, since its versions reach the transport in order.
+    pub fn loss_quarantine(mut self, window: Duration) -> Self {
+        self.config.loss_quarantine = window;
         self
     }
 
@@ -288,6 +309,7 @@ impl Node {
                 persist_interval: Duration::from_secs(5),
                 min_backoff: Duration::from_millis(100),
                 max_backoff: Duration::from_secs(5),
+                loss_quarantine: DEFAULT_LOSS_QUARANTINE,
             },
             caches: Vec::new(),
         }
@@ -419,7 +441,7 @@ impl Shared {
             if caches.contains_key(&name) {
                 return Err(Error::DuplicateCache(name));
             }
-            if !cache.claim() {
+            if !cache.claim(self.config.loss_quarantine) {
                 return Err(Error::Config(format!(
                     "cache {name:?} is already registered on a node"
                 )));
