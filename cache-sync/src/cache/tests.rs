@@ -232,7 +232,7 @@ async fn a_cancelled_leader_does_not_strand_its_waiters() {
     let leader = {
         let c = c.clone();
         tokio::spawn(async move {
-            c.get_with("k".into(), || std::future::pending::<String>())
+            c.get_with("k".into(), std::future::pending::<String>)
                 .await
         })
     };
