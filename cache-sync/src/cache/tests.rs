@@ -231,10 +231,7 @@ async fn a_cancelled_leader_does_not_strand_its_waiters() {
     let c = cache();
     let leader = {
         let c = c.clone();
-        tokio::spawn(async move {
-            c.get_with("k".into(), std::future::pending::<String>)
-                .await
-        })
+        tokio::spawn(async move { c.get_with("k".into(), std::future::pending::<String>).await })
     };
     tokio::task::yield_now().await;
     let follower = {

@@ -494,6 +494,16 @@ struct Subscribed {
     names: HashSet<String>,
 }
 
+/// Whichever task ends first, by shutdown or by a panic in user code (a
+/// key's `Deserialize` or `Hash`), the node stops reporting itself healthy.
+struct MarkDownOnExit<'a>(&'a Shared);
+
+impl Drop for MarkDownOnExit<'_> {
+    fn drop(&mut self) {
+        self.0.consuming.store(false, Relaxed);
+    }
+}
+
 /// Reads from the transport into a bounded channel. Owns the subscription
 /// and re-subscribes after errors, from the last position it fetched.
 async fn fetch_loop(
@@ -601,6 +611,7 @@ async fn fetch_loop(
 
 /// Applies fetched batches in order and saves the position periodically.
 async fn apply_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<Fetched>) {
+    let _down = MarkDownOnExit(&shared);
     let mut seqs = PublisherSeqs::default();
     let mut persist = tokio::time::interval(shared.config.persist_interval);
     persist.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

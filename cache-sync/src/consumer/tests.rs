@@ -445,3 +445,31 @@ async fn dropping_the_last_handle_stops_the_consumer() {
     drop(node);
     eventually("tasks exited", async || weak.strong_count() == 0).await;
 }
+
+/// A key type whose `Deserialize` panics: user code the node cannot vouch for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize)]
+struct PanickyKey(String);
+
+impl<'de> serde::Deserialize<'de> for PanickyKey {
+    fn deserialize<D: serde::Deserializer<'de>>(_: D) -> std::result::Result<Self, D::Error> {
+        panic!("user Deserialize panicked")
+    }
+}
+
+#[tokio::test]
+async fn a_panic_in_user_code_shows_as_unhealthy_rather_than_silently_stale() {
+    let bus = EmbeddedBus::new();
+    let c: SyncedCache<PanickyKey, String> = SyncedCache::new("t", moka::future::Cache::new(10));
+    let node = Node::builder("n1", bus.clone())
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    assert!(node.is_consuming());
+    node.publisher()
+        .invalidate("t", [PanickyKey("k".into())])
+        .await
+        .unwrap();
+    eventually("node reports itself down", async || !node.is_consuming()).await;
+    assert!(!node.status().consuming);
+}
