@@ -316,6 +316,11 @@ where
                         key: &key,
                         flight: &flight,
                     };
+                    // A load that finished between our miss and taking the lead.
+                    if let Some(v) = self.inner.cache.get(&key).await {
+                        flight.result.send_replace(Some(Ok(v.clone())));
+                        return Ok(v);
+                    }
                     let result = self.inner.load(&key, &mut loader).await;
                     let shared = result.clone().map_err(|e| e as SharedError);
                     flight.result.send_replace(Some(shared));
