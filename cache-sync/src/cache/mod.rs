@@ -44,6 +44,11 @@ pub const DEFAULT_MAX_TRACKED_KEYS: usize = 100_000;
 ///
 /// Do not write to the wrapped moka cache directly: such writes bypass the
 /// per-key bookkeeping.
+///
+/// # Missing rows
+/// To remember that a row does not exist, cache `Option<V>` and let the
+/// loader return `None`; a loader error is never cached and counts as a
+/// failed load.
 pub struct SyncedCache<K, V> {
     inner: Arc<Inner<K, V>>,
 }
@@ -224,6 +229,12 @@ where
         };
         counter.fetch_add(1, Relaxed);
         v
+    }
+
+    /// The cached value, without counting a hit or miss (for diagnostics
+    /// and tests that poll).
+    pub async fn peek(&self, key: &K) -> Option<V> {
+        self.inner.cache.get(key).await
     }
 
     /// Inserts locally. Not published; other nodes are unaffected.
@@ -512,6 +523,8 @@ pub(crate) trait CacheHandle: Send + Sync {
     async fn reset(&self);
     /// An event for this cache could not be read at all.
     async fn reject(&self, reason: &str);
+    /// Lets moka finish pending bookkeeping, so `entries` is current.
+    async fn settle(&self);
     fn status(&self) -> CacheStatus;
 }
 
@@ -544,9 +557,9 @@ where
 
     async fn apply(&self, header: &Header, change: Change) {
         let s = &self.stats;
-        if let Some(v) = change.max_version() {
-            s.version.fetch_max(v, Relaxed);
-        }
+        // Raised only once the change is in the cache, so a node never reports
+        // a version next to an older value.
+        let version = change.max_version();
         match change {
             Change::Clear { version } => {
                 self.clear(version).await;
@@ -600,6 +613,9 @@ where
                 }
             }
         }
+        if let Some(v) = version {
+            s.version.fetch_max(v, Relaxed);
+        }
         s.events_applied.fetch_add(1, Relaxed);
         let now = now_us();
         s.last_applied_us.store(now, Relaxed);
@@ -625,6 +641,10 @@ where
         self.stats.rejected_events.fetch_add(1, Relaxed);
         tracing::warn!(cache = %self.name, %reason, "unreadable event for this cache; invalidating it all, since it may have carried a change");
         self.resync().await;
+    }
+
+    async fn settle(&self) {
+        self.cache.run_pending_tasks().await;
     }
 
     fn status(&self) -> CacheStatus {

@@ -383,6 +383,16 @@ impl Node {
         }
     }
 
+    /// Like [`status`](Self::status), after letting each cache finish
+    /// moka's pending bookkeeping, so entry counts are current.
+    pub async fn status_settled(&self) -> NodeStatus {
+        let caches: Vec<_> = self.handle.shared.caches().values().cloned().collect();
+        for cache in caches {
+            cache.settle().await;
+        }
+        self.status()
+    }
+
     /// An axum router serving `GET /cache-sync/status`,
     /// `GET /cache-sync/caches/{name}` and `GET /healthz`, to mount in the
     /// application's own server. No keys or values are shown.
