@@ -112,6 +112,9 @@ mod status;
 
 #[doc(inline)]
 pub use bus::embedded::{EmbeddedBus, EmbeddedBusBuilder};
+#[cfg(feature = "redis")]
+#[doc(inline)]
+pub use bus::redis::{RedisPubSubBuilder, RedisPubSubBus, RedisStreamsBuilder, RedisStreamsBus};
 #[doc(inline)]
 pub use bus::{
     ChangeBus, Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,

@@ -8,6 +8,9 @@ use std::time::Duration;
 
 use cache_sync::{ChangeBus, Node, NodeBuilder, Publisher, SyncedCache};
 
+pub mod conformance;
+pub mod redis_server;
+
 /// Cache values: `None` caches a missing row (negative caching).
 pub type Row = Option<String>;
 

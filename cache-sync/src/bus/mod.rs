@@ -11,6 +11,8 @@ use serde::{Deserialize, Serialize};
 use crate::error::Result;
 
 pub(crate) mod embedded;
+#[cfg(feature = "redis")]
+pub(crate) mod redis;
 
 /// Where a subscriber stands in a topic: one offset per partition.
 ///

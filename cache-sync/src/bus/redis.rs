@@ -1,0 +1,774 @@
+//! Redis transports: Streams (durable, replayable; recommended) and Pub/Sub
+//! (lowest latency, lossy).
+
+use std::fmt;
+use std::time::{Duration, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
+use redis::{AsyncConnectionConfig, Client, RedisError, Value};
+
+use super::{
+    ChangeBus, Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
+    Subscription,
+};
+use crate::error::{Error, Result};
+
+const STREAMS: &str = "redis-streams";
+const PUBSUB: &str = "redis-pubsub";
+
+/// Partition names in a Streams [`Position`]: the last entry id read, and
+/// its ordinal (how many entries the stream had ever received up to it).
+const ID: &str = "id";
+const ORDINAL: &str = "n";
+
+fn map_err(transport: &'static str, e: RedisError) -> Error {
+    if e.is_io_error() || e.is_connection_dropped() || e.is_timeout() || e.is_connection_refusal() {
+        Error::disconnected(transport, e)
+    } else {
+        Error::Transport {
+            transport,
+            source: Box::new(e),
+        }
+    }
+}
+
+fn bad_reply(transport: &'static str, what: &str) -> Error {
+    Error::Transport {
+        transport,
+        source: format!("unexpected reply: {what}").into(),
+    }
+}
+
+async fn publisher_connection(
+    client: &Client,
+    transport: &'static str,
+    response_timeout: Duration,
+) -> Result<ConnectionManager> {
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(response_timeout))
+        .set_response_timeout(Some(response_timeout))
+        .set_number_of_retries(3);
+    client
+        .get_connection_manager_with_config(config)
+        .await
+        .map_err(|e| map_err(transport, e))
+}
+
+// ---------------------------------------------------------------- Streams
+
+/// Each entry records its own ordinal, taken from `entries-added` in the
+/// same atomic step as the `XADD`. Readers compare ordinals to find entries
+/// that `MAXLEN` trimming removed before they were read, which `XREAD`
+/// otherwise skips without a word.
+const XADD_SCRIPT: &str = r"
+local n = 1
+local ok, info = pcall(redis.call, 'XINFO', 'STREAM', KEYS[1])
+if ok then
+  for i = 1, #info, 2 do
+    if info[i] == 'entries-added' then n = info[i + 1] + 1 break end
+  end
+end
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'n', n, 't', ARGV[2], 'p', ARGV[3])
+";
+
+/// The Redis Streams transport: one stream per topic; every node reads it
+/// with `XREAD BLOCK` from its own last id (no consumer group: broadcast).
+///
+/// - **Delivery:** every entry still in the stream, in order, to every node.
+/// - **Retention:** `XADD … MAXLEN ~ n` (default 100 000 entries). A node that
+///   falls further behind, or resumes from a position older than that, gets
+///   [`LossReason::Trimmed`] with the number of entries missed.
+/// - **Disconnects:** the subscription fails; the node re-subscribes from its
+///   last id with backoff, losing nothing still in the stream.
+/// - **History reset** (the stream deleted, or a Redis without persistence
+///   restarted): detected from the ordinals and signalled as
+///   [`LossReason::HistoryReset`].
+/// - **Start positions:** latest, earliest, a stored position, a timestamp.
+///
+/// Needs Redis 7.0 or later (`entries-added` in `XINFO STREAM`).
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+#[derive(Clone)]
+pub struct RedisStreamsBus {
+    client: Client,
+    publisher: ConnectionManager,
+    script: redis::Script,
+    config: StreamsConfig,
+}
+
+impl fmt::Debug for RedisStreamsBus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStreamsBus")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct StreamsConfig {
+    max_len: usize,
+    block: Duration,
+    response_timeout: Duration,
+    key_prefix: String,
+}
+
+/// Configures a [`RedisStreamsBus`].
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+#[derive(Debug, Clone)]
+pub struct RedisStreamsBuilder {
+    url: String,
+    config: StreamsConfig,
+}
+
+impl RedisStreamsBuilder {
+    /// Approximate number of entries kept per topic (`MAXLEN ~`). Default 100 000.
+    pub fn max_len(mut self, n: usize) -> Self {
+        self.config.max_len = n.max(1);
+        self
+    }
+
+    /// How long one `XREAD BLOCK` waits before asking again. Default 5 s.
+    /// The reader's response timeout is this plus
+    /// [`response_timeout`](Self::response_timeout); the `redis` crate's
+    /// default of 500 ms would fail every blocking read.
+    pub fn block(mut self, block: Duration) -> Self {
+        self.config.block = block.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long to wait for a connection or an answer before treating the
+    /// server as unreachable. Default 5 s.
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.config.response_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Prefix of the stream key; the topic follows. Default `"cache-sync:"`.
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.config.key_prefix = prefix.into();
+        self
+    }
+
+    /// Connects and checks the server version.
+    pub async fn connect(self) -> Result<RedisStreamsBus> {
+        let client = Client::open(self.url.as_str()).map_err(|e| Error::Config(e.to_string()))?;
+        let mut publisher =
+            publisher_connection(&client, STREAMS, self.config.response_timeout).await?;
+        let info: String = redis::cmd("INFO")
+            .arg("server")
+            .query_async(&mut publisher)
+            .await
+            .map_err(|e| map_err(STREAMS, e))?;
+        let version = info
+            .lines()
+            .find_map(|l| l.strip_prefix("redis_version:"))
+            .and_then(|v| v.split('.').next()?.parse::<u32>().ok());
+        if version.is_none_or(|major| major < 7) {
+            return Err(Error::Unsupported {
+                transport: STREAMS,
+                what: "Redis before 7.0",
+            });
+        }
+        Ok(RedisStreamsBus {
+            client,
+            publisher,
+            script: redis::Script::new(XADD_SCRIPT),
+            config: self.config,
+        })
+    }
+}
+
+impl RedisStreamsBus {
+    /// Configures a bus for the server at `url` (`redis://127.0.0.1:6379/`).
+    pub fn builder(url: impl Into<String>) -> RedisStreamsBuilder {
+        RedisStreamsBuilder {
+            url: url.into(),
+            config: StreamsConfig {
+                max_len: 100_000,
+                block: Duration::from_secs(5),
+                response_timeout: Duration::from_secs(5),
+                key_prefix: "cache-sync:".into(),
+            },
+        }
+    }
+
+    /// Connects with default settings.
+    pub async fn connect(url: impl Into<String>) -> Result<Self> {
+        Self::builder(url).connect().await
+    }
+
+    fn key(&self, topic: &str) -> String {
+        format!("{}{topic}", self.config.key_prefix)
+    }
+
+    async fn reader(&self) -> Result<MultiplexedConnection> {
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.config.response_timeout))
+            .set_response_timeout(Some(self.config.block + self.config.response_timeout));
+        self.client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+            .map_err(|e| map_err(STREAMS, e))
+    }
+}
+
+/// What `XINFO STREAM` says about where the stream stands.
+#[derive(Debug, Default)]
+struct StreamState {
+    entries_added: u64,
+    length: u64,
+    last_id: String,
+}
+
+async fn stream_state(conn: &mut MultiplexedConnection, key: &str) -> Result<StreamState> {
+    let reply: Result<Value, RedisError> = redis::cmd("XINFO")
+        .arg("STREAM")
+        .arg(key)
+        .query_async(conn)
+        .await;
+    let fields = match reply {
+        Ok(v) => v,
+        // No stream yet: nothing was ever added.
+        Err(e) if e.code() == Some("ERR") && e.to_string().contains("no such key") => {
+            return Ok(StreamState {
+                last_id: "0-0".into(),
+                ..StreamState::default()
+            });
+        }
+        Err(e) => return Err(map_err(STREAMS, e)),
+    };
+    let pairs: Vec<(String, Value)> = match fields {
+        Value::Map(m) => m
+            .into_iter()
+            .filter_map(|(k, v)| Some((as_string(&k)?, v)))
+            .collect(),
+        Value::Array(a) => a
+            .chunks(2)
+            .filter_map(|c| Some((as_string(c.first()?)?, c.get(1)?.clone())))
+            .collect(),
+        _ => return Err(bad_reply(STREAMS, "XINFO STREAM")),
+    };
+    let mut state = StreamState::default();
+    for (k, v) in pairs {
+        match (k.as_str(), v) {
+            ("entries-added", Value::Int(n)) => state.entries_added = n.max(0) as u64,
+            ("length", Value::Int(n)) => state.length = n.max(0) as u64,
+            ("last-generated-id", v) => state.last_id = as_string(&v).unwrap_or_default(),
+            _ => {}
+        }
+    }
+    Ok(state)
+}
+
+fn as_string(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::VerbatimString { text, .. } => Some(text.clone()),
+        _ => None,
+    }
+}
+
+fn as_u64(v: &Value) -> Option<u64> {
+    match v {
+        Value::Int(n) => u64::try_from(*n).ok(),
+        other => as_string(other)?.parse().ok(),
+    }
+}
+
+/// One stream entry as read.
+struct Entry {
+    id: String,
+    ordinal: Option<u64>,
+    tag: Option<String>,
+    payload: Bytes,
+}
+
+fn parse_entry(v: Value) -> Option<Entry> {
+    let Value::Array(mut parts) = v else {
+        return None;
+    };
+    if parts.len() != 2 {
+        return None;
+    }
+    let fields = parts.pop()?;
+    let id = as_string(&parts.pop()?)?;
+    let mut entry = Entry {
+        id,
+        ordinal: None,
+        tag: None,
+        payload: Bytes::new(),
+    };
+    let Value::Array(fields) = fields else {
+        return None;
+    };
+    for pair in fields.chunks(2) {
+        let (Some(k), Some(v)) = (pair.first().and_then(as_string), pair.get(1)) else {
+            continue;
+        };
+        match (k.as_str(), v) {
+            ("n", v) => entry.ordinal = as_u64(v),
+            ("t", v) => entry.tag = as_string(v),
+            ("p", Value::BulkString(b)) => entry.payload = Bytes::from(b.clone()),
+            _ => {}
+        }
+    }
+    Some(entry)
+}
+
+/// Entries from an `XREAD` reply for one key (RESP2 array or RESP3 map).
+fn parse_xread(v: Value) -> Vec<Value> {
+    let streams: Vec<Value> = match v {
+        Value::Nil => return Vec::new(),
+        Value::Array(streams) => streams
+            .into_iter()
+            .filter_map(|s| match s {
+                Value::Array(mut kv) if kv.len() == 2 => kv.pop(),
+                _ => None,
+            })
+            .collect(),
+        Value::Map(m) => m.into_iter().map(|(_, v)| v).collect(),
+        _ => return Vec::new(),
+    };
+    streams
+        .into_iter()
+        .flat_map(|s| match s {
+            Value::Array(entries) => entries,
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+fn streams_position(id: &str, ordinal: u64) -> Position {
+    let mut p = Position::single(ID, Offset::Id(id.to_owned()));
+    p.set(ORDINAL, Offset::Seq(ordinal));
+    p
+}
+
+#[async_trait]
+impl ChangeBus for RedisStreamsBus {
+    fn kind(&self) -> &'static str {
+        STREAMS
+    }
+
+    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        let mut conn = self.publisher.clone();
+        let id: String = self
+            .script
+            .key(self.key(topic))
+            .arg(self.config.max_len)
+            .arg(tag)
+            .arg(payload.as_ref())
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| map_err(STREAMS, e))?;
+        Ok(Some(Position::single(ID, Offset::Id(id))))
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        let key = self.key(topic);
+        let mut conn = self.reader().await?;
+        let state = stream_state(&mut conn, &key).await?;
+        let trimmed = state.entries_added.saturating_sub(state.length);
+        let mut pending = None;
+        let (id, ordinal) = match options.from {
+            StartFrom::Latest => (state.last_id.clone(), state.entries_added),
+            // Ordinal of the entry before the oldest one kept.
+            StartFrom::Earliest => ("0-0".to_owned(), trimmed),
+            StartFrom::Position(p) => match (p.get(ID), p.get(ORDINAL)) {
+                (Some(Offset::Id(id)), Some(Offset::Seq(n))) if *n <= state.entries_added => {
+                    (id.clone(), *n)
+                }
+                _ => {
+                    pending = Some(Loss::new(
+                        LossReason::HistoryReset,
+                        None,
+                        Some(streams_position(&state.last_id, state.entries_added)),
+                    ));
+                    (state.last_id.clone(), state.entries_added)
+                }
+            },
+            StartFrom::Timestamp(t) => {
+                let ms = t
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64);
+                let first: Value = redis::cmd("XRANGE")
+                    .arg(&key)
+                    .arg(ms)
+                    .arg("+")
+                    .arg("COUNT")
+                    .arg(1)
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(|e| map_err(STREAMS, e))?;
+                let first = match first {
+                    Value::Array(mut v) if !v.is_empty() => parse_entry(v.swap_remove(0)),
+                    _ => None,
+                };
+                // XREAD returns ids after the one given: start just before `ms`.
+                let start = if ms == 0 {
+                    "0-0".to_owned()
+                } else {
+                    format!("{}-{}", ms - 1, u64::MAX)
+                };
+                match first.and_then(|e| e.ordinal) {
+                    Some(n) => {
+                        // `n` is the oldest entry kept: trimmed ones came before
+                        // it, and some of them may have been at or after `t`.
+                        if n - 1 == trimmed && trimmed > 0 {
+                            pending = Some(Loss::new(LossReason::Trimmed, None, None));
+                        }
+                        (start, n - 1)
+                    }
+                    None => {
+                        if state.length == 0 && trimmed > 0 {
+                            pending = Some(Loss::new(LossReason::Trimmed, None, None));
+                        }
+                        (state.last_id.clone(), state.entries_added)
+                    }
+                }
+            }
+        };
+        Ok(Box::new(StreamsSubscription {
+            conn,
+            key,
+            id,
+            ordinal,
+            block_ms: self.config.block.as_millis().max(1) as u64,
+            pending,
+        }))
+    }
+}
+
+struct StreamsSubscription {
+    conn: MultiplexedConnection,
+    key: String,
+    /// Last id read; the next read starts after it.
+    id: String,
+    /// Ordinal of the entry at `id`.
+    ordinal: u64,
+    block_ms: u64,
+    pending: Option<Loss>,
+}
+
+impl fmt::Debug for StreamsSubscription {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StreamsSubscription")
+            .field("key", &self.key)
+            .field("id", &self.id)
+            .field("ordinal", &self.ordinal)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl Subscription for StreamsSubscription {
+    async fn next(&mut self, max: usize) -> Result<Delivery> {
+        if let Some(loss) = self.pending.take() {
+            return Ok(Delivery::Lost(loss));
+        }
+        loop {
+            let reply: Value = redis::cmd("XREAD")
+                .arg("COUNT")
+                .arg(max.max(1))
+                .arg("BLOCK")
+                .arg(self.block_ms)
+                .arg("STREAMS")
+                .arg(&self.key)
+                .arg(&self.id)
+                .query_async(&mut self.conn)
+                .await
+                .map_err(|e| map_err(STREAMS, e))?;
+            let raw = parse_xread(reply);
+            if raw.is_empty() {
+                continue;
+            }
+            let mut records = Vec::with_capacity(raw.len());
+            for v in raw {
+                let Some(entry) = parse_entry(v) else {
+                    return Err(bad_reply(STREAMS, "XREAD entry"));
+                };
+                let expected = self.ordinal + 1;
+                match entry.ordinal {
+                    Some(n) if n == expected => {}
+                    Some(n) if n > expected && records.is_empty() => {
+                        // Entries between our last read and this one were trimmed.
+                        let loss = Loss::new(
+                            LossReason::Trimmed,
+                            Some(n - expected),
+                            Some(streams_position(&self.id, n - 1)),
+                        );
+                        self.ordinal = n - 1;
+                        return Ok(Delivery::Lost(loss));
+                    }
+                    // A jump mid-batch: deliver what came before it first.
+                    Some(n) if n > expected => break,
+                    Some(_) | None => {
+                        // Ordinals went backwards or are missing: this is a
+                        // different stream than the one we were reading.
+                        let state = stream_state(&mut self.conn, &self.key).await?;
+                        self.id.clone_from(&state.last_id);
+                        self.ordinal = state.entries_added;
+                        if records.is_empty() {
+                            return Ok(Delivery::Lost(Loss::new(
+                                LossReason::HistoryReset,
+                                None,
+                                Some(streams_position(&self.id, self.ordinal)),
+                            )));
+                        }
+                        self.pending = Some(Loss::new(
+                            LossReason::HistoryReset,
+                            None,
+                            Some(streams_position(&self.id, self.ordinal)),
+                        ));
+                        break;
+                    }
+                }
+                self.ordinal = expected;
+                self.id.clone_from(&entry.id);
+                records.push(Record::new(
+                    streams_position(&entry.id, expected),
+                    entry.tag,
+                    entry.payload,
+                ));
+            }
+            let position = streams_position(&self.id, self.ordinal);
+            return Ok(Delivery::Batch { records, position });
+        }
+    }
+
+    fn position(&self) -> Option<Position> {
+        Some(streams_position(&self.id, self.ordinal))
+    }
+}
+
+// ---------------------------------------------------------------- Pub/Sub
+
+/// The Redis Pub/Sub transport: `PUBLISH` to one channel per topic.
+///
+/// The lowest latency, and lossy: Redis keeps nothing for a subscriber that
+/// is not connected, and disconnects a subscriber whose output buffer passes
+/// `client-output-buffer-limit pubsub` (default 32 MiB hard, or 8 MiB for
+/// 60 s), dropping what was queued. So every subscription starts with no
+/// history, and any disconnect, re-subscription or unanswered PING is
+/// signalled as [`LossReason::Reconnected`]: the node clears its caches, as
+/// Redis client-side caching does when its invalidation link drops.
+///
+/// Start positions: only [`StartFrom::Latest`]; resuming from a position
+/// always reports a loss first.
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+#[derive(Clone)]
+pub struct RedisPubSubBus {
+    client: Client,
+    publisher: ConnectionManager,
+    config: PubSubConfig,
+}
+
+impl fmt::Debug for RedisPubSubBus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisPubSubBus")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct PubSubConfig {
+    ping_interval: Duration,
+    ping_timeout: Duration,
+    response_timeout: Duration,
+    channel_prefix: String,
+}
+
+/// Configures a [`RedisPubSubBus`].
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+#[derive(Debug, Clone)]
+pub struct RedisPubSubBuilder {
+    url: String,
+    config: PubSubConfig,
+}
+
+impl RedisPubSubBuilder {
+    /// How often an idle subscription PINGs the server. Default 1 s.
+    pub fn ping_interval(mut self, every: Duration) -> Self {
+        self.config.ping_interval = every.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long a PING may go unanswered before the link counts as dead.
+    /// Default 1 s.
+    pub fn ping_timeout(mut self, timeout: Duration) -> Self {
+        self.config.ping_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long to wait for a connection or a `PUBLISH` answer. Default 5 s.
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.config.response_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Prefix of the channel name; the topic follows. Default `"cache-sync:"`.
+    pub fn channel_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.config.channel_prefix = prefix.into();
+        self
+    }
+
+    /// Connects.
+    pub async fn connect(self) -> Result<RedisPubSubBus> {
+        let client = Client::open(self.url.as_str()).map_err(|e| Error::Config(e.to_string()))?;
+        let publisher = publisher_connection(&client, PUBSUB, self.config.response_timeout).await?;
+        Ok(RedisPubSubBus {
+            client,
+            publisher,
+            config: self.config,
+        })
+    }
+}
+
+impl RedisPubSubBus {
+    /// Configures a bus for the server at `url`.
+    pub fn builder(url: impl Into<String>) -> RedisPubSubBuilder {
+        RedisPubSubBuilder {
+            url: url.into(),
+            config: PubSubConfig {
+                ping_interval: Duration::from_secs(1),
+                ping_timeout: Duration::from_secs(1),
+                response_timeout: Duration::from_secs(5),
+                channel_prefix: "cache-sync:".into(),
+            },
+        }
+    }
+
+    /// Connects with default settings.
+    pub async fn connect(url: impl Into<String>) -> Result<Self> {
+        Self::builder(url).connect().await
+    }
+}
+
+#[async_trait]
+impl ChangeBus for RedisPubSubBus {
+    fn kind(&self) -> &'static str {
+        PUBSUB
+    }
+
+    async fn publish(&self, topic: &str, _tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        let mut conn = self.publisher.clone();
+        let channel = format!("{}{topic}", self.config.channel_prefix);
+        redis::cmd("PUBLISH")
+            .arg(channel)
+            .arg(payload.as_ref())
+            .query_async::<i64>(&mut conn)
+            .await
+            .map_err(|e| map_err(PUBSUB, e))?;
+        Ok(None)
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        let pending = match options.from {
+            StartFrom::Latest => None,
+            StartFrom::Position(_) => Some(Loss::new(LossReason::Reconnected, None, None)),
+            StartFrom::Earliest => {
+                return Err(Error::Unsupported {
+                    transport: PUBSUB,
+                    what: "starting from the earliest event",
+                });
+            }
+            StartFrom::Timestamp(_) => {
+                return Err(Error::Unsupported {
+                    transport: PUBSUB,
+                    what: "starting from a timestamp",
+                });
+            }
+        };
+        let connect = self.client.get_async_pubsub();
+        let pubsub = tokio::time::timeout(self.config.response_timeout, connect)
+            .await
+            .map_err(|_| Error::disconnected(PUBSUB, "connect timed out"))?
+            .map_err(|e| map_err(PUBSUB, e))?;
+        let (mut sink, stream) = pubsub.split();
+        let channel = format!("{}{topic}", self.config.channel_prefix);
+        tokio::time::timeout(self.config.response_timeout, sink.subscribe(&channel))
+            .await
+            .map_err(|_| Error::disconnected(PUBSUB, "SUBSCRIBE timed out"))?
+            .map_err(|e| map_err(PUBSUB, e))?;
+        Ok(Box::new(PubSubSubscription {
+            sink,
+            stream,
+            pending,
+            ping: tokio::time::interval_at(
+                tokio::time::Instant::now() + self.config.ping_interval,
+                self.config.ping_interval,
+            ),
+            ping_timeout: self.config.ping_timeout,
+        }))
+    }
+}
+
+struct PubSubSubscription {
+    sink: redis::aio::PubSubSink,
+    stream: redis::aio::PubSubStream,
+    pending: Option<Loss>,
+    ping: tokio::time::Interval,
+    ping_timeout: Duration,
+}
+
+impl fmt::Debug for PubSubSubscription {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PubSubSubscription").finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl Subscription for PubSubSubscription {
+    async fn next(&mut self, max: usize) -> Result<Delivery> {
+        if let Some(loss) = self.pending.take() {
+            return Ok(Delivery::Lost(loss));
+        }
+        loop {
+            tokio::select! {
+                msg = self.stream.next() => {
+                    let Some(msg) = msg else {
+                        return Err(Error::disconnected(PUBSUB, "the subscription connection closed"));
+                    };
+                    let mut records = vec![record(&msg)];
+                    // Take what is already buffered, without waiting.
+                    while records.len() < max {
+                        match futures_util::FutureExt::now_or_never(self.stream.next()) {
+                            Some(Some(msg)) => records.push(record(&msg)),
+                            Some(None) => break,
+                            None => break,
+                        }
+                    }
+                    self.ping.reset();
+                    return Ok(Delivery::Batch { records, position: Position::default() });
+                }
+                _ = self.ping.tick() => {
+                    match tokio::time::timeout(self.ping_timeout, self.sink.ping::<Value>()).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => return Err(map_err(PUBSUB, e)),
+                        Err(_) => return Err(Error::disconnected(PUBSUB, "PING went unanswered")),
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn record(msg: &redis::Msg) -> Record {
+    Record::new(
+        Position::default(),
+        None,
+        Bytes::copy_from_slice(msg.get_payload_bytes()),
+    )
+}

@@ -1,0 +1,192 @@
+//! A `redis-server` of the test's own, on a free loopback port, that the test
+//! can kill, restart on the same data, pause, and cut connections to.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running `redis-server`, stopped on drop.
+#[derive(Debug)]
+pub struct RedisServer {
+    port: u16,
+    dir: tempfile::TempDir,
+    extra: Vec<String>,
+    child: Option<Child>,
+}
+
+const MISSING: &str = "redis-server is not on PATH. Install it (Debian: `apt-get install redis-server`); \
+                       ./scripts/test installs it when it is missing";
+
+impl RedisServer {
+    /// Starts a server with persistence on (append-only file, fsync always),
+    /// so a `kill -9` and restart keep every acknowledged write.
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts a server with extra `redis-server` arguments.
+    pub fn start_with(extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir for redis-server");
+        let port = free_port();
+        let mut server = Self {
+            port,
+            dir,
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+            child: None,
+        };
+        server.spawn();
+        server
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::File::create(self.dir.path().join("redis.log")).expect("log file");
+        let mut cmd = Command::new("redis-server");
+        cmd.args([
+            "--port",
+            &self.port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+        ])
+        .args([
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--daemonize",
+            "no",
+        ])
+        .arg("--dir")
+        .arg(self.dir.path())
+        .args(&self.extra)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().expect("log file"))
+        .stderr(log);
+        let child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!("{MISSING}"),
+            Err(e) => panic!("cannot start redis-server: {e}"),
+        };
+        self.child = Some(child);
+        self.wait_ready();
+    }
+
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if self
+                .command(&["PING"])
+                .is_ok_and(|r| r.starts_with("+PONG"))
+            {
+                return;
+            }
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                panic!("redis-server exited with {status}; log:\n{}", self.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not answer PING in 10 s; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The server's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("redis.log")).unwrap_or_default()
+    }
+
+    /// `redis://127.0.0.1:PORT/`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// The data directory.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("server is running").id()
+    }
+
+    /// `kill -9`: no shutdown, no goodbye to clients.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts again on the same port and data directory.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// SIGSTOP: the server holds connections open but answers nothing.
+    pub fn pause(&self) {
+        signal("-STOP", self.pid());
+    }
+
+    /// SIGCONT.
+    pub fn resume(&self) {
+        signal("-CONT", self.pid());
+    }
+
+    /// Closes every client connection of a type (`normal`, `pubsub`), as
+    /// `CLIENT KILL TYPE` does. Returns how many were closed.
+    pub fn kill_clients(&self, kind: &str) -> u64 {
+        let reply = self
+            .command(&["CLIENT", "KILL", "TYPE", kind])
+            .expect("CLIENT KILL");
+        reply.trim_start_matches(':').trim().parse().unwrap_or(0)
+    }
+
+    /// Runs one command and returns the first line of the reply (enough for
+    /// status, integer and error replies).
+    pub fn command(&self, args: &[&str]) -> std::io::Result<String> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let mut req = format!("*{}\r\n", args.len());
+        for a in args {
+            req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+        }
+        stream.write_all(req.as_bytes())?;
+        let mut line = String::new();
+        BufReader::new(&mut stream).read_line(&mut line)?;
+        Ok(line.trim_end().to_owned())
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_ref() {
+            // A paused server ignores SIGKILL until continued on some kernels' ptrace
+            // setups; continue it first so the test never leaves a stopped process.
+            signal("-CONT", child.id());
+        }
+        self.kill();
+    }
+}
+
+fn signal(sig: &str, pid: u32) {
+    let status = Command::new("kill")
+        .arg(sig)
+        .arg(pid.to_string())
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill {sig} {pid} failed");
+}
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    listener.local_addr().expect("local addr").port()
+}

@@ -1,0 +1,250 @@
+//! Every transport runs the same conformance scenarios. Redis transports run
+//! against a `redis-server` of the test's own; a missing binary fails the
+//! test with instructions instead of skipping it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use cache_sync::{ChangeBus, EmbeddedBus, Publisher, RedisPubSubBus, RedisStreamsBus};
+use integration_tests::conformance::{Expect, Fault, Fixture, normal_path, retry, survives};
+use integration_tests::redis_server::RedisServer;
+
+struct Embedded {
+    bus: EmbeddedBus,
+}
+
+impl Embedded {
+    fn new() -> Self {
+        Self {
+            bus: EmbeddedBus::builder().max_records(4096).build(),
+        }
+    }
+}
+
+#[async_trait]
+impl Fixture for Embedded {
+    fn name(&self) -> &'static str {
+        "embedded"
+    }
+
+    async fn bus(&self) -> Arc<dyn ChangeBus> {
+        Arc::new(self.bus.clone())
+    }
+
+    fn expect(&self, fault: Fault) -> Option<Expect> {
+        match fault {
+            Fault::TrimPastReader => Some(Expect::Loss),
+            Fault::NodeRestart => Some(Expect::NoLoss),
+            // In-process: there is no broker to kill, pause or disconnect.
+            _ => None,
+        }
+    }
+
+    async fn inject(&mut self, fault: Fault) {
+        if fault == Fault::TrimPastReader {
+            // More than the history holds, while the node is away.
+            let p = Publisher::new(self.bus.clone());
+            for i in 0..5000u32 {
+                p.refresh("filler", [(i, i)]).await.expect("publish filler");
+            }
+        }
+    }
+}
+
+struct Streams {
+    server: RedisServer,
+}
+
+#[async_trait]
+impl Fixture for Streams {
+    fn name(&self) -> &'static str {
+        "redis-streams"
+    }
+
+    async fn bus(&self) -> Arc<dyn ChangeBus> {
+        let bus = retry(|| {
+            RedisStreamsBus::builder(self.server.url())
+                .block(Duration::from_millis(100))
+                .response_timeout(Duration::from_millis(500))
+                .connect()
+        })
+        .await;
+        Arc::new(bus)
+    }
+
+    fn expect(&self, fault: Fault) -> Option<Expect> {
+        match fault {
+            Fault::TrimPastReader => Some(Expect::Loss),
+            // Durable and replayable: every one of these resumes losslessly.
+            Fault::BrokerRestart
+            | Fault::BrokerPause
+            | Fault::ConnectionKill
+            | Fault::NodeRestart => Some(Expect::NoLoss),
+            // A reader that falls behind stays in the stream; only trimming loses.
+            _ => None,
+        }
+    }
+
+    async fn inject(&mut self, fault: Fault) {
+        match fault {
+            Fault::BrokerRestart => self.server.restart(),
+            Fault::BrokerPause => pause(&self.server).await,
+            Fault::ConnectionKill => {
+                self.server.kill_clients("normal");
+            }
+            Fault::TrimPastReader => {
+                let reply = self
+                    .server
+                    .command(&["XTRIM", "cache-sync:cache-sync", "MAXLEN", "0"])
+                    .expect("XTRIM");
+                assert!(reply.starts_with(':'), "XTRIM: {reply}");
+            }
+            Fault::NodeRestart => {}
+            other => panic!("not injectable here: {other:?}"),
+        }
+    }
+}
+
+struct PubSub {
+    server: RedisServer,
+}
+
+#[async_trait]
+impl Fixture for PubSub {
+    fn name(&self) -> &'static str {
+        "redis-pubsub"
+    }
+
+    async fn bus(&self) -> Arc<dyn ChangeBus> {
+        let bus = retry(|| {
+            RedisPubSubBus::builder(self.server.url())
+                .ping_interval(Duration::from_millis(100))
+                .ping_timeout(Duration::from_millis(300))
+                .response_timeout(Duration::from_millis(500))
+                .connect()
+        })
+        .await;
+        Arc::new(bus)
+    }
+
+    fn expect(&self, fault: Fault) -> Option<Expect> {
+        match fault {
+            // Pub/Sub keeps no history: there is nothing to trim.
+            Fault::TrimPastReader => None,
+            // A new process starts with empty caches: what it missed while
+            // down cannot be stale in it, and there is no position to resume.
+            Fault::NodeRestart => Some(Expect::NoLoss),
+            // Every disconnect may have lost messages, so every one is a loss.
+            _ => Some(Expect::Loss),
+        }
+    }
+
+    async fn inject(&mut self, fault: Fault) {
+        match fault {
+            Fault::BrokerRestart => self.server.restart(),
+            Fault::BrokerPause => pause(&self.server).await,
+            Fault::ConnectionKill => {
+                assert!(self.server.kill_clients("pubsub") >= 1);
+            }
+            Fault::BufferLimitDisconnect => {
+                // A hard limit of 1 KiB, then one message larger than that:
+                // Redis drops every subscriber, as it would a slow one.
+                let limit = [
+                    "CONFIG",
+                    "SET",
+                    "client-output-buffer-limit",
+                    "pubsub 1kb 1kb 0",
+                ];
+                assert!(
+                    self.server
+                        .command(&limit)
+                        .expect("CONFIG SET")
+                        .starts_with("+OK")
+                );
+                let big = "x".repeat(64 * 1024);
+                self.server
+                    .command(&["PUBLISH", "cache-sync:cache-sync", &big])
+                    .expect("PUBLISH");
+                let restore = [
+                    "CONFIG",
+                    "SET",
+                    "client-output-buffer-limit",
+                    "pubsub 32mb 8mb 60",
+                ];
+                assert!(
+                    self.server
+                        .command(&restore)
+                        .expect("CONFIG SET")
+                        .starts_with("+OK")
+                );
+            }
+            Fault::NodeRestart => {}
+            other => panic!("not injectable here: {other:?}"),
+        }
+    }
+}
+
+/// Longer than every client timeout the fixtures set.
+async fn pause(server: &RedisServer) {
+    server.pause();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    server.resume();
+}
+
+macro_rules! conformance {
+    ($module:ident, $fixture:expr) => {
+        mod $module {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn normal_path_every_node_gets_every_event_in_order() {
+                normal_path(&mut $fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn broker_killed_and_restarted() {
+                survives(&mut $fixture, Fault::BrokerRestart).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn broker_paused_past_client_timeouts() {
+                survives(&mut $fixture, Fault::BrokerPause).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn connections_killed() {
+                survives(&mut $fixture, Fault::ConnectionKill).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn history_trimmed_past_a_reader() {
+                survives(&mut $fixture, Fault::TrimPastReader).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn slow_subscriber_disconnected_by_buffer_limit() {
+                survives(&mut $fixture, Fault::BufferLimitDisconnect).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn node_process_restarted() {
+                survives(&mut $fixture, Fault::NodeRestart).await;
+            }
+        }
+    };
+}
+
+conformance!(embedded, Embedded::new());
+conformance!(
+    redis_streams,
+    Streams {
+        server: RedisServer::start()
+    }
+);
+conformance!(
+    redis_pubsub,
+    PubSub {
+        server: RedisServer::start()
+    }
+);
