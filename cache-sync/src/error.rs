@@ -101,6 +101,12 @@ impl Error {
         matches!(self, Error::Decode(_))
     }
 
+    /// An event was unsigned, forged, tampered with, or signed with an
+    /// unknown key.
+    pub fn is_signature(&self) -> bool {
+        matches!(self, Error::Decode(d) if matches!(d.kind, DecodeErrorKind::Unsigned | DecodeErrorKind::BadSignature | DecodeErrorKind::UnknownKey(_)))
+    }
+
     /// An event, key or value is over the size limit.
     pub fn is_too_large(&self) -> bool {
         matches!(self, Error::TooLarge { .. })
@@ -166,6 +172,12 @@ pub enum DecodeErrorKind {
     Malformed(String),
     /// The value decoded but bytes were left over.
     TrailingBytes(usize),
+    /// The node verifies signatures and the event carries none.
+    Unsigned,
+    /// The signature does not match: forged, tampered with, or truncated.
+    BadSignature,
+    /// Signed with a key id the node does not accept.
+    UnknownKey(String),
     /// A key or value did not decode into the cache's types.
     TypeMismatch {
         /// `"key"` or `"value"`.
@@ -184,6 +196,9 @@ impl DecodeErrorKind {
             DecodeErrorKind::TooLarge { .. } => "too_large",
             DecodeErrorKind::Malformed(_) => "malformed",
             DecodeErrorKind::TrailingBytes(_) => "trailing_bytes",
+            DecodeErrorKind::Unsigned => "unsigned",
+            DecodeErrorKind::BadSignature => "bad_signature",
+            DecodeErrorKind::UnknownKey(_) => "unknown_key",
             DecodeErrorKind::TypeMismatch { .. } => "type_mismatch",
         }
     }
@@ -199,6 +214,13 @@ impl fmt::Display for DecodeErrorKind {
             }
             DecodeErrorKind::Malformed(m) => write!(f, "malformed payload: {m}"),
             DecodeErrorKind::TrailingBytes(n) => write!(f, "{n} trailing bytes after the event"),
+            DecodeErrorKind::Unsigned => {
+                f.write_str("unsigned event, and this node requires signatures")
+            }
+            DecodeErrorKind::BadSignature => {
+                f.write_str("signature does not match (forged or tampered)")
+            }
+            DecodeErrorKind::UnknownKey(id) => write!(f, "signed with unknown key id {id:?}"),
             DecodeErrorKind::TypeMismatch { what, message } => {
                 write!(f, "{what} does not decode into the cache's type: {message}")
             }

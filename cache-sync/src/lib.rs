@@ -79,6 +79,11 @@
 //! - The consumer sees a gap in a publisher's sequence numbers.
 //! - The consumer cannot re-subscribe from a known position.
 //!
+//! A publish that fails may or may not have reached the transport, so it
+//! still uses up its sequence number: nodes see a gap and resync. That costs
+//! reloads, but a change whose publish the caller did not retry is never
+//! left stale.
+//!
 //! Each of these invalidates every cache on the topic, and is counted
 //! (`losses`, `publisher_gaps`, each cache's `loss_resyncs`) and logged.
 //!
@@ -91,6 +96,16 @@
 //! have carried a change. A refresh whose value does not decode becomes an
 //! invalidation of its key: a failure is never silently dropped.
 //!
+//! ## Signed events
+//! With [`PublisherBuilder::signing`] and [`NodeBuilder::verify_signatures`],
+//! every event carries an HMAC-SHA256 over its bytes and a key id, checked in
+//! constant time before anything is parsed. Unsigned, forged, tampered and
+//! unknown-key events are rejected, counted and logged, and change nothing
+//! (not even an invalidation, or forgeries could flush caches at will). A
+//! [`Keyring`] accepts several keys, so keys can rotate. A replayed signed
+//! event is still authentic: versions make a replayed refresh stale, while an
+//! unversioned one is applied again.
+//!
 //! ## Redelivery
 //! Positions are saved periodically and on shutdown through an
 //! [`OffsetStore`]; after a crash some events are applied again. Applying an
@@ -98,7 +113,11 @@
 //!
 //! # Features
 //! The embedded bus needs no feature and no server. Broker transports come
-//! behind cargo features.
+//! behind cargo features:
+//!
+//! | feature | transports |
+//! |---|---|
+//! | `redis` | `RedisStreamsBus` (durable, replayable; recommended) and `RedisPubSubBus` (lowest latency, lossy) |
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
@@ -108,6 +127,7 @@ mod consumer;
 mod error;
 mod event;
 mod publish;
+mod sign;
 mod status;
 
 #[doc(inline)]
@@ -133,6 +153,8 @@ pub use error::{DecodeError, DecodeErrorKind, Error, Result};
 pub use event::{DEFAULT_MAX_EVENT_BYTES, MAX_EVENT_BYTES_CEILING};
 #[doc(inline)]
 pub use publish::{DictionaryPublisher, Published, Publisher, PublisherBuilder};
+#[doc(inline)]
+pub use sign::Keyring;
 #[doc(inline)]
 pub use status::{CacheStatus, DEFAULT_STATUS_ADDR, NodeStatus, StatusServer};
 

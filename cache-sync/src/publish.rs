@@ -18,6 +18,7 @@ use crate::event::{
     Change, DEFAULT_MAX_EVENT_BYTES, EntryVersion, Header, KeyVersion, MAX_EVENT_BYTES_CEILING,
     encode, encode_part, framed_len,
 };
+use crate::sign::Keyring;
 
 /// Publishes change events for named caches.
 ///
@@ -42,6 +43,7 @@ struct PublisherInner {
     origin: String,
     id: u64,
     max_event_bytes: usize,
+    keyring: Option<Keyring>,
     seqs: Mutex<HashMap<String, Arc<tokio::sync::Mutex<u64>>>>,
 }
 
@@ -61,6 +63,7 @@ pub struct PublisherBuilder {
     topic: String,
     origin: String,
     max_event_bytes: usize,
+    keyring: Option<Keyring>,
 }
 
 impl fmt::Debug for PublisherBuilder {
@@ -93,6 +96,12 @@ impl PublisherBuilder {
         self
     }
 
+    /// Signs every event with the ring's primary key (HMAC-SHA256).
+    pub fn signing(mut self, keyring: Keyring) -> Self {
+        self.keyring = Some(keyring);
+        self
+    }
+
     /// The publisher.
     pub fn build(self) -> Publisher {
         Publisher {
@@ -103,6 +112,7 @@ impl PublisherBuilder {
                 // Random: a restarted publisher must not continue an old numbering.
                 id: RandomState::new().hash_one((std::process::id(), now_us())),
                 max_event_bytes: self.max_event_bytes,
+                keyring: self.keyring,
                 seqs: Mutex::default(),
             }),
         }
@@ -132,6 +142,7 @@ impl Publisher {
             topic: DEFAULT_TOPIC.into(),
             origin: "publisher".into(),
             max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
+            keyring: None,
         }
     }
 
@@ -267,10 +278,16 @@ impl Publisher {
     ) -> Result<Vec<Change>> {
         // Room for the header (cache name and origin are at most a few
         // hundred bytes) and the format byte.
+        // The signature adds its key id and a 32-byte tag.
+        let signature = if self.inner.keyring.is_some() {
+            2 + 255 + 32
+        } else {
+            0
+        };
         let budget = self
             .inner
             .max_event_bytes
-            .saturating_sub(64 + self.inner.origin.len() + 255);
+            .saturating_sub(64 + self.inner.origin.len() + 255 + signature);
         let mut changes = Vec::new();
         let mut batch = Vec::new();
         let mut used = 0;
@@ -334,7 +351,10 @@ impl Publisher {
                 seq: *seq,
                 published_at_us: now_us(),
             };
-            let payload = encode(&header, &change)?;
+            let mut payload = encode(&header, &change)?;
+            if let Some(ring) = &self.inner.keyring {
+                payload = ring.sign(&payload);
+            }
             if payload.len() > self.inner.max_event_bytes {
                 return Err(Error::TooLarge {
                     what: "event",

@@ -18,11 +18,12 @@ use crate::bus::{
     Subscription,
 };
 use crate::cache::{CacheHandle, SyncedCache, now_us};
-use crate::error::{Error, Result};
+use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
 use crate::event::{
     DEFAULT_MAX_EVENT_BYTES, MAX_EVENT_BYTES_CEILING, decode_change, decode_header,
 };
 use crate::publish::Publisher;
+use crate::sign::{Keyring, strip_unverified};
 use crate::status::{NodeStatus, StatusServer};
 
 mod offsets;
@@ -76,6 +77,7 @@ struct Shared {
     bus: Arc<dyn ChangeBus>,
     offsets: Arc<dyn OffsetStore>,
     config: Config,
+    keyring: Option<Keyring>,
     caches: RwLock<HashMap<String, Arc<dyn CacheHandle>>>,
     /// Bumped on every registration, so the fetcher can re-subscribe with
     /// the new tag set.
@@ -119,6 +121,7 @@ pub struct NodeBuilder {
     bus: Arc<dyn ChangeBus>,
     offsets: Arc<dyn OffsetStore>,
     config: Config,
+    keyring: Option<Keyring>,
     caches: Vec<Arc<dyn CacheHandle>>,
 }
 
@@ -206,6 +209,18 @@ impl NodeBuilder {
         self
     }
 
+    /// Accepts only events signed with a key in `keyring`. Unsigned, forged
+    /// or tampered events, and events signed with an unknown key, are
+    /// rejected, counted and logged, and change nothing: unlike unreadable
+    /// events they do not invalidate a cache, since anyone could send them.
+    ///
+    /// Without this, signed events are accepted without being checked, so
+    /// publishers can start signing before nodes start verifying.
+    pub fn verify_signatures(mut self, keyring: Keyring) -> Self {
+        self.keyring = Some(keyring);
+        self
+    }
+
     /// Registers a cache before the consumer starts. See [`Node::register`].
     pub fn register<K, V>(mut self, cache: &SyncedCache<K, V>) -> Self
     where
@@ -244,6 +259,7 @@ impl NodeBuilder {
             bus: self.bus,
             offsets: self.offsets,
             config: self.config,
+            keyring: self.keyring,
             caches: RwLock::default(),
             registrations: watch::Sender::new(0),
             position: Mutex::default(),
@@ -301,6 +317,7 @@ impl Node {
             topic: DEFAULT_TOPIC.into(),
             bus: Arc::new(bus),
             offsets: Arc::new(MemoryOffsetStore::new()),
+            keyring: None,
             config: Config {
                 start_from: StartFrom::Latest,
                 max_batch: 256,
@@ -344,14 +361,17 @@ impl Node {
     }
 
     /// A publisher on this node's transport and topic, with the node id as
-    /// its origin.
+    /// its origin; it signs if the node verifies signatures.
     pub fn publisher(&self) -> Publisher {
         let s = &self.handle.shared;
-        Publisher::builder(s.bus.clone())
+        let builder = Publisher::builder(s.bus.clone())
             .topic(s.topic.clone())
             .origin(s.id.clone())
-            .max_event_bytes(s.config.max_event_bytes)
-            .build()
+            .max_event_bytes(s.config.max_event_bytes);
+        match &s.keyring {
+            Some(ring) => builder.signing(ring.clone()).build(),
+            None => builder.build(),
+        }
     }
 
     /// Whether the consumer is running and its transport healthy.
@@ -714,7 +734,30 @@ async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, records: Vec<R
             },
             None => None,
         };
-        let (header, offset) = match decode_header(&record.payload, limit) {
+        if record.payload.len() > limit {
+            let e = DecodeError::new(DecodeErrorKind::TooLarge {
+                size: record.payload.len(),
+                limit,
+            });
+            reject(shared, &record, &e.to_string(), e.kind().label());
+            if let Some(cache) = tagged {
+                cache.reject(&e.to_string()).await;
+            }
+            continue;
+        }
+        let payload = match &shared.keyring {
+            Some(ring) => match ring.open(&record.payload) {
+                Ok(inner) => inner,
+                Err(e) => {
+                    // Unauthenticated: count it, but let it change nothing,
+                    // not even an invalidation, or forgeries could flush caches.
+                    reject(shared, &record, &e.to_string(), e.kind().label());
+                    continue;
+                }
+            },
+            None => strip_unverified(&record.payload),
+        };
+        let (header, offset) = match decode_header(payload, limit) {
             Ok(h) => h,
             Err(e) => {
                 reject(shared, &record, &e.to_string(), e.kind().label());
@@ -738,7 +781,7 @@ async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, records: Vec<R
                 .resync_all(LossReason::PublisherGap, Some(missed))
                 .await;
         }
-        match decode_change(&record.payload, offset) {
+        match decode_change(payload, offset) {
             Ok(change) => cache.apply(&header, change).await,
             Err(e) => {
                 reject(shared, &record, &e.to_string(), e.kind().label());

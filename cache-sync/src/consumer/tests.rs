@@ -5,8 +5,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use super::*;
-use crate::EmbeddedBus;
 use crate::event::{Change, EntryVersion, Header, encode, encode_part};
+use crate::{EmbeddedBus, Keyring};
 
 type Cache = SyncedCache<String, String>;
 
@@ -472,4 +472,98 @@ async fn a_panic_in_user_code_shows_as_unhealthy_rather_than_silently_stale() {
         .unwrap();
     eventually("node reports itself down", async || !node.is_consuming()).await;
     assert!(!node.status().consuming);
+}
+
+#[tokio::test]
+async fn with_signatures_on_only_authentic_events_change_anything() {
+    let ring = Keyring::new("k2", b"node-and-admin-shared-secret".to_vec()).unwrap();
+    let bus = EmbeddedBus::new();
+    let c = cache("t");
+    let node = Node::builder("n1", bus.clone())
+        .verify_signatures(ring.clone())
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    c.insert("k".into(), "cached".into()).await;
+
+    // Unsigned, signed with an unknown key, forged (right id, wrong secret), tampered.
+    Publisher::new(bus.clone())
+        .refresh("t", [("k", "unsigned")])
+        .await
+        .unwrap();
+    let stranger = Keyring::new("k9", b"some-other-secret-000".to_vec()).unwrap();
+    Publisher::builder(bus.clone())
+        .signing(stranger)
+        .build()
+        .refresh("t", [("k", "stranger")])
+        .await
+        .unwrap();
+    let forger = Keyring::new("k2", b"a-guessed-secret-0000".to_vec()).unwrap();
+    Publisher::builder(bus.clone())
+        .signing(forger)
+        .build()
+        .refresh("t", [("k", "forged")])
+        .await
+        .unwrap();
+    let mut tampered = ring.sign(&raw_event("t", 5, 1, &refresh_change("k", "original")));
+    let last = tampered.len() - 1;
+    tampered[last] ^= 0xFF;
+    bus.publish(DEFAULT_TOPIC, "t", Bytes::from(tampered))
+        .await
+        .unwrap();
+
+    Publisher::builder(bus.clone())
+        .signing(ring)
+        .build()
+        .refresh("t", [("ok", "signed")])
+        .await
+        .unwrap();
+    eventually("the signed event applies", async || {
+        holds(&c, "ok", Some("signed")).await
+    })
+    .await;
+    assert_eq!(
+        c.peek(&"k".into()).await.as_deref(),
+        Some("cached"),
+        "no rejected event touched the cache"
+    );
+    let s = node.status();
+    assert_eq!((s.events_rejected, s.losses), (4, 0));
+    assert_eq!(
+        s.caches[0].loss_resyncs, 0,
+        "forgeries must not be able to flush caches"
+    );
+    assert!(node.is_consuming());
+    // The node's own publisher signs.
+    node.publisher()
+        .refresh("t", [("own", "signed too")])
+        .await
+        .unwrap();
+    eventually("own event applies", async || {
+        holds(&c, "own", Some("signed too")).await
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_node_without_keys_accepts_signed_events_for_rollout() {
+    let ring = Keyring::new("k1", b"rollout-secret-0000000".to_vec()).unwrap();
+    let bus = EmbeddedBus::new();
+    let c = cache("t");
+    let _node = Node::builder("n1", bus.clone())
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    Publisher::builder(bus)
+        .signing(ring)
+        .build()
+        .refresh("t", [("k", "v")])
+        .await
+        .unwrap();
+    eventually("signed event applies unverified", async || {
+        holds(&c, "k", Some("v")).await
+    })
+    .await;
 }
