@@ -9,7 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use cache_sync::{ChangeBus, DictionaryPublisher, FileOffsetStore, NodeBuilder, Publisher};
+use cache_sync::{
+    ChangeBus, Delivery, DictionaryPublisher, FileOffsetStore, NodeBuilder, Position, Publisher,
+    SubscribeOptions, Subscription,
+};
 
 use crate::{Db, Row, TABLE, TestNode, assert_no_stale_entries};
 
@@ -55,6 +58,86 @@ pub trait Fixture: Send + Sync {
     fn expect(&self, fault: Fault) -> Option<Expect>;
     /// Makes the broker-side part of `fault` happen; returns when it healed.
     async fn inject(&mut self, fault: Fault);
+}
+
+/// Wraps a transport so a test can stop one node from reading while it
+/// keeps running with its caches intact: a live node that falls behind.
+struct GatedBus {
+    inner: Arc<dyn ChangeBus>,
+    open: tokio::sync::watch::Receiver<bool>,
+    parked: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl std::fmt::Debug for GatedBus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatedBus")
+            .field("kind", &self.inner.kind())
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug)]
+struct GatedSubscription {
+    inner: Box<dyn Subscription>,
+    open: tokio::sync::watch::Receiver<bool>,
+    /// A delivery read but held back while the gate is shut; kept here so a
+    /// cancelled `next` loses nothing.
+    held: Option<Delivery>,
+    parked: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[async_trait]
+impl ChangeBus for GatedBus {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn filters_by_tag(&self) -> bool {
+        self.inner.filters_by_tag()
+    }
+
+    async fn publish(
+        &self,
+        topic: &str,
+        tag: &str,
+        payload: bytes::Bytes,
+    ) -> cache_sync::Result<Option<Position>> {
+        self.inner.publish(topic, tag, payload).await
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> cache_sync::Result<Box<dyn Subscription>> {
+        let inner = self.inner.subscribe(topic, options).await?;
+        Ok(Box::new(GatedSubscription {
+            inner,
+            open: self.open.clone(),
+            held: None,
+            parked: self.parked.clone(),
+        }))
+    }
+}
+
+#[async_trait]
+impl Subscription for GatedSubscription {
+    async fn next(&mut self, max: usize) -> cache_sync::Result<Delivery> {
+        if self.held.is_none() {
+            self.held = Some(self.inner.next(max).await?);
+        }
+        if !*self.open.borrow() {
+            self.parked.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        let _ = self.open.wait_for(|open| *open).await;
+        self.parked
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        Ok(self.held.take().expect("held above"))
+    }
+
+    fn position(&self) -> Option<Position> {
+        self.inner.position()
+    }
 }
 
 /// A seeded generator (SplitMix64): small, and the same everywhere.
@@ -108,6 +191,10 @@ pub struct Cluster {
     fencer: Publisher,
     fences: u64,
     dirs: Vec<tempfile::TempDir>,
+    /// Node 0 reads only while this is open.
+    gate: tokio::sync::watch::Sender<bool>,
+    /// Node 0 holds a delivery it may not apply yet.
+    parked: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -121,11 +208,13 @@ impl std::fmt::Debug for Cluster {
 impl Cluster {
     /// Starts `n` nodes, each with its own client and offset file.
     pub async fn start(fixture: &dyn Fixture, n: usize) -> Self {
+        let gate = tokio::sync::watch::Sender::new(true);
+        let parked = Arc::default();
         let mut nodes = Vec::new();
         let mut dirs = Vec::new();
         for i in 0..n {
             let dir = tempfile::tempdir().expect("node dir");
-            nodes.push(start_node(fixture, i, dir.path()).await);
+            nodes.push(start_node(fixture, i, dir.path(), &gate, &parked).await);
             dirs.push(dir);
         }
         let mut admins = Vec::new();
@@ -145,6 +234,8 @@ impl Cluster {
             fencer,
             fences: 0,
             dirs,
+            gate,
+            parked,
         }
     }
 
@@ -227,7 +318,32 @@ impl Cluster {
     /// Starts node `i` again from its saved position, with fresh caches (a
     /// new process).
     pub async fn restart_node(&mut self, fixture: &dyn Fixture, i: usize) {
-        self.nodes[i] = start_node(fixture, i, self.dirs[i].path()).await;
+        self.nodes[i] = start_node(fixture, i, self.dirs[i].path(), &self.gate, &self.parked).await;
+    }
+
+    /// Stops node 0 reading: it keeps running, caches and all, and holds
+    /// back what it has read. Returns once it is parked, so everything
+    /// published afterwards is behind it.
+    pub async fn park_node_0(&self) {
+        self.gate.send_replace(false);
+        let parked = &self.parked;
+        let fencer = &self.fencer;
+        let n = self.fences;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while !parked.load(std::sync::atomic::Ordering::SeqCst) {
+            // Something to read, so the node reaches the gate.
+            retry(|| fencer.refresh("fence", [("fence", n)])).await;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "node 0 never parked"
+            );
+        }
+    }
+
+    /// Lets node 0 read again.
+    pub fn release_node_0(&self) {
+        self.gate.send_replace(true);
     }
 
     /// Losses counted on every node.
@@ -254,8 +370,21 @@ impl Cluster {
     }
 }
 
-async fn start_node(fixture: &dyn Fixture, i: usize, dir: &std::path::Path) -> TestNode {
-    let bus = fixture.bus().await;
+async fn start_node(
+    fixture: &dyn Fixture,
+    i: usize,
+    dir: &std::path::Path,
+    gate: &tokio::sync::watch::Sender<bool>,
+    parked: &Arc<std::sync::atomic::AtomicBool>,
+) -> TestNode {
+    let mut bus = fixture.bus().await;
+    if i == 0 {
+        bus = Arc::new(GatedBus {
+            inner: bus,
+            open: gate.subscribe(),
+            parked: parked.clone(),
+        });
+    }
     let store = FileOffsetStore::new(dir);
     TestNode::start(&format!("node-{i}"), bus, |b| {
         fixture.configure(b).offset_store(store)
@@ -372,18 +501,30 @@ pub async fn survives(fixture: &mut dyn Fixture, fault: Fault) {
     let failed_before = FAILED_PUBLISHES.load(std::sync::atomic::Ordering::Relaxed);
 
     match fault {
-        Fault::NodeRestart | Fault::TrimPastReader => {
-            // Node 0 is away while traffic continues (and, for the trim, while
-            // history is cut past its saved position).
+        Fault::NodeRestart => {
+            // Node 0 is away while traffic continues.
             cluster.stop_node(0).await;
             cluster.workload(&mut rng, 50).await;
             fixture.inject(fault).await;
             cluster.restart_node(fixture, 0).await;
         }
-        _ => {
+        Fault::TrimPastReader => {
+            // Node 0 keeps running, with its caches, but stops reading while
+            // traffic continues and history is cut past its position.
+            cluster.park_node_0().await;
+            cluster.workload(&mut rng, 50).await;
             fixture.inject(fault).await;
+            cluster.release_node_0();
+        }
+        _ => {
+            // Traffic goes on while the fault happens and heals.
+            let traffic = cluster.workload(&mut rng, 60);
+            tokio::join!(fixture.inject(fault), traffic);
         }
     }
+    // Converge before any new write: what was lost must be answered by the
+    // loss signal, not papered over by later events for the same keys.
+    cluster.converge().await;
     cluster.workload(&mut rng, 100).await;
     cluster.converge().await;
 
