@@ -79,6 +79,12 @@
 //! - The consumer sees a gap in a publisher's sequence numbers.
 //! - The consumer cannot re-subscribe from a known position.
 //!
+//! After a loss, the node cannot know the versions it missed. For one
+//! [reorder window](NodeBuilder::reorder_window) it applies versioned
+//! refreshes as invalidations, so an older refresh that another writer
+//! published late cannot land on top of a missed newer change. At start, a
+//! node instead replays that window of history where the transport keeps it.
+//!
 //! A publish that fails may or may not have reached the transport, so it
 //! still uses up its sequence number: nodes see a gap and resync. That costs
 //! reloads, but a change whose publish the caller did not retry is never
@@ -144,7 +150,7 @@ pub use bus::{
 pub use cache::{DEFAULT_MAX_TRACKED_KEYS, SyncedCache, SyncedCacheBuilder};
 #[doc(inline)]
 pub use consumer::{
-    DEFAULT_LOSS_QUARANTINE, DEFAULT_TOPIC, FileOffsetStore, MemoryOffsetStore, Node, NodeBuilder,
+    DEFAULT_REORDER_WINDOW, DEFAULT_TOPIC, FileOffsetStore, MemoryOffsetStore, Node, NodeBuilder,
     OffsetStore,
 };
 #[doc(inline)]

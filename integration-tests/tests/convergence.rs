@@ -47,9 +47,9 @@ fn key(i: usize) -> String {
 }
 
 /// Runs one workload. `history` bounds the bus, so small values make slow
-/// nodes fall behind and exercise the loss path. `quarantine` is the nodes'
-/// loss quarantine: zero makes every refresh go through version ordering.
-async fn run(ops: Vec<Op>, history: usize, quarantine: Duration) {
+/// nodes fall behind and exercise the loss path. `window` is the nodes'
+/// reorder window: zero makes every refresh go through version ordering.
+async fn run(ops: Vec<Op>, history: usize, window: Duration) {
     let bus = EmbeddedBus::builder().max_records(history).build();
     let db = Arc::new(Db::default());
     let mut nodes = Vec::new();
@@ -59,7 +59,7 @@ async fn run(ops: Vec<Op>, history: usize, quarantine: Duration) {
         let node = TestNode::start(&format!("node-{i}"), bus.clone(), |b| {
             b.max_batch(batch)
                 .max_inflight_batches(1)
-                .loss_quarantine(quarantine)
+                .reorder_window(window)
         })
         .await
         .expect("start node");
@@ -167,10 +167,10 @@ proptest! {
 
     /// Regression: with a short history, a node lost a delete at version 12
     /// and then installed an upsert at version 10 that a concurrent admin
-    /// published after it, and stayed stale. The loss quarantine fixes it.
+    /// published after it, and stayed stale. The quarantine after a loss fixes it.
     #[test]
     fn nodes_converge_when_they_fall_behind_a_short_history(ops in proptest::collection::vec(op(), 1..120)) {
-        runtime().block_on(run(ops, 3, cache_sync::DEFAULT_LOSS_QUARANTINE));
+        runtime().block_on(run(ops, 3, cache_sync::DEFAULT_REORDER_WINDOW));
     }
 }
 

@@ -505,23 +505,23 @@ where
 #[async_trait]
 pub(crate) trait CacheHandle: Send + Sync {
     fn name(&self) -> &str;
-    /// Claims the cache for one node, which quarantines refreshes for
-    /// `quarantine` after each resync. False if it is already registered.
-    fn claim(&self, quarantine: Duration) -> bool;
+    /// Claims the cache for one node, whose reorder window sets how long
+    /// each quarantine lasts. False if it is already registered.
+    fn claim(&self, reorder_window: Duration) -> bool;
     /// Applies one decoded event. Undecodable keys or values are answered
     /// here (invalidation or a resync), counted, and logged.
     async fn apply(&self, header: &Header, change: Change);
-    /// Drops everything, because events may have been lost, and applies
-    /// versioned refreshes as invalidations for `quarantine`: a refresh
-    /// delivered after the loss may be older than a lost event for its key
-    /// (two writers publish in another order than they committed), and only
-    /// the source of truth can tell.
+    /// Drops everything, because events may have been lost, and quarantines.
     async fn resync(&self);
-    /// Drops everything, on registration (not counted as a loss). Quarantines
-    /// as `resync` does: events published before the node subscribed are
-    /// unknown to it, just like lost ones.
+    /// Drops everything (on registration; not counted as a loss).
     async fn reset(&self);
-    /// An event for this cache could not be read at all.
+    /// For one reorder window from now, applies versioned refreshes as
+    /// invalidations: a refresh delivered now may be older than an event for
+    /// its key that this cache never saw (lost, or published before the node
+    /// subscribed), when two writers publish in another order than they
+    /// committed. Only the source of truth can tell, so the entry is dropped
+    /// and the next read loads it.
+    fn quarantine(&self);
     async fn reject(&self, reason: &str);
     /// Lets moka finish pending bookkeeping, so `entries` is current.
     async fn settle(&self);
@@ -547,11 +547,11 @@ where
         &self.name
     }
 
-    fn claim(&self, quarantine: Duration) -> bool {
+    fn claim(&self, reorder_window: Duration) -> bool {
         if self.registered.swap(true, Relaxed) {
             return false;
         }
-        *lock(&self.quarantine) = quarantine;
+        *lock(&self.quarantine) = reorder_window;
         true
     }
 
@@ -624,17 +624,19 @@ where
     }
 
     async fn resync(&self) {
+        self.quarantine();
         self.reset().await;
         self.stats.loss_resyncs.fetch_add(1, Relaxed);
     }
 
     async fn reset(&self) {
-        let until = tokio::time::Instant::now() + *lock(&self.quarantine);
-        {
-            let mut q = lock(&self.quarantine_until);
-            *q = Some(q.map_or(until, |old| old.max(until)));
-        }
         self.clear(None).await;
+    }
+
+    fn quarantine(&self) {
+        let until = tokio::time::Instant::now() + *lock(&self.quarantine);
+        let mut q = lock(&self.quarantine_until);
+        *q = Some(q.map_or(until, |old| old.max(until)));
     }
 
     async fn reject(&self, reason: &str) {

@@ -33,8 +33,8 @@ pub use offsets::{FileOffsetStore, MemoryOffsetStore, OffsetStore};
 /// The topic used when none is set.
 pub const DEFAULT_TOPIC: &str = "cache-sync";
 
-/// See [`NodeBuilder::loss_quarantine`].
-pub const DEFAULT_LOSS_QUARANTINE: Duration = Duration::from_secs(10);
+/// See [`NodeBuilder::reorder_window`].
+pub const DEFAULT_REORDER_WINDOW: Duration = Duration::from_secs(10);
 
 /// One application node: a broadcasting consumer plus the caches it keeps in
 /// step, and the source of its status.
@@ -96,7 +96,7 @@ struct Config {
     persist_interval: Duration,
     min_backoff: Duration,
     max_backoff: Duration,
-    loss_quarantine: Duration,
+    reorder_window: Duration,
 }
 
 #[derive(Default)]
@@ -192,20 +192,27 @@ impl NodeBuilder {
         self
     }
 
-    /// After a loss (and after a cache is registered), versioned refreshes
-    /// are applied as invalidations for this long. Default 10 s.
+    /// The longest time between a version being assigned (the database
+    /// commit) and its event being published, retries included. Default 10 s.
     ///
-    /// Why: a node that missed an event cannot know its version. When two
-    /// writers publish in a different order than they committed, a refresh
-    /// delivered after the loss can be older than the lost event for its key,
-    /// and installing it would leave the node stale until the next change.
-    /// Dropping the entry instead makes the next read load it from the source
-    /// of truth. Set this above the longest time between assigning a version
-    /// (the database commit) and publishing it, retries included. With a
-    /// single publisher per table using automatic versions the window is not
-    /// needed, since its versions reach the transport in order.
-    pub fn loss_quarantine(mut self, window: Duration) -> Self {
-        self.config.loss_quarantine = window;
+    /// Why it matters: when two writers publish in another order than they
+    /// committed, a node can receive an older refresh after a newer event for
+    /// the same key. Versions sort that out, as long as the node saw both.
+    /// It may not have:
+    /// - **At start**, the newer event may have been published just before
+    ///   the node subscribed. So a node starting from the latest position
+    ///   first replays this much history, where the transport can start from
+    ///   a timestamp (embedded bus, Redis Streams).
+    /// - **After a loss**, or at start on a transport without history (Redis
+    ///   Pub/Sub), or for a cache registered after start, that is not
+    ///   possible: for this long, versioned refreshes are applied as
+    ///   invalidations (counted as `refreshes_quarantined`), so the next read
+    ///   goes to the source of truth.
+    ///
+    /// A single publisher per table using automatic versions never publishes
+    /// out of version order; zero is then safe.
+    pub fn reorder_window(mut self, window: Duration) -> Self {
+        self.config.reorder_window = window;
         self
     }
 
@@ -271,15 +278,44 @@ impl NodeBuilder {
         }
 
         let stored = shared.offsets.load(&shared.topic).await?;
+        let window = shared.config.reorder_window;
+        // Whether the caches see every event that could still be reordered
+        // against what comes next; if not, they are quarantined.
+        let mut covered = false;
         let from = match stored {
+            // The caches are new: what the previous run applied is unknown to them.
             Some(p) => StartFrom::Position(p),
-            None => shared.config.start_from.clone(),
+            None => match &shared.config.start_from {
+                StartFrom::Latest if !window.is_zero() => {
+                    covered = true;
+                    StartFrom::Timestamp(std::time::SystemTime::now() - window)
+                }
+                StartFrom::Latest | StartFrom::Earliest => {
+                    covered = true;
+                    shared.config.start_from.clone()
+                }
+                other => other.clone(),
+            },
         };
         // Taken before subscribing: a registration from here on must trigger a
         // re-subscription, even if it lands before the fetcher first runs.
         let registrations = shared.registrations.subscribe();
         let names: HashSet<String> = shared.caches().keys().cloned().collect();
-        let subscription = shared.subscribe(from).await?;
+        let subscription = match shared.subscribe(from).await {
+            Err(e)
+                if e.is_unsupported() && matches!(shared.config.start_from, StartFrom::Latest) =>
+            {
+                // No history to look back into (Pub/Sub): quarantine instead.
+                covered = false;
+                shared.subscribe(StartFrom::Latest).await?
+            }
+            other => other?,
+        };
+        if !covered {
+            for cache in shared.caches().values() {
+                cache.quarantine();
+            }
+        }
         if let Some(p) = subscription.position() {
             *lock(&shared.position) = p;
         }
@@ -326,7 +362,7 @@ impl Node {
                 persist_interval: Duration::from_secs(5),
                 min_backoff: Duration::from_millis(100),
                 max_backoff: Duration::from_secs(5),
-                loss_quarantine: DEFAULT_LOSS_QUARANTINE,
+                reorder_window: DEFAULT_REORDER_WINDOW,
             },
             caches: Vec::new(),
         }
@@ -350,14 +386,20 @@ impl Node {
     /// Registers a cache, so events naming it are applied to it.
     ///
     /// The cache is emptied first: nothing it held was kept in step before
-    /// now, so register caches before warming them. Fails if the name is
+    /// now, so register caches before warming them. Prefer
+    /// [`NodeBuilder::register`]: a cache registered after start is
+    /// quarantined for the [reorder window](NodeBuilder::reorder_window). Fails if the name is
     /// taken on this node or the cache is registered on another node.
     pub async fn register<K, V>(&self, cache: &SyncedCache<K, V>) -> Result<()>
     where
         K: Hash + Eq + Clone + Send + Sync + Serialize + DeserializeOwned + 'static,
         V: Clone + Send + Sync + DeserializeOwned + 'static,
     {
-        self.handle.shared.register(cache.handle()).await
+        let handle = cache.handle();
+        self.handle.shared.register(handle.clone()).await?;
+        // It joins mid-stream: recent events for it were not kept for it.
+        handle.quarantine();
+        Ok(())
     }
 
     /// A publisher on this node's transport and topic, with the node id as
@@ -471,7 +513,7 @@ impl Shared {
             if caches.contains_key(&name) {
                 return Err(Error::DuplicateCache(name));
             }
-            if !cache.claim(self.config.loss_quarantine) {
+            if !cache.claim(self.config.reorder_window) {
                 return Err(Error::Config(format!(
                     "cache {name:?} is already registered on a node"
                 )));
@@ -670,6 +712,7 @@ async fn apply_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<Fetched>) {
                     for name in names {
                         if let Some(cache) = shared.cache(&name) {
                             cache.reset().await;
+                            cache.quarantine();
                         }
                     }
                 }

@@ -567,3 +567,95 @@ async fn a_node_without_keys_accepts_signed_events_for_rollout() {
     })
     .await;
 }
+
+/// Regression: a node that started just after a delete at version 12 was
+/// published, then received an upsert at version 10 (committed earlier,
+/// published later by another writer), installed the older row.
+#[tokio::test]
+async fn a_fresh_node_replays_the_reorder_window_so_older_refreshes_are_refused() {
+    let bus = EmbeddedBus::new();
+    let p = Publisher::new(bus.clone());
+    p.invalidate_versioned("t", [("k", Some(12))])
+        .await
+        .unwrap();
+    let c = cache("t");
+    let node = Node::builder("n1", bus.clone())
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    p.refresh_versioned("t", [("k", "older row", Some(10))])
+        .await
+        .unwrap();
+    p.refresh_versioned("t", [("j", "newer row", Some(13))])
+        .await
+        .unwrap();
+    eventually("j applied", async || {
+        holds(&c, "j", Some("newer row")).await
+    })
+    .await;
+    assert_eq!(
+        c.peek(&"k".into()).await,
+        None,
+        "the replayed tombstone keeps version 10 out"
+    );
+    let s = &node.status().caches[0];
+    assert_eq!(
+        (s.refreshes, s.refreshes_quarantined, s.stale_ignored),
+        (1, 0, 1)
+    );
+}
+
+/// Without history to replay, the same situation is answered by quarantine.
+#[derive(Debug, Clone)]
+struct NoHistoryBus(EmbeddedBus);
+
+#[async_trait]
+impl ChangeBus for NoHistoryBus {
+    fn kind(&self) -> &'static str {
+        "no-history"
+    }
+
+    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        self.0.publish(topic, tag, payload).await
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        if !matches!(options.from, StartFrom::Latest) {
+            return Err(Error::Unsupported {
+                transport: "no-history",
+                what: "history",
+            });
+        }
+        self.0.subscribe(topic, options).await
+    }
+}
+
+#[tokio::test]
+async fn without_history_a_fresh_node_quarantines_instead() {
+    let bus = NoHistoryBus(EmbeddedBus::new());
+    let p = Publisher::new(bus.clone());
+    p.invalidate_versioned("t", [("k", Some(12))])
+        .await
+        .unwrap();
+    let c = cache("t");
+    let node = Node::builder("n1", bus.clone())
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    p.refresh_versioned("t", [("k", "older row", Some(10))])
+        .await
+        .unwrap();
+    p.refresh("t", [("fence", "x")]).await.unwrap();
+    eventually("fence applied", async || {
+        holds(&c, "fence", Some("x")).await
+    })
+    .await;
+    assert_eq!(c.peek(&"k".into()).await, None);
+    assert_eq!(node.status().caches[0].refreshes_quarantined, 1);
+}
