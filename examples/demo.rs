@@ -263,12 +263,6 @@ impl AppNode {
         // Registration empties the cache (nothing read before it was kept in
         // step), so it comes before the first read.
         let node = Node::builder(id, bus.clone())
-            // The quarantine after registration (10 s by default) guards
-            // against several writers publishing out of version order. The
-            // demo's one admin with automatic versions cannot, and with the
-            // default every upsert in its first 10 s would only drop the row
-            // on each node. Keep the default if several services write a table.
-            .loss_quarantine(Duration::ZERO)
             .register(&countries)
             .start()
             .await?;

@@ -1,0 +1,325 @@
+//! One application node of the multi-process demo: it caches the `countries`
+//! table and keeps it in step with the changes the `admin` example publishes
+//! over Redis. Run two or more, each in its own terminal:
+//!
+//! ```text
+//! cargo run -p cache-sync-examples --example node -- --redis redis://127.0.0.1:6379/ --http 127.0.0.1:9465 --node-id node-a
+//! cargo run -p cache-sync-examples --example node -- --redis redis://127.0.0.1:6379/ --http 127.0.0.1:9466 --node-id node-b
+//! cargo run -p cache-sync-examples --example admin -- --redis redis://127.0.0.1:6379/ upsert de Deutschland
+//! curl -s http://127.0.0.1:9465/cache-sync/caches/countries
+//! ```
+//!
+//! Every 2 s the node prints its cache's version, its entry count and what it
+//! holds for a few codes. Ctrl-C stops it cleanly: it saves its position and
+//! exits with status 0.
+
+// An example's output is its user interface: it talks to a person at a terminal.
+#![allow(clippy::print_stdout)]
+
+use std::error::Error;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cache_sync::{ChangeBus, FileOffsetStore, Node, RedisPubSubBus, RedisStreamsBus, SyncedCache};
+use tracing_subscriber::EnvFilter;
+
+type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
+
+/// The name the nodes register their cache under and the admin publishes to.
+const CACHE: &str = "countries";
+/// Read through the loader at start-up and shown on every status line. `cz`
+/// and `xx` are not in the seed, so they start out cached as missing rows;
+/// `cz` is one the admin's `demo` creates.
+const SHOWN: [&str; 5] = ["de", "fr", "it", "cz", "xx"];
+const REPORT_EVERY: Duration = Duration::from_secs(2);
+
+/// The rows the loader answers from: the same seed as the `demo` example's
+/// database.
+const SEED: [(&str, &str); 8] = [
+    ("de", "Germany"),
+    ("es", "Spain"),
+    ("fr", "France"),
+    ("it", "Italy"),
+    ("jp", "Japan"),
+    ("nl", "Netherlands"),
+    ("pl", "Poland"),
+    ("se", "Sweden"),
+];
+
+const USAGE: &str = "\
+usage: node --redis URL [--pubsub] [--http ADDR] [--node-id ID] [--data-dir DIR]
+
+Runs one application node: it caches the `countries` table and keeps it in
+step with what the `admin` example publishes. Prints a status line every 2 s;
+Ctrl-C stops it cleanly.
+
+options:
+  --redis URL     the Redis server (7.0 or later), e.g. redis://127.0.0.1:6379/
+                  (required)
+  --pubsub        use Redis Pub/Sub (lowest latency, lossy) instead of Redis
+                  Streams; the admin must be given the same flag
+  --http ADDR     where to serve the status endpoint. Default 127.0.0.1:0:
+                  loopback only, on a free port (the address is printed).
+                  An address such as 0.0.0.0:9465 makes it reachable from
+                  other hosts
+  --node-id ID    the node's name in status and logs (default HOSTNAME-PID)
+  --data-dir DIR  keep the node's position in DIR/offsets.json, so a restarted
+                  node resumes where it stopped (Streams only; default: in
+                  memory, so a restarted node starts from the newest event)
+  -h, --help      show this message
+
+RUST_LOG=cache_sync=debug shows the library's logs (on stderr); the default
+shows warnings only.
+";
+
+#[derive(Debug)]
+struct Args {
+    redis: String,
+    pubsub: bool,
+    http: SocketAddr,
+    node_id: String,
+    data_dir: Option<PathBuf>,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    // The library logs losses and rejected events at `warn`; show them.
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let args = match parse_args(std::env::args().skip(1)) {
+        Ok(Some(args)) => args,
+        Ok(None) => {
+            print!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("node: {e}\n\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("node failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `Ok(None)`: help was asked for.
+fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
+    let mut redis = None;
+    let mut pubsub = false;
+    let mut http = None;
+    let mut node_id = None;
+    let mut data_dir = None;
+    while let Some(arg) = argv.next() {
+        // Both `--flag value` and `--flag=value`.
+        let (flag, inline) = match arg.split_once('=') {
+            Some((flag, value)) if flag.starts_with("--") => (flag.to_owned(), Some(value)),
+            _ => (arg.clone(), None),
+        };
+        let mut value = |name: &str| match inline {
+            Some(v) => Ok(v.to_owned()),
+            None => argv.next().ok_or_else(|| format!("{name} needs a value")),
+        };
+        match flag.as_str() {
+            "-h" | "--help" => return Ok(None),
+            "--redis" => redis = Some(value("--redis")?),
+            "--pubsub" if inline.is_none() => pubsub = true,
+            "--http" => {
+                let v = value("--http")?;
+                let addr = v.parse().map_err(|_| {
+                    format!("--http {v:?} is not an address such as 127.0.0.1:9465")
+                })?;
+                http = Some(addr);
+            }
+            "--node-id" => {
+                let v = value("--node-id")?;
+                if v.is_empty() {
+                    return Err("--node-id must not be empty".into());
+                }
+                node_id = Some(v);
+            }
+            "--data-dir" => data_dir = Some(PathBuf::from(value("--data-dir")?)),
+            _ if arg.starts_with('-') => return Err(format!("unknown option {arg:?}")),
+            _ => return Err(format!("unexpected argument {arg:?}")),
+        }
+    }
+    Ok(Some(Args {
+        redis: redis_url(redis)?,
+        pubsub,
+        // Loopback unless asked otherwise: the status endpoint has no
+        // authentication.
+        http: http.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0))),
+        node_id: node_id.unwrap_or_else(default_node_id),
+        data_dir,
+    }))
+}
+
+/// Catches a forgotten or misplaced value here, as a usage error; the
+/// client library checks the rest when connecting.
+fn redis_url(url: Option<String>) -> Result<String, String> {
+    match url {
+        None => Err("--redis is required".into()),
+        Some(url) if !url.contains("://") => Err(format!(
+            "--redis {url:?} is not a URL such as redis://127.0.0.1:6379/"
+        )),
+        Some(url) => Ok(url),
+    }
+}
+
+/// `HOSTNAME-PID`: unique per process on a host, and readable in the status.
+fn default_node_id() -> String {
+    // No dependency just for this: the environment, else Linux's procfs.
+    let host = ["HOSTNAME", "COMPUTERNAME"]
+        .into_iter()
+        .filter_map(|var| std::env::var(var).ok())
+        .chain(std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .chain(std::fs::read_to_string("/etc/hostname").ok())
+        .map(|h| h.trim().to_owned())
+        .find(|h| !h.is_empty())
+        .unwrap_or_else(|| "node".to_owned());
+    format!("{host}-{}", std::process::id())
+}
+
+async fn run(args: Args) -> Result<()> {
+    let bus: Arc<dyn ChangeBus> = if args.pubsub {
+        Arc::new(RedisPubSubBus::connect(args.redis.as_str()).await?)
+    } else {
+        Arc::new(RedisStreamsBus::connect(args.redis.as_str()).await?)
+    };
+    // Pub/Sub keeps no history, so there is no position worth saving.
+    let offsets = match &args.data_dir {
+        Some(_) if args.pubsub => {
+            eprintln!("node: --data-dir has no effect with --pubsub");
+            None
+        }
+        dir => dir.as_ref().map(FileOffsetStore::new),
+    };
+
+    // `None` caches a missing row, so repeated reads of a code that does not
+    // exist stay off the database too.
+    let countries: SyncedCache<String, Option<String>> =
+        SyncedCache::new(CACHE, moka::future::Cache::new(10_000));
+    let mut builder = Node::builder(args.node_id.as_str(), bus)
+        // Registration empties the cache, so it comes before the first read.
+        .register(&countries);
+    if let Some(store) = &offsets {
+        builder = builder.offset_store(store.clone());
+    }
+    if args.pubsub {
+        // Pub/Sub has no history to replay at start, so by default a node
+        // drops (rather than installs) versioned refreshes for its first 10 s,
+        // in case two writers published out of version order. The admin
+        // example is the table's only writer and its versions reach Redis in
+        // order, so the window is not needed here.
+        builder = builder.reorder_window(Duration::ZERO);
+    }
+    let node = builder.start().await?;
+    let status = node.serve_status(args.http).await?;
+
+    let addr = status.local_addr();
+    println!(
+        "{}: caching {CACHE:?} over {} (topic {:?})",
+        node.id(),
+        node.status().transport,
+        node.topic()
+    );
+    println!("  status endpoint on {addr}:");
+    println!("    curl -s http://{addr}/cache-sync/caches/{CACHE}");
+    println!("    curl -s http://{addr}/cache-sync/status");
+    match (&offsets, args.pubsub) {
+        (Some(store), _) => println!("  position kept in {}", store.path().display()),
+        (None, true) => println!("  no position: Pub/Sub keeps no history to resume from"),
+        (None, false) => {
+            println!("  position kept in memory (--data-dir DIR resumes after a restart)");
+        }
+    }
+
+    for code in SHOWN {
+        countries.get_with(code.to_owned(), || load(code)).await;
+    }
+    println!(
+        "  every {} s: cache version, entries, and {} as cached \
+         (`-`: not cached, `(no row)`: cached as missing). Ctrl-C stops.",
+        REPORT_EVERY.as_secs(),
+        SHOWN.join(" ")
+    );
+
+    let mut every = tokio::time::interval(REPORT_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    loop {
+        tokio::select! {
+            signal = &mut ctrl_c => {
+                signal?;
+                break;
+            }
+            _ = every.tick() => report(&node, &countries).await,
+        }
+    }
+
+    println!("{}: Ctrl-C, shutting down", node.id());
+    status.shutdown().await?;
+    // Applies what was already fetched and saves the position.
+    node.shutdown().await?;
+    let position = node.status().position;
+    match &offsets {
+        Some(store) if !position.is_empty() => println!(
+            "{}: stopped; position {position} saved in {}",
+            node.id(),
+            store.path().display()
+        ),
+        _ => println!("{}: stopped", node.id()),
+    }
+    Ok(())
+}
+
+/// The read-through loader. This process cannot see the admin's database,
+/// so it answers from the seed rows; in production the loader queries the
+/// database the admin writes to. That is also why the node reads through it
+/// only at start-up: after the admin deletes `fr`, a read here would load
+/// the seed's `France` again, where a shared database would answer with no row.
+async fn load(code: &str) -> Option<String> {
+    SEED.iter()
+        .find(|(c, _)| *c == code)
+        .map(|(_, name)| (*name).to_owned())
+}
+
+/// One status line. `peek` rather than `get`, so watching the cache does not
+/// count as hits and misses in the status endpoint.
+async fn report(node: &Node, countries: &SyncedCache<String, Option<String>>) {
+    let status = node.status_settled().await;
+    let cache = status.caches.iter().find(|c| c.name == CACHE);
+    let version = cache
+        .and_then(|c| c.version)
+        .map_or_else(|| "none".to_owned(), |v| v.to_string());
+    let entries = cache.map_or(0, |c| c.entries);
+    let mut held = Vec::new();
+    for code in SHOWN {
+        let shown = match countries.peek(&code.to_owned()).await {
+            None => "-".to_owned(),
+            Some(None) => "(no row)".to_owned(),
+            Some(Some(name)) => name,
+        };
+        held.push(format!("{code}={shown}"));
+    }
+    // The consumer re-subscribes by itself; until then the caches may fall behind.
+    let down = if status.consuming {
+        ""
+    } else {
+        "  [not consuming: Redis unreachable? see the log]"
+    };
+    println!(
+        "{}  version {version}  entries {entries}  {}{down}",
+        status.node_id,
+        held.join(" ")
+    );
+}
