@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::fmt;
 use std::future::{Future, ready};
 use std::hash::Hash;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicBool, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -474,6 +476,8 @@ where
 
     fn snapshot(&self) -> CacheStatus {
         let s = &self.stats;
+        // First: see the apply path's Release store.
+        let events_applied = s.events_applied.load(Acquire);
         let version = s.version.load(Relaxed);
         let last = s.last_applied_us.load(Relaxed);
         CacheStatus {
@@ -486,7 +490,7 @@ where
             loads: s.loads.load(Relaxed),
             load_failures: s.load_failures.load(Relaxed),
             loads_superseded: s.loads_superseded.load(Relaxed),
-            events_applied: s.events_applied.load(Relaxed),
+            events_applied,
             invalidations: s.invalidations.load(Relaxed),
             refreshes: s.refreshes.load(Relaxed),
             stale_ignored: s.stale_ignored.load(Relaxed),
@@ -616,11 +620,13 @@ where
         if let Some(v) = version {
             s.version.fetch_max(v, Relaxed);
         }
-        s.events_applied.fetch_add(1, Relaxed);
         let now = now_us();
         s.last_applied_us.store(now, Relaxed);
         s.last_latency_us
             .store(now.saturating_sub(header.published_at_us), Relaxed);
+        // Last, and with Release (read with Acquire): a poller that sees the
+        // new count also sees this event's time and latency.
+        s.events_applied.fetch_add(1, Release);
     }
 
     async fn resync(&self) {
