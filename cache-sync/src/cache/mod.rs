@@ -161,8 +161,8 @@ struct Flight<V> {
 
 #[derive(Default)]
 struct Stats {
-    hits: AtomicU64,
-    misses: AtomicU64,
+    hits: StripedCounter,
+    misses: StripedCounter,
     loads: AtomicU64,
     load_failures: AtomicU64,
     loads_superseded: AtomicU64,
@@ -179,6 +179,36 @@ struct Stats {
     version: AtomicU64,
     last_applied_us: AtomicU64,
     last_latency_us: AtomicU64,
+}
+
+/// A counter for the read path: one shared atomic would bounce its cache
+/// line between every core that reads the cache.
+#[derive(Default)]
+struct StripedCounter {
+    stripes: [Stripe; STRIPES],
+}
+
+const STRIPES: usize = 16;
+
+#[derive(Default)]
+#[repr(align(128))]
+struct Stripe(AtomicU64);
+
+impl StripedCounter {
+    fn add_one(&self) {
+        thread_local! {
+            static STRIPE: usize = {
+                static NEXT: AtomicU64 = AtomicU64::new(0);
+                NEXT.fetch_add(1, Relaxed) as usize % STRIPES
+            };
+        }
+        let i = STRIPE.with(|s| *s);
+        self.stripes[i].0.fetch_add(1, Relaxed);
+    }
+
+    fn sum(&self) -> u64 {
+        self.stripes.iter().map(|s| s.0.load(Relaxed)).sum()
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -229,7 +259,7 @@ where
         } else {
             &self.inner.stats.misses
         };
-        counter.fetch_add(1, Relaxed);
+        counter.add_one();
         v
     }
 
@@ -485,8 +515,8 @@ where
             version: (version > 0).then_some(version),
             entries: self.cache.entry_count(),
             tracked_keys: lock(&self.table).len() as u64,
-            hits: s.hits.load(Relaxed),
-            misses: s.misses.load(Relaxed),
+            hits: s.hits.sum(),
+            misses: s.misses.sum(),
             loads: s.loads.load(Relaxed),
             load_failures: s.load_failures.load(Relaxed),
             loads_superseded: s.loads_superseded.load(Relaxed),
