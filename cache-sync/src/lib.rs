@@ -124,6 +124,7 @@
 //! | feature | transports |
 //! |---|---|
 //! | `redis` | `RedisStreamsBus` (durable, replayable; recommended) and `RedisPubSubBus` (lowest latency, lossy) |
+//! | `nats` | `NatsJetStreamBus` (durable, replayable) |
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
@@ -138,6 +139,9 @@ mod status;
 
 #[doc(inline)]
 pub use bus::embedded::{EmbeddedBus, EmbeddedBusBuilder};
+#[cfg(feature = "nats")]
+#[doc(inline)]
+pub use bus::nats::{NatsJetStreamBuilder, NatsJetStreamBus};
 #[cfg(feature = "redis")]
 #[doc(inline)]
 pub use bus::redis::{RedisPubSubBuilder, RedisPubSubBus, RedisStreamsBuilder, RedisStreamsBus};

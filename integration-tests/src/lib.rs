@@ -9,6 +9,7 @@ use std::time::Duration;
 use cache_sync::{ChangeBus, Node, NodeBuilder, Publisher, SyncedCache};
 
 pub mod conformance;
+pub mod nats_server;
 pub mod redis_server;
 
 /// Cache values: `None` caches a missing row (negative caching).

@@ -6,8 +6,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use cache_sync::{ChangeBus, EmbeddedBus, Publisher, RedisPubSubBus, RedisStreamsBus};
+use cache_sync::{
+    ChangeBus, EmbeddedBus, NatsJetStreamBus, Publisher, RedisPubSubBus, RedisStreamsBus,
+};
 use integration_tests::conformance::{Expect, Fault, Fixture, normal_path, retry, survives};
+use integration_tests::nats_server::NatsServer;
 use integration_tests::redis_server::RedisServer;
 
 struct Embedded {
@@ -185,6 +188,59 @@ impl Fixture for PubSub {
     }
 }
 
+struct Nats {
+    server: NatsServer,
+}
+
+#[async_trait]
+impl Fixture for Nats {
+    fn name(&self) -> &'static str {
+        "nats-jetstream"
+    }
+
+    async fn bus(&self) -> Arc<dyn ChangeBus> {
+        let bus = retry(|| {
+            NatsJetStreamBus::builder(self.server.url())
+                .max_messages(2000)
+                .connect()
+        })
+        .await;
+        Arc::new(bus)
+    }
+
+    fn expect(&self, fault: Fault) -> Option<Expect> {
+        match fault {
+            Fault::TrimPastReader => Some(Expect::Loss),
+            // File storage and per-node sequence tracking: these resume losslessly.
+            Fault::BrokerRestart | Fault::BrokerPause | Fault::NodeRestart => Some(Expect::NoLoss),
+            // The server has no command to cut one client off (no CLIENT KILL),
+            // and a reader that falls behind stays in the stream.
+            Fault::ConnectionKill | Fault::BufferLimitDisconnect => None,
+            _ => None,
+        }
+    }
+
+    async fn inject(&mut self, fault: Fault) {
+        match fault {
+            Fault::BrokerRestart => self.server.restart(),
+            Fault::BrokerPause => {
+                self.server.pause();
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                self.server.resume();
+            }
+            Fault::TrimPastReader => {
+                // More than the stream keeps, while the node is parked.
+                let p = Publisher::new(self.bus().await);
+                for i in 0..2500u32 {
+                    retry(|| p.refresh("filler", [(i, i)])).await;
+                }
+            }
+            Fault::NodeRestart => {}
+            other => panic!("not injectable here: {other:?}"),
+        }
+    }
+}
+
 /// Longer than every client timeout the fixtures set.
 async fn pause(server: &RedisServer) {
     server.pause();
@@ -246,5 +302,11 @@ conformance!(
     redis_pubsub,
     PubSub {
         server: RedisServer::start()
+    }
+);
+conformance!(
+    nats_jetstream,
+    Nats {
+        server: NatsServer::start()
     }
 );

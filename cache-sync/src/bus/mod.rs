@@ -11,6 +11,8 @@ use serde::{Deserialize, Serialize};
 use crate::error::Result;
 
 pub(crate) mod embedded;
+#[cfg(feature = "nats")]
+pub(crate) mod nats;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 
