@@ -1,12 +1,13 @@
 //! The admin service of the multi-process demo: publishes one change to the
-//! `countries` table to every running `node` example over Redis, prints the
-//! version it was published at, and exits.
+//! `countries` table to every running `node` example over Redis or NATS,
+//! prints the version it was published at, and exits.
 //!
 //! ```text
 //! cargo run -p cache-sync-examples --example admin -- --redis redis://127.0.0.1:6379/ upsert de Deutschland
 //! cargo run -p cache-sync-examples --example admin -- --redis redis://127.0.0.1:6379/ delete fr
 //! cargo run -p cache-sync-examples --example admin -- --redis redis://127.0.0.1:6379/ replace-all de=Deutschland it=Italia
 //! cargo run -p cache-sync-examples --example admin -- --redis redis://127.0.0.1:6379/ demo
+//! cargo run -p cache-sync-examples --example admin -- --nats nats://127.0.0.1:4222 upsert de Deutschland
 //! ```
 
 // An example's output is its user interface: it talks to a person at a terminal.
@@ -15,11 +16,14 @@
 use std::collections::BTreeMap;
 use std::error::Error;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
-use cache_sync::{ChangeBus, DictionaryPublisher, Publisher, RedisPubSubBus, RedisStreamsBus};
+use cache_sync::{DictionaryPublisher, Publisher};
 use tracing_subscriber::EnvFilter;
+
+#[path = "shared/transport.rs"]
+mod transport;
+use transport::{Transport, TransportFlags};
 
 type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
 
@@ -32,8 +36,10 @@ const DEMO_PAUSE: Duration = Duration::from_secs(1);
 /// format carries the value type, so the admin publishes the same type.
 type Table = DictionaryPublisher<String, Option<String>>;
 
-const USAGE: &str = "\
-usage: admin --redis URL [--pubsub] COMMAND
+fn usage() -> String {
+    format!(
+        "\
+usage: admin (--redis URL [--pubsub] | --nats URL) COMMAND
 
 Publishes a change to the `countries` table to every running `node` example.
 
@@ -45,14 +51,13 @@ commands:
   demo                      a short scripted sequence (upserts, then a delete),
                             one change a second
 
+{}
 options:
-  --redis URL  the Redis server (7.0 or later), e.g. redis://127.0.0.1:6379/
-               (required)
-  --pubsub     use Redis Pub/Sub instead of Redis Streams, as the nodes were
-               started with it. Pub/Sub keeps nothing: a node not connected
-               when the change is published never sees it
-  -h, --help   show this message
-";
+  -h, --help      show this message
+",
+        transport::USAGE
+    )
+}
 
 #[derive(Debug)]
 enum Command {
@@ -64,8 +69,7 @@ enum Command {
 
 #[derive(Debug)]
 struct Args {
-    redis: String,
-    pubsub: bool,
+    transport: Transport,
     command: Command,
 }
 
@@ -78,11 +82,11 @@ async fn main() -> ExitCode {
     let args = match parse_args(std::env::args().skip(1)) {
         Ok(Some(args)) => args,
         Ok(None) => {
-            print!("{USAGE}");
+            print!("{}", usage());
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            eprintln!("admin: {e}\n\n{USAGE}");
+            eprintln!("admin: {e}\n\n{}", usage());
             return ExitCode::from(2);
         }
     };
@@ -97,8 +101,7 @@ async fn main() -> ExitCode {
 
 /// `Ok(None)`: help was asked for.
 fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
-    let mut redis = None;
-    let mut pubsub = false;
+    let mut transport = TransportFlags::default();
     let mut words = Vec::new();
     let mut options_ended = false;
     while let Some(arg) = argv.next() {
@@ -111,17 +114,17 @@ fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Option<Args>, St
             Some((flag, value)) if flag.starts_with("--") => (flag.to_owned(), Some(value)),
             _ => (arg.clone(), None),
         };
+        let value = || match inline {
+            Some(v) => Ok(v.to_owned()),
+            None => argv.next().ok_or_else(|| format!("{flag} needs a value")),
+        };
+        if transport.take(&flag, inline.is_some(), value)? {
+            continue;
+        }
         match flag.as_str() {
             "-h" | "--help" => return Ok(None),
             // Lets a code or name start with `-`.
             "--" => options_ended = true,
-            "--redis" => {
-                redis = Some(match inline {
-                    Some(v) => v.to_owned(),
-                    None => argv.next().ok_or("--redis needs a value")?,
-                });
-            }
-            "--pubsub" if inline.is_none() => pubsub = true,
             _ => return Err(format!("unknown option {arg:?}")),
         }
     }
@@ -166,22 +169,9 @@ fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Option<Args>, St
         rows.keys().try_for_each(|code| check_code(code))?;
     }
     Ok(Some(Args {
-        redis: redis_url(redis)?,
-        pubsub,
+        transport: transport.finish()?,
         command,
     }))
-}
-
-/// Catches a forgotten or misplaced value here, as a usage error; the
-/// client library checks the rest when connecting.
-fn redis_url(url: Option<String>) -> Result<String, String> {
-    match url {
-        None => Err("--redis is required".into()),
-        Some(url) if !url.contains("://") => Err(format!(
-            "--redis {url:?} is not a URL such as redis://127.0.0.1:6379/"
-        )),
-        Some(url) => Ok(url),
-    }
 }
 
 fn check_code(code: &str) -> Result<(), String> {
@@ -192,11 +182,7 @@ fn check_code(code: &str) -> Result<(), String> {
 }
 
 async fn run(args: Args) -> Result<()> {
-    let bus: Arc<dyn ChangeBus> = if args.pubsub {
-        Arc::new(RedisPubSubBus::connect(args.redis.as_str()).await?)
-    } else {
-        Arc::new(RedisStreamsBus::connect(args.redis.as_str()).await?)
-    };
+    let bus = args.transport.connect().await?;
     // The origin names this service in the nodes' logs.
     let table: Table = Publisher::builder(bus)
         .origin("admin")

@@ -1,6 +1,6 @@
 //! One application node of the multi-process demo: it caches the `countries`
 //! table and keeps it in step with the changes the `admin` example publishes
-//! over Redis. Run two or more, each in its own terminal:
+//! over Redis or NATS. Run two or more, each in its own terminal:
 //!
 //! ```text
 //! cargo run -p cache-sync-examples --example node -- --redis redis://127.0.0.1:6379/ --http 127.0.0.1:9465 --node-id node-a
@@ -8,6 +8,9 @@
 //! cargo run -p cache-sync-examples --example admin -- --redis redis://127.0.0.1:6379/ upsert de Deutschland
 //! curl -s http://127.0.0.1:9465/cache-sync/caches/countries
 //! ```
+//!
+//! For NATS JetStream, give every process `--nats nats://127.0.0.1:4222`
+//! instead of `--redis URL`.
 //!
 //! Every 2 s the node prints its cache's version, its entry count and what it
 //! holds for a few codes. Ctrl-C stops it cleanly: it saves its position and
@@ -20,11 +23,14 @@ use std::error::Error;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
-use cache_sync::{ChangeBus, FileOffsetStore, Node, RedisPubSubBus, RedisStreamsBus, SyncedCache};
+use cache_sync::{FileOffsetStore, Node, SyncedCache};
 use tracing_subscriber::EnvFilter;
+
+#[path = "shared/transport.rs"]
+mod transport;
+use transport::{Transport, TransportFlags};
 
 type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
 
@@ -49,36 +55,38 @@ const SEED: [(&str, &str); 8] = [
     ("se", "Sweden"),
 ];
 
-const USAGE: &str = "\
-usage: node --redis URL [--pubsub] [--http ADDR] [--node-id ID] [--data-dir DIR]
+fn usage() -> String {
+    format!(
+        "\
+usage: node (--redis URL [--pubsub] | --nats URL) [--http ADDR] [--node-id ID]
+            [--data-dir DIR]
 
 Runs one application node: it caches the `countries` table and keeps it in
 step with what the `admin` example publishes. Prints a status line every 2 s;
 Ctrl-C stops it cleanly.
 
+{}
 options:
-  --redis URL     the Redis server (7.0 or later), e.g. redis://127.0.0.1:6379/
-                  (required)
-  --pubsub        use Redis Pub/Sub (lowest latency, lossy) instead of Redis
-                  Streams; the admin must be given the same flag
   --http ADDR     where to serve the status endpoint. Default 127.0.0.1:0:
                   loopback only, on a free port (the address is printed).
                   An address such as 0.0.0.0:9465 makes it reachable from
                   other hosts
   --node-id ID    the node's name in status and logs (default HOSTNAME-PID)
   --data-dir DIR  keep the node's position in DIR/offsets.json, so a restarted
-                  node resumes where it stopped (Streams only; default: in
-                  memory, so a restarted node starts from the newest event)
+                  node resumes where it stopped (not with --pubsub; default:
+                  in memory, so a restarted node starts from the newest event)
   -h, --help      show this message
 
 RUST_LOG=cache_sync=debug shows the library's logs (on stderr); the default
 shows warnings only.
-";
+",
+        transport::USAGE
+    )
+}
 
 #[derive(Debug)]
 struct Args {
-    redis: String,
-    pubsub: bool,
+    transport: Transport,
     http: SocketAddr,
     node_id: String,
     data_dir: Option<PathBuf>,
@@ -94,11 +102,11 @@ async fn main() -> ExitCode {
     let args = match parse_args(std::env::args().skip(1)) {
         Ok(Some(args)) => args,
         Ok(None) => {
-            print!("{USAGE}");
+            print!("{}", usage());
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            eprintln!("node: {e}\n\n{USAGE}");
+            eprintln!("node: {e}\n\n{}", usage());
             return ExitCode::from(2);
         }
     };
@@ -113,8 +121,7 @@ async fn main() -> ExitCode {
 
 /// `Ok(None)`: help was asked for.
 fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
-    let mut redis = None;
-    let mut pubsub = false;
+    let mut transport = TransportFlags::default();
     let mut http = None;
     let mut node_id = None;
     let mut data_dir = None;
@@ -128,10 +135,11 @@ fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Option<Args>, St
             Some(v) => Ok(v.to_owned()),
             None => argv.next().ok_or_else(|| format!("{name} needs a value")),
         };
+        if transport.take(&flag, inline.is_some(), || value(&flag))? {
+            continue;
+        }
         match flag.as_str() {
             "-h" | "--help" => return Ok(None),
-            "--redis" => redis = Some(value("--redis")?),
-            "--pubsub" if inline.is_none() => pubsub = true,
             "--http" => {
                 let v = value("--http")?;
                 let addr = v.parse().map_err(|_| {
@@ -152,26 +160,13 @@ fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Option<Args>, St
         }
     }
     Ok(Some(Args {
-        redis: redis_url(redis)?,
-        pubsub,
+        transport: transport.finish()?,
         // Loopback unless asked otherwise: the status endpoint has no
         // authentication.
         http: http.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0))),
         node_id: node_id.unwrap_or_else(default_node_id),
         data_dir,
     }))
-}
-
-/// Catches a forgotten or misplaced value here, as a usage error; the
-/// client library checks the rest when connecting.
-fn redis_url(url: Option<String>) -> Result<String, String> {
-    match url {
-        None => Err("--redis is required".into()),
-        Some(url) if !url.contains("://") => Err(format!(
-            "--redis {url:?} is not a URL such as redis://127.0.0.1:6379/"
-        )),
-        Some(url) => Ok(url),
-    }
 }
 
 /// `HOSTNAME-PID`: unique per process on a host, and readable in the status.
@@ -189,14 +184,11 @@ fn default_node_id() -> String {
 }
 
 async fn run(args: Args) -> Result<()> {
-    let bus: Arc<dyn ChangeBus> = if args.pubsub {
-        Arc::new(RedisPubSubBus::connect(args.redis.as_str()).await?)
-    } else {
-        Arc::new(RedisStreamsBus::connect(args.redis.as_str()).await?)
-    };
+    let bus = args.transport.connect().await?;
     // Pub/Sub keeps no history, so there is no position worth saving.
+    let pubsub = matches!(args.transport, Transport::Redis { pubsub: true, .. });
     let offsets = match &args.data_dir {
-        Some(_) if args.pubsub => {
+        Some(_) if pubsub => {
             eprintln!("node: --data-dir has no effect with --pubsub");
             None
         }
@@ -213,7 +205,7 @@ async fn run(args: Args) -> Result<()> {
     if let Some(store) = &offsets {
         builder = builder.offset_store(store.clone());
     }
-    if args.pubsub {
+    if pubsub {
         // Pub/Sub has no history to replay at start, so by default a node
         // drops (rather than installs) versioned refreshes for its first 10 s,
         // in case two writers published out of version order. The admin
@@ -234,7 +226,7 @@ async fn run(args: Args) -> Result<()> {
     println!("  status endpoint on {addr}:");
     println!("    curl -s http://{addr}/cache-sync/caches/{CACHE}");
     println!("    curl -s http://{addr}/cache-sync/status");
-    match (&offsets, args.pubsub) {
+    match (&offsets, pubsub) {
         (Some(store), _) => println!("  position kept in {}", store.path().display()),
         (None, true) => println!("  no position: Pub/Sub keeps no history to resume from"),
         (None, false) => {
@@ -315,7 +307,7 @@ async fn report(node: &Node, countries: &SyncedCache<String, Option<String>>) {
     let down = if status.consuming {
         ""
     } else {
-        "  [not consuming: Redis unreachable? see the log]"
+        "  [not consuming: server unreachable? see the log]"
     };
     println!(
         "{}  version {version}  entries {entries}  {}{down}",

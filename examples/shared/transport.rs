@@ -1,0 +1,102 @@
+//! The transport the `node` and `admin` examples talk through, chosen on the
+//! command line. One file for both, so that a node and the admin accept the
+//! same flags and the same URLs.
+
+use std::sync::Arc;
+
+use cache_sync::{ChangeBus, NatsJetStreamBus, RedisPubSubBus, RedisStreamsBus};
+
+/// The transport part of both examples' `--help`.
+pub(crate) const USAGE: &str = "\
+transport (exactly one; give the admin and every node the same):
+  --redis URL     Redis Streams on a Redis server (7.0 or later), e.g.
+                  redis://127.0.0.1:6379/
+  --pubsub        with --redis: Redis Pub/Sub instead of Streams. Lowest
+                  latency, but Pub/Sub keeps nothing: a node not connected
+                  when a change is published never sees it
+  --nats URL      NATS JetStream on a NATS server started with JetStream
+                  (nats-server -js), e.g. nats://127.0.0.1:4222
+";
+
+#[derive(Debug)]
+pub(crate) enum Transport {
+    Redis { url: String, pubsub: bool },
+    Nats { url: String },
+}
+
+/// Collects the transport flags while the caller parses its own.
+#[derive(Debug, Default)]
+pub(crate) struct TransportFlags {
+    chosen: Option<(String, Transport)>,
+    // `--pubsub` may come before `--redis`, so it is checked at the end.
+    pubsub: bool,
+}
+
+impl TransportFlags {
+    /// Takes `flag` if it is a transport flag (`Ok(false)` if not); `value`
+    /// yields its value.
+    pub(crate) fn take(
+        &mut self,
+        flag: &str,
+        has_inline_value: bool,
+        value: impl FnOnce() -> Result<String, String>,
+    ) -> Result<bool, String> {
+        let transport = match flag {
+            "--redis" => Transport::Redis {
+                url: url(flag, value()?, "redis://127.0.0.1:6379/")?,
+                pubsub: false,
+            },
+            "--nats" => Transport::Nats {
+                url: url(flag, value()?, "nats://127.0.0.1:4222")?,
+            },
+            "--pubsub" if !has_inline_value => {
+                self.pubsub = true;
+                return Ok(true);
+            }
+            _ => return Ok(false),
+        };
+        if let Some((earlier, _)) = &self.chosen {
+            return Err(format!(
+                "{flag} after {earlier}: give exactly one transport"
+            ));
+        }
+        self.chosen = Some((flag.to_owned(), transport));
+        Ok(true)
+    }
+
+    pub(crate) fn finish(self) -> Result<Transport, String> {
+        match self.chosen {
+            None => Err("a transport is required: --redis URL or --nats URL".into()),
+            Some((_, Transport::Redis { url, .. })) => Ok(Transport::Redis {
+                url,
+                pubsub: self.pubsub,
+            }),
+            Some((flag, _)) if self.pubsub => Err(format!("--pubsub needs --redis, not {flag}")),
+            Some((_, transport)) => Ok(transport),
+        }
+    }
+}
+
+/// Catches a forgotten or misplaced value here, as a usage error; the
+/// client library checks the rest when connecting.
+fn url(flag: &str, url: String, example: &str) -> Result<String, String> {
+    if url.contains("://") {
+        Ok(url)
+    } else {
+        Err(format!("{flag} {url:?} is not a URL such as {example}"))
+    }
+}
+
+impl Transport {
+    pub(crate) async fn connect(&self) -> cache_sync::Result<Arc<dyn ChangeBus>> {
+        Ok(match self {
+            Self::Redis { url, pubsub: false } => {
+                Arc::new(RedisStreamsBus::connect(url.as_str()).await?)
+            }
+            Self::Redis { url, pubsub: true } => {
+                Arc::new(RedisPubSubBus::connect(url.as_str()).await?)
+            }
+            Self::Nats { url } => Arc::new(NatsJetStreamBus::connect(url.as_str()).await?),
+        })
+    }
+}
