@@ -2,7 +2,11 @@
 
 use std::time::Duration;
 
-use cache_sync::{Node, Publisher, RedisPubSubBus, RedisStreamsBus, SyncedCache};
+use bytes::Bytes;
+use cache_sync::{
+    ChangeBus, Delivery, LossReason, Node, Publisher, RedisPubSubBus, RedisStreamsBus, StartFrom,
+    SubscribeOptions, SyncedCache,
+};
 use integration_tests::eventually;
 use integration_tests::redis_server::RedisServer;
 
@@ -76,5 +80,44 @@ async fn pubsub_round_trip_and_a_dropped_connection_is_a_loss() {
         i += 1;
         p.refresh("t", [("b", format!("{i}"))]).await.unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A trim with nothing published after it is still noticed, on the reader's
+/// next idle wake-up, rather than only when a later entry shows the gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_notice_a_trim_while_idle() {
+    let server = RedisServer::start();
+    let bus = RedisStreamsBus::builder(server.url())
+        .block(Duration::from_millis(100))
+        .connect()
+        .await
+        .unwrap();
+    let mut sub = bus
+        .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
+        .await
+        .unwrap();
+    bus.publish("t", "c", Bytes::from_static(b"a"))
+        .await
+        .unwrap();
+    assert!(matches!(
+        sub.next(10).await.unwrap(),
+        Delivery::Batch { .. }
+    ));
+    // "b" is published and trimmed before the reader asks again.
+    bus.publish("t", "c", Bytes::from_static(b"b"))
+        .await
+        .unwrap();
+    let reply = server
+        .command(&["XTRIM", "cache-sync:t", "MAXLEN", "0"])
+        .unwrap();
+    assert_eq!(reply, ":2");
+    let next = tokio::time::timeout(Duration::from_secs(5), sub.next(10)).await;
+    match next.expect("the trim went unnoticed while idle").unwrap() {
+        Delivery::Lost(loss) => {
+            assert_eq!(loss.reason, LossReason::Trimmed);
+            assert_eq!(loss.missed, Some(1));
+        }
+        other => panic!("expected the trim to be signalled, got {other:?}"),
     }
 }

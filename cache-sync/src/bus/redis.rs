@@ -383,7 +383,17 @@ impl ChangeBus for RedisStreamsBus {
             StartFrom::Earliest => ("0-0".to_owned(), trimmed),
             StartFrom::Position(p) => match (p.get(ID), p.get(ORDINAL)) {
                 (Some(Offset::Id(id)), Some(Offset::Seq(n))) if *n <= state.entries_added => {
-                    (id.clone(), *n)
+                    if *n < trimmed {
+                        // Entries after the stored position are gone already.
+                        pending = Some(Loss::new(
+                            LossReason::Trimmed,
+                            Some(trimmed - n),
+                            Some(streams_position(id, trimmed)),
+                        ));
+                        (id.clone(), trimmed)
+                    } else {
+                        (id.clone(), *n)
+                    }
                 }
                 _ => {
                     pending = Some(Loss::new(
@@ -467,6 +477,26 @@ impl fmt::Debug for StreamsSubscription {
     }
 }
 
+impl StreamsSubscription {
+    async fn idle_check(&mut self) -> Result<Option<Loss>> {
+        let state = stream_state(&mut self.conn, &self.key).await?;
+        let trimmed = state.entries_added.saturating_sub(state.length);
+        if state.entries_added < self.ordinal {
+            self.id.clone_from(&state.last_id);
+            self.ordinal = state.entries_added;
+            let resume = Some(streams_position(&self.id, self.ordinal));
+            return Ok(Some(Loss::new(LossReason::HistoryReset, None, resume)));
+        }
+        if trimmed > self.ordinal {
+            let missed = trimmed - self.ordinal;
+            self.ordinal = trimmed;
+            let resume = Some(streams_position(&self.id, self.ordinal));
+            return Ok(Some(Loss::new(LossReason::Trimmed, Some(missed), resume)));
+        }
+        Ok(None)
+    }
+}
+
 #[async_trait]
 impl Subscription for StreamsSubscription {
     async fn next(&mut self, max: usize) -> Result<Delivery> {
@@ -487,6 +517,11 @@ impl Subscription for StreamsSubscription {
                 .map_err(|e| map_err(STREAMS, e))?;
             let raw = parse_xread(reply);
             if raw.is_empty() {
+                // Idle: a trim (XTRIM) or a reset with nothing new after it
+                // would otherwise go unnoticed until the next entry.
+                if let Some(loss) = self.idle_check().await? {
+                    return Ok(Delivery::Lost(loss));
+                }
                 continue;
             }
             let mut records = Vec::with_capacity(raw.len());
