@@ -125,7 +125,11 @@
 //! |---|---|
 //! | `redis` | `RedisStreamsBus` (durable, replayable; recommended) and `RedisPubSubBus` (lowest latency, lossy) |
 //! | `nats` | `NatsJetStreamBus` (durable, replayable) |
+//! | `rocketmq` | `RocketMqBus` (durable, replayable; broker-side tag filtering, per-cache order) |
 #![cfg_attr(docsrs, feature(doc_cfg))]
+// The RocketMQ client's futures nest deeper than the default limit allows
+// when the compiler proves them `Send`.
+#![recursion_limit = "256"]
 #![warn(missing_docs)]
 
 mod bus;
@@ -145,6 +149,9 @@ pub use bus::nats::{NatsJetStreamBuilder, NatsJetStreamBus};
 #[cfg(feature = "redis")]
 #[doc(inline)]
 pub use bus::redis::{RedisPubSubBuilder, RedisPubSubBus, RedisStreamsBuilder, RedisStreamsBus};
+#[cfg(feature = "rocketmq")]
+#[doc(inline)]
+pub use bus::rocketmq::{RocketMqBuilder, RocketMqBus};
 #[doc(inline)]
 pub use bus::{
     ChangeBus, Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,

@@ -11,6 +11,7 @@ use cache_sync::{ChangeBus, Node, NodeBuilder, Publisher, SyncedCache};
 pub mod conformance;
 pub mod nats_server;
 pub mod redis_server;
+pub mod rocketmq_server;
 
 /// Cache values: `None` caches a missing row (negative caching).
 pub type Row = Option<String>;

@@ -15,6 +15,8 @@ pub(crate) mod embedded;
 pub(crate) mod nats;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
+#[cfg(feature = "rocketmq")]
+pub(crate) mod rocketmq;
 
 /// Where a subscriber stands in a topic: one offset per partition.
 ///

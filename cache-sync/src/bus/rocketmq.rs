@@ -1,0 +1,1150 @@
+//! The RocketMQ broadcast transport (Rust client 1.0).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use rocketmq_client_rust::{
+    ClientConfig, ClientResult, ClientRuntime, ClientRuntimeConfig, ConsumeOrderlyContext,
+    ConsumeOrderlyStatus, DefaultMQAdminExt, DefaultMQProducer, DefaultMQPushConsumer,
+    MQPushConsumer, MessageQueueListener, OffsetAdmin, RouteAdmin, TelemetryHandle, TopicAdmin,
+};
+use rocketmq_model::common::config::TopicConfig;
+use rocketmq_model::common::consumer::consume_from_where::ConsumeFromWhere;
+use rocketmq_model::common::message::message_ext::MessageExt;
+use rocketmq_model::common::message::message_queue::MessageQueue;
+use rocketmq_model::common::message::message_single::Message;
+use rocketmq_protocol::protocol::heartbeat::message_model::MessageModel;
+use rocketmq_runtime::{RuntimeConfig, RuntimeOwner};
+use tokio::sync::{RwLock, mpsc, watch};
+
+use super::{
+    ChangeBus, Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
+    Subscription,
+};
+use crate::error::{Error, Result};
+
+const KIND: &str = "rocketmq";
+/// The client id is `<client_ip>@<instance>` and names the offsets
+/// directory; for a broadcasting consumer it is only a label, so it is pinned
+/// to keep that path computable.
+const CLIENT_IP: &str = "127.0.0.1";
+/// Admin calls (topic creation, offsets) that take longer than this fail.
+const ADMIN_TIMEOUT_MS: u64 = 3000;
+const SEND_TIMEOUT_MS: u64 = 3000;
+/// Batches the listener may park in a subscription before it pushes back.
+const BUFFER_BATCHES: usize = 64;
+/// How long the client holds a queue back after the buffer was full.
+const SUSPEND_MS: i64 = 50;
+/// Consecutive send failures before the producer is suspected stuck behind
+/// the client's circuit breaker.
+const SEND_FAILURES_BEFORE_RECREATE: u32 = 3;
+
+type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+fn err(e: impl fmt::Display) -> Error {
+    Error::disconnected(KIND, e.to_string())
+}
+
+/// The RocketMQ transport: one topic with N message queues on the brokers of
+/// a name server; every node reads it with its own `BROADCASTING` push
+/// consumer (its own group and client instance), so every node gets every
+/// message.
+///
+/// - **Delivery:** every message still on the brokers, per queue in order,
+///   to every node. A cache's events all go to one queue (the tag is
+///   hashed to pick it), so they arrive in publish order; events of
+///   different caches are not ordered with each other. The message tag is
+///   the cache name and the brokers filter by it ([`ChangeBus::filters_by_tag`]).
+/// - **Back-pressure:** the client's orderly listener hands each batch to a
+///   bounded buffer. When the buffer is full the queue is suspended for a
+///   moment and the same batch is offered again, so a full buffer slows the
+///   node down but loses nothing, and is not signalled as a loss.
+/// - **Loss detection:** queue offsets as one node sees them are not
+///   contiguous (the broker skips other caches' messages), so gaps in them
+///   mean nothing. Instead, a subscription from a stored position compares
+///   each queue's offset with the oldest offset the broker still holds and
+///   yields [`LossReason::Trimmed`] first if history is gone (or
+///   [`LossReason::HistoryReset`] if the position is past the queue's end).
+///   Anything else is caught by the node's per-publisher sequence check.
+/// - **Start positions:** latest, earliest, a stored position, a timestamp
+///   (millisecond precision, resolved per queue by the broker). Every start
+///   is turned into an explicit offset per queue, written to the consumer's
+///   `offsets.json` before it starts, so the subscription's
+///   [`position`](Subscription::position) is known from the beginning.
+/// - **Broker restart:** pull requests in flight when a broker dies hang for
+///   the client's hard-coded 30 s, and the client's circuit breaker rejects
+///   connections for another 30 s. Each subscription therefore watches the
+///   brokers over a plain TCP connection; when one went away and accepts
+///   connections again, `next` fails so the node re-subscribes from its
+///   position with a fresh client instance. The producer is recreated under a
+///   new instance name when sends keep failing while the broker is up.
+///
+/// # Offsets directory
+/// The client keeps each consumer's `offsets.json` under a directory it reads
+/// once per process from the environment variable
+/// `rocketmq.client.localOffsetStoreDir` (default `$HOME/.rocketmq_offsets`);
+/// it has no API to set it, and setting the variable from inside the process
+/// needs `unsafe`. The node's own offset store stays the source of truth:
+/// every subscription gets a new client instance, seeds its file there, and
+/// removes it when it ends.
+///
+/// # Shutdown
+/// The bus owns the client's runtime. [`RocketMqBus::shutdown`] stops the
+/// producer, the client runtime and its tasks, in that order; dropping the
+/// last clone does the same on a helper thread.
+#[cfg_attr(docsrs, doc(cfg(feature = "rocketmq")))]
+#[derive(Clone)]
+pub struct RocketMqBus {
+    inner: Arc<dyn Shared>,
+}
+
+/// Hides `Inner` behind a trait object: proving the client's types `Send`
+/// takes a recursion limit above the default, and a `dyn Shared + Send +
+/// Sync` keeps that proof inside this crate.
+trait Shared: Send + Sync + 'static {
+    fn get(&self) -> &Inner;
+}
+
+impl Shared for Inner {
+    fn get(&self) -> &Inner {
+        self
+    }
+}
+
+impl fmt::Debug for RocketMqBus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RocketMqBus")
+            .field("config", &self.inner.get().config)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct RmqConfig {
+    namesrv: String,
+    queues: u32,
+    offset_dir: Option<PathBuf>,
+    name_prefix: String,
+}
+
+/// Configures a [`RocketMqBus`].
+#[cfg_attr(docsrs, doc(cfg(feature = "rocketmq")))]
+#[derive(Debug, Clone)]
+pub struct RocketMqBuilder {
+    config: RmqConfig,
+}
+
+impl RocketMqBuilder {
+    /// Message queues of a topic the bus creates. Default 4. More queues
+    /// spread caches over more brokers' queues; order holds per cache either
+    /// way.
+    pub fn queues_per_topic(mut self, n: u32) -> Self {
+        self.config.queues = n.max(1);
+        self
+    }
+
+    /// The directory the client keeps consumer offsets in. The client reads
+    /// it only from the process environment (see the type's docs), so this
+    /// must name the same directory: [`connect`](Self::connect) fails with
+    /// [`Error::Config`] otherwise. Default: whatever the client uses.
+    pub fn offset_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.config.offset_dir = Some(dir.into());
+        self
+    }
+
+    /// Prefix of the consumer groups and client instance names the bus
+    /// creates. Default `"cache-sync"`.
+    pub fn name_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.config.name_prefix = prefix.into();
+        self
+    }
+
+    /// Starts the client runtime and the producer.
+    pub async fn connect(self) -> Result<RocketMqBus> {
+        // Boxed as `dyn Send`: the client's futures nest so deeply that
+        // every crate awaiting them would need a higher recursion limit.
+        let connecting: BoxFuture<'static, Result<RocketMqBus>> = Box::pin(self.start());
+        connecting.await
+    }
+
+    async fn start(self) -> Result<RocketMqBus> {
+        let client_dir = client_offset_dir();
+        let offset_dir = match self.config.offset_dir.clone() {
+            Some(dir) if !same_dir(&dir, &client_dir) => {
+                return Err(Error::Config(format!(
+                    "rocketmq offset dir {} differs from the client's {}; the client reads it \
+                     only from the environment variable rocketmq.client.localOffsetStoreDir \
+                     at process start",
+                    dir.display(),
+                    client_dir.display()
+                )));
+            }
+            _ => client_dir,
+        };
+        let owner = RuntimeOwner::plan(RuntimeConfig::for_parallelism("cache-sync-rmq", 2))
+            .map_err(|e| Error::Config(format!("rocketmq runtime: {e}")))?
+            .build()
+            .map_err(|e| Error::Config(format!("rocketmq runtime: {e}")))?;
+        let rt = match ClientRuntime::try_new(
+            owner.root_context().component("client"),
+            ClientRuntimeConfig::default(),
+            TelemetryHandle::noop(),
+        ) {
+            Ok(rt) => rt,
+            Err(e) => {
+                // Dropping a runtime inside the caller's runtime panics.
+                let _ = owner.shutdown_background();
+                return Err(err(e));
+            }
+        };
+        let inner = Arc::new(Inner {
+            id: unique_id(&self.config.name_prefix),
+            config: self.config,
+            offset_dir,
+            rt,
+            owner: Mutex::new(Some(owner)),
+            producer: RwLock::new(None),
+            producers_made: AtomicU64::new(0),
+            send_failures: Mutex::new(SendFailures::default()),
+            topics: tokio::sync::Mutex::new(HashSet::new()),
+            names: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
+        });
+        let producer = inner.new_producer().await?;
+        *inner.producer.write().await = Some(producer);
+        Ok(RocketMqBus {
+            inner: inner as Arc<dyn Shared>,
+        })
+    }
+}
+
+impl RocketMqBus {
+    /// Configures a bus for the name server at `namesrv_addr`
+    /// (`127.0.0.1:9876`; several separated by `;`).
+    pub fn builder(namesrv_addr: impl Into<String>) -> RocketMqBuilder {
+        RocketMqBuilder {
+            config: RmqConfig {
+                namesrv: namesrv_addr.into(),
+                queues: 4,
+                offset_dir: None,
+                name_prefix: "cache-sync".into(),
+            },
+        }
+    }
+
+    /// Connects with default settings.
+    pub async fn connect(namesrv_addr: impl Into<String>) -> Result<Self> {
+        Self::builder(namesrv_addr).connect().await
+    }
+
+    /// Stops the producer and the client runtime for every clone of this
+    /// bus. Subscriptions still alive then fail with a disconnect.
+    pub async fn shutdown(&self) {
+        let inner = self.inner.clone();
+        let stopping: BoxFuture<'static, ()> =
+            Box::pin(async move { inner.get().shutdown().await });
+        stopping.await;
+    }
+}
+
+#[derive(Debug, Default)]
+struct SendFailures {
+    consecutive: u32,
+    last_recreate: Option<Instant>,
+}
+
+struct Inner {
+    config: RmqConfig,
+    offset_dir: PathBuf,
+    /// Unique per bus: instance names and groups derive from it.
+    id: String,
+    rt: Arc<ClientRuntime>,
+    owner: Mutex<Option<RuntimeOwner>>,
+    producer: RwLock<Option<DefaultMQProducer>>,
+    producers_made: AtomicU64,
+    send_failures: Mutex<SendFailures>,
+    /// Topics created (or found) by this bus.
+    topics: tokio::sync::Mutex<HashSet<String>>,
+    names: AtomicU64,
+    closed: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn unique_id(prefix: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    // Group names allow only letters, digits, '-', '_', '%' and '|'.
+    let prefix: String = prefix
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("{prefix}-{}-{nanos:x}", std::process::id())
+}
+
+/// Where the client puts offsets: the same rule as its `LocalFileOffsetStore`.
+fn client_offset_dir() -> PathBuf {
+    if let Ok(dir) = std::env::var("rocketmq.client.localOffsetStoreDir") {
+        return PathBuf::from(dir);
+    }
+    std::env::var("HOME").map_or_else(
+        |_| PathBuf::from("/tmp/.rocketmq_offsets"),
+        |home| PathBuf::from(home).join(".rocketmq_offsets"),
+    )
+}
+
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
+}
+
+fn client_config(namesrv: &str, instance: &str) -> ClientConfig {
+    let mut cc = ClientConfig::new();
+    cc.set_namesrv_addr(namesrv.into());
+    cc.set_instance_name(instance.into());
+    cc.set_client_ip(CLIENT_IP.into());
+    cc
+}
+
+/// Java's `String.hashCode`, as the client's `SelectMessageQueueByHash` uses.
+fn java_hash(s: &str) -> i32 {
+    s.encode_utf16()
+        .fold(0i32, |h, c| h.wrapping_mul(31).wrapping_add(i32::from(c)))
+}
+
+fn partition(broker: &str, queue_id: i32) -> String {
+    format!("{broker}:{queue_id}")
+}
+
+fn next_offset(offset: i64) -> Offset {
+    Offset::Seq(u64::try_from(offset.saturating_add(1)).unwrap_or(0))
+}
+
+/// One queue of a topic and the master broker serving it.
+#[derive(Debug, Clone)]
+struct QueueRef {
+    mq: MessageQueue,
+    addr: String,
+    name: String,
+}
+
+impl Inner {
+    fn next_name(&self, what: &str) -> String {
+        let n = self.names.fetch_add(1, Ordering::Relaxed);
+        format!("{}-{what}-{n}", self.id)
+    }
+
+    fn ensure_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(Error::disconnected(KIND, "the bus was shut down"));
+        }
+        Ok(())
+    }
+
+    async fn new_producer(&self) -> Result<DefaultMQProducer> {
+        let n = self.producers_made.fetch_add(1, Ordering::Relaxed);
+        let mut producer = DefaultMQProducer::builder(self.rt.clone())
+            .client_config(client_config(
+                &self.config.namesrv,
+                &format!("{}-producer-{n}", self.id),
+            ))
+            .producer_group(format!("{}-producer", self.id))
+            .send_msg_timeout(SEND_TIMEOUT_MS as u32)
+            .build();
+        producer.start().await.map_err(err)?;
+        Ok(producer)
+    }
+
+    /// A short-lived admin client. Each gets its own client instance, so a
+    /// circuit breaker one opened during an outage never blocks the next.
+    async fn admin(&self) -> Result<Admin> {
+        let mut admin = DefaultMQAdminExt::new(self.rt.clone());
+        admin.set_namesrv_addr(self.config.namesrv.as_str());
+        admin
+            .client_config_mut()
+            .set_instance_name(self.next_name("admin").into());
+        admin.client_config_mut().set_client_ip(CLIENT_IP.into());
+        admin.start().await.map_err(err)?;
+        Ok(Admin(Some(admin)))
+    }
+
+    /// Creates the topic with the configured number of queues on every
+    /// master broker, once per topic and bus.
+    async fn ensure_topic(&self, topic: &str) -> Result<()> {
+        let mut topics = self.topics.lock().await;
+        if topics.contains(topic) {
+            return Ok(());
+        }
+        let mut admin = self.admin().await?;
+        let result = async {
+            let a = admin.get();
+            if route(a, topic).await?.is_none() {
+                let cluster = RouteAdmin::examine_broker_cluster_info(a)
+                    .await
+                    .map_err(err)?;
+                let masters: Vec<String> = cluster
+                    .broker_addr_table
+                    .iter()
+                    .flatten()
+                    .filter_map(|(_, b)| b.broker_addrs().get(&0).map(ToString::to_string))
+                    .collect();
+                if masters.is_empty() {
+                    return Err(Error::disconnected(KIND, "no master broker registered"));
+                }
+                for addr in masters {
+                    let config =
+                        TopicConfig::with_queues(topic, self.config.queues, self.config.queues);
+                    TopicAdmin::create_and_update_topic_config(a, addr.into(), config)
+                        .await
+                        .map_err(err)?;
+                }
+                // The name server learns the route when the broker registers
+                // again, within milliseconds.
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while route(a, topic).await?.is_none() {
+                    if Instant::now() > deadline {
+                        return Err(Error::disconnected(
+                            KIND,
+                            format!("topic {topic} created but its route never appeared"),
+                        ));
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            Ok(())
+        }
+        .await;
+        admin.shutdown().await;
+        result?;
+        topics.insert(topic.to_owned());
+        Ok(())
+    }
+
+    async fn send(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        let message = Message::builder()
+            .topic(topic)
+            .tags(tag)
+            .body(payload)
+            .build()
+            .map_err(|e| Error::Config(format!("rocketmq message: {e}")))?;
+        let guard = self.producer.read().await;
+        let Some(producer) = guard.as_ref() else {
+            return Err(Error::disconnected(KIND, "the bus was shut down"));
+        };
+        let sent = producer
+            .send_with_selector(
+                message,
+                |mqs: &[MessageQueue], _: &Message, tag: &String| {
+                    let n = i64::try_from(mqs.len()).ok().filter(|n| *n > 0)?;
+                    let i = usize::try_from(i64::from(java_hash(tag)).rem_euclid(n)).ok()?;
+                    mqs.get(i).cloned()
+                },
+                tag.to_owned(),
+            )
+            .await
+            .map_err(err)?;
+        Ok(sent.and_then(|r| {
+            let mq = r.message_queue?;
+            let offset = i64::try_from(r.queue_offset).unwrap_or(i64::MAX - 1);
+            Some(Position::single(
+                partition(mq.broker_name(), mq.queue_id()),
+                next_offset(offset),
+            ))
+        }))
+    }
+
+    /// After repeated send failures while the broker accepts connections,
+    /// the client's circuit breaker (30 s, no reset) is the likely cause: a
+    /// producer under a new instance name gets fresh breakers.
+    async fn after_send_failure(&self, topic: &str) {
+        {
+            let mut f = lock(&self.send_failures);
+            f.consecutive += 1;
+            let recently = f
+                .last_recreate
+                .is_some_and(|t| t.elapsed() < Duration::from_secs(1));
+            if f.consecutive < SEND_FAILURES_BEFORE_RECREATE || recently {
+                return;
+            }
+            f.last_recreate = Some(Instant::now());
+        }
+        let Ok(queues) = self.queues(topic).await else {
+            return;
+        };
+        let mut addrs: Vec<String> = queues.into_iter().map(|q| q.addr).collect();
+        addrs.dedup();
+        for addr in &addrs {
+            if !reachable(addr).await {
+                return;
+            }
+        }
+        let Ok(fresh) = self.new_producer().await else {
+            return;
+        };
+        let old = self.producer.write().await.replace(fresh);
+        lock(&self.send_failures).consecutive = 0;
+        tracing::info!(
+            transport = KIND,
+            "sends kept failing while the broker is up; recreated the producer"
+        );
+        if let Some(mut old) = old {
+            old.shutdown().await;
+        }
+    }
+
+    /// The topic's queues, through a short-lived admin.
+    async fn queues(&self, topic: &str) -> Result<Vec<QueueRef>> {
+        let mut admin = self.admin().await?;
+        let result = queues_of(admin.get(), topic).await;
+        admin.shutdown().await;
+        result
+    }
+
+    async fn shutdown(&self) {
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if let Some(mut producer) = self.producer.write().await.take() {
+            producer.shutdown().await;
+        }
+        let _ = self.rt.shutdown().await;
+        let owner = lock(&self.owner).take();
+        if let Some(owner) = owner {
+            let _ = owner.shutdown_tasks().await;
+            // Consumes the runtime without blocking, so it is allowed here.
+            let _ = owner.shutdown_background();
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let Some(owner) = lock(&self.owner).take() else {
+            return;
+        };
+        let producer = self.producer.get_mut().take();
+        let rt = self.rt.clone();
+        // The shutdown is async and Drop may run inside the application's
+        // runtime, where blocking on another runtime panics: a helper thread
+        // drives it on the client's own runtime.
+        let handle = std::thread::Builder::new()
+            .name("cache-sync-rmq-shutdown".into())
+            .spawn(move || {
+                owner.block_on(async {
+                    let steps = async {
+                        if let Some(mut p) = producer {
+                            p.shutdown().await;
+                        }
+                        let _ = rt.shutdown().await;
+                        let _ = owner.shutdown_tasks().await;
+                    };
+                    let _ = tokio::time::timeout(Duration::from_secs(5), steps).await;
+                });
+                let _ = owner.shutdown_background();
+            });
+        if let Ok(handle) = handle {
+            let _ = handle.join();
+        }
+    }
+}
+
+/// An admin client that is shut down explicitly (its `shutdown` is async).
+struct Admin(Option<DefaultMQAdminExt>);
+
+impl Admin {
+    fn get(&self) -> &DefaultMQAdminExt {
+        self.0.as_ref().expect("admin is present until shut down")
+    }
+
+    async fn shutdown(&mut self) {
+        if let Some(mut a) = self.0.take() {
+            a.shutdown().await;
+        }
+    }
+}
+
+async fn route(
+    admin: &DefaultMQAdminExt,
+    topic: &str,
+) -> Result<Option<rocketmq_protocol::protocol::route::topic_route_data::TopicRouteData>> {
+    match TopicAdmin::examine_topic_route_info(admin, topic.into()).await {
+        Ok(Some(r)) if !r.queue_datas.is_empty() => Ok(Some(r)),
+        Ok(_) => Ok(None),
+        // The name server answers TOPIC_NOT_EXIST with an error.
+        Err(e) if e.to_string().to_ascii_lowercase().contains("not exist") => Ok(None),
+        Err(e) => Err(err(e)),
+    }
+}
+
+async fn queues_of(admin: &DefaultMQAdminExt, topic: &str) -> Result<Vec<QueueRef>> {
+    let Some(route) = route(admin, topic).await? else {
+        return Err(Error::disconnected(
+            KIND,
+            format!("topic {topic} has no route"),
+        ));
+    };
+    let mut queues = Vec::new();
+    for qd in &route.queue_datas {
+        let broker = qd.broker_name().to_string();
+        let Some(addr) = route
+            .broker_datas
+            .iter()
+            .find(|b| b.broker_name().as_str() == broker)
+            .and_then(|b| b.broker_addrs().get(&0))
+        else {
+            continue;
+        };
+        for id in 0..qd.read_queue_nums() {
+            let id = i32::try_from(id).unwrap_or(i32::MAX);
+            queues.push(QueueRef {
+                mq: MessageQueue::from_parts(topic, broker.as_str(), id),
+                addr: addr.to_string(),
+                name: partition(&broker, id),
+            });
+        }
+    }
+    if queues.is_empty() {
+        return Err(Error::disconnected(
+            KIND,
+            format!("topic {topic} has no readable queue on a master broker"),
+        ));
+    }
+    Ok(queues)
+}
+
+/// A plain TCP connect: the broker process accepts connections.
+async fn reachable(addr: &str) -> bool {
+    matches!(
+        tokio::time::timeout(
+            Duration::from_millis(500),
+            tokio::net::TcpStream::connect(addr)
+        )
+        .await,
+        Ok(Ok(_))
+    )
+}
+
+#[async_trait]
+impl ChangeBus for RocketMqBus {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    fn filters_by_tag(&self) -> bool {
+        true
+    }
+
+    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        let inner = self.inner.get();
+        inner.ensure_open()?;
+        inner.ensure_topic(topic).await?;
+        match inner.send(topic, tag, payload).await {
+            Ok(p) => {
+                lock(&inner.send_failures).consecutive = 0;
+                Ok(p)
+            }
+            Err(e) => {
+                inner.after_send_failure(topic).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        let inner = self.inner.get();
+        inner.ensure_open()?;
+        inner.ensure_topic(topic).await?;
+        let mut admin = inner.admin().await?;
+        let plan = plan_start(admin.get(), topic, &options.from).await;
+        admin.shutdown().await;
+        let plan = plan?;
+
+        let instance = inner.next_name("node");
+        let group = inner.next_name("group");
+        let instance_dir = inner.offset_dir.join(format!("{CLIENT_IP}@{instance}"));
+        seed_offsets(&instance_dir.join(&group), topic, &plan.queues, &plan.seed)?;
+
+        let expression = match &options.tags {
+            // Without spaces: the client hashes untrimmed tags for the broker.
+            Some(tags) if !tags.is_empty() => tags.join("||"),
+            _ => "*".to_owned(),
+        };
+        let (tx, rx) = mpsc::channel::<Vec<Record>>(BUFFER_BATCHES);
+        let (assigned_tx, mut assigned) = watch::channel(HashSet::new());
+        let mut consumer = DefaultMQPushConsumer::builder(inner.rt.clone())
+            .client_config(client_config(&inner.config.namesrv, &instance))
+            .consumer_group(group.as_str())
+            .message_model(MessageModel::Broadcasting)
+            .consume_from_where(plan.from_where)
+            .consume_message_batch_max_size(32)
+            // Filter with this consumer's own expression, not the group's
+            // last heartbeat.
+            .post_subscription_when_pull(true)
+            .message_queue_listener(Some(Arc::new(AssignWatch {
+                topic: topic.to_owned(),
+                tx: assigned_tx,
+            })))
+            .build();
+        let started = async {
+            consumer
+                .subscribe(topic, expression.as_str())
+                .await
+                .map_err(err)?;
+            consumer.register_message_listener_orderly(
+                move |msgs: &[&MessageExt],
+                      ctx: &mut ConsumeOrderlyContext|
+                      -> ClientResult<ConsumeOrderlyStatus> {
+                    let batch: Vec<Record> = msgs.iter().map(|m| record(m)).collect();
+                    match tx.try_send(batch) {
+                        Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {
+                            Ok(ConsumeOrderlyStatus::Success)
+                        }
+                        Err(mpsc::error::TrySendError::Full(_)) => {
+                            // The same batch comes again: back-pressure, not loss.
+                            ctx.set_suspend_current_queue_time_millis(SUSPEND_MS);
+                            Ok(ConsumeOrderlyStatus::SuspendCurrentQueueAMoment)
+                        }
+                    }
+                },
+            );
+            consumer.start().await.map_err(err)?;
+            // start() returns before the rebalance assigns the queues.
+            let all: HashSet<MessageQueue> = plan.queues.iter().map(|q| q.mq.clone()).collect();
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                assigned.wait_for(|a| !a.is_empty() && a.is_superset(&all)),
+            )
+            .await
+            .map_err(|_| Error::disconnected(KIND, "queues were not assigned within 10 s"))?
+            .map_err(err)?;
+            Ok::<_, Error>(())
+        }
+        .await;
+        let mut consumer = Consumer {
+            consumer: Some(consumer),
+            dir: instance_dir,
+            _bus: self.inner.clone(),
+        };
+        if let Err(e) = started {
+            consumer.shutdown().await;
+            return Err(e);
+        }
+
+        let mut addrs: Vec<String> = plan.queues.iter().map(|q| q.addr.clone()).collect();
+        addrs.sort();
+        addrs.dedup();
+        let (back_tx, back) = watch::channel(false);
+        let watchdog = tokio::spawn(watchdog(addrs, back_tx));
+        Ok(Box::new(RocketMqSubscription {
+            rx,
+            buffered: VecDeque::new(),
+            position: plan.seed,
+            pending: plan.loss,
+            back,
+            watchdog,
+            consumer: Some(consumer),
+        }))
+    }
+}
+
+/// Where a subscription starts, per queue.
+struct StartPlan {
+    queues: Vec<QueueRef>,
+    seed: Position,
+    loss: Option<Loss>,
+    from_where: ConsumeFromWhere,
+}
+
+async fn plan_start(admin: &DefaultMQAdminExt, topic: &str, from: &StartFrom) -> Result<StartPlan> {
+    let queues = queues_of(admin, topic).await?;
+    let mut seed = Position::default();
+    let mut trimmed = 0u64;
+    let mut reset = false;
+    let mut maybe_trimmed = false;
+    for q in &queues {
+        let (min, max) = offsets(admin, q).await?;
+        let offset = match from {
+            StartFrom::Latest => max,
+            StartFrom::Earliest => min,
+            StartFrom::Position(p) => match p.get(&q.name) {
+                Some(Offset::Seq(n)) => {
+                    let n = i64::try_from(*n).unwrap_or(i64::MAX);
+                    if n < min {
+                        trimmed += u64::try_from(min - n).unwrap_or(0);
+                        min
+                    } else if n > max {
+                        reset = true;
+                        max
+                    } else {
+                        n
+                    }
+                }
+                Some(Offset::Id(_)) => {
+                    reset = true;
+                    max
+                }
+                // A queue added after the position was taken: all of it is new.
+                None => min,
+            },
+            StartFrom::Timestamp(t) => {
+                let ms = t
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+                let found = OffsetAdmin::search_offset(
+                    admin,
+                    q.addr.as_str().into(),
+                    topic.into(),
+                    q.mq.queue_id(),
+                    ms,
+                    ADMIN_TIMEOUT_MS,
+                )
+                .await
+                .map_err(err)?;
+                let found = i64::try_from(found).unwrap_or(max).clamp(min, max);
+                // Messages after `t` may already have been deleted.
+                if min > 0 && found == min {
+                    maybe_trimmed = true;
+                }
+                found
+            }
+        };
+        seed.set(
+            q.name.clone(),
+            Offset::Seq(u64::try_from(offset).unwrap_or(0)),
+        );
+    }
+    let loss = if reset {
+        Some(Loss::new(
+            LossReason::HistoryReset,
+            None,
+            Some(seed.clone()),
+        ))
+    } else if trimmed > 0 || maybe_trimmed {
+        Some(Loss::new(
+            LossReason::Trimmed,
+            (trimmed > 0).then_some(trimmed),
+            Some(seed.clone()),
+        ))
+    } else {
+        None
+    };
+    let from_where = match from {
+        StartFrom::Latest => ConsumeFromWhere::ConsumeFromLastOffset,
+        _ => ConsumeFromWhere::ConsumeFromFirstOffset,
+    };
+    Ok(StartPlan {
+        queues,
+        seed,
+        loss,
+        from_where,
+    })
+}
+
+async fn offsets(admin: &DefaultMQAdminExt, q: &QueueRef) -> Result<(i64, i64)> {
+    let min = OffsetAdmin::min_offset(
+        admin,
+        q.addr.as_str().into(),
+        q.mq.clone(),
+        ADMIN_TIMEOUT_MS,
+    )
+    .await
+    .map_err(err)?;
+    let max = OffsetAdmin::max_offset(
+        admin,
+        q.addr.as_str().into(),
+        q.mq.clone(),
+        ADMIN_TIMEOUT_MS,
+    )
+    .await
+    .map_err(err)?;
+    Ok((min.max(0), max.max(min.max(0))))
+}
+
+/// Writes the consumer's `offsets.json` before it starts: the client then
+/// begins every queue exactly there. It never creates the directory itself.
+fn seed_offsets(dir: &Path, topic: &str, queues: &[QueueRef], seed: &Position) -> Result<()> {
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| Error::Io {
+            path: path.display().to_string(),
+            source,
+        }
+    };
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let mut table = serde_json::Map::new();
+    for q in queues {
+        let Some(Offset::Seq(n)) = seed.get(&q.name) else {
+            continue;
+        };
+        let key = serde_json::json!({
+            "topic": topic,
+            "brokerName": q.mq.broker_name().to_string(),
+            "queueId": q.mq.queue_id(),
+        })
+        .to_string();
+        table.insert(key, serde_json::Value::from(*n));
+    }
+    let body = serde_json::json!({ "offsetTable": table }).to_string();
+    let file = dir.join("offsets.json");
+    std::fs::write(&file, body).map_err(io(&file))
+}
+
+/// Reports the queues the rebalance assigned (it runs about 1 s after start).
+struct AssignWatch {
+    topic: String,
+    tx: watch::Sender<HashSet<MessageQueue>>,
+}
+
+impl MessageQueueListener for AssignWatch {
+    fn message_queue_changed(
+        &self,
+        topic: &str,
+        _all: &HashSet<MessageQueue>,
+        assigned: &HashSet<MessageQueue>,
+    ) {
+        if topic == self.topic {
+            self.tx.send_replace(assigned.clone());
+        }
+    }
+}
+
+fn record(m: &MessageExt) -> Record {
+    Record::new(
+        Position::single(
+            partition(m.broker_name(), m.queue_id()),
+            next_offset(m.queue_offset()),
+        ),
+        m.get_tags().map(|t| t.to_string()),
+        m.body().unwrap_or_default(),
+    )
+}
+
+/// Holds a TCP connection to each broker. A broker that dies closes it at
+/// once, however quickly it comes back; once every broker accepts
+/// connections again after that, `back` turns true.
+async fn watchdog(addrs: Vec<String>, back: watch::Sender<bool>) {
+    let mut conns = HashMap::new();
+    for addr in &addrs {
+        if let Ok(Ok(s)) = tokio::time::timeout(
+            Duration::from_millis(500),
+            tokio::net::TcpStream::connect(addr.as_str()),
+        )
+        .await
+        {
+            conns.insert(addr.clone(), s);
+        }
+    }
+    let mut was_down = conns.len() < addrs.len();
+    loop {
+        if was_down {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let mut all = true;
+            for addr in &addrs {
+                all &= reachable(addr).await;
+            }
+            if all {
+                back.send_replace(true);
+                return;
+            }
+            continue;
+        }
+        let ended = conns.iter().map(|(addr, s)| Box::pin(closed(addr, s)));
+        let addr = first_of(ended).await;
+        conns.remove(&addr);
+        // An idle connection the broker closed on purpose can be reopened at
+        // once; a dead broker cannot.
+        match tokio::time::timeout(
+            Duration::from_millis(500),
+            tokio::net::TcpStream::connect(addr.as_str()),
+        )
+        .await
+        {
+            Ok(Ok(s)) => {
+                conns.insert(addr, s);
+            }
+            _ => was_down = true,
+        }
+    }
+}
+
+/// Waits until the peer closes the connection. A broker sends nothing
+/// unasked, so any readiness that is not data ends it.
+async fn closed(addr: &str, stream: &tokio::net::TcpStream) -> String {
+    let mut buf = [0u8; 64];
+    loop {
+        if stream.readable().await.is_err() {
+            break;
+        }
+        match stream.try_read(&mut buf) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => break,
+        }
+    }
+    addr.to_owned()
+}
+
+/// The output of whichever future finishes first (a tiny `select_all`, so
+/// the feature needs no extra crate).
+async fn first_of<F: Future + Unpin>(futures: impl IntoIterator<Item = F>) -> F::Output {
+    let mut futures: Vec<F> = futures.into_iter().collect();
+    std::future::poll_fn(move |cx| {
+        for f in &mut futures {
+            if let std::task::Poll::Ready(out) = std::pin::Pin::new(f).poll(cx) {
+                return std::task::Poll::Ready(out);
+            }
+        }
+        std::task::Poll::Pending
+    })
+    .await
+}
+
+/// A started consumer, shut down and its scratch offsets removed when the
+/// subscription ends.
+struct Consumer {
+    consumer: Option<DefaultMQPushConsumer>,
+    dir: PathBuf,
+    /// Keeps the client runtime alive until this consumer is shut down.
+    _bus: Arc<dyn Shared>,
+}
+
+impl Consumer {
+    async fn shutdown(&mut self) {
+        if let Some(mut c) = self.consumer.take() {
+            c.shutdown().await;
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+struct RocketMqSubscription {
+    rx: mpsc::Receiver<Vec<Record>>,
+    /// Records received but not yet handed out; kept so a cancelled or short
+    /// `next` loses nothing.
+    buffered: VecDeque<Record>,
+    position: Position,
+    pending: Option<Loss>,
+    back: watch::Receiver<bool>,
+    watchdog: tokio::task::JoinHandle<()>,
+    consumer: Option<Consumer>,
+}
+
+impl fmt::Debug for RocketMqSubscription {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RocketMqSubscription")
+            .field("position", &self.position)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for RocketMqSubscription {
+    fn drop(&mut self) {
+        self.watchdog.abort();
+        let Some(mut consumer) = self.consumer.take() else {
+            return;
+        };
+        // Shutting a consumer down is async; without a runtime it is left to
+        // the bus's own shutdown.
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move { consumer.shutdown().await });
+        }
+    }
+}
+
+#[async_trait]
+impl Subscription for RocketMqSubscription {
+    async fn next(&mut self, max: usize) -> Result<Delivery> {
+        if let Some(loss) = self.pending.take() {
+            return Ok(Delivery::Lost(loss));
+        }
+        if self.buffered.is_empty() {
+            tokio::select! {
+                batch = self.rx.recv() => match batch {
+                    Some(b) => self.buffered.extend(b),
+                    None => return Err(Error::disconnected(KIND, "the consumer stopped")),
+                },
+                Ok(_) = self.back.wait_for(|b| *b) => {
+                    // Its pull requests may hang for 30 s after a broker
+                    // restart; a fresh consumer resumes at once.
+                    return Err(Error::disconnected(
+                        KIND,
+                        "a broker restarted; the consumer starts afresh",
+                    ));
+                }
+            }
+        }
+        while self.buffered.len() < max {
+            match self.rx.try_recv() {
+                Ok(b) => self.buffered.extend(b),
+                Err(_) => break,
+            }
+        }
+        let n = self.buffered.len().min(max.max(1));
+        let records: Vec<Record> = self.buffered.drain(..n).collect();
+        for r in &records {
+            self.position.advance(&r.position);
+        }
+        Ok(Delivery::Batch {
+            records,
+            position: self.position.clone(),
+        })
+    }
+
+    fn position(&self) -> Option<Position> {
+        Some(self.position.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn java_hash_matches_string_hash_code() {
+        assert_eq!(java_hash(""), 0);
+        assert_eq!(java_hash("a"), 97);
+        assert_eq!(java_hash("users"), 111_578_632);
+    }
+
+    #[test]
+    fn seeded_offsets_use_the_clients_format() {
+        let dir = tempfile::tempdir().unwrap();
+        let q = QueueRef {
+            mq: MessageQueue::from_parts("t", "broker-a", 2),
+            addr: "127.0.0.1:10911".into(),
+            name: partition("broker-a", 2),
+        };
+        let seed = Position::single("broker-a:2", Offset::Seq(25));
+        seed_offsets(dir.path(), "t", &[q], &seed).unwrap();
+        let text = std::fs::read_to_string(dir.path().join("offsets.json")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let table = v["offsetTable"].as_object().unwrap();
+        let (key, value) = table.iter().next().unwrap();
+        let key: serde_json::Value = serde_json::from_str(key).unwrap();
+        assert_eq!(key["brokerName"], "broker-a");
+        assert_eq!(key["queueId"], 2);
+        assert_eq!(value, 25);
+    }
+}
