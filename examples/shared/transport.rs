@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use cache_sync::{ChangeBus, NatsJetStreamBus, RedisPubSubBus, RedisStreamsBus};
+use cache_sync::{ChangeBus, NatsJetStreamBus, RedisPubSubBus, RedisStreamsBus, RocketMqBus};
 
 /// The transport part of both examples' `--help`.
 pub(crate) const USAGE: &str = "\
@@ -16,12 +16,15 @@ transport (exactly one; give the admin and every node the same):
                   when a change is published never sees it
   --nats URL      NATS JetStream on a NATS server started with JetStream
                   (nats-server -js), e.g. nats://127.0.0.1:4222
+  --rocketmq ADDR RocketMQ broadcast consumption; ADDR is the name server,
+                  e.g. 127.0.0.1:9876
 ";
 
 #[derive(Debug)]
 pub(crate) enum Transport {
     Redis { url: String, pubsub: bool },
     Nats { url: String },
+    RocketMq { namesrv: String },
 }
 
 /// Collects the transport flags while the caller parses its own.
@@ -49,6 +52,16 @@ impl TransportFlags {
             "--nats" => Transport::Nats {
                 url: url(flag, value()?, "nats://127.0.0.1:4222")?,
             },
+            "--rocketmq" => {
+                let namesrv = value()?;
+                // A name server address is host:port, with no scheme.
+                if namesrv.contains("://") || !namesrv.contains(':') {
+                    return Err(format!(
+                        "--rocketmq {namesrv:?} is not an address such as 127.0.0.1:9876"
+                    ));
+                }
+                Transport::RocketMq { namesrv }
+            }
             "--pubsub" if !has_inline_value => {
                 self.pubsub = true;
                 return Ok(true);
@@ -66,7 +79,9 @@ impl TransportFlags {
 
     pub(crate) fn finish(self) -> Result<Transport, String> {
         match self.chosen {
-            None => Err("a transport is required: --redis URL or --nats URL".into()),
+            None => {
+                Err("a transport is required: --redis URL, --nats URL or --rocketmq ADDR".into())
+            }
             Some((_, Transport::Redis { url, .. })) => Ok(Transport::Redis {
                 url,
                 pubsub: self.pubsub,
@@ -97,6 +112,7 @@ impl Transport {
                 Arc::new(RedisPubSubBus::connect(url.as_str()).await?)
             }
             Self::Nats { url } => Arc::new(NatsJetStreamBus::connect(url.as_str()).await?),
+            Self::RocketMq { namesrv } => Arc::new(RocketMqBus::connect(namesrv.as_str()).await?),
         })
     }
 }
