@@ -245,11 +245,12 @@ impl RocketMqBus {
 
     /// Stops the producer and the client runtime for every clone of this
     /// bus. Subscriptions still alive then fail with a disconnect.
-    pub async fn shutdown(&self) {
+    // A plain fn returning a boxed future, not an `async fn`: callers in
+    // other crates would otherwise have to lay out the client's deeply nested
+    // futures themselves, and need a raised recursion limit to do it.
+    pub fn shutdown(&self) -> BoxFuture<'static, ()> {
         let inner = self.inner.clone();
-        let stopping: BoxFuture<'static, ()> =
-            Box::pin(async move { inner.get().shutdown().await });
-        stopping.await;
+        Box::pin(async move { inner.get().shutdown().await })
     }
 }
 
