@@ -1,0 +1,1114 @@
+//! Redis propagation (issue 3): how long a change takes from `Publisher` to
+//! being applied on N nodes over `RedisStreamsBus` and `RedisPubSubBus`, next
+//! to the raw Redis floor measured the same way in the same run; and how many
+//! events per second one node applies through Streams, next to
+//! `redis-benchmark` XADD against the same server.
+//!
+//! ```text
+//! cargo bench -p integration-tests --bench redis_propagation
+//! ```
+//!
+//! Without `--bench` on the command line (as under `cargo test
+//! --all-targets`) it runs a tiny smoke pass over the same code and checks.
+//! It starts its own `redis-server` on a free loopback port (never the
+//! system one on 6379), through `integration_tests::redis_server`.
+//!
+//! Method, briefly (docs/benchmarks.md has the discussion):
+//! - Every node has its own bus client (its own connections), as separate
+//!   processes would; all of them, the publisher and the observer share one
+//!   tokio runtime with one worker per core.
+//! - Latency: events go out one at a time. The next one is published only
+//!   once every node has applied the previous one, as the observer sees on
+//!   waking from a tokio timer tick (≈ 1 ms; it sleeps rather than spins, so
+//!   it takes no CPU from the nodes). So a sample never includes queueing
+//!   behind an earlier event, and each starts from about the same idle state.
+//! - The publisher stamps the send time (wall clock, µs) into the event
+//!   header just before the transport call; each node's cache records
+//!   `now - stamp` when it has applied the event (`last_latency_us`) and only
+//!   then bumps `events_applied` (Release). The latency is the node's own
+//!   figure, so the observer's wake-up delay is not in it. Every node's
+//!   sample goes into one histogram, and the slowest node per event into
+//!   another.
+//! - cache-sync and its raw baselines run side by side, taking turns event
+//!   by event, so they share the same moments of a noisy machine.
+//! - The raw floor uses the same protocol: the publisher sends its clock in
+//!   the payload (`PUBLISH`, or a plain `XADD`), and one task per "node" with
+//!   its own connection (an async pub/sub subscriber, or an
+//!   `XREAD BLOCK` loop) stores `now - stamp`, then bumps its counter. A
+//!   third Streams variant hands each batch through a bounded tokio channel
+//!   to a second task first, as the consumer's fetcher does to its applier.
+//! - Each configuration has its own topic, so a Streams node's start-up
+//!   replay window (the default reorder window) finds nothing to replay; the
+//!   events are unversioned refreshes, which are never quarantined. So the
+//!   nodes run with default settings.
+//! - The whole suite runs twice: on the test harness's server
+//!   (`RedisServer::start()`: AOF with `appendfsync always`, so every `XADD`
+//!   waits for an fsync) and on one with persistence off, the usual setup for
+//!   a cache-invalidation bus. Pub/Sub writes nothing to the AOF.
+
+// A benchmark's output is its table: printing to stdout is the point.
+#![allow(clippy::print_stdout)]
+
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use cache_sync::{ChangeBus, Node, Publisher, RedisPubSubBus, RedisStreamsBus, SyncedCache};
+use futures_util::StreamExt;
+use hdrhistogram::Histogram;
+use integration_tests::redis_server::RedisServer;
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, Client, Value};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+/// Workload sizes: `FULL` under `cargo bench`, `SMOKE` otherwise.
+#[derive(Debug, Clone, Copy)]
+struct Sizes {
+    /// Paced events before measuring, per configuration.
+    warmup: u64,
+    /// Paced events measured, per configuration.
+    events: u64,
+    /// Node counts.
+    nodes: &'static [usize],
+    /// Throughput: events from one publisher, each awaited before the next.
+    seq_events: u64,
+    /// Throughput: events from `publishers` concurrent publishers, in total.
+    conc_events: u64,
+    publishers: usize,
+    /// `redis-benchmark -n` at its default 50 clients, and at 1 client.
+    rb_requests: u64,
+    rb_requests_one_client: u64,
+    /// Whether to repeat everything on a server without persistence.
+    both_servers: bool,
+}
+
+const FULL: Sizes = Sizes {
+    warmup: 100,
+    // 2000 per row took the run past 3 minutes once the disk of the
+    // `appendfsync always` server was busy.
+    events: 1500,
+    nodes: &[1, 4, 16],
+    seq_events: 20_000,
+    conc_events: 40_000,
+    publishers: 50,
+    rb_requests: 100_000,
+    rb_requests_one_client: 5_000,
+    both_servers: true,
+};
+
+const SMOKE: Sizes = Sizes {
+    warmup: 3,
+    events: 20,
+    nodes: &[1, 2],
+    seq_events: 200,
+    conc_events: 400,
+    publishers: 4,
+    rb_requests: 2000,
+    rb_requests_one_client: 500,
+    both_servers: false,
+};
+
+/// A copy of `XADD_SCRIPT` in `cache-sync/src/bus/redis.rs`, the script
+/// `RedisStreamsBus` publishes with. Used only to run `redis-benchmark` on
+/// it; the bench checks with `SCRIPT EXISTS` that cache-sync loaded this very
+/// text (same SHA-1) and skips the row if the copy has gone stale.
+const PUBLISH_SCRIPT_COPY: &str = r"
+local n = 1
+local ok, info = pcall(redis.call, 'XINFO', 'STREAM', KEYS[1])
+if ok then
+  for i = 1, #info, 2 do
+    if info[i] == 'entries-added' then n = info[i + 1] + 1 break end
+  end
+end
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'n', n, 't', ARGV[2], 'p', ARGV[3])
+";
+
+/// The cache every node registers, and the key every event refreshes.
+const CACHE: &str = "bench";
+
+/// A paced event (or a throughput run's last event) must be applied within this.
+const STALL: Duration = Duration::from_secs(20);
+
+/// Throughput publishers stop early after this, so a slow disk (the
+/// `appendfsync always` server) cannot stretch the run.
+const THROUGHPUT_CAP: Duration = Duration::from_secs(5);
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 60_000_000, 3).expect("histogram bounds")
+}
+
+/// One latency configuration's results.
+struct Latency {
+    /// One sample per node per event.
+    per_node: Histogram<u64>,
+    /// One sample per event: the slowest node.
+    slowest: Histogram<u64>,
+    /// How long the publish call itself took (publisher side).
+    publish_call: Histogram<u64>,
+    /// Anything wrong the nodes reported (losses, gaps, errors); empty if clean.
+    problems: String,
+}
+
+impl Latency {
+    fn new() -> Self {
+        Self {
+            per_node: histogram(),
+            slowest: histogram(),
+            publish_call: histogram(),
+            problems: String::new(),
+        }
+    }
+}
+
+/// Some receivers ("nodes") and the way to publish to them.
+enum System {
+    CacheSync {
+        publisher: Publisher,
+        nodes: Vec<BenchNode>,
+    },
+    Raw {
+        kind: RawKind,
+        conn: MultiplexedConnection,
+        /// The channel or stream key.
+        target: String,
+        slots: Vec<Arc<Slot>>,
+        tasks: Vec<JoinHandle<()>>,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RawKind {
+    /// `PUBLISH` → one plain async subscriber per node.
+    PubSub,
+    /// `XADD` → one `XREAD BLOCK` loop per node.
+    Streams,
+    /// As `Streams`, but each reader hands its batch through a bounded tokio
+    /// channel to a second task, as the consumer's fetcher does to its
+    /// applier; that task takes the time.
+    StreamsHop,
+}
+
+impl System {
+    fn nodes(&self) -> usize {
+        match self {
+            System::CacheSync { nodes, .. } => nodes.len(),
+            System::Raw { slots, .. } => slots.len(),
+        }
+    }
+
+    async fn publish(&self, i: u64) {
+        match self {
+            System::CacheSync { publisher, .. } => {
+                publisher
+                    .refresh(CACHE, [(0_u64, i)])
+                    .await
+                    .expect("publish");
+            }
+            System::Raw {
+                kind, conn, target, ..
+            } => {
+                let mut conn = conn.clone();
+                let mut cmd = match kind {
+                    RawKind::PubSub => redis::cmd("PUBLISH"),
+                    RawKind::Streams | RawKind::StreamsHop => redis::cmd("XADD"),
+                };
+                cmd.arg(target);
+                if *kind != RawKind::PubSub {
+                    cmd.arg("*").arg("p");
+                }
+                cmd.arg(now_us())
+                    .query_async::<Value>(&mut conn)
+                    .await
+                    .expect("raw publish");
+            }
+        }
+    }
+
+    /// Node `k`'s latency for event `i`, once it has applied it; `t0` is the
+    /// observer's clock from just before the publish.
+    fn probe(&self, k: usize, i: u64, t0: u64) -> Option<u64> {
+        match self {
+            System::CacheSync { nodes, .. } => {
+                let st = nodes[k].cache.status();
+                (st.events_applied >= i && st.last_applied_at_us.is_some_and(|a| a >= t0))
+                    .then(|| st.last_latency_us.unwrap_or(0))
+            }
+            System::Raw { slots, .. } => slots[k].probe(i),
+        }
+    }
+
+    /// Stops the receivers; returns what the nodes counted as wrong.
+    async fn finish(self, last: u64) -> String {
+        match self {
+            System::CacheSync { nodes, .. } => {
+                for node in &nodes {
+                    let v = node.cache.peek(&0).await;
+                    assert_eq!(v, Some(last), "{} holds the last value", node.node.id());
+                }
+                stop_nodes(nodes).await
+            }
+            System::Raw { tasks, .. } => {
+                for t in tasks {
+                    t.abort();
+                }
+                String::new()
+            }
+        }
+    }
+}
+
+/// Publishes events 1, 2, 3, … to each system in turn (rotating which goes
+/// first), one at a time: an event goes out only once every node of the
+/// previous one has applied its event, seen on waking from a timer tick
+/// (≈ 1 ms). Interleaving puts the systems through
+/// the same moments of a noisy machine, so their ratios are fairer than
+/// those of back-to-back runs.
+async fn paced(s: Sizes, systems: &[System]) -> Vec<Latency> {
+    let mut out: Vec<Latency> = systems.iter().map(|_| Latency::new()).collect();
+    for i in 1..=s.warmup + s.events {
+        for j in 0..systems.len() {
+            let idx = (j + i as usize) % systems.len();
+            let sys = &systems[idx];
+            let t0 = now_us();
+            let started = Instant::now();
+            sys.publish(i).await;
+            let call = started.elapsed();
+            let mut seen = vec![false; sys.nodes()];
+            let mut slept = false;
+            loop {
+                for (k, done) in seen.iter_mut().enumerate() {
+                    *done = *done || sys.probe(k, i, t0).is_some();
+                }
+                if seen.iter().all(|d| *d) {
+                    if !slept {
+                        // Applied before the publish call returned: still
+                        // sleep one tick, so that every event starts from the
+                        // same state (just woken by the timer, workers idle
+                        // for about a tick), whichever system went before.
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                    break;
+                }
+                slept = true;
+                assert!(
+                    started.elapsed() < STALL,
+                    "event {i} not applied on every node within {STALL:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            if i <= s.warmup {
+                continue;
+            }
+            let l = &mut out[idx];
+            l.publish_call.saturating_record(call.as_micros() as u64);
+            let mut slowest = 0;
+            for k in 0..sys.nodes() {
+                // Nothing more is published to it until this returns, so
+                // these figures are final.
+                let lat = sys.probe(k, i, t0).expect("applied above");
+                l.per_node.saturating_record(lat);
+                slowest = slowest.max(lat);
+            }
+            l.slowest.saturating_record(slowest);
+        }
+    }
+    out
+}
+
+// ------------------------------------------------------------ cache-sync
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Transport {
+    Streams,
+    PubSub,
+}
+
+impl Transport {
+    fn label(self) -> &'static str {
+        match self {
+            Transport::Streams => "Streams",
+            Transport::PubSub => "Pub/Sub",
+        }
+    }
+
+    async fn bus(self, url: &str) -> Arc<dyn ChangeBus> {
+        match self {
+            Transport::Streams => Arc::new(
+                RedisStreamsBus::connect(url)
+                    .await
+                    .expect("connect streams bus"),
+            ),
+            Transport::PubSub => Arc::new(
+                RedisPubSubBus::connect(url)
+                    .await
+                    .expect("connect pubsub bus"),
+            ),
+        }
+    }
+}
+
+/// A started node with its one cache.
+struct BenchNode {
+    node: Node,
+    cache: SyncedCache<u64, u64>,
+}
+
+async fn start_nodes(url: &str, transport: Transport, topic: &str, n: usize) -> Vec<BenchNode> {
+    let mut nodes = Vec::with_capacity(n);
+    for k in 0..n {
+        let cache = SyncedCache::new(CACHE, moka::future::Cache::new(10_000));
+        let node = Node::builder(format!("node-{k}"), transport.bus(url).await)
+            .topic(topic)
+            .register(&cache)
+            .start()
+            .await
+            .expect("start node");
+        nodes.push(BenchNode { node, cache });
+    }
+    nodes
+}
+
+/// Shuts the nodes down and reports whatever they counted as wrong.
+async fn stop_nodes(nodes: Vec<BenchNode>) -> String {
+    let mut problems = Vec::new();
+    for n in nodes {
+        n.node.shutdown().await.expect("shutdown");
+        let s = n.node.status();
+        let c = &s.caches[0];
+        let bad = [
+            ("losses", s.losses),
+            ("gaps", s.publisher_gaps),
+            ("rejected", s.events_rejected),
+            ("transport errors", s.transport_errors),
+            ("quarantined", c.refreshes_quarantined),
+            ("resyncs", c.loss_resyncs),
+        ];
+        for (what, count) in bad {
+            if count > 0 {
+                problems.push(format!("{}: {count} {what}", s.node_id));
+            }
+        }
+    }
+    problems.join("; ")
+}
+
+/// N nodes on a fresh topic, each with its own bus client, and a publisher
+/// with its own.
+async fn cache_sync_system(url: &str, transport: Transport, n: usize) -> System {
+    let topic = format!("lat-{}-{n}-{}", transport.label(), now_us());
+    let nodes = start_nodes(url, transport, &topic, n).await;
+    let publisher = Publisher::builder(transport.bus(url).await)
+        .topic(topic)
+        .origin("bench")
+        .build();
+    System::CacheSync { publisher, nodes }
+}
+
+// ------------------------------------------------------------ raw Redis
+
+/// What one raw receiver has seen: latency first, then the count (Release).
+#[derive(Default)]
+struct Slot {
+    count: AtomicU64,
+    latency: AtomicU64,
+}
+
+impl Slot {
+    fn observe(&self, stamp: u64) {
+        self.latency
+            .store(now_us().saturating_sub(stamp), Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Release);
+    }
+
+    fn probe(&self, i: u64) -> Option<u64> {
+        (self.count.load(Ordering::Acquire) >= i).then(|| self.latency.load(Ordering::Relaxed))
+    }
+}
+
+fn stamp_of(bytes: &[u8]) -> u64 {
+    std::str::from_utf8(bytes)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .expect("a stamp payload")
+}
+
+/// `(id, payload field "p")` of each entry in an `XREAD` reply (RESP2).
+fn xread_entries(reply: Value) -> Vec<(String, Vec<u8>)> {
+    fn text(v: &Value) -> Option<String> {
+        match v {
+            Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+            Value::SimpleString(s) => Some(s.clone()),
+            _ => None,
+        }
+    }
+    let mut out = Vec::new();
+    let Value::Array(streams) = reply else {
+        return out; // Nil: the block timed out.
+    };
+    for stream in streams {
+        let Value::Array(mut key_entries) = stream else {
+            continue;
+        };
+        let Some(Value::Array(entries)) = key_entries.pop() else {
+            continue;
+        };
+        for entry in entries {
+            let Value::Array(parts) = entry else { continue };
+            let (Some(id), Some(Value::Array(fields))) =
+                (parts.first().and_then(text), parts.get(1))
+            else {
+                continue;
+            };
+            let payload = fields
+                .chunks(2)
+                .find(|kv| kv.first().and_then(text).as_deref() == Some("p"))
+                .and_then(|kv| match kv.get(1) {
+                    Some(Value::BulkString(b)) => Some(b.clone()),
+                    _ => None,
+                })
+                .unwrap_or_default();
+            out.push((id, payload));
+        }
+    }
+    out
+}
+
+async fn connection(url: &str, response_timeout: Duration) -> MultiplexedConnection {
+    let config = AsyncConnectionConfig::new().set_response_timeout(Some(response_timeout));
+    Client::open(url)
+        .expect("client")
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .expect("connection")
+}
+
+/// N raw receivers, each on its own connection, and a publisher connection.
+async fn raw_system(url: &str, kind: RawKind, n: usize) -> System {
+    let target = format!("raw-{kind:?}-{n}-{}", now_us());
+    let mut conn = connection(url, Duration::from_secs(5)).await;
+    let slots: Vec<Arc<Slot>> = (0..n).map(|_| Arc::default()).collect();
+    let mut tasks = Vec::new();
+    if kind == RawKind::PubSub {
+        for slot in &slots {
+            let mut pubsub = Client::open(url)
+                .expect("client")
+                .get_async_pubsub()
+                .await
+                .expect("pubsub connection");
+            pubsub.subscribe(&target).await.expect("SUBSCRIBE");
+            let slot = slot.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut messages = pubsub.into_on_message();
+                while let Some(msg) = messages.next().await {
+                    slot.observe(stamp_of(msg.get_payload_bytes()));
+                }
+            }));
+        }
+    } else {
+        // Create the stream; readers start after this entry.
+        let first: String = redis::cmd("XADD")
+            .arg(&target)
+            .arg("*")
+            .arg("p")
+            .arg(0)
+            .query_async(&mut conn)
+            .await
+            .expect("XADD");
+        for slot in &slots {
+            // The default 500 ms response timeout would fail every blocking read.
+            let mut reader = connection(url, Duration::from_secs(30)).await;
+            let hop = if kind == RawKind::StreamsHop {
+                // The consumer's channel holds 4 batches by default.
+                let (tx, mut rx) = mpsc::channel::<Vec<u64>>(4);
+                let slot = slot.clone();
+                tasks.push(tokio::spawn(async move {
+                    while let Some(batch) = rx.recv().await {
+                        for stamp in batch {
+                            slot.observe(stamp);
+                        }
+                    }
+                }));
+                Some(tx)
+            } else {
+                None
+            };
+            let (key, slot, mut last) = (target.clone(), slot.clone(), first.clone());
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    let reply: Value = redis::cmd("XREAD")
+                        .arg("COUNT")
+                        .arg(256)
+                        .arg("BLOCK")
+                        .arg(5000)
+                        .arg("STREAMS")
+                        .arg(&key)
+                        .arg(&last)
+                        .query_async(&mut reader)
+                        .await
+                        .expect("XREAD");
+                    let mut batch = Vec::new();
+                    for (id, payload) in xread_entries(reply) {
+                        batch.push(stamp_of(&payload));
+                        last = id;
+                    }
+                    match &hop {
+                        Some(tx) => {
+                            if !batch.is_empty() && tx.send(batch).await.is_err() {
+                                return;
+                            }
+                        }
+                        None => batch.into_iter().for_each(|stamp| slot.observe(stamp)),
+                    }
+                }
+            }));
+        }
+    }
+    System::Raw {
+        kind,
+        conn,
+        target,
+        slots,
+        tasks,
+    }
+}
+
+// ------------------------------------------------------------ publish calls
+
+/// How long publish calls take with nobody subscribed: cache-sync and the
+/// raw command taking turns, paced as in the latency rows. What the
+/// publisher side alone costs.
+async fn publish_only(s: Sizes, url: &str) -> Vec<(&'static str, Latency, Latency)> {
+    let s = Sizes {
+        events: s.events / 2,
+        ..s
+    };
+    let mut out = Vec::new();
+    for (transport, kind) in [
+        (Transport::Streams, RawKind::Streams),
+        (Transport::PubSub, RawKind::PubSub),
+    ] {
+        let systems = vec![
+            cache_sync_system(url, transport, 0).await,
+            raw_system(url, kind, 0).await,
+        ];
+        let mut lat = paced(s, &systems).await;
+        for sys in systems {
+            sys.finish(s.warmup + s.events).await;
+        }
+        let raw = lat.pop().expect("raw");
+        let cs = lat.pop().expect("cache-sync");
+        out.push((transport.label(), cs, raw));
+    }
+    out
+}
+
+/// `usec_per_call` of some commands from `INFO commandstats`.
+async fn server_costs(url: &str) -> String {
+    let mut conn = Client::open(url)
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection");
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await
+        .expect("INFO commandstats");
+    let wanted = ["evalsha", "xadd", "xinfo|stream", "xread", "publish"];
+    info.lines()
+        .filter_map(|l| {
+            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+            if !wanted.contains(&name) {
+                return None;
+            }
+            let calls = rest.split(',').find_map(|f| f.strip_prefix("calls="))?;
+            let per = rest
+                .split(',')
+                .find_map(|f| f.strip_prefix("usec_per_call="))?;
+            Some(format!("`{name}` {per} µs × {calls}"))
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+async fn reset_server_stats(url: &str) {
+    let mut conn = Client::open(url)
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection");
+    redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async::<()>(&mut conn)
+        .await
+        .expect("CONFIG RESETSTAT");
+}
+
+// ------------------------------------------------------------ throughput
+
+struct Throughput {
+    events: u64,
+    /// Until the node's `events_applied` reached `events`.
+    applied: Duration,
+    /// Until the last publish call returned.
+    published: Duration,
+    problems: String,
+}
+
+impl Throughput {
+    fn rate(&self) -> f64 {
+        self.events as f64 / self.applied.as_secs_f64()
+    }
+}
+
+/// One Streams node; `publishers` tasks, each with its own bus connection and
+/// `Publisher`, send `events` single-entry refreshes in total as fast as they
+/// can (each awaits its previous publish), or as many as they manage in
+/// `THROUGHPUT_CAP`. Timed until the node has applied them all.
+async fn streams_throughput(url: &str, events: u64, publishers: usize) -> Throughput {
+    let topic = format!("tput-{publishers}-{}", now_us());
+    let nodes = start_nodes(url, Transport::Streams, &topic, 1).await;
+    let cache = nodes[0].cache.clone();
+    let mut pubs = Vec::with_capacity(publishers);
+    for k in 0..publishers {
+        let p = Publisher::builder(Transport::Streams.bus(url).await)
+            .topic(topic.clone())
+            .origin(format!("publisher-{k}"))
+            .build();
+        pubs.push(p);
+    }
+    let per = events / publishers as u64;
+    let start = Instant::now();
+    let deadline = start + THROUGHPUT_CAP;
+    let tasks: Vec<_> = pubs
+        .into_iter()
+        .map(|p| {
+            tokio::spawn(async move {
+                let mut sent = 0;
+                while sent < per && Instant::now() < deadline {
+                    p.refresh(CACHE, [(sent % 1024, sent)])
+                        .await
+                        .expect("publish");
+                    sent += 1;
+                }
+                (sent, start.elapsed())
+            })
+        })
+        .collect();
+    let (mut events, mut published) = (0, Duration::ZERO);
+    for t in tasks {
+        let (sent, done) = t.await.expect("publisher task");
+        events += sent;
+        published = published.max(done);
+    }
+    while cache.status().events_applied < events {
+        assert!(
+            start.elapsed() < THROUGHPUT_CAP + STALL,
+            "throughput run stalled: {:?}",
+            cache.status()
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let applied = start.elapsed();
+    Throughput {
+        events,
+        applied,
+        published,
+        problems: stop_nodes(nodes).await,
+    }
+}
+
+/// `redis-benchmark -p PORT -n N -c C -P 1 <command>`; `None` if it is not
+/// installed or its output has no rate.
+async fn redis_benchmark(port: u16, requests: u64, clients: u32, command: &[&str]) -> Option<f64> {
+    let mut args: Vec<String> = vec![
+        "-p".into(),
+        port.to_string(),
+        "-n".into(),
+        requests.to_string(),
+        "-c".into(),
+        clients.to_string(),
+        "-P".into(),
+        "1".into(),
+    ];
+    args.extend(command.iter().map(|s| (*s).to_owned()));
+    let output =
+        tokio::task::spawn_blocking(move || Command::new("redis-benchmark").args(&args).output())
+            .await
+            .expect("redis-benchmark task")
+            .ok()?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    // The summary line: "  throughput summary: 69686.41 requests per second".
+    text.split(['\r', '\n'])
+        .filter_map(|l| {
+            let before = l.split_once("requests per second")?.0;
+            before.split_whitespace().next_back()?.parse::<f64>().ok()
+        })
+        .next_back()
+}
+
+const XADD_COMMAND: &[&str] = &["XADD", "bench-stream", "*", "f", "v"];
+
+/// The SHA-1 of the publish script, if the server holds it (cache-sync
+/// loaded it) and the copy here is current.
+async fn loaded_script_sha(url: &str) -> Option<String> {
+    let sha = redis::Script::new(PUBLISH_SCRIPT_COPY)
+        .get_hash()
+        .to_owned();
+    let mut conn = connection(url, Duration::from_secs(5)).await;
+    let exists: Vec<i64> = redis::cmd("SCRIPT")
+        .arg("EXISTS")
+        .arg(&sha)
+        .query_async(&mut conn)
+        .await
+        .ok()?;
+    (exists.first() == Some(&1)).then_some(sha)
+}
+
+fn port_of(url: &str) -> u16 {
+    url.trim_end_matches('/')
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("port in url")
+}
+
+// ------------------------------------------------------------ report
+
+fn p(h: &Histogram<u64>, q: f64) -> u64 {
+    h.value_at_quantile(q)
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    a as f64 / b.max(1) as f64
+}
+
+fn latency_row(transport: &str, nodes: usize, cs: &Latency, raw: &Latency, hop: Option<&Latency>) {
+    let (c, r) = (&cs.per_node, &raw.per_node);
+    let problems = if cs.problems.is_empty() {
+        "0"
+    } else {
+        cs.problems.as_str()
+    };
+    let hop = hop.map_or("–".to_owned(), |h| {
+        format!("{} / {}", p(&h.per_node, 0.50), p(&h.per_node, 0.99))
+    });
+    println!(
+        "| {transport} | {nodes} | {} | {} | {} | {} | {} | {} | {:.2}× | {:.2}× | {hop} | {} / {} | {} / {} | {problems} |",
+        p(c, 0.50),
+        p(c, 0.99),
+        p(c, 0.999),
+        p(r, 0.50),
+        p(r, 0.99),
+        p(r, 0.999),
+        ratio(p(c, 0.50), p(r, 0.50)),
+        ratio(p(c, 0.99), p(r, 0.99)),
+        p(&cs.slowest, 0.99),
+        p(&raw.slowest, 0.99),
+        p(&cs.publish_call, 0.50),
+        p(&raw.publish_call, 0.50),
+    );
+}
+
+/// What one server's pass found, for the verdicts.
+struct Pass {
+    server: &'static str,
+    /// (transport, cache-sync p99, raw p99, raw p50) at the largest node count.
+    p99_at_max: Vec<(&'static str, u64, u64, u64)>,
+    seq_rate: f64,
+    conc_rate: f64,
+    rb_rate: Option<f64>,
+}
+
+async fn run_pass(s: Sizes, server: &'static str, redis: RedisServer) -> Pass {
+    let url = redis.url();
+    let max_nodes = s.nodes.iter().copied().max().unwrap_or(1);
+    println!("\n#### Server: {server}\n");
+    println!(
+        "Propagation latency, publish → applied, µs; {} paced events per row after {} warm-up; \
+         percentiles over every node's samples; raw = the same protocol on plain Redis commands.\n",
+        s.events, s.warmup
+    );
+    println!(
+        "| transport | nodes | cache-sync p50 | p99 | p999 | raw p50 | p99 | p999 | p50 ratio | p99 ratio | raw + task hop p50 / p99 | slowest node p99, cache-sync / raw | publish call p50, cache-sync / raw | problems |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    let mut p99_at_max = Vec::new();
+    reset_server_stats(&url).await;
+    let last = s.warmup + s.events;
+    for &n in s.nodes {
+        let systems = vec![
+            cache_sync_system(&url, Transport::Streams, n).await,
+            raw_system(&url, RawKind::Streams, n).await,
+            raw_system(&url, RawKind::StreamsHop, n).await,
+        ];
+        let mut lat = paced(s, &systems).await;
+        for sys in systems {
+            let problems = sys.finish(last).await;
+            lat[0].problems.push_str(&problems);
+        }
+        latency_row(
+            "Streams (raw: XADD → XREAD BLOCK)",
+            n,
+            &lat[0],
+            &lat[1],
+            Some(&lat[2]),
+        );
+        if n == max_nodes {
+            p99_at_max.push((
+                "Streams",
+                p(&lat[0].per_node, 0.99),
+                p(&lat[1].per_node, 0.99),
+                p(&lat[1].per_node, 0.50),
+            ));
+        }
+
+        let systems = vec![
+            cache_sync_system(&url, Transport::PubSub, n).await,
+            raw_system(&url, RawKind::PubSub, n).await,
+        ];
+        let mut lat = paced(s, &systems).await;
+        for sys in systems {
+            let problems = sys.finish(last).await;
+            lat[0].problems.push_str(&problems);
+        }
+        latency_row(
+            "Pub/Sub (raw: PUBLISH → message)",
+            n,
+            &lat[0],
+            &lat[1],
+            None,
+        );
+        if n == max_nodes {
+            p99_at_max.push((
+                "Pub/Sub",
+                p(&lat[0].per_node, 0.99),
+                p(&lat[1].per_node, 0.99),
+                p(&lat[1].per_node, 0.50),
+            ));
+        }
+    }
+
+    println!(
+        "\nServer-side cost over the latency rows (`INFO commandstats`; commands a script calls count too): {}",
+        server_costs(&url).await
+    );
+
+    println!(
+        "\nPublish call alone, no subscribers, {} calls each, taking turns, µs:\n",
+        s.events / 2
+    );
+    println!(
+        "| transport | cache-sync `Publisher::refresh` p50 | p99 | raw command p50 | p99 | p50 ratio |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
+    for (t, cs, raw) in publish_only(s, &url).await {
+        let raw_cmd = if t == "Streams" { "XADD" } else { "PUBLISH" };
+        let (cs, raw) = (&cs.publish_call, &raw.publish_call);
+        println!(
+            "| {t} (raw: {raw_cmd}) | {} | {} | {} | {} | {:.2}× |",
+            p(cs, 0.50),
+            p(cs, 0.99),
+            p(raw, 0.50),
+            p(raw, 0.99),
+            ratio(p(cs, 0.50), p(raw, 0.50)),
+        );
+    }
+
+    println!("\nStreams throughput, one node:\n");
+    println!("| what | events | rate | notes |");
+    println!("|---|---:|---:|---|");
+    let seq = streams_throughput(&url, s.seq_events, 1).await;
+    println!(
+        "| cache-sync, 1 publisher (each publish awaited), events applied/s | {} | {:.0}/s | last publish returned at {:.0} ms, all applied at {:.0} ms; problems: {} |",
+        seq.events,
+        seq.rate(),
+        seq.published.as_secs_f64() * 1e3,
+        seq.applied.as_secs_f64() * 1e3,
+        if seq.problems.is_empty() {
+            "0"
+        } else {
+            &seq.problems
+        },
+    );
+    let conc = streams_throughput(&url, s.conc_events, s.publishers).await;
+    println!(
+        "| cache-sync, {} publishers with a connection each, events applied/s | {} | {:.0}/s | last publish returned at {:.0} ms, all applied at {:.0} ms; problems: {} |",
+        s.publishers,
+        conc.events,
+        conc.rate(),
+        conc.published.as_secs_f64() * 1e3,
+        conc.applied.as_secs_f64() * 1e3,
+        if conc.problems.is_empty() {
+            "0"
+        } else {
+            &conc.problems
+        },
+    );
+    let port = port_of(&url);
+    let rb = redis_benchmark(port, s.rb_requests, 50, XADD_COMMAND).await;
+    let rb1 = redis_benchmark(port, s.rb_requests_one_client, 1, XADD_COMMAND).await;
+    let show = |r: Option<f64>| {
+        r.map_or("n/a (redis-benchmark missing?)".to_owned(), |r| {
+            format!("{r:.0}/s")
+        })
+    };
+    println!(
+        "| `redis-benchmark -p {port} -n {} -P 1 XADD bench-stream '*' f v` (50 clients, its default) | {} | {} | plain XADD, no reader |",
+        s.rb_requests,
+        s.rb_requests,
+        show(rb)
+    );
+    println!(
+        "| same with `-c 1` (one connection, one request at a time) | {} | {} | plain XADD, no reader |",
+        s.rb_requests_one_client,
+        show(rb1)
+    );
+    // The script's own ceiling: what Redis manages when every XADD is
+    // cache-sync's publish script, with nothing else on the client side.
+    match loaded_script_sha(&url).await {
+        Some(sha) => {
+            let payload = "x".repeat(64);
+            let script = [
+                "EVALSHA",
+                sha.as_str(),
+                "1",
+                "bench-script-stream",
+                "100000",
+                CACHE,
+                payload.as_str(),
+            ];
+            let n = s.rb_requests / 2;
+            let rate = redis_benchmark(port, n, 50, &script).await;
+            println!(
+                "| `redis-benchmark … -n {n} EVALSHA <publish script> 1 key 100000 bench <64 B>` (50 clients) | {n} | {} | cache-sync's publish script, no reader |",
+                show(rate)
+            );
+        }
+        None => println!(
+            "| redis-benchmark on the publish script | – | skipped | the copy in this bench no longer matches cache-sync's script |"
+        ),
+    }
+    drop(redis);
+    Pass {
+        server,
+        p99_at_max,
+        seq_rate: seq.rate(),
+        conc_rate: conc.rate(),
+        rb_rate: rb,
+    }
+}
+
+fn verdicts(s: Sizes, full: bool, passes: &[Pass]) {
+    let max_nodes = s.nodes.iter().copied().max().unwrap_or(1);
+    let smoke = if full {
+        ""
+    } else {
+        " (smoke sizes: meaningless)"
+    };
+    println!("\n#### Goals{smoke}\n");
+    for pass in passes {
+        println!("{}:", pass.server);
+        for (t, cs, raw, raw_p50) in &pass.p99_at_max {
+            let r = ratio(*cs, *raw);
+            // On a quiet machine the raw p99 is 2-3× its p50; far above that,
+            // stalls from outside (other processes, the disk) make up both
+            // tails and push the ratio toward 1.
+            let tail = ratio(*raw, *raw_p50);
+            let noisy = if tail > 4.0 {
+                format!(
+                    " (raw p99 is {tail:.1}× its p50: the tails are machine noise, so this says little)"
+                )
+            } else {
+                String::new()
+            };
+            println!(
+                "- p99 ≤ 1.5× raw at {max_nodes} nodes, {t}: {cs} µs vs {raw} µs = {r:.2}× → {}{noisy}",
+                if r <= 1.5 { "PASS" } else { "FAIL" }
+            );
+        }
+        match pass.rb_rate {
+            Some(rb) => {
+                let many = format!("{} publishers", s.publishers);
+                for (what, rate) in [
+                    ("1 publisher", pass.seq_rate),
+                    (many.as_str(), pass.conc_rate),
+                ] {
+                    let r = rate / rb;
+                    println!(
+                        "- Streams applied/s ≥ 0.5× redis-benchmark XADD/s, {what}: {rate:.0} vs {rb:.0} = {r:.2}× → {}",
+                        if r >= 0.5 { "PASS" } else { "FAIL" }
+                    );
+                }
+            }
+            None => println!("- throughput goal: not evaluated, redis-benchmark did not run"),
+        }
+    }
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "n/a".into())
+}
+
+async fn run(s: Sizes, full: bool, workers: usize) {
+    let started = Instant::now();
+    if !full {
+        println!("(smoke run with tiny sizes: checks the code paths; the numbers mean nothing)");
+    }
+    println!(
+        "\n{workers} tokio worker threads; load average at start {}",
+        loadavg()
+    );
+    let mut passes = vec![
+        run_pass(
+            s,
+            "RedisServer::start() (AOF, appendfsync always)",
+            RedisServer::start(),
+        )
+        .await,
+    ];
+    if s.both_servers {
+        passes.push(
+            run_pass(
+                s,
+                "persistence off (--appendonly no)",
+                RedisServer::start_with(&["--appendonly", "no"]),
+            )
+            .await,
+        );
+    }
+    verdicts(s, full, &passes);
+    println!(
+        "\nrun time {:.1} s; load average at end {}",
+        started.elapsed().as_secs_f64(),
+        loadavg()
+    );
+}
+
+fn main() {
+    let full = std::env::args().skip(1).any(|a| a == "--bench");
+    let sizes = if full { FULL } else { SMOKE };
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    // The driver runs as a task on the workers, not on the main thread, so it
+    // shares the cores with what it measures instead of adding a thread.
+    rt.block_on(async move {
+        tokio::spawn(run(sizes, full, workers))
+            .await
+            .expect("benchmark panicked");
+    });
+}
