@@ -10,6 +10,7 @@ use cache_sync::{ChangeBus, Node, NodeBuilder, Publisher, SyncedCache};
 
 pub mod conformance;
 pub mod nats_server;
+mod process;
 pub mod redis_server;
 pub mod rocketmq_server;
 

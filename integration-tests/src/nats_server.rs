@@ -4,7 +4,9 @@
 
 use std::io::Read;
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
+
+use crate::process::ServerProcess;
 use std::time::{Duration, Instant};
 
 use crate::redis_server::free_port;
@@ -14,7 +16,7 @@ use crate::redis_server::free_port;
 pub struct NatsServer {
     port: u16,
     dir: tempfile::TempDir,
-    child: Option<Child>,
+    process: ServerProcess,
 }
 
 const MISSING: &str = "nats-server is not on PATH. Install it (Debian: `apt-get install nats-server`); \
@@ -27,7 +29,7 @@ impl NatsServer {
         let mut server = Self {
             port: free_port(),
             dir,
-            child: None,
+            process: ServerProcess::default(),
         };
         server.spawn();
         server
@@ -53,13 +55,11 @@ impl NatsServer {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!("{MISSING}"),
             Err(e) => panic!("cannot start nats-server: {e}"),
         };
-        self.child = Some(child);
+        self.process.set(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         // The server greets every client with an INFO line once it is ready.
         while !self.greets() {
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
+            if let Some(status) = self.process.exited() {
                 panic!("nats-server exited with {status}; log:\n{}", self.log());
             }
             assert!(
@@ -92,10 +92,7 @@ impl NatsServer {
 
     /// `kill -9`.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill();
     }
 
     /// Starts again on the same port and store.
@@ -106,24 +103,11 @@ impl NatsServer {
 
     /// SIGSTOP.
     pub fn pause(&self) {
-        crate::redis_server::signal("-STOP", self.pid());
+        self.process.pause();
     }
 
     /// SIGCONT.
     pub fn resume(&self) {
-        crate::redis_server::signal("-CONT", self.pid());
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.as_ref().expect("server is running").id()
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        if let Some(child) = self.child.as_ref() {
-            crate::redis_server::signal("-CONT", child.id());
-        }
-        self.kill();
+        self.process.resume();
     }
 }

@@ -4,7 +4,10 @@
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
+
+use crate::process::ServerProcess;
+pub use crate::process::signal;
 use std::time::{Duration, Instant};
 
 /// A running `redis-server`, stopped on drop.
@@ -13,7 +16,7 @@ pub struct RedisServer {
     port: u16,
     dir: tempfile::TempDir,
     extra: Vec<String>,
-    child: Option<Child>,
+    process: ServerProcess,
 }
 
 const MISSING: &str = "redis-server is not on PATH. Install it (Debian: `apt-get install redis-server`); \
@@ -34,7 +37,7 @@ impl RedisServer {
             port,
             dir,
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
-            child: None,
+            process: ServerProcess::default(),
         };
         server.spawn();
         server
@@ -70,7 +73,7 @@ impl RedisServer {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!("{MISSING}"),
             Err(e) => panic!("cannot start redis-server: {e}"),
         };
-        self.child = Some(child);
+        self.process.set(child);
         self.wait_ready();
     }
 
@@ -83,9 +86,7 @@ impl RedisServer {
             {
                 return;
             }
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
+            if let Some(status) = self.process.exited() {
                 panic!("redis-server exited with {status}; log:\n{}", self.log());
             }
             assert!(
@@ -112,16 +113,9 @@ impl RedisServer {
         self.dir.path()
     }
 
-    fn pid(&self) -> u32 {
-        self.child.as_ref().expect("server is running").id()
-    }
-
     /// `kill -9`: no shutdown, no goodbye to clients.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill();
     }
 
     /// Starts again on the same port and data directory.
@@ -132,12 +126,12 @@ impl RedisServer {
 
     /// SIGSTOP: the server holds connections open but answers nothing.
     pub fn pause(&self) {
-        signal("-STOP", self.pid());
+        self.process.pause();
     }
 
     /// SIGCONT.
     pub fn resume(&self) {
-        signal("-CONT", self.pid());
+        self.process.resume();
     }
 
     /// Closes every client connection of a type (`normal`, `pubsub`), as
@@ -163,27 +157,6 @@ impl RedisServer {
         BufReader::new(&mut stream).read_line(&mut line)?;
         Ok(line.trim_end().to_owned())
     }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        if let Some(child) = self.child.as_ref() {
-            // A paused server ignores SIGKILL until continued on some kernels' ptrace
-            // setups; continue it first so the test never leaves a stopped process.
-            signal("-CONT", child.id());
-        }
-        self.kill();
-    }
-}
-
-/// Sends a signal with `kill`: no unsafe code needed.
-pub fn signal(sig: &str, pid: u32) {
-    let status = Command::new("kill")
-        .arg(sig)
-        .arg(pid.to_string())
-        .status()
-        .expect("run kill");
-    assert!(status.success(), "kill {sig} {pid} failed");
 }
 
 /// A port that was free a moment ago.
