@@ -57,9 +57,7 @@ async fn run(ops: Vec<Op>, history: usize, window: Duration) {
         // One node applies one event at a time, so it lags and loses more.
         let batch = if i == 0 { 1 } else { 64 };
         let node = TestNode::start(&format!("node-{i}"), bus.clone(), |b| {
-            b.max_batch(batch)
-                .max_inflight_batches(1)
-                .reorder_window(window)
+            b.max_batch(batch).reorder_window(window)
         })
         .await
         .expect("start node");
@@ -180,11 +178,9 @@ proptest! {
 fn a_short_history_does_cause_losses() {
     runtime().block_on(async {
         let bus = EmbeddedBus::builder().max_records(3).build();
-        let node = TestNode::start("slow", bus.clone(), |b| {
-            b.max_batch(1).max_inflight_batches(1)
-        })
-        .await
-        .unwrap();
+        let node = TestNode::start("slow", bus.clone(), |b| b.max_batch(1))
+            .await
+            .unwrap();
         let dict = Publisher::new(bus.clone()).dictionary::<String, Option<String>>(TABLE);
         for i in 0..200 {
             dict.upsert(&key(i % KEYS), &Some(format!("{i}")))

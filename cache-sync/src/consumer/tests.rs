@@ -205,7 +205,6 @@ async fn falling_behind_the_history_is_answered_by_invalidating() {
     let c = cache("t");
     let node = Node::builder("n1", bus.clone())
         .max_batch(1)
-        .max_inflight_batches(1)
         .register(&c)
         .start()
         .await
