@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use cache_sync::{
-    ChangeBus, Delivery, LossReason, Node, Publisher, RedisPubSubBus, RedisStreamsBus, StartFrom,
-    SubscribeOptions, SyncedCache,
+    ChangeBus, Delivery, LossReason, Node, Offset, Publisher, RedisPubSubBus, RedisStreamsBus,
+    StartFrom, SubscribeOptions, SyncedCache,
 };
 use integration_tests::eventually;
 use integration_tests::redis_server::RedisServer;
@@ -119,5 +119,106 @@ async fn streams_notice_a_trim_while_idle() {
             assert_eq!(loss.missed, Some(1));
         }
         other => panic!("expected the trim to be signalled, got {other:?}"),
+    }
+}
+
+/// The ordinal counter next to the stream can go missing (evicted, deleted,
+/// or a stream written before it existed); numbering then continues from the
+/// stream's own `entries-added`, so readers see no false gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_ordinals_continue_without_their_counter() {
+    let server = RedisServer::start();
+    let bus = RedisStreamsBus::connect(server.url()).await.unwrap();
+    for payload in ["a", "b"] {
+        bus.publish("t", "c", Bytes::from(payload)).await.unwrap();
+    }
+    assert_eq!(
+        server.command(&["INCRBY", "cache-sync:t:n", "0"]).unwrap(),
+        ":2"
+    );
+    assert_eq!(server.command(&["DEL", "cache-sync:t:n"]).unwrap(), ":1");
+    bus.publish("t", "c", Bytes::from("c")).await.unwrap();
+    assert_eq!(
+        server.command(&["INCRBY", "cache-sync:t:n", "0"]).unwrap(),
+        ":3"
+    );
+
+    let mut sub = bus
+        .subscribe("t", SubscribeOptions::new(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let Delivery::Batch { records, .. } = sub.next(10).await.unwrap() else {
+        panic!("expected the three entries, not a loss");
+    };
+    let ordinals: Vec<_> = records
+        .iter()
+        .map(|r| r.position.get("n").cloned())
+        .collect();
+    assert_eq!(
+        ordinals,
+        (1..=3).map(|n| Some(Offset::Seq(n))).collect::<Vec<_>>()
+    );
+}
+
+/// The `redis` crate queues Pub/Sub messages without bound; a node that takes
+/// them slower than they come must hit the subscription's own limit, drop
+/// the backlog, signal the loss, and carry on with what follows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pubsub_backlog_past_its_limit_is_an_overflow_loss() {
+    let server = RedisServer::start();
+    let bus = RedisPubSubBus::builder(server.url())
+        .max_backlog_bytes(16 << 10)
+        .connect()
+        .await
+        .unwrap();
+    let mut sub = bus
+        .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
+        .await
+        .unwrap();
+    let kib = Bytes::from(vec![7u8; 1024]);
+    // Publish faster than the reader takes (one record per round), until
+    // the backlog passes 16 KiB; how fast messages land in the client's queue
+    // does not matter, only that they pile up.
+    let mut lost = None;
+    for _ in 0..50 {
+        for _ in 0..10 {
+            bus.publish("t", "c", kib.clone()).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        match tokio::time::timeout(Duration::from_secs(5), sub.next(1))
+            .await
+            .expect("the subscription stalled")
+            .unwrap()
+        {
+            Delivery::Lost(loss) => {
+                lost = Some(loss);
+                break;
+            }
+            Delivery::Batch { records, .. } => assert_eq!(records.len(), 1),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let loss = lost.expect("a backlog of 500 KiB against a 16 KiB limit was never signalled");
+    assert_eq!(loss.reason, LossReason::Overflow);
+    assert!(loss.missed.is_some_and(|n| n >= 16), "{loss:?}");
+
+    bus.publish("t", "c", Bytes::from_static(b"after"))
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    'found: loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "nothing after the loss"
+        );
+        let next = tokio::time::timeout(Duration::from_secs(5), sub.next(256)).await;
+        match next.expect("the subscription stalled").unwrap() {
+            Delivery::Batch { records, .. } => {
+                if records.iter().any(|r| r.payload == "after") {
+                    break 'found;
+                }
+            }
+            other => panic!("a second loss: {other:?}"),
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! Redis transports: Streams (durable, replayable; recommended) and Pub/Sub
 //! (lowest latency, lossy).
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -59,19 +60,56 @@ async fn publisher_connection(
 
 // ---------------------------------------------------------------- Streams
 
-/// Each entry records its own ordinal, taken from `entries-added` in the
-/// same atomic step as the `XADD`. Readers compare ordinals to find entries
+/// Each entry records its own ordinal: how many entries the stream has ever
+/// received, counting this one. Readers compare ordinals to find entries
 /// that `MAXLEN` trimming removed before they were read, which `XREAD`
 /// otherwise skips without a word.
+///
+/// The count lives in a counter key next to the stream (`KEYS[2]`), bumped in
+/// the same atomic step as the `XADD`. It equals the stream's own
+/// `entries-added`, but reading that takes `XINFO STREAM`, which builds the
+/// whole stream summary (first and last entries included) and made each
+/// publish cost Redis about 5× a plain `XADD`. A missing counter (first
+/// publish, an evicted or deleted key, a stream written by an older
+/// cache-sync) restarts from `entries-added`, so the count never jumps back
+/// while the stream lives. A failed `XADD` takes its number back, so it
+/// causes no false gap.
 const XADD_SCRIPT: &str = r"
-local n = 1
+local n = redis.call('INCR', KEYS[2])
+if n == 1 then
+  local ok, info = pcall(redis.call, 'XINFO', 'STREAM', KEYS[1])
+  if ok then
+    for i = 1, #info, 2 do
+      if info[i] == 'entries-added' then n = info[i + 1] + 1 break end
+    end
+    redis.call('SET', KEYS[2], n)
+  end
+end
+local ok, id = pcall(redis.call, 'XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'n', n, 't', ARGV[2], 'p', ARGV[3])
+if not ok then
+  redis.call('DECR', KEYS[2])
+  return redis.error_reply(id.err or tostring(id))
+end
+return id
+";
+
+/// Where the stream stands, read in one atomic step: the ordinal of its last
+/// entry (the counter, or `entries-added` without one), its length, and its
+/// last id.
+const STATE_SCRIPT: &str = r"
+local added, length, last = 0, 0, '0-0'
 local ok, info = pcall(redis.call, 'XINFO', 'STREAM', KEYS[1])
 if ok then
   for i = 1, #info, 2 do
-    if info[i] == 'entries-added' then n = info[i + 1] + 1 break end
+    local k = info[i]
+    if k == 'entries-added' then added = info[i + 1]
+    elseif k == 'length' then length = info[i + 1]
+    elseif k == 'last-generated-id' then last = info[i + 1] end
   end
 end
-return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'n', n, 't', ARGV[2], 'p', ARGV[3])
+local counter = redis.call('GET', KEYS[2])
+if counter then added = tonumber(counter) end
+return {added, length, last}
 ";
 
 /// The Redis Streams transport: one stream per topic; every node reads it
@@ -96,6 +134,13 @@ pub struct RedisStreamsBus {
     publisher: ConnectionManager,
     script: redis::Script,
     config: StreamsConfig,
+}
+
+/// The stream's key and its ordinal counter's key.
+#[derive(Debug, Clone)]
+struct StreamKeys {
+    stream: String,
+    counter: String,
 }
 
 impl fmt::Debug for RedisStreamsBus {
@@ -199,8 +244,12 @@ impl RedisStreamsBus {
         Self::builder(url).connect().await
     }
 
-    fn key(&self, topic: &str) -> String {
-        format!("{}{topic}", self.config.key_prefix)
+    fn keys(&self, topic: &str) -> StreamKeys {
+        let stream = format!("{}{topic}", self.config.key_prefix);
+        StreamKeys {
+            counter: format!("{stream}:n"),
+            stream,
+        }
     }
 
     async fn reader(&self) -> Result<MultiplexedConnection> {
@@ -214,59 +263,34 @@ impl RedisStreamsBus {
     }
 }
 
-/// What `XINFO STREAM` says about where the stream stands.
+/// Where the stream stands (see `STATE_SCRIPT`).
 #[derive(Debug, Default)]
 struct StreamState {
+    /// Ordinal of the last entry ever added.
     entries_added: u64,
     length: u64,
     last_id: String,
 }
 
-async fn stream_state(conn: &mut MultiplexedConnection, key: &str) -> Result<StreamState> {
-    let reply: Result<Value, RedisError> = redis::cmd("XINFO")
-        .arg("STREAM")
-        .arg(key)
-        .query_async(conn)
-        .await;
-    let fields = match reply {
-        Ok(v) => v,
-        // No stream yet: nothing was ever added.
-        Err(e) if e.code() == Some("ERR") && e.to_string().contains("no such key") => {
-            return Ok(StreamState {
-                last_id: "0-0".into(),
-                ..StreamState::default()
-            });
-        }
-        Err(e) => return Err(map_err(STREAMS, e)),
-    };
-    let pairs: Vec<(String, Value)> = match fields {
-        Value::Map(m) => m
-            .into_iter()
-            .filter_map(|(k, v)| Some((as_string(&k)?, v)))
-            .collect(),
-        Value::Array(a) => a
-            .chunks(2)
-            .filter_map(|c| Some((as_string(c.first()?)?, c.get(1)?.clone())))
-            .collect(),
-        _ => return Err(bad_reply(STREAMS, "XINFO STREAM")),
-    };
-    let mut state = StreamState::default();
-    for (k, v) in pairs {
-        match (k.as_str(), v) {
-            ("entries-added", Value::Int(n)) => state.entries_added = n.max(0) as u64,
-            ("length", Value::Int(n)) => state.length = n.max(0) as u64,
-            ("last-generated-id", v) => state.last_id = as_string(&v).unwrap_or_default(),
-            _ => {}
-        }
-    }
-    Ok(state)
+async fn stream_state(conn: &mut MultiplexedConnection, keys: &StreamKeys) -> Result<StreamState> {
+    let (entries_added, length, last_id): (u64, u64, String) = redis::Script::new(STATE_SCRIPT)
+        .key(&keys.stream)
+        .key(&keys.counter)
+        .invoke_async(conn)
+        .await
+        .map_err(|e| map_err(STREAMS, e))?;
+    Ok(StreamState {
+        entries_added,
+        length,
+        last_id,
+    })
 }
 
-fn as_string(v: &Value) -> Option<String> {
+fn into_string(v: Value) -> Option<String> {
     match v {
-        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
-        Value::SimpleString(s) => Some(s.clone()),
-        Value::VerbatimString { text, .. } => Some(text.clone()),
+        Value::BulkString(b) => String::from_utf8(b).ok(),
+        Value::SimpleString(s) => Some(s),
+        Value::VerbatimString { text, .. } => Some(text),
         _ => None,
     }
 }
@@ -274,7 +298,9 @@ fn as_string(v: &Value) -> Option<String> {
 fn as_u64(v: &Value) -> Option<u64> {
     match v {
         Value::Int(n) => u64::try_from(*n).ok(),
-        other => as_string(other)?.parse().ok(),
+        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+        Value::SimpleString(s) => s.parse().ok(),
+        _ => None,
     }
 }
 
@@ -286,32 +312,30 @@ struct Entry {
     payload: Bytes,
 }
 
+/// Takes the entry apart without copying: every node parses every entry, so
+/// this runs once per event per node.
 fn parse_entry(v: Value) -> Option<Entry> {
-    let Value::Array(mut parts) = v else {
+    let Value::Array(parts) = v else {
         return None;
     };
-    if parts.len() != 2 {
+    let mut parts = parts.into_iter();
+    let (Some(id), Some(Value::Array(fields)), None) = (parts.next(), parts.next(), parts.next())
+    else {
         return None;
-    }
-    let fields = parts.pop()?;
-    let id = as_string(&parts.pop()?)?;
+    };
     let mut entry = Entry {
-        id,
+        id: into_string(id)?,
         ordinal: None,
         tag: None,
         payload: Bytes::new(),
     };
-    let Value::Array(fields) = fields else {
-        return None;
-    };
-    for pair in fields.chunks(2) {
-        let (Some(k), Some(v)) = (pair.first().and_then(as_string), pair.get(1)) else {
-            continue;
-        };
-        match (k.as_str(), v) {
-            ("n", v) => entry.ordinal = as_u64(v),
-            ("t", v) => entry.tag = as_string(v),
-            ("p", Value::BulkString(b)) => entry.payload = Bytes::from(b.clone()),
+    let mut fields = fields.into_iter();
+    while let (Some(k), Some(v)) = (fields.next(), fields.next()) {
+        let Value::BulkString(k) = k else { continue };
+        match (k.as_slice(), v) {
+            (b"n", v) => entry.ordinal = as_u64(&v),
+            (b"t", v) => entry.tag = into_string(v),
+            (b"p", Value::BulkString(b)) => entry.payload = Bytes::from(b),
             _ => {}
         }
     }
@@ -355,9 +379,11 @@ impl ChangeBus for RedisStreamsBus {
 
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
         let mut conn = self.publisher.clone();
+        let keys = self.keys(topic);
         let id: String = self
             .script
-            .key(self.key(topic))
+            .key(&keys.stream)
+            .key(&keys.counter)
             .arg(self.config.max_len)
             .arg(tag)
             .arg(payload.as_ref())
@@ -372,9 +398,9 @@ impl ChangeBus for RedisStreamsBus {
         topic: &str,
         options: SubscribeOptions,
     ) -> Result<Box<dyn Subscription>> {
-        let key = self.key(topic);
+        let keys = self.keys(topic);
         let mut conn = self.reader().await?;
-        let state = stream_state(&mut conn, &key).await?;
+        let state = stream_state(&mut conn, &keys).await?;
         let trimmed = state.entries_added.saturating_sub(state.length);
         let mut pending = None;
         let (id, ordinal) = match options.from {
@@ -409,7 +435,7 @@ impl ChangeBus for RedisStreamsBus {
                     .duration_since(UNIX_EPOCH)
                     .map_or(0, |d| d.as_millis() as u64);
                 let first: Value = redis::cmd("XRANGE")
-                    .arg(&key)
+                    .arg(&keys.stream)
                     .arg(ms)
                     .arg("+")
                     .arg("COUNT")
@@ -447,7 +473,7 @@ impl ChangeBus for RedisStreamsBus {
         };
         Ok(Box::new(StreamsSubscription {
             conn,
-            key,
+            keys,
             id,
             ordinal,
             block_ms: self.config.block.as_millis().max(1) as u64,
@@ -458,7 +484,7 @@ impl ChangeBus for RedisStreamsBus {
 
 struct StreamsSubscription {
     conn: MultiplexedConnection,
-    key: String,
+    keys: StreamKeys,
     /// Last id read; the next read starts after it.
     id: String,
     /// Ordinal of the entry at `id`.
@@ -470,7 +496,7 @@ struct StreamsSubscription {
 impl fmt::Debug for StreamsSubscription {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StreamsSubscription")
-            .field("key", &self.key)
+            .field("key", &self.keys.stream)
             .field("id", &self.id)
             .field("ordinal", &self.ordinal)
             .finish_non_exhaustive()
@@ -479,7 +505,7 @@ impl fmt::Debug for StreamsSubscription {
 
 impl StreamsSubscription {
     async fn idle_check(&mut self) -> Result<Option<Loss>> {
-        let state = stream_state(&mut self.conn, &self.key).await?;
+        let state = stream_state(&mut self.conn, &self.keys).await?;
         let trimmed = state.entries_added.saturating_sub(state.length);
         if state.entries_added < self.ordinal {
             self.id.clone_from(&state.last_id);
@@ -510,7 +536,7 @@ impl Subscription for StreamsSubscription {
                 .arg("BLOCK")
                 .arg(self.block_ms)
                 .arg("STREAMS")
-                .arg(&self.key)
+                .arg(&self.keys.stream)
                 .arg(&self.id)
                 .query_async(&mut self.conn)
                 .await
@@ -547,7 +573,7 @@ impl Subscription for StreamsSubscription {
                     Some(_) | None => {
                         // Ordinals went backwards or are missing: this is a
                         // different stream than the one we were reading.
-                        let state = stream_state(&mut self.conn, &self.key).await?;
+                        let state = stream_state(&mut self.conn, &self.keys).await?;
                         self.id.clone_from(&state.last_id);
                         self.ordinal = state.entries_added;
                         if records.is_empty() {
@@ -615,6 +641,7 @@ impl fmt::Debug for RedisPubSubBus {
 
 #[derive(Debug, Clone)]
 struct PubSubConfig {
+    max_backlog_bytes: usize,
     ping_interval: Duration,
     ping_timeout: Duration,
     response_timeout: Duration,
@@ -630,6 +657,20 @@ pub struct RedisPubSubBuilder {
 }
 
 impl RedisPubSubBuilder {
+    /// Most bytes of messages a subscription holds that its node has not
+    /// taken yet. Default 32 MiB, Redis's own hard `pubsub` output-buffer
+    /// limit.
+    ///
+    /// The `redis` crate reads Pub/Sub messages off the socket into an
+    /// unbounded queue, so a node that applies slower than events arrive
+    /// would never trip the server's limit and would grow without bound.
+    /// Past this limit the queued messages are dropped and the loss is
+    /// signalled as [`LossReason::Overflow`].
+    pub fn max_backlog_bytes(mut self, bytes: usize) -> Self {
+        self.config.max_backlog_bytes = bytes.max(1);
+        self
+    }
+
     /// How often an idle subscription PINGs the server. Default 1 s.
     pub fn ping_interval(mut self, every: Duration) -> Self {
         self.config.ping_interval = every.max(Duration::from_millis(1));
@@ -673,6 +714,7 @@ impl RedisPubSubBus {
         RedisPubSubBuilder {
             url: url.into(),
             config: PubSubConfig {
+                max_backlog_bytes: 32 << 20,
                 ping_interval: Duration::from_secs(1),
                 ping_timeout: Duration::from_secs(1),
                 response_timeout: Duration::from_secs(5),
@@ -740,6 +782,9 @@ impl ChangeBus for RedisPubSubBus {
         Ok(Box::new(PubSubSubscription {
             sink,
             stream,
+            backlog: VecDeque::new(),
+            backlog_bytes: 0,
+            max_backlog_bytes: self.config.max_backlog_bytes,
             pending,
             ping: tokio::time::interval_at(
                 tokio::time::Instant::now() + self.config.ping_interval,
@@ -753,6 +798,10 @@ impl ChangeBus for RedisPubSubBus {
 struct PubSubSubscription {
     sink: redis::aio::PubSubSink,
     stream: redis::aio::PubSubStream,
+    /// Messages taken off the client's queue, not yet delivered.
+    backlog: VecDeque<Record>,
+    backlog_bytes: usize,
+    max_backlog_bytes: usize,
     pending: Option<Loss>,
     ping: tokio::time::Interval,
     ping_timeout: Duration,
@@ -764,6 +813,59 @@ impl fmt::Debug for PubSubSubscription {
     }
 }
 
+/// What a queued record is taken to cost, beyond its payload.
+const RECORD_OVERHEAD: usize = 64;
+
+impl PubSubSubscription {
+    /// Moves everything the client has queued into the backlog; false if
+    /// the connection closed.
+    fn drain(&mut self) -> bool {
+        while self.backlog_bytes <= self.max_backlog_bytes {
+            match futures_util::FutureExt::now_or_never(self.stream.next()) {
+                Some(Some(msg)) => self.push(&msg),
+                Some(None) => return false,
+                None => break,
+            }
+        }
+        true
+    }
+
+    fn push(&mut self, msg: &redis::Msg) {
+        let record = record(msg);
+        self.backlog_bytes += record.payload.len() + RECORD_OVERHEAD;
+        self.backlog.push_back(record);
+    }
+
+    fn take(&mut self, max: usize) -> Result<Delivery> {
+        if self.backlog_bytes > self.max_backlog_bytes {
+            let missed = self.backlog.len() as u64;
+            tracing::warn!(
+                messages = missed,
+                bytes = self.backlog_bytes,
+                limit = self.max_backlog_bytes,
+                "Pub/Sub backlog over its limit; dropping it"
+            );
+            self.backlog.clear();
+            self.backlog_bytes = 0;
+            return Ok(Delivery::Lost(Loss::new(
+                LossReason::Overflow,
+                Some(missed),
+                None,
+            )));
+        }
+        let n = max.max(1).min(self.backlog.len());
+        let records: Vec<Record> = self.backlog.drain(..n).collect();
+        self.backlog_bytes -= records
+            .iter()
+            .map(|r| r.payload.len() + RECORD_OVERHEAD)
+            .sum::<usize>();
+        Ok(Delivery::Batch {
+            records,
+            position: Position::default(),
+        })
+    }
+}
+
 #[async_trait]
 impl Subscription for PubSubSubscription {
     async fn next(&mut self, max: usize) -> Result<Delivery> {
@@ -771,22 +873,25 @@ impl Subscription for PubSubSubscription {
             return Ok(Delivery::Lost(loss));
         }
         loop {
+            // Everything queued, not just one batch: the size of the client's
+            // queue is only known by emptying it.
+            let open = self.drain();
+            if !self.backlog.is_empty() {
+                self.ping.reset();
+                return self.take(max);
+            }
+            if !open {
+                return Err(Error::disconnected(
+                    PUBSUB,
+                    "the subscription connection closed",
+                ));
+            }
             tokio::select! {
                 msg = self.stream.next() => {
                     let Some(msg) = msg else {
                         return Err(Error::disconnected(PUBSUB, "the subscription connection closed"));
                     };
-                    let mut records = vec![record(&msg)];
-                    // Take what is already buffered, without waiting.
-                    while records.len() < max {
-                        match futures_util::FutureExt::now_or_never(self.stream.next()) {
-                            Some(Some(msg)) => records.push(record(&msg)),
-                            Some(None) => break,
-                            None => break,
-                        }
-                    }
-                    self.ping.reset();
-                    return Ok(Delivery::Batch { records, position: Position::default() });
+                    self.push(&msg);
                 }
                 _ = self.ping.tick() => {
                     match tokio::time::timeout(self.ping_timeout, self.sink.ping::<Value>()).await {
