@@ -77,8 +77,14 @@ impl Position {
 
     /// Takes every partition that `later` names from `later`.
     pub fn advance(&mut self, later: &Position) {
+        // In place where the partition exists: this runs for every batch.
         for (k, v) in &later.0 {
-            self.0.insert(k.clone(), v.clone());
+            match self.0.get_mut(k) {
+                Some(offset) => offset.clone_from(v),
+                None => {
+                    self.0.insert(k.clone(), v.clone());
+                }
+            }
         }
     }
 }

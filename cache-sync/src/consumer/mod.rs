@@ -692,9 +692,11 @@ async fn persist_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
 }
 
 /// Last sequence number seen per (publisher, cache), to detect gaps.
+/// Keyed by publisher first, so a lookup by `&str` allocates nothing.
 #[derive(Default)]
 struct PublisherSeqs {
-    last: HashMap<(u64, String), u64>,
+    last: HashMap<u64, HashMap<String, u64>>,
+    tracked: usize,
 }
 
 /// Bounds memory when publishers come and go: forgetting baselines only
@@ -704,25 +706,26 @@ const MAX_TRACKED_PUBLISHERS: usize = 100_000;
 impl PublisherSeqs {
     fn clear(&mut self) {
         self.last.clear();
+        self.tracked = 0;
     }
 
     /// Records `seq` and returns how many events were skipped before it.
     fn observe(&mut self, publisher: u64, cache: &str, seq: u64) -> u64 {
-        if self.last.len() >= MAX_TRACKED_PUBLISHERS {
-            self.last.clear();
+        if let Some(last) = self.last.get_mut(&publisher).and_then(|m| m.get_mut(cache)) {
+            let missed = seq.saturating_sub(*last + 1);
+            // A redelivery (seq <= last) is applied again but does not move back.
+            *last = (*last).max(seq);
+            return missed;
         }
-        match self.last.get_mut(&(publisher, cache.to_owned())) {
-            Some(last) => {
-                let missed = seq.saturating_sub(*last + 1);
-                // A redelivery (seq <= last) is applied again but does not move back.
-                *last = (*last).max(seq);
-                missed
-            }
-            None => {
-                self.last.insert((publisher, cache.to_owned()), seq);
-                0
-            }
+        if self.tracked >= MAX_TRACKED_PUBLISHERS {
+            self.clear();
         }
+        self.last
+            .entry(publisher)
+            .or_default()
+            .insert(cache.to_owned(), seq);
+        self.tracked += 1;
+        0
     }
 }
 

@@ -658,3 +658,25 @@ async fn without_history_a_fresh_node_quarantines_instead() {
     assert_eq!(c.peek(&"k".into()).await, None);
     assert_eq!(node.status().caches[0].refreshes_quarantined, 1);
 }
+
+#[test]
+fn publisher_seqs_count_gaps_per_publisher_and_cache() {
+    let mut seqs = PublisherSeqs::default();
+    assert_eq!(
+        seqs.observe(1, "a", 5),
+        0,
+        "the first event sets the baseline"
+    );
+    assert_eq!(seqs.observe(1, "a", 6), 0);
+    assert_eq!(seqs.observe(1, "a", 9), 2);
+    // A redelivery is no gap and does not move the baseline back.
+    assert_eq!(seqs.observe(1, "a", 7), 0);
+    assert_eq!(seqs.observe(1, "a", 10), 0);
+    // Other caches and other publishers keep their own baselines.
+    assert_eq!(seqs.observe(1, "b", 1), 0);
+    assert_eq!(seqs.observe(2, "a", 1), 0);
+    assert_eq!(seqs.observe(1, "b", 3), 1);
+    assert_eq!(seqs.tracked, 3);
+    seqs.clear();
+    assert_eq!(seqs.observe(1, "a", 20), 0, "after a loss, a new baseline");
+}
