@@ -74,24 +74,7 @@ async fn publisher_connection(
 /// cache-sync) restarts from `entries-added`, so the count never jumps back
 /// while the stream lives. A failed `XADD` takes its number back, so it
 /// causes no false gap.
-const XADD_SCRIPT: &str = r"
-local n = redis.call('INCR', KEYS[2])
-if n == 1 then
-  local ok, info = pcall(redis.call, 'XINFO', 'STREAM', KEYS[1])
-  if ok then
-    for i = 1, #info, 2 do
-      if info[i] == 'entries-added' then n = info[i + 1] + 1 break end
-    end
-    redis.call('SET', KEYS[2], n)
-  end
-end
-local ok, id = pcall(redis.call, 'XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'n', n, 't', ARGV[2], 'p', ARGV[3])
-if not ok then
-  redis.call('DECR', KEYS[2])
-  return redis.error_reply(id.err or tostring(id))
-end
-return id
-";
+const XADD_SCRIPT: &str = include_str!("redis_publish.lua");
 
 /// Where the stream stands, read in one atomic step: the ordinal of its last
 /// entry (the counter, or `entries-added` without one), its length, and its
