@@ -49,29 +49,30 @@
 // A benchmark's output is its table: printing to stdout is the point.
 #![allow(clippy::print_stdout)]
 
+mod common;
+
 use std::process::Command;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-use cache_sync::{ChangeBus, Node, Publisher, RedisPubSubBus, RedisStreamsBus, SyncedCache};
+use async_trait::async_trait;
+use cache_sync::{ChangeBus, Publisher, RedisPubSubBus, RedisStreamsBus};
+use common::{
+    CACHE, Latency, RawFloor, STALL, System, cache_sync_system, latency_header, latency_intro,
+    latency_row, measure, new_slots, now_us, p, ratio, run_footer, run_header, stamp_of,
+    start_nodes, stop_nodes,
+};
 use futures_util::StreamExt;
-use hdrhistogram::Histogram;
 use integration_tests::redis_server::RedisServer;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, Value};
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
 
 /// Workload sizes: `FULL` under `cargo bench`, `SMOKE` otherwise.
 #[derive(Debug, Clone, Copy)]
 struct Sizes {
-    /// Paced events before measuring, per configuration.
-    warmup: u64,
-    /// Paced events measured, per configuration.
-    events: u64,
-    /// Node counts.
-    nodes: &'static [usize],
+    /// The paced latency rows.
+    latency: common::Sizes,
     /// Throughput: events from one publisher, each awaited before the next.
     seq_events: u64,
     /// Throughput: events from `publishers` concurrent publishers, in total.
@@ -85,11 +86,13 @@ struct Sizes {
 }
 
 const FULL: Sizes = Sizes {
-    warmup: 100,
-    // 2000 per row took the run past 3 minutes once the disk of the
-    // `appendfsync always` server was busy.
-    events: 1500,
-    nodes: &[1, 4, 16],
+    latency: common::Sizes {
+        warmup: 100,
+        // 2000 per row took the run past 3 minutes once the disk of the
+        // `appendfsync always` server was busy.
+        events: 1500,
+        nodes: &[1, 4, 16],
+    },
     seq_events: 20_000,
     conc_events: 40_000,
     publishers: 50,
@@ -99,9 +102,11 @@ const FULL: Sizes = Sizes {
 };
 
 const SMOKE: Sizes = Sizes {
-    warmup: 3,
-    events: 20,
-    nodes: &[1, 2],
+    latency: common::Sizes {
+        warmup: 3,
+        events: 20,
+        nodes: &[1, 2],
+    },
     seq_events: 200,
     conc_events: 400,
     publishers: 4,
@@ -125,203 +130,9 @@ end
 return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'n', n, 't', ARGV[2], 'p', ARGV[3])
 ";
 
-/// The cache every node registers, and the key every event refreshes.
-const CACHE: &str = "bench";
-
-/// A paced event (or a throughput run's last event) must be applied within this.
-const STALL: Duration = Duration::from_secs(20);
-
 /// Throughput publishers stop early after this, so a slow disk (the
 /// `appendfsync always` server) cannot stretch the run.
 const THROUGHPUT_CAP: Duration = Duration::from_secs(5);
-
-fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
-}
-
-fn histogram() -> Histogram<u64> {
-    Histogram::new_with_bounds(1, 60_000_000, 3).expect("histogram bounds")
-}
-
-/// One latency configuration's results.
-struct Latency {
-    /// One sample per node per event.
-    per_node: Histogram<u64>,
-    /// One sample per event: the slowest node.
-    slowest: Histogram<u64>,
-    /// How long the publish call itself took (publisher side).
-    publish_call: Histogram<u64>,
-    /// Anything wrong the nodes reported (losses, gaps, errors); empty if clean.
-    problems: String,
-}
-
-impl Latency {
-    fn new() -> Self {
-        Self {
-            per_node: histogram(),
-            slowest: histogram(),
-            publish_call: histogram(),
-            problems: String::new(),
-        }
-    }
-}
-
-/// Some receivers ("nodes") and the way to publish to them.
-enum System {
-    CacheSync {
-        publisher: Publisher,
-        nodes: Vec<BenchNode>,
-    },
-    Raw {
-        kind: RawKind,
-        conn: MultiplexedConnection,
-        /// The channel or stream key.
-        target: String,
-        slots: Vec<Arc<Slot>>,
-        tasks: Vec<JoinHandle<()>>,
-    },
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum RawKind {
-    /// `PUBLISH` → one plain async subscriber per node.
-    PubSub,
-    /// `XADD` → one `XREAD BLOCK` loop per node.
-    Streams,
-    /// As `Streams`, but each reader hands its batch through a bounded tokio
-    /// channel to a second task, as the consumer's fetcher does to its
-    /// applier; that task takes the time.
-    StreamsHop,
-}
-
-impl System {
-    fn nodes(&self) -> usize {
-        match self {
-            System::CacheSync { nodes, .. } => nodes.len(),
-            System::Raw { slots, .. } => slots.len(),
-        }
-    }
-
-    async fn publish(&self, i: u64) {
-        match self {
-            System::CacheSync { publisher, .. } => {
-                publisher
-                    .refresh(CACHE, [(0_u64, i)])
-                    .await
-                    .expect("publish");
-            }
-            System::Raw {
-                kind, conn, target, ..
-            } => {
-                let mut conn = conn.clone();
-                let mut cmd = match kind {
-                    RawKind::PubSub => redis::cmd("PUBLISH"),
-                    RawKind::Streams | RawKind::StreamsHop => redis::cmd("XADD"),
-                };
-                cmd.arg(target);
-                if *kind != RawKind::PubSub {
-                    cmd.arg("*").arg("p");
-                }
-                cmd.arg(now_us())
-                    .query_async::<Value>(&mut conn)
-                    .await
-                    .expect("raw publish");
-            }
-        }
-    }
-
-    /// Node `k`'s latency for event `i`, once it has applied it; `t0` is the
-    /// observer's clock from just before the publish.
-    fn probe(&self, k: usize, i: u64, t0: u64) -> Option<u64> {
-        match self {
-            System::CacheSync { nodes, .. } => {
-                let st = nodes[k].cache.status();
-                (st.events_applied >= i && st.last_applied_at_us.is_some_and(|a| a >= t0))
-                    .then(|| st.last_latency_us.unwrap_or(0))
-            }
-            System::Raw { slots, .. } => slots[k].probe(i),
-        }
-    }
-
-    /// Stops the receivers; returns what the nodes counted as wrong.
-    async fn finish(self, last: u64) -> String {
-        match self {
-            System::CacheSync { nodes, .. } => {
-                for node in &nodes {
-                    let v = node.cache.peek(&0).await;
-                    assert_eq!(v, Some(last), "{} holds the last value", node.node.id());
-                }
-                stop_nodes(nodes).await
-            }
-            System::Raw { tasks, .. } => {
-                for t in tasks {
-                    t.abort();
-                }
-                String::new()
-            }
-        }
-    }
-}
-
-/// Publishes events 1, 2, 3, … to each system in turn (rotating which goes
-/// first), one at a time: an event goes out only once every node of the
-/// previous one has applied its event, seen on waking from a timer tick
-/// (≈ 1 ms). Interleaving puts the systems through
-/// the same moments of a noisy machine, so their ratios are fairer than
-/// those of back-to-back runs.
-async fn paced(s: Sizes, systems: &[System]) -> Vec<Latency> {
-    let mut out: Vec<Latency> = systems.iter().map(|_| Latency::new()).collect();
-    for i in 1..=s.warmup + s.events {
-        for j in 0..systems.len() {
-            let idx = (j + i as usize) % systems.len();
-            let sys = &systems[idx];
-            let t0 = now_us();
-            let started = Instant::now();
-            sys.publish(i).await;
-            let call = started.elapsed();
-            let mut seen = vec![false; sys.nodes()];
-            let mut slept = false;
-            loop {
-                for (k, done) in seen.iter_mut().enumerate() {
-                    *done = *done || sys.probe(k, i, t0).is_some();
-                }
-                if seen.iter().all(|d| *d) {
-                    if !slept {
-                        // Applied before the publish call returned: still
-                        // sleep one tick, so that every event starts from the
-                        // same state (just woken by the timer, workers idle
-                        // for about a tick), whichever system went before.
-                        tokio::time::sleep(Duration::from_millis(1)).await;
-                    }
-                    break;
-                }
-                slept = true;
-                assert!(
-                    started.elapsed() < STALL,
-                    "event {i} not applied on every node within {STALL:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-            if i <= s.warmup {
-                continue;
-            }
-            let l = &mut out[idx];
-            l.publish_call.saturating_record(call.as_micros() as u64);
-            let mut slowest = 0;
-            for k in 0..sys.nodes() {
-                // Nothing more is published to it until this returns, so
-                // these figures are final.
-                let lat = sys.probe(k, i, t0).expect("applied above");
-                l.per_node.saturating_record(lat);
-                slowest = slowest.max(lat);
-            }
-            l.slowest.saturating_record(slowest);
-        }
-    }
-    out
-}
 
 // ------------------------------------------------------------ cache-sync
 
@@ -355,89 +166,52 @@ impl Transport {
     }
 }
 
-/// A started node with its one cache.
-struct BenchNode {
-    node: Node,
-    cache: SyncedCache<u64, u64>,
-}
-
-async fn start_nodes(url: &str, transport: Transport, topic: &str, n: usize) -> Vec<BenchNode> {
-    let mut nodes = Vec::with_capacity(n);
-    for k in 0..n {
-        let cache = SyncedCache::new(CACHE, moka::future::Cache::new(10_000));
-        let node = Node::builder(format!("node-{k}"), transport.bus(url).await)
-            .topic(topic)
-            .register(&cache)
-            .start()
-            .await
-            .expect("start node");
-        nodes.push(BenchNode { node, cache });
-    }
-    nodes
-}
-
-/// Shuts the nodes down and reports whatever they counted as wrong.
-async fn stop_nodes(nodes: Vec<BenchNode>) -> String {
-    let mut problems = Vec::new();
-    for n in nodes {
-        n.node.shutdown().await.expect("shutdown");
-        let s = n.node.status();
-        let c = &s.caches[0];
-        let bad = [
-            ("losses", s.losses),
-            ("gaps", s.publisher_gaps),
-            ("rejected", s.events_rejected),
-            ("transport errors", s.transport_errors),
-            ("quarantined", c.refreshes_quarantined),
-            ("resyncs", c.loss_resyncs),
-        ];
-        for (what, count) in bad {
-            if count > 0 {
-                problems.push(format!("{}: {count} {what}", s.node_id));
-            }
-        }
-    }
-    problems.join("; ")
-}
-
 /// N nodes on a fresh topic, each with its own bus client, and a publisher
 /// with its own.
-async fn cache_sync_system(url: &str, transport: Transport, n: usize) -> System {
+async fn redis_system(url: &str, transport: Transport, n: usize) -> System {
     let topic = format!("lat-{}-{n}-{}", transport.label(), now_us());
-    let nodes = start_nodes(url, transport, &topic, n).await;
-    let publisher = Publisher::builder(transport.bus(url).await)
-        .topic(topic)
-        .origin("bench")
-        .build();
-    System::CacheSync { publisher, nodes }
+    cache_sync_system(topic, n, || transport.bus(url)).await
 }
 
 // ------------------------------------------------------------ raw Redis
 
-/// What one raw receiver has seen: latency first, then the count (Release).
-#[derive(Default)]
-struct Slot {
-    count: AtomicU64,
-    latency: AtomicU64,
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RawKind {
+    /// `PUBLISH` → one plain async subscriber per node.
+    PubSub,
+    /// `XADD` → one `XREAD BLOCK` loop per node.
+    Streams,
+    /// As `Streams`, but each reader hands its batch through a bounded tokio
+    /// channel to a second task, as the consumer's fetcher does to its
+    /// applier; that task takes the time.
+    StreamsHop,
 }
 
-impl Slot {
-    fn observe(&self, stamp: u64) {
-        self.latency
-            .store(now_us().saturating_sub(stamp), Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Release);
-    }
-
-    fn probe(&self, i: u64) -> Option<u64> {
-        (self.count.load(Ordering::Acquire) >= i).then(|| self.latency.load(Ordering::Relaxed))
-    }
+/// Publishes with a plain Redis command.
+struct RedisRaw {
+    kind: RawKind,
+    conn: MultiplexedConnection,
+    /// The channel or stream key.
+    target: String,
 }
 
-fn stamp_of(bytes: &[u8]) -> u64 {
-    std::str::from_utf8(bytes)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .expect("a stamp payload")
+#[async_trait]
+impl RawFloor for RedisRaw {
+    async fn publish(&self) {
+        let mut conn = self.conn.clone();
+        let mut cmd = match self.kind {
+            RawKind::PubSub => redis::cmd("PUBLISH"),
+            RawKind::Streams | RawKind::StreamsHop => redis::cmd("XADD"),
+        };
+        cmd.arg(&self.target);
+        if self.kind != RawKind::PubSub {
+            cmd.arg("*").arg("p");
+        }
+        cmd.arg(now_us())
+            .query_async::<Value>(&mut conn)
+            .await
+            .expect("raw publish");
+    }
 }
 
 /// `(id, payload field "p")` of each entry in an `XREAD` reply (RESP2).
@@ -494,7 +268,7 @@ async fn connection(url: &str, response_timeout: Duration) -> MultiplexedConnect
 async fn raw_system(url: &str, kind: RawKind, n: usize) -> System {
     let target = format!("raw-{kind:?}-{n}-{}", now_us());
     let mut conn = connection(url, Duration::from_secs(5)).await;
-    let slots: Vec<Arc<Slot>> = (0..n).map(|_| Arc::default()).collect();
+    let slots = new_slots(n);
     let mut tasks = Vec::new();
     if kind == RawKind::PubSub {
         for slot in &slots {
@@ -571,13 +345,7 @@ async fn raw_system(url: &str, kind: RawKind, n: usize) -> System {
             }));
         }
     }
-    System::Raw {
-        kind,
-        conn,
-        target,
-        slots,
-        tasks,
-    }
+    System::raw(RedisRaw { kind, conn, target }, slots, tasks)
 }
 
 // ------------------------------------------------------------ publish calls
@@ -586,9 +354,9 @@ async fn raw_system(url: &str, kind: RawKind, n: usize) -> System {
 /// raw command taking turns, paced as in the latency rows. What the
 /// publisher side alone costs.
 async fn publish_only(s: Sizes, url: &str) -> Vec<(&'static str, Latency, Latency)> {
-    let s = Sizes {
-        events: s.events / 2,
-        ..s
+    let s = common::Sizes {
+        events: s.latency.events / 2,
+        ..s.latency
     };
     let mut out = Vec::new();
     for (transport, kind) in [
@@ -596,13 +364,10 @@ async fn publish_only(s: Sizes, url: &str) -> Vec<(&'static str, Latency, Latenc
         (Transport::PubSub, RawKind::PubSub),
     ] {
         let systems = vec![
-            cache_sync_system(url, transport, 0).await,
+            redis_system(url, transport, 0).await,
             raw_system(url, kind, 0).await,
         ];
-        let mut lat = paced(s, &systems).await;
-        for sys in systems {
-            sys.finish(s.warmup + s.events).await;
-        }
+        let mut lat = measure(s, systems).await;
         let raw = lat.pop().expect("raw");
         let cs = lat.pop().expect("cache-sync");
         out.push((transport.label(), cs, raw));
@@ -675,7 +440,7 @@ impl Throughput {
 /// `THROUGHPUT_CAP`. Timed until the node has applied them all.
 async fn streams_throughput(url: &str, events: u64, publishers: usize) -> Throughput {
     let topic = format!("tput-{publishers}-{}", now_us());
-    let nodes = start_nodes(url, Transport::Streams, &topic, 1).await;
+    let nodes = start_nodes(&topic, 1, || Transport::Streams.bus(url)).await;
     let cache = nodes[0].cache.clone();
     let mut pubs = Vec::with_capacity(publishers);
     for k in 0..publishers {
@@ -783,41 +548,6 @@ fn port_of(url: &str) -> u16 {
 
 // ------------------------------------------------------------ report
 
-fn p(h: &Histogram<u64>, q: f64) -> u64 {
-    h.value_at_quantile(q)
-}
-
-fn ratio(a: u64, b: u64) -> f64 {
-    a as f64 / b.max(1) as f64
-}
-
-fn latency_row(transport: &str, nodes: usize, cs: &Latency, raw: &Latency, hop: Option<&Latency>) {
-    let (c, r) = (&cs.per_node, &raw.per_node);
-    let problems = if cs.problems.is_empty() {
-        "0"
-    } else {
-        cs.problems.as_str()
-    };
-    let hop = hop.map_or("–".to_owned(), |h| {
-        format!("{} / {}", p(&h.per_node, 0.50), p(&h.per_node, 0.99))
-    });
-    println!(
-        "| {transport} | {nodes} | {} | {} | {} | {} | {} | {} | {:.2}× | {:.2}× | {hop} | {} / {} | {} / {} | {problems} |",
-        p(c, 0.50),
-        p(c, 0.99),
-        p(c, 0.999),
-        p(r, 0.50),
-        p(r, 0.99),
-        p(r, 0.999),
-        ratio(p(c, 0.50), p(r, 0.50)),
-        ratio(p(c, 0.99), p(r, 0.99)),
-        p(&cs.slowest, 0.99),
-        p(&raw.slowest, 0.99),
-        p(&cs.publish_call, 0.50),
-        p(&raw.publish_call, 0.50),
-    );
-}
-
 /// What one server's pass found, for the verdicts.
 struct Pass {
     server: &'static str,
@@ -830,70 +560,38 @@ struct Pass {
 
 async fn run_pass(s: Sizes, server: &'static str, redis: RedisServer) -> Pass {
     let url = redis.url();
-    let max_nodes = s.nodes.iter().copied().max().unwrap_or(1);
+    let max_nodes = s.latency.nodes.iter().copied().max().unwrap_or(1);
     println!("\n#### Server: {server}\n");
-    println!(
-        "Propagation latency, publish → applied, µs; {} paced events per row after {} warm-up; \
-         percentiles over every node's samples; raw = the same protocol on plain Redis commands.\n",
-        s.events, s.warmup
-    );
-    println!(
-        "| transport | nodes | cache-sync p50 | p99 | p999 | raw p50 | p99 | p999 | p50 ratio | p99 ratio | raw + task hop p50 / p99 | slowest node p99, cache-sync / raw | publish call p50, cache-sync / raw | problems |"
-    );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    latency_intro(s.latency, "plain Redis commands");
+    latency_header(&["raw + task hop p50 / p99"]);
     let mut p99_at_max = Vec::new();
     reset_server_stats(&url).await;
-    let last = s.warmup + s.events;
-    for &n in s.nodes {
-        let systems = vec![
-            cache_sync_system(&url, Transport::Streams, n).await,
-            raw_system(&url, RawKind::Streams, n).await,
-            raw_system(&url, RawKind::StreamsHop, n).await,
-        ];
-        let mut lat = paced(s, &systems).await;
-        for sys in systems {
-            let problems = sys.finish(last).await;
-            lat[0].problems.push_str(&problems);
-        }
-        latency_row(
-            "Streams (raw: XADD → XREAD BLOCK)",
-            n,
-            &lat[0],
-            &lat[1],
-            Some(&lat[2]),
-        );
-        if n == max_nodes {
-            p99_at_max.push((
-                "Streams",
-                p(&lat[0].per_node, 0.99),
-                p(&lat[1].per_node, 0.99),
-                p(&lat[1].per_node, 0.50),
-            ));
-        }
-
-        let systems = vec![
-            cache_sync_system(&url, Transport::PubSub, n).await,
-            raw_system(&url, RawKind::PubSub, n).await,
-        ];
-        let mut lat = paced(s, &systems).await;
-        for sys in systems {
-            let problems = sys.finish(last).await;
-            lat[0].problems.push_str(&problems);
-        }
-        latency_row(
-            "Pub/Sub (raw: PUBLISH → message)",
-            n,
-            &lat[0],
-            &lat[1],
-            None,
-        );
-        if n == max_nodes {
-            p99_at_max.push((
-                "Pub/Sub",
-                p(&lat[0].per_node, 0.99),
-                p(&lat[1].per_node, 0.99),
-                p(&lat[1].per_node, 0.50),
-            ));
+    for &n in s.latency.nodes {
+        for (transport, label, raw_kinds) in [
+            (
+                Transport::Streams,
+                "Streams (raw: XADD → XREAD BLOCK)",
+                &[RawKind::Streams, RawKind::StreamsHop][..],
+            ),
+            (
+                Transport::PubSub,
+                "Pub/Sub (raw: PUBLISH → message)",
+                &[RawKind::PubSub][..],
+            ),
+        ] {
+            let mut systems = vec![redis_system(&url, transport, n).await];
+            for &kind in raw_kinds {
+                systems.push(raw_system(&url, kind, n).await);
+            }
+            let lat = latency_row(s.latency, label, n, 1, systems).await;
+            if n == max_nodes {
+                p99_at_max.push((
+                    transport.label(),
+                    p(&lat[0].per_node, 0.99),
+                    p(&lat[1].per_node, 0.99),
+                    p(&lat[1].per_node, 0.50),
+                ));
+            }
         }
     }
 
@@ -904,7 +602,7 @@ async fn run_pass(s: Sizes, server: &'static str, redis: RedisServer) -> Pass {
 
     println!(
         "\nPublish call alone, no subscribers, {} calls each, taking turns, µs:\n",
-        s.events / 2
+        s.latency.events / 2
     );
     println!(
         "| transport | cache-sync `Publisher::refresh` p50 | p99 | raw command p50 | p99 | p50 ratio |"
@@ -1008,7 +706,7 @@ async fn run_pass(s: Sizes, server: &'static str, redis: RedisServer) -> Pass {
 }
 
 fn verdicts(s: Sizes, full: bool, passes: &[Pass]) {
-    let max_nodes = s.nodes.iter().copied().max().unwrap_or(1);
+    let max_nodes = s.latency.nodes.iter().copied().max().unwrap_or(1);
     let smoke = if full {
         ""
     } else {
@@ -1054,21 +752,9 @@ fn verdicts(s: Sizes, full: bool, passes: &[Pass]) {
     }
 }
 
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "n/a".into())
-}
-
 async fn run(s: Sizes, full: bool, workers: usize) {
     let started = Instant::now();
-    if !full {
-        println!("(smoke run with tiny sizes: checks the code paths; the numbers mean nothing)");
-    }
-    println!(
-        "\n{workers} tokio worker threads; load average at start {}",
-        loadavg()
-    );
+    run_header(full, workers);
     let mut passes = vec![
         run_pass(
             s,
@@ -1088,27 +774,9 @@ async fn run(s: Sizes, full: bool, workers: usize) {
         );
     }
     verdicts(s, full, &passes);
-    println!(
-        "\nrun time {:.1} s; load average at end {}",
-        started.elapsed().as_secs_f64(),
-        loadavg()
-    );
+    run_footer(started);
 }
 
 fn main() {
-    let full = std::env::args().skip(1).any(|a| a == "--bench");
-    let sizes = if full { FULL } else { SMOKE };
-    let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-    // The driver runs as a task on the workers, not on the main thread, so it
-    // shares the cores with what it measures instead of adding a thread.
-    rt.block_on(async move {
-        tokio::spawn(run(sizes, full, workers))
-            .await
-            .expect("benchmark panicked");
-    });
+    common::main(|full, workers| run(if full { FULL } else { SMOKE }, full, workers));
 }
