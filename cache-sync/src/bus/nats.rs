@@ -1,7 +1,8 @@
 //! The NATS JetStream transport.
 
+use std::collections::HashSet;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, UNIX_EPOCH};
 
 use async_nats::HeaderMap;
@@ -22,6 +23,10 @@ const KIND: &str = "nats-jetstream";
 const SEQ: &str = "seq";
 /// Carries the cache name, so nodes skip other caches' events unread.
 const TAG_HEADER: &str = "Cache-Sync-Tag";
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 fn err(e: impl std::error::Error + Send + Sync + 'static) -> Error {
     Error::disconnected(KIND, e)
@@ -48,6 +53,9 @@ pub struct NatsJetStreamBus {
     config: NatsConfig,
     /// Counts reconnections, so subscriptions can start afresh at once.
     reconnects: Arc<watch::Sender<u64>>,
+    /// Topics whose stream this bus has made sure of. Asking the server on
+    /// every publish cost a second round trip and doubled the publish time.
+    known_streams: Arc<Mutex<HashSet<String>>>,
 }
 
 impl fmt::Debug for NatsJetStreamBus {
@@ -128,6 +136,7 @@ impl NatsJetStreamBuilder {
             js: jetstream::new(client),
             config: self.config,
             reconnects,
+            known_streams: Arc::default(),
         })
     }
 }
@@ -160,6 +169,35 @@ impl NatsJetStreamBus {
         self.subject(topic).replace(['.', ' ', '*', '>'], "_")
     }
 
+    fn knows_stream(&self, topic: &str) -> bool {
+        lock(&self.known_streams).contains(topic)
+    }
+
+    fn remember_stream(&self, topic: &str, exists: bool) {
+        let mut known = lock(&self.known_streams);
+        if exists {
+            known.insert(topic.to_owned());
+        } else {
+            known.remove(topic);
+        }
+    }
+
+    async fn publish_once(
+        &self,
+        topic: &str,
+        tag: &str,
+        payload: Bytes,
+    ) -> std::result::Result<Option<Position>, jetstream::context::PublishError> {
+        let mut headers = HeaderMap::new();
+        headers.insert(TAG_HEADER, tag);
+        let ack = self
+            .js
+            .publish_with_headers(self.subject(topic), headers, payload)
+            .await?
+            .await?;
+        Ok(Some(seq_position(ack.sequence)))
+    }
+
     async fn stream(&self, topic: &str) -> Result<stream::Stream> {
         self.js
             .get_or_create_stream(stream::Config {
@@ -188,18 +226,22 @@ impl ChangeBus for NatsJetStreamBus {
 
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
         // Creating the stream on first use keeps publishers and nodes free of
-        // set-up order; later calls find it in one round trip.
-        self.stream(topic).await?;
-        let mut headers = HeaderMap::new();
-        headers.insert(TAG_HEADER, tag);
-        let ack = self
-            .js
-            .publish_with_headers(self.subject(topic), headers, payload)
-            .await
-            .map_err(err)?
-            .await
-            .map_err(err)?;
-        Ok(Some(seq_position(ack.sequence)))
+        // set-up order.
+        if !self.knows_stream(topic) {
+            self.stream(topic).await?;
+            self.remember_stream(topic, true);
+        }
+        match self.publish_once(topic, tag, payload.clone()).await {
+            Err(e) if e.kind() == jetstream::context::PublishErrorKind::StreamNotFound => {
+                // Deleted since, or lost by a broker without persistence: the
+                // message went nowhere, so make the stream again and retry once.
+                self.remember_stream(topic, false);
+                self.stream(topic).await?;
+                self.remember_stream(topic, true);
+                self.publish_once(topic, tag, payload).await.map_err(err)
+            }
+            other => other.map_err(err),
+        }
     }
 
     async fn subscribe(
