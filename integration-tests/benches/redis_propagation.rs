@@ -36,7 +36,8 @@
 //!   its own connection (an async pub/sub subscriber, or an
 //!   `XREAD BLOCK` loop) stores `now - stamp`, then bumps its counter. A
 //!   third Streams variant hands each batch through a bounded tokio channel
-//!   to a second task first, as the consumer's fetcher does to its applier.
+//!   to a second task first, as the consumer's fetcher did to its applier
+//!   until the two became one task: it shows what that hand-over cost.
 //! - Each configuration has its own topic, so a Streams node's start-up
 //!   replay window (the default reorder window) finds nothing to replay; the
 //!   events are unversioned refreshes, which are never quarantined. So the
@@ -172,8 +173,8 @@ enum RawKind {
     /// `XADD` → one `XREAD BLOCK` loop per node.
     Streams,
     /// As `Streams`, but each reader hands its batch through a bounded tokio
-    /// channel to a second task, as the consumer's fetcher does to its
-    /// applier; that task takes the time.
+    /// channel to a second task, as the consumer's fetcher did to its
+    /// applier before they became one task; that task takes the time.
     StreamsHop,
 }
 
