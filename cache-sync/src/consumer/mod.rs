@@ -324,12 +324,12 @@ impl NodeBuilder {
             },
             stop_rx.clone(),
         ));
-        let persister = tokio::spawn(persist_loop(shared.clone(), stop_rx));
+        let maintenance = tokio::spawn(maintenance_loop(shared.clone(), stop_rx));
         Ok(Node {
             handle: Arc::new(Handle {
                 shared,
                 stop,
-                tasks: tokio::sync::Mutex::new(Some((consumer, persister))),
+                tasks: tokio::sync::Mutex::new(Some((consumer, maintenance))),
             }),
         })
     }
@@ -464,9 +464,9 @@ impl Node {
     pub async fn shutdown(&self) -> Result<()> {
         self.handle.stop.send_replace(true);
         let tasks = self.handle.tasks.lock().await.take();
-        if let Some((consumer, persister)) = tasks {
+        if let Some((consumer, maintenance)) = tasks {
             let _ = consumer.await;
-            let _ = persister.await;
+            let _ = maintenance.await;
         }
         self.handle.shared.consuming.store(false, Relaxed);
         self.handle.shared.persist().await
@@ -668,24 +668,50 @@ async fn apply_loss(shared: &Shared, seqs: &mut PublisherSeqs, loss: Loss) {
     shared.dirty.store(true, Relaxed);
 }
 
-/// Saves the applied position periodically, off the consumer's path, so a
-/// slow offset store never delays applying.
-async fn persist_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
-    let mut tick = tokio::time::interval(shared.config.persist_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tick.tick().await;
+/// moka does its housekeeping (applying logged reads and writes, expiry,
+/// eviction) inline, in the first cache call made 300 ms or more after the
+/// last run. Left alone, that call is now and then the consumer applying an
+/// event, or an application read, and it pays for everything logged since.
+/// Running it a little more often from an idle task keeps it off both paths.
+const HOUSEKEEPING_INTERVAL: Duration = Duration::from_millis(200);
+
+/// Off the consumer's path: saves the applied position periodically, so a
+/// slow offset store never delays applying, and runs the caches'
+/// housekeeping.
+async fn maintenance_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let mut persist = tokio::time::interval(shared.config.persist_interval);
+    persist.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    persist.tick().await;
+    let mut housekeeping = tokio::time::interval(HOUSEKEEPING_INTERVAL);
+    housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    housekeeping.tick().await;
+    enum Due {
+        Stop,
+        Persist,
+        Housekeeping,
+    }
     loop {
-        let stopped = tokio::select! {
-            _ = stop.wait_for(|s| *s) => true,
-            _ = tick.tick() => false,
+        let due = tokio::select! {
+            biased;
+            _ = stop.wait_for(|s| *s) => Due::Stop,
+            _ = persist.tick() => Due::Persist,
+            _ = housekeeping.tick() => Due::Housekeeping,
         };
-        if stopped {
-            break;
-        }
-        if shared.dirty.swap(false, Relaxed) {
-            if let Err(e) = shared.persist().await {
-                shared.dirty.store(true, Relaxed);
-                tracing::warn!(node = %shared.id, error = %e, "could not save position");
+        match due {
+            Due::Stop => break,
+            Due::Persist => {
+                if shared.dirty.swap(false, Relaxed) {
+                    if let Err(e) = shared.persist().await {
+                        shared.dirty.store(true, Relaxed);
+                        tracing::warn!(node = %shared.id, error = %e, "could not save position");
+                    }
+                }
+            }
+            Due::Housekeeping => {
+                let caches: Vec<_> = shared.caches().values().cloned().collect();
+                for cache in caches {
+                    cache.settle().await;
+                }
             }
         }
     }
