@@ -28,9 +28,7 @@
 //! - NATS: a JetStream publish awaiting its ack (as the transport publishes)
 //!   → one ordered pull consumer per node on a stream configured as the
 //!   transport configures its own (file storage, limits retention, the same
-//!   pull expiry). The transport also looks its stream up before every
-//!   publish; the raw floor does not, and the "publish call" column shows
-//!   what that costs. A core NATS `publish` → `subscribe` pair runs alongside
+//!   pull expiry). A core NATS `publish` → `subscribe` pair runs alongside
 //!   as a further reference (no ack, no storage).
 //! - RocketMQ: a producer `send` → one BROADCASTING push consumer per node
 //!   with the orderly listener, in a group and client instance of its own,
