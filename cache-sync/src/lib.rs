@@ -68,7 +68,8 @@
 //! A read-through load ([`SyncedCache::get_with`]) never installs a value
 //! read before a change that was applied while it ran: each load holds a
 //! token, every write to its key (or a clear) invalidates the token, and the
-//! install is atomic with the check (moka's per-key `and_compute_with`).
+//! install is atomic with the check (every write to a key holds that key's
+//! write lock from its decision until moka has the change).
 //! A superseded load is retried; concurrent loads of one key are coalesced.
 //!
 //! ## What happens on loss

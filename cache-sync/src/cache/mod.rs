@@ -3,8 +3,8 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::fmt;
-use std::future::{Future, ready};
-use std::hash::Hash;
+use std::future::Future;
+use std::hash::{BuildHasher, Hash, RandomState};
 use std::sync::atomic::{
     AtomicBool, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
 };
@@ -12,10 +12,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
-use moka::ops::compute::Op;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::sync::{RwLock, watch};
+use tokio::sync::{Mutex as AsyncMutex, watch};
 
 use crate::event::{Change, Header, decode_part};
 use crate::status::CacheStatus;
@@ -37,8 +36,8 @@ pub const DEFAULT_MAX_TRACKED_KEYS: usize = 100_000;
 ///
 /// # Loads never resurrect stale data
 /// Every write to a key (an event, a local insert or invalidation) and every
-/// load result goes through moka's per-key `and_compute_with`, so they are
-/// serialised per key. A load takes a token when it starts; if any write to
+/// load result holds that key's write lock from its decision until moka has
+/// the result, so they are serialised per key. A load takes a token when it starts; if any write to
 /// its key, or any clear, lands before the load's result is installed, the
 /// result is discarded and the load is retried (up to
 /// [`max_load_retries`](SyncedCacheBuilder::max_load_retries) times; after
@@ -119,7 +118,8 @@ where
                 name: self.name,
                 cache: self.cache,
                 table: Mutex::new(VersionTable::new(self.max_tracked_keys)),
-                clear_gate: RwLock::new(()),
+                write_locks: (0..WRITE_STRIPES).map(|_| AsyncMutex::new(())).collect(),
+                stripe_hasher: RandomState::new(),
                 flights: Mutex::default(),
                 max_load_retries: self.max_load_retries,
                 registered: AtomicBool::new(false),
@@ -135,11 +135,18 @@ pub(crate) struct Inner<K, V> {
     name: String,
     cache: moka::future::Cache<K, V>,
     table: Mutex<VersionTable<K>>,
-    /// Clears take it exclusively, per-key writes shared. moka's
-    /// `invalidate_all` only drops entries inserted before it runs, so without
-    /// this a load that passed its check just before a clear could insert just
-    /// after it.
-    clear_gate: RwLock<()>,
+    /// Per-key write serialisation, striped by key hash: a write holds its
+    /// key's stripe from the version-table decision until moka has the
+    /// result, so no other write to the key can land in between. A clear
+    /// holds every stripe: moka's `invalidate_all` only drops entries
+    /// inserted before it runs, so a load that passed its check just before
+    /// a clear could otherwise insert just after it.
+    ///
+    /// moka's own `and_compute_with` would serialise per key too, but costs
+    /// several lookups and a waiter-map insertion per call; applying an
+    /// event spent about three quarters of its time there.
+    write_locks: Box<[AsyncMutex<()>]>,
+    stripe_hasher: RandomState,
     flights: Mutex<HashMap<K, Arc<Flight<V>>>>,
     max_load_retries: u32,
     registered: AtomicBool,
@@ -211,6 +218,16 @@ impl StripedCounter {
     }
 }
 
+/// Enough that writes to different keys from a few cores rarely meet.
+const WRITE_STRIPES: usize = 64;
+
+/// What a write does to the moka entry, decided under the key's write lock.
+enum Write<V> {
+    Put(V),
+    Remove,
+    Keep,
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Nothing here can panic mid-update, but if a caller's Hash/Eq did,
     // serving stale bookkeeping beats taking the node down.
@@ -275,7 +292,7 @@ where
         self.inner
             .write(key, |table, k| {
                 table.touch(k);
-                Op::Put(value)
+                Write::Put(value)
             })
             .await;
     }
@@ -417,26 +434,28 @@ where
     /// other write to that key. Returns whether the decision changed anything.
     async fn write<F>(&self, key: K, decide: F) -> bool
     where
-        F: FnOnce(&mut VersionTable<K>, &K) -> Op<V>,
+        F: FnOnce(&mut VersionTable<K>, &K) -> Write<V>,
     {
-        let _gate = self.clear_gate.read().await;
-        let mut changed = false;
-        let k = key.clone();
-        self.cache
-            .entry(key)
-            .and_compute_with(|_| {
-                let op = decide(&mut lock(&self.table), &k);
-                changed = !matches!(op, Op::Nop);
-                ready(op)
-            })
-            .await;
-        changed
+        let stripe = self.stripe_hasher.hash_one(&key) as usize % WRITE_STRIPES;
+        let _key_lock = self.write_locks[stripe].lock().await;
+        // The decision and moka's change normally happen in one poll. moka
+        // can wait in between only when an eviction listener holds the key;
+        // a caller cancelled there leaves the decision recorded without the
+        // change, as with moka's own `and_compute_with`. The consumer never
+        // cancels an apply (it stops between batches).
+        let write = decide(&mut lock(&self.table), &key);
+        match write {
+            Write::Put(value) => self.cache.insert(key, value).await,
+            Write::Remove => self.cache.invalidate(&key).await,
+            Write::Keep => return false,
+        }
+        true
     }
 
     async fn invalidate(&self, key: K, version: Option<u64>) {
         self.write(key, |table, k| {
             table.invalidate(k, version);
-            Op::Remove
+            Write::Remove
         })
         .await;
     }
@@ -446,9 +465,9 @@ where
         self.write(key, |table, k| {
             decision = table.refresh(k, version);
             match decision {
-                RefreshDecision::Apply => Op::Put(value),
-                RefreshDecision::Invalidate => Op::Remove,
-                RefreshDecision::Stale => Op::Nop,
+                RefreshDecision::Apply => Write::Put(value),
+                RefreshDecision::Invalidate => Write::Remove,
+                RefreshDecision::Stale => Write::Keep,
             }
         })
         .await;
@@ -456,7 +475,11 @@ where
     }
 
     async fn clear(&self, version: Option<u64>) {
-        let _gate = self.clear_gate.write().await;
+        // In stripe order, the only order in which anyone holds more than one.
+        let mut held = Vec::with_capacity(WRITE_STRIPES);
+        for stripe in self.write_locks.iter() {
+            held.push(stripe.lock().await);
+        }
         lock(&self.table).clear(version);
         self.cache.invalidate_all();
     }
@@ -482,9 +505,9 @@ where
             let installed = self
                 .write(key.clone(), |table, k| {
                     if table.superseded(k, token) {
-                        Op::Nop
+                        Write::Keep
                     } else {
-                        Op::Put(value.clone())
+                        Write::Put(value.clone())
                     }
                 })
                 .await;

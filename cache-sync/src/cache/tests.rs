@@ -190,6 +190,47 @@ async fn concurrent_loads_of_one_key_are_coalesced() {
     assert_eq!(loads.load(Relaxed), 1);
 }
 
+/// Writers on several threads at once: the decision against the version
+/// table and moka's change must be one step per key, or a writer that
+/// decided on an older version can insert after a newer one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn parallel_versioned_refreshes_leave_the_newest_value() {
+    const WRITERS: u64 = 4;
+    const ROUNDS: u64 = 2000;
+    // Room for every round's key: an eviction would look like a lost write.
+    let c: Cache = SyncedCache::new("t", moka::future::Cache::new(10 * ROUNDS));
+    let start = Arc::new(Barrier::new(WRITERS as usize));
+    let tasks: Vec<_> = (0..WRITERS)
+        .map(|w| {
+            let (c, start) = (c.clone(), start.clone());
+            tokio::spawn(async move {
+                // Each round, every writer refreshes the same fresh key at
+                // once, each with its own version.
+                for round in 0..ROUNDS {
+                    start.wait().await;
+                    let v = round * WRITERS + w + 1;
+                    refresh(&c, &format!("k{round}"), &v.to_string(), Some(v)).await;
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let mut wrong = Vec::new();
+    for round in 0..ROUNDS {
+        let newest = (round + 1) * WRITERS;
+        let held = c.peek(&format!("k{round}")).await;
+        if held != Some(newest.to_string()) {
+            wrong.push((round, held));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "keys not at their newest version: {wrong:?}"
+    );
+}
+
 #[tokio::test]
 async fn an_error_is_shared_with_waiters_and_not_cached() {
     let c = cache();

@@ -1,9 +1,10 @@
 //! Per-key versions and touch stamps: the bookkeeping that keeps old events
 //! and slow loads from overwriting newer data.
 //!
-//! Every decision here is made inside moka's per-key `and_compute_with`, so
-//! the decision and the cache mutation it leads to are one step as far as any
-//! other write to the same key is concerned.
+//! Every decision here is made under the key's write lock (see
+//! `Inner::write`), held until moka has the change, so the decision and the
+//! cache mutation it leads to are one step as far as any other write to the
+//! same key is concerned.
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
