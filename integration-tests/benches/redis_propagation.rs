@@ -6,6 +6,9 @@
 //!
 //! ```text
 //! cargo bench -p integration-tests --bench redis_propagation
+//! # only one transport's latency rows, on the server without persistence
+//! # (for profiling one row, or a quick check of a change):
+//! cargo bench -p integration-tests --bench redis_propagation -- pubsub
 //! ```
 //!
 //! Without `--bench` on the command line (as under `cargo test
@@ -542,12 +545,17 @@ struct Pass {
     server: &'static str,
     /// (transport, cache-sync p99, raw p99, raw p50) at the largest node count.
     p99_at_max: Vec<(&'static str, u64, u64, u64)>,
-    seq_rate: f64,
-    conc_rate: f64,
-    rb_rate: Option<f64>,
+    /// (1 publisher, many publishers, `redis-benchmark` XADD) applied/s;
+    /// `None` when the throughput section did not run.
+    throughput: Option<(f64, f64, Option<f64>)>,
 }
 
-async fn run_pass(s: Sizes, server: &'static str, redis: RedisServer) -> Pass {
+async fn run_pass(
+    s: Sizes,
+    server: &'static str,
+    redis: RedisServer,
+    only: Option<Transport>,
+) -> Pass {
     let url = redis.url();
     let max_nodes = s.latency.nodes.iter().copied().max().unwrap_or(1);
     println!("\n#### Server: {server}\n");
@@ -568,6 +576,9 @@ async fn run_pass(s: Sizes, server: &'static str, redis: RedisServer) -> Pass {
                 &[RawKind::PubSub][..],
             ),
         ] {
+            if only.is_some_and(|t| t != transport) {
+                continue;
+            }
             let mut systems = vec![redis_system(&url, transport, n).await];
             for &kind in raw_kinds {
                 systems.push(raw_system(&url, kind, n).await);
@@ -584,6 +595,13 @@ async fn run_pass(s: Sizes, server: &'static str, redis: RedisServer) -> Pass {
         }
     }
 
+    if only.is_some() {
+        return Pass {
+            server,
+            p99_at_max,
+            throughput: None,
+        };
+    }
     println!(
         "\nServer-side cost over the latency rows (`INFO commandstats`; commands a script calls count too): {}",
         server_costs(&url).await
@@ -689,9 +707,7 @@ async fn run_pass(s: Sizes, server: &'static str, redis: RedisServer) -> Pass {
     Pass {
         server,
         p99_at_max,
-        seq_rate: seq.rate(),
-        conc_rate: conc.rate(),
-        rb_rate: rb,
+        throughput: Some((seq.rate(), conc.rate(), rb)),
     }
 }
 
@@ -723,13 +739,14 @@ fn verdicts(s: Sizes, full: bool, passes: &[Pass]) {
                 if r <= 1.5 { "PASS" } else { "FAIL" }
             );
         }
-        match pass.rb_rate {
-            Some(rb) => {
+        match pass.throughput {
+            None => println!("- throughput goal: not run"),
+            Some((_, _, None)) => {
+                println!("- throughput goal: not evaluated, redis-benchmark did not run");
+            }
+            Some((seq_rate, conc_rate, Some(rb))) => {
                 let many = format!("{} publishers", s.publishers);
-                for (what, rate) in [
-                    ("1 publisher", pass.seq_rate),
-                    (many.as_str(), pass.conc_rate),
-                ] {
+                for (what, rate) in [("1 publisher", seq_rate), (many.as_str(), conc_rate)] {
                     let r = rate / rb;
                     println!(
                         "- Streams applied/s ≥ 0.5× redis-benchmark XADD/s, {what}: {rate:.0} vs {rb:.0} = {r:.2}× → {}",
@@ -737,28 +754,32 @@ fn verdicts(s: Sizes, full: bool, passes: &[Pass]) {
                     );
                 }
             }
-            None => println!("- throughput goal: not evaluated, redis-benchmark did not run"),
         }
     }
 }
 
-async fn run(s: Sizes, full: bool, workers: usize) {
+async fn run(s: Sizes, full: bool, workers: usize, only: Option<Transport>) {
     let started = Instant::now();
     run_header(full, workers);
-    let mut passes = vec![
-        run_pass(
-            s,
-            "RedisServer::start() (AOF, appendfsync always)",
-            RedisServer::start(),
-        )
-        .await,
-    ];
-    if s.both_servers {
+    let mut passes = Vec::new();
+    if only.is_none() {
+        passes.push(
+            run_pass(
+                s,
+                "RedisServer::start() (AOF, appendfsync always)",
+                RedisServer::start(),
+                None,
+            )
+            .await,
+        );
+    }
+    if s.both_servers || only.is_some() {
         passes.push(
             run_pass(
                 s,
                 "persistence off (--appendonly no)",
                 RedisServer::start_with(&["--appendonly", "no"]),
+                only,
             )
             .await,
         );
@@ -768,5 +789,14 @@ async fn run(s: Sizes, full: bool, workers: usize) {
 }
 
 fn main() {
-    common::main(|full, workers| run(if full { FULL } else { SMOKE }, full, workers));
+    // `cargo bench -- pubsub` hands the binary `pubsub --bench`.
+    let mut only = None;
+    for arg in std::env::args().skip(1).filter(|a| !a.starts_with('-')) {
+        only = Some(match arg.as_str() {
+            "streams" => Transport::Streams,
+            "pubsub" => Transport::PubSub,
+            other => panic!("unknown section {other:?}: expected streams or pubsub"),
+        });
+    }
+    common::main(move |full, workers| run(if full { FULL } else { SMOKE }, full, workers, only));
 }
