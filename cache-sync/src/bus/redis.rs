@@ -3,6 +3,7 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::pin::Pin;
 use std::time::{Duration, UNIX_EPOCH};
 
 use async_trait::async_trait;
@@ -769,10 +770,9 @@ impl ChangeBus for RedisPubSubBus {
             backlog_bytes: 0,
             max_backlog_bytes: self.config.max_backlog_bytes,
             pending,
-            ping: tokio::time::interval_at(
-                tokio::time::Instant::now() + self.config.ping_interval,
-                self.config.ping_interval,
-            ),
+            ping: Box::pin(tokio::time::sleep(self.config.ping_interval)),
+            heard_at: tokio::time::Instant::now(),
+            ping_interval: self.config.ping_interval,
             ping_timeout: self.config.ping_timeout,
         }))
     }
@@ -786,7 +786,13 @@ struct PubSubSubscription {
     backlog_bytes: usize,
     max_backlog_bytes: usize,
     pending: Option<Loss>,
-    ping: tokio::time::Interval,
+    /// Fires at the earliest when the link has been quiet for `ping_interval`.
+    /// Only moved when it fires (to `heard_at + ping_interval`), not on every
+    /// message: re-arming a tokio timer per event takes the timer driver's lock.
+    ping: Pin<Box<tokio::time::Sleep>>,
+    /// When a message last arrived.
+    heard_at: tokio::time::Instant,
+    ping_interval: Duration,
     ping_timeout: Duration,
 }
 
@@ -860,7 +866,7 @@ impl Subscription for PubSubSubscription {
             // queue is only known by emptying it.
             let open = self.drain();
             if !self.backlog.is_empty() {
-                self.ping.reset();
+                self.heard_at = tokio::time::Instant::now();
                 return self.take(max);
             }
             if !open {
@@ -876,7 +882,14 @@ impl Subscription for PubSubSubscription {
                     };
                     self.push(&msg);
                 }
-                _ = self.ping.tick() => {
+                () = self.ping.as_mut() => {
+                    let due = self.heard_at + self.ping_interval;
+                    let now = tokio::time::Instant::now();
+                    if now < due {
+                        self.ping.as_mut().reset(due);
+                        continue;
+                    }
+                    self.ping.as_mut().reset(now + self.ping_interval);
                     match tokio::time::timeout(self.ping_timeout, self.sink.ping::<Value>()).await {
                         Ok(Ok(_)) => {}
                         Ok(Err(e)) => return Err(map_err(PUBSUB, e)),

@@ -577,12 +577,17 @@ async fn consume_loop(shared: Arc<Shared>, initial: Subscribed, mut stop: watch:
     let mut fetched = subscription.position();
     let mut sub = Some(subscription);
     let mut backoff = Duration::ZERO;
+    // One future for the whole loop: a fresh `wait_for` per select would
+    // register with (and leave) the channel's waiter list once per event.
+    let mut stopped = std::pin::pin!(async move {
+        let _ = stop.wait_for(|s| *s).await;
+    });
 
     loop {
         let Some(s) = sub.as_mut() else {
             if !backoff.is_zero() {
                 tokio::select! {
-                    _ = stop.wait_for(|s| *s) => break,
+                    () = &mut stopped => break,
                     () = tokio::time::sleep(backoff) => {}
                 }
             }
@@ -622,7 +627,7 @@ async fn consume_loop(shared: Arc<Shared>, initial: Subscribed, mut stop: watch:
 
         let next = tokio::select! {
             biased;
-            _ = stop.wait_for(|s| *s) => break,
+            () = &mut stopped => break,
             Ok(()) = registrations.changed(), if shared.bus.filters_by_tag() => {
                 // New tags: re-subscribe where we are, at once.
                 fetched = s.position().or(fetched);
