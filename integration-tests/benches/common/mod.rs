@@ -212,28 +212,25 @@ async fn paced(s: Sizes, systems: &[System]) -> Vec<Latency> {
             sys.publish(i).await;
             let call = started.elapsed();
             let mut seen = vec![false; sys.nodes()];
-            let mut slept = false;
             loop {
+                // Sleep before looking, even when the nodes were done before
+                // the publish call returned: every event then starts from the
+                // same state (just woken by the timer, workers idle for about
+                // a tick), whichever system went before. And the probes never
+                // take CPU from nodes still applying: a cache-sync probe reads
+                // a whole status snapshot, a raw one two atomics.
+                tokio::time::sleep(Duration::from_millis(1)).await;
                 for (k, done) in seen.iter_mut().enumerate() {
                     *done = *done || sys.probe(k, i, t0).is_some();
                 }
                 if seen.iter().all(|d| *d) {
-                    if !slept {
-                        // Applied before the publish call returned: still
-                        // sleep one tick, so that every event starts from the
-                        // same state (just woken by the timer, workers idle
-                        // for about a tick), whichever system went before.
-                        tokio::time::sleep(Duration::from_millis(1)).await;
-                    }
                     break;
                 }
-                slept = true;
                 assert!(
                     started.elapsed() < STALL,
                     "event {i} not applied on every node within {STALL:?}: system {idx} \
                      (0 is cache-sync), applied per node {seen:?}"
                 );
-                tokio::time::sleep(Duration::from_millis(1)).await;
             }
             if i <= s.warmup {
                 continue;
