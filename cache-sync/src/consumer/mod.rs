@@ -78,7 +78,9 @@ struct Shared {
     offsets: Arc<dyn OffsetStore>,
     config: Config,
     keyring: Option<Keyring>,
-    caches: RwLock<HashMap<String, Arc<dyn CacheHandle>>>,
+    /// Copied on write (registrations are rare), so the consumer takes one
+    /// snapshot per batch instead of a lock and an `Arc` clone per event.
+    caches: RwLock<Arc<CacheMap>>,
     /// Bumped on every registration, so the consumer can re-subscribe with
     /// the new tag set.
     registrations: watch::Sender<u64>,
@@ -474,8 +476,11 @@ impl Node {
 }
 
 impl Shared {
-    fn caches(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Arc<dyn CacheHandle>>> {
-        self.caches.read().unwrap_or_else(|p| p.into_inner())
+    fn caches(&self) -> Arc<CacheMap> {
+        self.caches
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn cache(&self, name: &str) -> Option<Arc<dyn CacheHandle>> {
@@ -490,7 +495,8 @@ impl Shared {
             )));
         }
         {
-            let mut caches = self.caches.write().unwrap_or_else(|p| p.into_inner());
+            let mut guard = self.caches.write().unwrap_or_else(|p| p.into_inner());
+            let caches = Arc::make_mut(&mut guard);
             if caches.contains_key(&name) {
                 return Err(Error::DuplicateCache(name));
             }
@@ -722,6 +728,8 @@ async fn maintenance_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) 
     }
 }
 
+type CacheMap = HashMap<String, Arc<dyn CacheHandle>>;
+
 /// Last sequence number seen per (publisher, cache), to detect gaps.
 /// Keyed by publisher first, so a lookup by `&str` allocates nothing.
 #[derive(Default)]
@@ -762,11 +770,15 @@ impl PublisherSeqs {
 
 async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, records: Vec<Record>) {
     let limit = shared.config.max_event_bytes;
+    // Every record here was published before this snapshot, so a cache
+    // registered after it has nothing in this batch that its own reset and
+    // first loads would not already reflect.
+    let caches = shared.caches();
     for record in records {
         shared.stats.received.fetch_add(1, Relaxed);
         // Tag filter: skip other caches' events without decoding them.
         let tagged = match record.tag.as_deref() {
-            Some(tag) => match shared.cache(tag) {
+            Some(tag) => match caches.get(tag) {
                 Some(c) => Some(c),
                 None => {
                     shared.stats.skipped.fetch_add(1, Relaxed);
@@ -809,7 +821,7 @@ async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, records: Vec<R
                 continue;
             }
         };
-        let Some(cache) = shared.cache(&header.cache) else {
+        let Some(cache) = caches.get(&header.cache) else {
             shared.stats.skipped.fetch_add(1, Relaxed);
             continue;
         };
