@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
 use crate::bus::{
@@ -87,6 +87,8 @@ struct Shared {
     position: Mutex<Position>,
     /// The position moved since it was last saved.
     dirty: AtomicBool,
+    /// Signalled after each applied batch; see `maintenance_loop`.
+    applied: Notify,
     consuming: AtomicBool,
     stats: NodeStats,
 }
@@ -264,6 +266,7 @@ impl NodeBuilder {
             registrations: watch::Sender::new(0),
             position: Mutex::default(),
             dirty: AtomicBool::new(false),
+            applied: Notify::new(),
             consuming: AtomicBool::new(false),
             stats: NodeStats::default(),
         });
@@ -645,6 +648,7 @@ async fn consume_loop(shared: Arc<Shared>, initial: Subscribed, mut stop: watch:
         match next {
             Ok(Delivery::Batch { records, position }) => {
                 apply_records(&shared, &mut seqs, records).await;
+                shared.applied.notify_one();
                 fetched
                     .get_or_insert_with(Position::default)
                     .advance(&position);
@@ -680,11 +684,16 @@ async fn apply_loss(shared: &Shared, seqs: &mut PublisherSeqs, loss: Loss) {
 }
 
 /// moka does its housekeeping (applying logged reads and writes, expiry,
-/// eviction) inline, in the first cache call made 300 ms or more after the
-/// last run. Left alone, that call is now and then the consumer applying an
-/// event, or an application read, and it pays for everything logged since.
-/// Running it a little more often from an idle task keeps it off both paths.
+/// eviction) inline, in whichever cache call finds 64 writes logged or
+/// 300 ms passed since the last run. Left alone, that call is now and then
+/// the consumer applying an event, which then pays for everything logged
+/// since; and since every node gets the same events, all nodes pay on the
+/// same event. So the maintenance task runs it instead: `SETTLE_DELAY` after
+/// the consumer has applied something (coalescing a burst, and out of the
+/// way of the batch just applied), and every `HOUSEKEEPING_INTERVAL` for the
+/// application's reads. An idle node does not wake up for it more often.
 const HOUSEKEEPING_INTERVAL: Duration = Duration::from_millis(200);
+const SETTLE_DELAY: Duration = Duration::from_millis(10);
 
 /// Off the consumer's path: saves the applied position periodically, so a
 /// slow offset store never delays applying, and runs the caches'
@@ -700,6 +709,7 @@ async fn maintenance_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) 
         Stop,
         Persist,
         Housekeeping,
+        Applied,
     }
     loop {
         let due = tokio::select! {
@@ -707,6 +717,7 @@ async fn maintenance_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) 
             _ = stop.wait_for(|s| *s) => Due::Stop,
             _ = persist.tick() => Due::Persist,
             _ = housekeeping.tick() => Due::Housekeeping,
+            () = shared.applied.notified() => Due::Applied,
         };
         match due {
             Due::Stop => break,
@@ -718,11 +729,18 @@ async fn maintenance_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) 
                     }
                 }
             }
-            Due::Housekeeping => {
-                let caches: Vec<_> = shared.caches().values().cloned().collect();
-                for cache in caches {
+            Due::Housekeeping | Due::Applied => {
+                if matches!(due, Due::Applied) {
+                    tokio::select! {
+                        _ = stop.wait_for(|s| *s) => break,
+                        () = tokio::time::sleep(SETTLE_DELAY) => {}
+                    }
+                }
+                for cache in shared.caches().values() {
                     cache.settle().await;
                 }
+                // It just ran: the periodic run can wait a whole interval.
+                housekeeping.reset();
             }
         }
     }
