@@ -4,6 +4,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::pin::Pin;
+use std::sync::LazyLock;
 use std::time::{Duration, UNIX_EPOCH};
 
 use async_trait::async_trait;
@@ -256,8 +257,11 @@ struct StreamState {
     last_id: String,
 }
 
+/// Hashed once: `Script::new` computes the SHA-1 that `EVALSHA` sends.
+static STATE: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(STATE_SCRIPT));
+
 async fn stream_state(conn: &mut MultiplexedConnection, keys: &StreamKeys) -> Result<StreamState> {
-    let (entries_added, length, last_id): (u64, u64, String) = redis::Script::new(STATE_SCRIPT)
+    let (entries_added, length, last_id): (u64, u64, String) = STATE
         .key(&keys.stream)
         .key(&keys.counter)
         .invoke_async(conn)
