@@ -10,6 +10,27 @@ use cache_sync::{
 use integration_tests::eventually;
 use integration_tests::redis_server::RedisServer;
 
+/// A node with one cache, "t", that re-subscribes quickly, once it has
+/// applied a first refresh (`a` = `1`) published on `bus`.
+async fn node_with_a_applied(bus: impl ChangeBus + Clone) -> (SyncedCache<String, String>, Node) {
+    let cache: SyncedCache<String, String> = SyncedCache::new("t", moka::future::Cache::new(100));
+    let node = Node::builder("n1", bus.clone())
+        .reconnect_backoff(Duration::from_millis(10), Duration::from_millis(200))
+        .register(&cache)
+        .start()
+        .await
+        .expect("start the node");
+    Publisher::new(bus)
+        .refresh("t", [("a", "1")])
+        .await
+        .expect("publish a");
+    eventually("a applied", async || {
+        cache.peek(&"a".into()).await.as_deref() == Some("1")
+    })
+    .await;
+    (cache, node)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_round_trip_and_resume_after_a_broker_restart() {
     let mut server = RedisServer::start();
@@ -18,19 +39,7 @@ async fn streams_round_trip_and_resume_after_a_broker_restart() {
         .connect()
         .await
         .unwrap();
-    let cache: SyncedCache<String, String> = SyncedCache::new("t", moka::future::Cache::new(100));
-    let node = Node::builder("n1", bus.clone())
-        .reconnect_backoff(Duration::from_millis(10), Duration::from_millis(200))
-        .register(&cache)
-        .start()
-        .await
-        .unwrap();
-    let p = Publisher::new(bus.clone());
-    p.refresh("t", [("a", "1")]).await.unwrap();
-    eventually("a applied", async || {
-        cache.peek(&"a".into()).await.as_deref() == Some("1")
-    })
-    .await;
+    let (cache, node) = node_with_a_applied(bus.clone()).await;
     server.restart();
     let p = Publisher::new(RedisStreamsBus::connect(server.url()).await.unwrap());
     p.refresh("t", [("b", "2")]).await.unwrap();
@@ -51,19 +60,8 @@ async fn pubsub_round_trip_and_a_dropped_connection_is_a_loss() {
         .connect()
         .await
         .unwrap();
-    let cache: SyncedCache<String, String> = SyncedCache::new("t", moka::future::Cache::new(100));
-    let node = Node::builder("n1", bus.clone())
-        .reconnect_backoff(Duration::from_millis(10), Duration::from_millis(200))
-        .register(&cache)
-        .start()
-        .await
-        .unwrap();
-    let p = Publisher::new(bus.clone());
-    p.refresh("t", [("a", "1")]).await.unwrap();
-    eventually("a applied", async || {
-        cache.peek(&"a".into()).await.as_deref() == Some("1")
-    })
-    .await;
+    let (cache, node) = node_with_a_applied(bus.clone()).await;
+    let p = Publisher::new(bus);
     assert!(server.kill_clients("pubsub") >= 1);
     eventually("loss signalled", async || node.status().losses >= 1).await;
     assert_eq!(cache.peek(&"a".into()).await, None);
