@@ -37,9 +37,9 @@ pub const DEFAULT_MAX_TRACKED_KEYS: usize = 100_000;
 /// # Loads never resurrect stale data
 /// Every write to a key (an event, a local insert or invalidation) and every
 /// load result holds that key's write lock from its decision until moka has
-/// the result, so they are serialised per key. A load takes a token when it starts; if any write to
-/// its key, or any clear, lands before the load's result is installed, the
-/// result is discarded and the load is retried (up to
+/// the result, so they are serialised per key. A load takes a token when it
+/// starts; if any write to its key, or any clear, lands before the load's
+/// result is installed, the result is discarded and the load is retried (up to
 /// [`max_load_retries`](SyncedCacheBuilder::max_load_retries) times; after
 /// that the last result is returned to the caller without being cached).
 ///
