@@ -142,6 +142,14 @@ mod publish;
 mod sign;
 mod status;
 
+/// Locks a std mutex, taking it over if a panic poisoned it. No state behind
+/// these locks is left half-written across a panic point (a caller's `Hash`
+/// or `Eq` is the only code that could panic under one), so serving on beats
+/// taking the node down.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 #[doc(inline)]
 pub use bus::embedded::{EmbeddedBus, EmbeddedBusBuilder};
 #[cfg(feature = "nats")]

@@ -18,6 +18,7 @@ use crate::event::{
     Change, DEFAULT_MAX_EVENT_BYTES, EntryVersion, Header, KeyVersion, MAX_EVENT_BYTES_CEILING,
     encode, encode_part, framed_len,
 };
+use crate::lock;
 use crate::sign::Keyring;
 
 /// Publishes change events for named caches.
@@ -332,7 +333,7 @@ impl Publisher {
             )));
         }
         let seq = {
-            let mut seqs = self.inner.seqs.lock().unwrap_or_else(|p| p.into_inner());
+            let mut seqs = lock(&self.inner.seqs);
             seqs.entry(cache.to_owned()).or_default().clone()
         };
         // Held across the publish so numbers reach the transport in order.

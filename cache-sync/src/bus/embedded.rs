@@ -2,7 +2,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasher, RandomState};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use async_trait::async_trait;
@@ -14,6 +14,7 @@ use super::{
     Subscription,
 };
 use crate::error::{Error, Result};
+use crate::lock;
 
 const KIND: &str = "embedded";
 
@@ -151,12 +152,6 @@ impl EmbeddedBus {
     fn position(&self, offset: u64) -> Position {
         Position::single(self.shared.partition.clone(), Offset::Seq(offset))
     }
-}
-
-/// The log stays consistent at every await-free step, so a panic elsewhere
-/// while holding the lock cannot leave it half-written; keep serving.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[async_trait]

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
 
 use async_nats::HeaderMap;
@@ -17,16 +17,13 @@ use super::{
     Subscription,
 };
 use crate::error::{Error, Result};
+use crate::lock;
 
 const KIND: &str = "nats-jetstream";
 /// The one partition of a NATS position: the last stream sequence read.
 const SEQ: &str = "seq";
 /// Carries the cache name, so nodes skip other caches' events unread.
 const TAG_HEADER: &str = "Cache-Sync-Tag";
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 fn err(e: impl std::error::Error + Send + Sync + 'static) -> Error {
     Error::disconnected(KIND, e)

@@ -28,6 +28,7 @@ use super::{
     Subscription,
 };
 use crate::error::{Error, Result};
+use crate::lock;
 
 const KIND: &str = "rocketmq";
 /// The client id is `<client_ip>@<instance>` and names the offsets
@@ -274,10 +275,6 @@ struct Inner {
     topics: tokio::sync::Mutex<HashSet<String>>,
     names: AtomicU64,
     closed: AtomicBool,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn unique_id(prefix: &str) -> String {

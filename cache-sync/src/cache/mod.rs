@@ -8,7 +8,7 @@ use std::hash::{BuildHasher, Hash, RandomState};
 use std::sync::atomic::{
     AtomicBool, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
 };
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
@@ -17,6 +17,7 @@ use serde::de::DeserializeOwned;
 use tokio::sync::{Mutex as AsyncMutex, watch};
 
 use crate::event::{Change, Header, decode_part};
+use crate::lock;
 use crate::status::CacheStatus;
 
 mod versions;
@@ -226,12 +227,6 @@ enum Write<V> {
     Put(V),
     Remove,
     Keep,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Nothing here can panic mid-update, but if a caller's Hash/Eq did,
-    // serving stale bookkeeping beats taking the node down.
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 pub(crate) fn now_us() -> u64 {

@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::hash::Hash;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -22,6 +22,7 @@ use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
 use crate::event::{
     DEFAULT_MAX_EVENT_BYTES, MAX_EVENT_BYTES_CEILING, decode_change, decode_header,
 };
+use crate::lock;
 use crate::publish::Publisher;
 use crate::sign::{Keyring, strip_unverified};
 use crate::status::{NodeStatus, StatusServer};
@@ -113,10 +114,6 @@ struct NodeStats {
     publisher_gaps: AtomicU64,
     transport_errors: AtomicU64,
     last_loss: Mutex<Option<(String, u64)>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Configures and starts a [`Node`].

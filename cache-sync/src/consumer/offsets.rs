@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::bus::Position;
 use crate::error::{Error, Result};
+use crate::lock;
 
 /// Stores a node's position per topic.
 ///
@@ -46,12 +47,12 @@ impl MemoryOffsetStore {
 #[async_trait]
 impl OffsetStore for MemoryOffsetStore {
     async fn load(&self, topic: &str) -> Result<Option<Position>> {
-        let positions = self.positions.lock().unwrap_or_else(|p| p.into_inner());
+        let positions = lock(&self.positions);
         Ok(positions.get(topic).cloned())
     }
 
     async fn save(&self, topic: &str, position: &Position) -> Result<()> {
-        let mut positions = self.positions.lock().unwrap_or_else(|p| p.into_inner());
+        let mut positions = lock(&self.positions);
         positions.insert(topic.to_owned(), position.clone());
         Ok(())
     }
