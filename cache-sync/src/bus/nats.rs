@@ -166,17 +166,19 @@ impl NatsJetStreamBus {
         self.subject(topic).replace(['.', ' ', '*', '>'], "_")
     }
 
-    fn knows_stream(&self, topic: &str) -> bool {
-        lock(&self.known_streams).contains(topic)
+    /// Makes sure the topic's stream exists, asking the server only the
+    /// first time (or after `forget_stream`).
+    async fn ensure_stream(&self, topic: &str) -> Result<()> {
+        if lock(&self.known_streams).contains(topic) {
+            return Ok(());
+        }
+        self.stream(topic).await?;
+        lock(&self.known_streams).insert(topic.to_owned());
+        Ok(())
     }
 
-    fn remember_stream(&self, topic: &str, exists: bool) {
-        let mut known = lock(&self.known_streams);
-        if exists {
-            known.insert(topic.to_owned());
-        } else {
-            known.remove(topic);
-        }
+    fn forget_stream(&self, topic: &str) {
+        lock(&self.known_streams).remove(topic);
     }
 
     async fn publish_once(
@@ -224,17 +226,13 @@ impl ChangeBus for NatsJetStreamBus {
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
         // Creating the stream on first use keeps publishers and nodes free of
         // set-up order.
-        if !self.knows_stream(topic) {
-            self.stream(topic).await?;
-            self.remember_stream(topic, true);
-        }
+        self.ensure_stream(topic).await?;
         match self.publish_once(topic, tag, payload.clone()).await {
             Err(e) if e.kind() == jetstream::context::PublishErrorKind::StreamNotFound => {
                 // Deleted since, or lost by a broker without persistence: the
                 // message went nowhere, so make the stream again and retry once.
-                self.remember_stream(topic, false);
-                self.stream(topic).await?;
-                self.remember_stream(topic, true);
+                self.forget_stream(topic);
+                self.ensure_stream(topic).await?;
                 self.publish_once(topic, tag, payload).await.map_err(err)
             }
             other => other.map_err(err),
