@@ -186,7 +186,7 @@ async fn run(args: Args) -> Result<()> {
     // The origin names this service in the nodes' logs.
     let table: Table = Publisher::builder(bus)
         .origin("admin")
-        .build()
+        .build()?
         .dictionary(CACHE);
 
     match args.command {

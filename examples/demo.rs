@@ -113,7 +113,7 @@ async fn run(keep_running: bool) -> Result<()> {
         db: db.clone(),
         table: Publisher::builder(bus.clone())
             .origin("admin")
-            .build()
+            .build()?
             .dictionary(CACHE),
     };
 

@@ -71,9 +71,18 @@ pub enum Error {
         what: &'static str,
     },
 
-    /// A setting is out of range or inconsistent. Raised at start-up, never later.
+    /// A setting or a name is out of range or inconsistent. Raised when a
+    /// node starts, a cache is registered, a bus connects or a publisher is
+    /// built; a publish raises it only for a cache name it was given.
     #[error("invalid configuration: {0}")]
     Config(String),
+
+    /// An automatic row version would have to exceed `u64::MAX`: a version
+    /// passed in earlier (this one) was already the largest there is. Nothing
+    /// was published. Versions never wrap, since a wrapped version would be
+    /// older than the rows it is meant to replace.
+    #[error("no version is newer than {0}, so no automatic version can follow it")]
+    VersionExhausted(u64),
 
     /// Reading or writing local state (the offset file) failed.
     #[error("I/O error on {path}: {source}")]
@@ -116,6 +125,16 @@ impl Error {
     /// The transport does not support the requested operation.
     pub fn is_unsupported(&self) -> bool {
         matches!(self, Error::Unsupported { .. })
+    }
+
+    /// A setting or name was refused. Retrying the same call cannot help.
+    pub fn is_config(&self) -> bool {
+        matches!(self, Error::Config(_))
+    }
+
+    /// The node has shut down, so it takes no more work.
+    pub fn is_shutdown(&self) -> bool {
+        matches!(self, Error::Shutdown)
     }
 
     pub(crate) fn disconnected(transport: &'static str, source: impl Into<BoxError>) -> Self {

@@ -138,9 +138,11 @@ mod cache;
 mod consumer;
 mod error;
 mod event;
+mod names;
 mod publish;
 mod sign;
 mod status;
+mod util;
 
 /// Locks a std mutex, taking it over if a panic poisoned it. No state behind
 /// these locks is left half-written across a panic point (a caller's `Hash`

@@ -103,8 +103,16 @@ impl PublisherBuilder {
         self
     }
 
-    /// The publisher.
-    pub fn build(self) -> Publisher {
+    /// The publisher, once the transport has accepted the topic's name
+    /// ([`ChangeBus::check_topic`]); otherwise [`Error::Config`] naming the
+    /// rule the name broke.
+    pub fn build(self) -> Result<Publisher> {
+        self.bus.check_topic(&self.topic)?;
+        Ok(self.build_checked())
+    }
+
+    /// The publisher, for a topic already checked (a node's own).
+    pub(crate) fn build_checked(self) -> Publisher {
         Publisher {
             inner: Arc::new(PublisherInner {
                 bus: self.bus,
@@ -131,9 +139,10 @@ pub struct Published {
 }
 
 impl Publisher {
-    /// A publisher on `bus` with the default topic.
+    /// A publisher on `bus` with the default topic, [`DEFAULT_TOPIC`], a
+    /// name every transport accepts.
     pub fn new(bus: impl ChangeBus) -> Self {
-        Self::builder(bus).build()
+        Self::builder(bus).build_checked()
     }
 
     /// Configures a publisher on `bus`.
@@ -327,11 +336,7 @@ impl Publisher {
         cache: &str,
         build: impl FnOnce() -> Result<(Vec<Change>, T)>,
     ) -> Result<(Published, T)> {
-        if cache.is_empty() || cache.len() > 255 {
-            return Err(Error::Config(format!(
-                "cache name {cache:?} must be 1 to 255 bytes"
-            )));
-        }
+        self.inner.bus.check_tag(cache)?;
         let seq = {
             let mut seqs = lock(&self.inner.seqs);
             seqs.entry(cache.to_owned()).or_default().clone()
@@ -385,15 +390,19 @@ struct VersionClock {
 }
 
 impl VersionClock {
-    fn next(&self) -> u64 {
+    /// The next version, or [`Error::VersionExhausted`] once a version of
+    /// `u64::MAX` was given or seen: nothing is newer, and wrapping would
+    /// make every node ignore the change as older than what it holds.
+    fn next(&self) -> Result<u64> {
         let now = now_us();
-        let prev = self
+        let next = |last: u64| last.checked_add(1).map(|n| n.max(now));
+        match self
             .last
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |last| {
-                Some(now.max(last + 1))
-            })
-            .unwrap_or_else(|v| v);
-        now.max(prev + 1)
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, next)
+        {
+            Ok(prev) => next(prev).ok_or(Error::VersionExhausted(prev)),
+            Err(last) => Err(Error::VersionExhausted(last)),
+        }
     }
 
     fn observe(&self, version: u64) {
@@ -529,7 +538,7 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
                         self.clock.observe(v);
                         v
                     }
-                    None => self.clock.next(),
+                    None => self.clock.next()?,
                 };
                 Ok((build(&self.publisher, v)?, v))
             })
@@ -574,7 +583,10 @@ mod tests {
     #[tokio::test]
     async fn sequences_count_per_cache_from_one() {
         let bus = EmbeddedBus::new();
-        let p = Publisher::builder(bus.clone()).origin("admin").build();
+        let p = Publisher::builder(bus.clone())
+            .origin("admin")
+            .build()
+            .unwrap();
         p.invalidate("a", ["x"]).await.unwrap();
         p.invalidate("b", ["y"]).await.unwrap();
         p.clear("a").await.unwrap();
@@ -591,7 +603,8 @@ mod tests {
         let bus = EmbeddedBus::new();
         let p = Publisher::builder(bus.clone())
             .max_event_bytes(4096)
-            .build();
+            .build()
+            .unwrap();
         let rows: Vec<(u32, String)> = (0..100).map(|i| (i, "v".repeat(200))).collect();
         let sent = p.refresh("t", rows).await.unwrap();
         assert!(sent.events > 1, "{sent:?}");
@@ -632,12 +645,41 @@ mod tests {
         assert!(matches!(events[4].1, Change::Clear { .. }));
     }
 
+    /// Regression: after a caller passed `u64::MAX`, the next automatic
+    /// version wrapped (`last + 1`) and silently went backwards, so every
+    /// node ignored the change as stale.
+    #[tokio::test]
+    async fn automatic_versions_past_the_largest_one_fail_instead_of_wrapping() {
+        let bus = EmbeddedBus::new();
+        let dict = Publisher::new(bus.clone()).dictionary::<String, String>("t");
+        dict.upsert_with_version(&"a".into(), &"x".into(), u64::MAX)
+            .await
+            .unwrap();
+        for attempt in 0..2 {
+            let err = dict.upsert(&"b".into(), &"y".into()).await.unwrap_err();
+            assert!(
+                matches!(err, Error::VersionExhausted(u64::MAX)),
+                "attempt {attempt}: {err}"
+            );
+            assert!(dict.delete(&"b".into()).await.is_err());
+        }
+        // Nothing was sent for the refused calls, and no sequence number
+        // was used up: nodes see no gap.
+        let events = drain(&bus).await;
+        assert_eq!(events.len(), 1);
+        dict.upsert_with_version(&"c".into(), &"z".into(), 5)
+            .await
+            .unwrap();
+        let seqs: Vec<_> = drain(&bus).await.iter().map(|(h, _)| h.seq).collect();
+        assert_eq!(seqs, [1, 2]);
+    }
+
     #[test]
     fn clock_is_strictly_increasing_even_when_called_in_the_same_microsecond() {
         let clock = VersionClock::default();
         let mut last = 0;
         for _ in 0..10_000 {
-            let v = clock.next();
+            let v = clock.next().unwrap();
             assert!(v > last);
             last = v;
         }

@@ -1,21 +1,27 @@
 //! The status endpoint: what each node's caches hold and how far they got.
 
-use std::future::IntoFuture;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
 use serde::{Deserialize, Serialize};
-use tokio::net::{TcpListener, ToSocketAddrs};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
+use tokio::sync::watch;
+use tokio::task::{JoinHandle, JoinSet};
 
 use crate::bus::Position;
 use crate::consumer::Node;
 use crate::error::{Error, Result};
+use crate::util::deadline_after;
 
 /// The address [`Node::serve_status`] is usually given: loopback only.
 pub const DEFAULT_STATUS_ADDR: &str = "127.0.0.1:9464";
@@ -159,13 +165,30 @@ async fn healthz(State(node): State<Node>) -> Response {
     }
 }
 
+/// How long a client may take to send a request's head (line and
+/// headers), from the moment the server starts reading it. Defeats clients
+/// that send half a request, or a byte at a time.
+pub(crate) const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a connection may make no progress at all (an idle keep-alive
+/// connection, a stalled body, a client that stops reading the response).
+pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long [`StatusServer::shutdown`] lets requests in flight finish
+/// before it closes their connections.
+pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
 /// A running status server. Stops when [`shutdown`](Self::shutdown) is called
 /// or when dropped.
+///
+/// It speaks HTTP/1.1 with keep-alive. A client gets
+/// 10 s to send a request's head and a connection that makes no progress
+/// for 60 s is closed, so no client can hold a connection, or the server's
+/// shutdown, hostage; shutdown lets requests in flight finish for up to 5 s,
+/// then closes what is left.
 #[derive(Debug)]
 pub struct StatusServer {
     addr: SocketAddr,
-    stop: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<std::io::Result<()>>>,
+    stop: Option<watch::Sender<bool>>,
+    task: Option<JoinHandle<()>>,
 }
 
 impl StatusServer {
@@ -176,16 +199,11 @@ impl StatusServer {
         let addr = listener
             .local_addr()
             .map_err(|e| Error::io("status listener", e))?;
-        let (stop, stopped) = oneshot::channel::<()>();
-        let serve = axum::serve(listener, router(node))
-            .with_graceful_shutdown(async move {
-                let _ = stopped.await;
-            })
-            .into_future();
+        let (stop, stopped) = watch::channel(false);
         Ok(Self {
             addr,
             stop: Some(stop),
-            task: Some(tokio::spawn(serve)),
+            task: Some(tokio::spawn(serve(listener, router(node), stopped))),
         })
     }
 
@@ -194,16 +212,15 @@ impl StatusServer {
         self.addr
     }
 
-    /// Stops accepting, finishes in-flight requests, and waits.
+    /// Stops accepting, lets requests in flight finish for up to 5 s, closes
+    /// every connection, and waits for all of that.
     pub async fn shutdown(mut self) -> Result<()> {
         if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
+            stop.send_replace(true);
         }
         if let Some(task) = self.task.take() {
-            match task.await {
-                Ok(r) => r.map_err(|e| Error::io("status server", e))?,
-                Err(e) => return Err(Error::io("status server", std::io::Error::other(e))),
-            }
+            task.await
+                .map_err(|e| Error::io("status server", std::io::Error::other(e)))?;
         }
         Ok(())
     }
@@ -212,8 +229,151 @@ impl StatusServer {
 impl Drop for StatusServer {
     fn drop(&mut self) {
         if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
+            stop.send_replace(true);
         }
+    }
+}
+
+/// Accepts until told to stop, then shuts the connections down within
+/// `SHUTDOWN_GRACE`.
+async fn serve(listener: TcpListener, app: Router, mut stop: watch::Receiver<bool>) {
+    let mut connections = JoinSet::new();
+    let (drain, draining) = watch::channel(false);
+    loop {
+        tokio::select! {
+            () = async { let _ = stop.wait_for(|s| *s).await; } => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    connections.spawn(connection(stream, app.clone(), draining.clone()));
+                }
+                Err(e) => {
+                    // Out of file descriptors, or a connection reset before
+                    // it was accepted: wait a moment rather than spin.
+                    tracing::warn!(error = %e, "status server: accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    drop(listener);
+    drain.send_replace(true);
+    let finished = tokio::time::timeout(SHUTDOWN_GRACE, async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+    if finished.is_err() {
+        tracing::debug!(
+            open = connections.len(),
+            "status server: closing connections still open after the grace period"
+        );
+    }
+    connections.shutdown().await;
+}
+
+async fn connection(stream: TcpStream, app: Router, mut draining: watch::Receiver<bool>) {
+    let io = TokioIo::new(IdleTimeout::new(stream, IDLE_TIMEOUT));
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .keep_alive(true);
+    let conn = builder.serve_connection(io, TowerToHyperService::new(app));
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => {}
+        () = async { let _ = draining.wait_for(|d| *d).await; } => {
+            // Finish the request in flight, if any, then close; the server
+            // cuts this short after `SHUTDOWN_GRACE`.
+            conn.as_mut().graceful_shutdown();
+            let _ = conn.await;
+        }
+    }
+}
+
+/// A stream that fails with `TimedOut` once neither a read nor a write has
+/// made progress for `idle`.
+struct IdleTimeout {
+    stream: TcpStream,
+    idle: Duration,
+    deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl IdleTimeout {
+    fn new(stream: TcpStream, idle: Duration) -> Self {
+        Self {
+            stream,
+            idle,
+            deadline: Box::pin(tokio::time::sleep_until(deadline_after(idle))),
+        }
+    }
+
+    fn progressed(&mut self) {
+        self.deadline.as_mut().reset(deadline_after(self.idle));
+    }
+
+    /// Called when the stream is not ready: an error once the deadline
+    /// passed, else `Pending` with the deadline's waker registered too.
+    fn stalled<T>(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<T>> {
+        match self.deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "status connection idle for too long",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl AsyncRead for IdleTimeout {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        match std::pin::Pin::new(&mut this.stream).poll_read(cx, buf) {
+            Poll::Ready(r) => {
+                this.progressed();
+                Poll::Ready(r)
+            }
+            Poll::Pending => this.stalled(cx),
+        }
+    }
+}
+
+impl AsyncWrite for IdleTimeout {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        match std::pin::Pin::new(&mut this.stream).poll_write(cx, buf) {
+            Poll::Ready(r) => {
+                this.progressed();
+                Poll::Ready(r)
+            }
+            Poll::Pending => this.stalled(cx),
+        }
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        match std::pin::Pin::new(&mut this.stream).poll_flush(cx) {
+            Poll::Ready(r) => Poll::Ready(r),
+            Poll::Pending => this.stalled(cx),
+        }
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
     }
 }
 
@@ -308,6 +468,49 @@ mod tests {
             (code, json["status"].as_str()),
             (StatusCode::SERVICE_UNAVAILABLE, Some("not consuming"))
         );
+    }
+
+    /// Regression: a client that sent half a request blocked
+    /// `StatusServer::shutdown` without bound, and its connection stayed
+    /// open for good; so did one that connected and sent nothing. The clock
+    /// is paused: tokio moves it on whenever every task waits, so the
+    /// server's timeouts fire without the test waiting for them.
+    #[tokio::test(start_paused = true)]
+    async fn no_client_holds_a_connection_or_the_shutdown_hostage() {
+        let (node, _cache) = node_with_cache().await;
+        let server = node.serve_status("127.0.0.1:0").await.unwrap();
+        let addr = server.local_addr();
+        let mut half = tokio::net::TcpStream::connect(addr).await.unwrap();
+        half.write_all(b"GET /cache-sync/status HTTP/1.1\r\nHost: loc")
+            .await
+            .unwrap();
+        let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+        for (what, stream) in [("half a request", &mut half), ("nothing", &mut silent)] {
+            let mut rest = Vec::new();
+            let closed = tokio::time::timeout(
+                HEADER_READ_TIMEOUT + IDLE_TIMEOUT,
+                stream.read_to_end(&mut rest),
+            )
+            .await;
+            assert!(
+                closed.is_ok(),
+                "a client that sent {what} still holds its connection"
+            );
+        }
+        // A third client, mid-request when shutdown starts, cannot stall it
+        // past the grace period either.
+        let mut stalled = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stalled
+            .write_all(b"GET /healthz HTTP/1.1\r\n")
+            .await
+            .unwrap();
+        tokio::task::yield_now().await;
+        let started = tokio::time::Instant::now();
+        tokio::time::timeout(SHUTDOWN_GRACE + HEADER_READ_TIMEOUT, server.shutdown())
+            .await
+            .expect("shutdown waited on a stalled client")
+            .unwrap();
+        assert!(started.elapsed() <= SHUTDOWN_GRACE + HEADER_READ_TIMEOUT);
     }
 
     #[tokio::test]

@@ -441,7 +441,8 @@ async fn streams_throughput(url: &str, events: u64, publishers: usize) -> Throug
         let p = Publisher::builder(Transport::Streams.bus(url).await)
             .topic(topic.clone())
             .origin(format!("publisher-{k}"))
-            .build();
+            .build()
+            .expect("publisher");
         pubs.push(p);
     }
     let per = events / publishers as u64;
@@ -694,9 +695,10 @@ async fn run_pass(
             let script = [
                 "EVALSHA",
                 sha.as_str(),
-                "2",
+                "3",
                 "bench-script-stream",
                 "bench-script-stream:n",
+                "bench-script-stream:e",
                 "100000",
                 CACHE,
                 payload.as_str(),
@@ -704,7 +706,7 @@ async fn run_pass(
             let n = s.rb_requests / 2;
             let rate = redis_benchmark(port, n, 50, &script).await;
             println!(
-                "| `redis-benchmark … -n {n} EVALSHA <publish script> 2 key key:n 100000 bench <64 B>` (50 clients) | {n} | {} | cache-sync's publish script, no reader |",
+                "| `redis-benchmark … -n {n} EVALSHA <publish script> 3 key key:n key:e 100000 bench <64 B>` (50 clients) | {n} | {} | cache-sync's publish script, no reader |",
                 show(rate)
             );
         }

@@ -221,12 +221,14 @@ impl Cluster {
         for i in 0..2 {
             let p = Publisher::builder(fixture.bus().await)
                 .origin(format!("admin-{i}"))
-                .build();
+                .build()
+                .expect("publisher");
             admins.push(p.dictionary(TABLE));
         }
         let fencer = Publisher::builder(fixture.bus().await)
             .origin("fencer")
-            .build();
+            .build()
+            .expect("publisher");
         Self {
             db: Arc::default(),
             nodes,

@@ -69,6 +69,7 @@ async fn run(ops: Vec<Op>, history: usize, window: Duration) {
             Publisher::builder(bus.clone())
                 .origin(format!("admin-{i}"))
                 .build()
+                .expect("publisher")
                 .dictionary::<String, Option<String>>(TABLE)
         })
         .collect();

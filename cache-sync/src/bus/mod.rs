@@ -273,6 +273,25 @@ pub trait ChangeBus: Send + Sync + 'static {
         false
     }
 
+    /// Refuses a topic name this transport cannot map one-to-one onto a
+    /// resource of its own, with [`Error::Config`](crate::Error::Config)
+    /// naming the rule. Nodes call it when they start and publishers when
+    /// they are built, so a bad name fails there, not on the wire.
+    ///
+    /// The default accepts what every transport must: 1 to 255 bytes of
+    /// UTF-8 without control characters. Override it to add limits of the
+    /// transport's own, never to accept less than a name that default
+    /// allows and the transport can carry.
+    fn check_topic(&self, topic: &str) -> Result<()> {
+        crate::names::check(crate::names::NameKind::Topic, topic)
+    }
+
+    /// Like [`check_topic`](Self::check_topic), for a cache name, which the
+    /// transport carries as a record's tag.
+    fn check_tag(&self, tag: &str) -> Result<()> {
+        crate::names::check(crate::names::NameKind::Cache, tag)
+    }
+
     /// Publishes one encoded event under a tag (the cache name). Returns the
     /// position of the record where the transport knows it.
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>>;
@@ -308,6 +327,14 @@ impl<T: ChangeBus + ?Sized> ChangeBus for std::sync::Arc<T> {
 
     fn filters_by_tag(&self) -> bool {
         (**self).filters_by_tag()
+    }
+
+    fn check_topic(&self, topic: &str) -> Result<()> {
+        (**self).check_topic(topic)
+    }
+
+    fn check_tag(&self, tag: &str) -> Result<()> {
+        (**self).check_tag(tag)
     }
 
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {

@@ -1,6 +1,6 @@
 //! The NATS JetStream transport.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
@@ -18,15 +18,27 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::lock;
+use crate::names::{self, NameKind};
 
 const KIND: &str = "nats-jetstream";
-/// The one partition of a NATS position: the last stream sequence read.
+/// The partitions of a NATS position: the last stream sequence read, and
+/// the stream's creation time, which names the history the sequence
+/// belongs to (a stream deleted and made again, or a server that lost its
+/// store, starts another history whose sequences can reach the same numbers).
 const SEQ: &str = "seq";
+const CREATED: &str = "created";
 /// Carries the cache name, so nodes skip other caches' events unread.
 const TAG_HEADER: &str = "Cache-Sync-Tag";
+/// JetStream's longest stream name.
+const MAX_STREAM_NAME: usize = 255;
 
-fn err(e: impl std::error::Error + Send + Sync + 'static) -> Error {
-    Error::disconnected(KIND, e)
+/// Whether the client is connected, and how many times it connected. Moved
+/// by the client's events; subscriptions end on any change, so a node shows
+/// a dropped connection at once and resumes afresh after a reconnect.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Link {
+    connects: u64,
+    up: bool,
 }
 
 /// The NATS JetStream transport: one stream per topic with limits-based
@@ -47,12 +59,12 @@ fn err(e: impl std::error::Error + Send + Sync + 'static) -> Error {
 #[derive(Clone)]
 pub struct NatsJetStreamBus {
     js: jetstream::Context,
+    client: async_nats::Client,
     config: NatsConfig,
-    /// Counts reconnections, so subscriptions can start afresh at once.
-    reconnects: Arc<watch::Sender<u64>>,
+    link: Arc<watch::Sender<Link>>,
     /// Topics whose stream this bus has made sure of. Asking the server on
     /// every publish cost a second round trip and doubled the publish time.
-    known_streams: Arc<Mutex<HashSet<String>>>,
+    known_streams: Arc<Mutex<HashMap<String, u64>>>,
 }
 
 impl fmt::Debug for NatsJetStreamBus {
@@ -67,6 +79,7 @@ impl fmt::Debug for NatsJetStreamBus {
 struct NatsConfig {
     max_messages: i64,
     pull_expiry: Duration,
+    ping_interval: Duration,
     subject_prefix: String,
     storage: stream::StorageType,
 }
@@ -92,12 +105,27 @@ impl NatsJetStreamBuilder {
     /// after a broker restart. Default 2 s; far below a second the client
     /// polls continuously.
     pub fn pull_expiry(mut self, expiry: Duration) -> Self {
-        self.config.pull_expiry = expiry.max(Duration::from_millis(100));
+        // Above an hour the server refuses the pull request.
+        self.config.pull_expiry =
+            expiry.clamp(Duration::from_millis(100), Duration::from_secs(3600));
+        self
+    }
+
+    /// How often the client PINGs an idle server. Two unanswered PINGs
+    /// count as a lost connection, so a server that stops answering (but
+    /// keeps its socket open) shows as a disconnect, and `consuming: false`,
+    /// within about twice this. A killed server shows at once. Default 5 s;
+    /// between 100 ms and an hour.
+    pub fn ping_interval(mut self, every: Duration) -> Self {
+        self.config.ping_interval =
+            every.clamp(Duration::from_millis(100), Duration::from_secs(3600));
         self
     }
 
     /// Subject prefix; the subject is `<prefix>.<topic>` and the stream is
-    /// named after it. Default `"cache-sync"`.
+    /// named after both. Default `"cache-sync"`. It must be a literal NATS
+    /// subject (dot-separated tokens, no wildcards or whitespace), or
+    /// [`connect`](Self::connect) fails.
     pub fn subject_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.config.subject_prefix = prefix.into();
         self
@@ -112,27 +140,38 @@ impl NatsJetStreamBuilder {
 
     /// Connects. The client reconnects by itself after a disconnect.
     pub async fn connect(self) -> Result<NatsJetStreamBus> {
-        let reconnects = Arc::new(watch::Sender::new(0u64));
-        let on_event = Arc::downgrade(&reconnects);
+        check_prefix(&self.config.subject_prefix)?;
+        let link = Arc::new(watch::Sender::new(Link::default()));
+        let on_event = Arc::downgrade(&link);
         let client = async_nats::ConnectOptions::new()
             .connection_timeout(Duration::from_secs(2))
+            .ping_interval(self.config.ping_interval)
             .retry_on_initial_connect()
             .max_reconnects(None)
             .event_callback(move |event| {
                 let on_event = on_event.clone();
                 async move {
-                    if let (async_nats::Event::Connected, Some(tx)) = (event, on_event.upgrade()) {
-                        tx.send_modify(|n| *n += 1);
+                    let Some(tx) = on_event.upgrade() else { return };
+                    match event {
+                        async_nats::Event::Connected => tx.send_modify(|l| {
+                            l.connects = l.connects.saturating_add(1);
+                            l.up = true;
+                        }),
+                        async_nats::Event::Disconnected | async_nats::Event::Closed => {
+                            tx.send_modify(|l| l.up = false);
+                        }
+                        _ => {}
                     }
                 }
             })
             .connect(self.url.as_str())
             .await
-            .map_err(err)?;
+            .map_err(|e| Error::disconnected(KIND, e))?;
         Ok(NatsJetStreamBus {
-            js: jetstream::new(client),
+            js: jetstream::new(client.clone()),
+            client,
             config: self.config,
-            reconnects,
+            link,
             known_streams: Arc::default(),
         })
     }
@@ -146,6 +185,7 @@ impl NatsJetStreamBus {
             config: NatsConfig {
                 max_messages: 100_000,
                 pull_expiry: Duration::from_secs(2),
+                ping_interval: Duration::from_secs(5),
                 subject_prefix: "cache-sync".into(),
                 storage: stream::StorageType::File,
             },
@@ -157,24 +197,50 @@ impl NatsJetStreamBus {
         Self::builder(url).connect().await
     }
 
+    /// `<prefix>.<topic>`, the topic escaped into one literal token: a `.`
+    /// would split it into two, and `*` or `>` would make it a wildcard
+    /// that catches other topics' events.
     fn subject(&self, topic: &str) -> String {
-        format!("{}.{topic}", self.config.subject_prefix)
+        format!(
+            "{}.{}",
+            self.config.subject_prefix,
+            names::escape(topic, subject_char)
+        )
     }
 
+    /// `<prefix>_<topic>`, each escaped to letters, digits and `-`, so the
+    /// one `_` between them keeps the name injective: `tenant.a` and
+    /// `tenant_a` get streams of their own. Names made of those characters
+    /// alone are unchanged (`cache-sync_catalog`).
     fn stream_name(&self, topic: &str) -> String {
-        // Stream names may not contain '.', ' ', '*' or '>'.
-        self.subject(topic).replace(['.', ' ', '*', '>'], "_")
+        format!(
+            "{}_{}",
+            names::escape(&self.config.subject_prefix, stream_char),
+            names::escape(topic, stream_char)
+        )
+    }
+
+    /// An error, classified by whether the client is connected at all: a
+    /// server that answers with an error is not a disconnect.
+    fn err(&self, e: impl std::error::Error + Send + Sync + 'static) -> Error {
+        match self.client.connection_state() {
+            async_nats::connection::State::Connected => Error::Transport {
+                transport: KIND,
+                source: Box::new(e),
+            },
+            _ => Error::disconnected(KIND, e),
+        }
     }
 
     /// Makes sure the topic's stream exists, asking the server only the
     /// first time (or after `forget_stream`).
-    async fn ensure_stream(&self, topic: &str) -> Result<()> {
-        if lock(&self.known_streams).contains(topic) {
-            return Ok(());
+    async fn ensure_stream(&self, topic: &str) -> Result<u64> {
+        if let Some(created) = lock(&self.known_streams).get(topic) {
+            return Ok(*created);
         }
-        self.stream(topic).await?;
-        lock(&self.known_streams).insert(topic.to_owned());
-        Ok(())
+        let created = created(self.stream(topic).await?.cached_info());
+        lock(&self.known_streams).insert(topic.to_owned(), created);
+        Ok(created)
     }
 
     fn forget_stream(&self, topic: &str) {
@@ -186,6 +252,7 @@ impl NatsJetStreamBus {
         topic: &str,
         tag: &str,
         payload: Bytes,
+        created: u64,
     ) -> std::result::Result<Option<Position>, jetstream::context::PublishError> {
         let mut headers = HeaderMap::new();
         headers.insert(TAG_HEADER, tag);
@@ -194,14 +261,20 @@ impl NatsJetStreamBus {
             .publish_with_headers(self.subject(topic), headers, payload)
             .await?
             .await?;
-        Ok(Some(seq_position(ack.sequence)))
+        Ok(Some(seq_position(ack.sequence, created)))
     }
 
+    /// The topic's stream, made if missing. A stream of that name that
+    /// carries other subjects (another application's, or an older
+    /// cache-sync's) is refused rather than read or written.
     async fn stream(&self, topic: &str) -> Result<stream::Stream> {
-        self.js
+        self.check_topic(topic)?;
+        let subject = self.subject(topic);
+        let stream = self
+            .js
             .get_or_create_stream(stream::Config {
                 name: self.stream_name(topic),
-                subjects: vec![self.subject(topic)],
+                subjects: vec![subject.clone()],
                 max_messages: self.config.max_messages,
                 retention: stream::RetentionPolicy::Limits,
                 discard: stream::DiscardPolicy::Old,
@@ -209,12 +282,54 @@ impl NatsJetStreamBus {
                 ..Default::default()
             })
             .await
-            .map_err(err)
+            .map_err(|e| self.err(e))?;
+        let subjects = &stream.cached_info().config.subjects;
+        if subjects != std::slice::from_ref(&subject) {
+            return Err(Error::Config(format!(
+                "NATS stream {:?} exists with subjects {subjects:?}, not [{subject:?}]; \
+                 it belongs to something else, so topic {topic:?} cannot use it",
+                self.stream_name(topic)
+            )));
+        }
+        Ok(stream)
     }
 }
 
-fn seq_position(seq: u64) -> Position {
-    Position::single(SEQ, Offset::Seq(seq))
+/// The subject prefix is used as it is: it must be a literal subject.
+fn check_prefix(prefix: &str) -> Result<()> {
+    let literal = !prefix.is_empty()
+        && prefix
+            .split('.')
+            .all(|token| !token.is_empty() && token.chars().all(subject_char));
+    if literal && prefix.len() <= MAX_STREAM_NAME {
+        return Ok(());
+    }
+    Err(Error::Config(format!(
+        "NATS subject prefix {prefix:?} is not allowed: it must be a literal subject, dot-separated \
+         tokens of printable characters without whitespace, '*', '>' or '%'"
+    )))
+}
+
+/// Characters a subject token takes as they are.
+fn subject_char(c: char) -> bool {
+    c.is_ascii_graphic() && !matches!(c, '.' | '*' | '>' | '%')
+}
+
+/// Characters a stream name takes as they are; `_` separates the prefix
+/// from the topic, so it is escaped inside them.
+fn stream_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '-'
+}
+
+fn seq_position(seq: u64, created: u64) -> Position {
+    let mut p = Position::single(SEQ, Offset::Seq(seq));
+    p.set(CREATED, Offset::Seq(created));
+    p
+}
+
+/// The stream's creation time in nanoseconds: the identity of its history.
+fn created(info: &stream::Info) -> u64 {
+    u64::try_from(info.created.unix_timestamp_nanos()).unwrap_or(0)
 }
 
 #[async_trait]
@@ -223,19 +338,42 @@ impl ChangeBus for NatsJetStreamBus {
         KIND
     }
 
+    fn check_topic(&self, topic: &str) -> Result<()> {
+        names::check(NameKind::Topic, topic)?;
+        let stream = self.stream_name(topic);
+        if stream.len() > MAX_STREAM_NAME {
+            return Err(names::invalid(
+                NameKind::Topic,
+                topic,
+                format_args!(
+                    "on NATS the stream name, {} characters once the topic is escaped, \
+                     may be at most {MAX_STREAM_NAME}",
+                    stream.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        self.check_tag(tag)?;
         // Creating the stream on first use keeps publishers and nodes free of
         // set-up order.
-        self.ensure_stream(topic).await?;
-        match self.publish_once(topic, tag, payload.clone()).await {
+        let created = self.ensure_stream(topic).await?;
+        match self
+            .publish_once(topic, tag, payload.clone(), created)
+            .await
+        {
             Err(e) if e.kind() == jetstream::context::PublishErrorKind::StreamNotFound => {
                 // Deleted since, or lost by a broker without persistence: the
                 // message went nowhere, so make the stream again and retry once.
                 self.forget_stream(topic);
-                self.ensure_stream(topic).await?;
-                self.publish_once(topic, tag, payload).await.map_err(err)
+                let created = self.ensure_stream(topic).await?;
+                self.publish_once(topic, tag, payload, created)
+                    .await
+                    .map_err(|e| self.err(e))
             }
-            other => other.map_err(err),
+            other => other.map_err(|e| self.err(e)),
         }
     }
 
@@ -244,68 +382,54 @@ impl ChangeBus for NatsJetStreamBus {
         topic: &str,
         options: SubscribeOptions,
     ) -> Result<Box<dyn Subscription>> {
+        // Before anything is read: a change after this ends the subscription.
+        let link = self.link.subscribe();
         let mut stream = self.stream(topic).await?;
-        let state = stream.info().await.map_err(err)?.state.clone();
+        let info = stream.info().await.map_err(|e| self.err(e))?;
+        let (state, created) = (info.state.clone(), created(info));
+        lock(&self.known_streams).insert(topic.to_owned(), created);
+        let first = state.first_sequence;
+        let last_seq = state.last_sequence;
         let mut pending = None;
         // `last`: the sequence before the first one we expect.
         let (policy, last) = match options.from {
-            StartFrom::Latest => (
-                consumer::DeliverPolicy::ByStartSequence {
-                    start_sequence: state.last_sequence + 1,
-                },
-                state.last_sequence,
-            ),
-            StartFrom::Earliest => (
-                consumer::DeliverPolicy::All,
-                state.first_sequence.saturating_sub(1),
-            ),
-            StartFrom::Position(p) => match p.get(SEQ) {
-                Some(Offset::Seq(n)) if *n <= state.last_sequence => {
-                    if state.messages > 0 && n + 1 < state.first_sequence {
-                        pending = Some(Loss::new(
-                            LossReason::Trimmed,
-                            Some(state.first_sequence - n - 1),
-                            Some(seq_position(state.first_sequence - 1)),
-                        ));
-                        (
-                            consumer::DeliverPolicy::ByStartSequence {
-                                start_sequence: state.first_sequence,
-                            },
-                            state.first_sequence - 1,
-                        )
-                    } else {
-                        (
-                            consumer::DeliverPolicy::ByStartSequence {
-                                start_sequence: n + 1,
-                            },
-                            *n,
-                        )
+            StartFrom::Latest => (after(last_seq), last_seq),
+            StartFrom::Earliest => (consumer::DeliverPolicy::All, first.saturating_sub(1)),
+            StartFrom::Position(p) => match (p.get(SEQ), p.get(CREATED)) {
+                (Some(Offset::Seq(n)), Some(Offset::Seq(c))) if *c == created && *n <= last_seq => {
+                    // What follows the stored sequence is gone when the
+                    // oldest message kept comes after it.
+                    match first.checked_sub(*n).and_then(|d| d.checked_sub(1)) {
+                        Some(missed) if missed > 0 && state.messages > 0 => {
+                            pending = Some(Loss::new(
+                                LossReason::Trimmed,
+                                Some(missed),
+                                Some(seq_position(first - 1, created)),
+                            ));
+                            (after(first - 1), first - 1)
+                        }
+                        _ => (after(*n), *n),
                     }
                 }
+                // Another history (a stream made again, a server that lost
+                // its store, a position from before this format), or a
+                // sequence past this history's end.
                 _ => {
                     pending = Some(Loss::new(
                         LossReason::HistoryReset,
                         None,
-                        Some(seq_position(state.last_sequence)),
+                        Some(seq_position(last_seq, created)),
                     ));
-                    (
-                        consumer::DeliverPolicy::ByStartSequence {
-                            start_sequence: state.last_sequence + 1,
-                        },
-                        state.last_sequence,
-                    )
+                    (after(last_seq), last_seq)
                 }
             },
             StartFrom::Timestamp(t) => {
                 let nanos = t
                     .duration_since(UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos() as i128);
+                    .map_or(0, |d| i128::try_from(d.as_nanos()).unwrap_or(i128::MAX));
                 let start_time = async_nats::datetime::from_nanos(nanos)
                     .map_err(|e| Error::Config(format!("start time: {e}")))?;
-                if state.messages > 0
-                    && state.first_sequence > 1
-                    && state.first_timestamp > start_time
-                {
+                if state.messages > 0 && first > 1 && state.first_timestamp > start_time {
                     // Messages after `t` may already have been discarded.
                     pending = Some(Loss::new(LossReason::Trimmed, None, None));
                 }
@@ -327,7 +451,7 @@ impl ChangeBus for NatsJetStreamBus {
                 ..Default::default()
             })
             .await
-            .map_err(err)?;
+            .map_err(|e| self.err(e))?;
         // For a timestamp start the server works out the sequence; its
         // consumer info says where delivery begins.
         let last = if last == u64::MAX {
@@ -335,14 +459,23 @@ impl ChangeBus for NatsJetStreamBus {
         } else {
             last
         };
-        let messages = consumer.messages().await.map_err(err)?;
+        let messages = consumer.messages().await.map_err(|e| self.err(e))?;
+        let connects = link.borrow().connects.max(1);
         Ok(Box::new(NatsSubscription {
             messages,
             last,
+            created,
             pending,
             stashed: None,
-            reconnects: self.reconnects.subscribe(),
+            link,
+            connects,
         }))
+    }
+}
+
+fn after(seq: u64) -> consumer::DeliverPolicy {
+    consumer::DeliverPolicy::ByStartSequence {
+        start_sequence: seq.saturating_add(1),
     }
 }
 
@@ -350,13 +483,39 @@ struct NatsSubscription {
     messages: consumer::pull::Ordered,
     /// Sequence of the last message read.
     last: u64,
+    /// The stream's creation time: which history `last` belongs to.
+    created: u64,
     pending: Option<Loss>,
     /// A message read after a gap, delivered once the gap is reported.
     stashed: Option<jetstream::Message>,
-    /// After a reconnect, the ordered consumer notices its pull request died
-    /// only after two missed idle heartbeats (up to 30 s); the subscription
-    /// ends at once instead, and the node re-subscribes from its position.
-    reconnects: watch::Receiver<u64>,
+    /// The client's connection. After a reconnect, the ordered consumer
+    /// notices its pull request died only after two missed idle heartbeats
+    /// (up to 30 s), and would then carry on in whatever stream now has the
+    /// name, so the subscription ends at once instead, and the node
+    /// re-subscribes from its position, which checks the history. After a
+    /// disconnect it ends too, so the node shows it is not consuming.
+    link: watch::Receiver<Link>,
+    /// Connections made when the subscription began (at least the first).
+    connects: u64,
+}
+
+/// Resolves once the connection drops, or a new one replaces the one the
+/// subscription began on. The client reports its first connection with
+/// an event that may arrive after the subscription began; that one counts
+/// as the same connection.
+async fn link_lost(link: &mut watch::Receiver<Link>, connects: u64) -> &'static str {
+    loop {
+        if link.changed().await.is_err() {
+            return "the client was dropped";
+        }
+        let now = *link.borrow_and_update();
+        if !now.up {
+            return "disconnected from the server";
+        }
+        if now.connects > connects {
+            return "reconnected; the consumer starts afresh";
+        }
+    }
 }
 
 impl fmt::Debug for NatsSubscription {
@@ -370,15 +529,19 @@ impl fmt::Debug for NatsSubscription {
 impl NatsSubscription {
     /// The loss to report before message `seq`, if it does not follow `last`.
     fn gap(&self, seq: u64) -> Option<Loss> {
-        if seq == self.last + 1 {
+        if self.last.checked_add(1) == Some(seq) {
             return None;
         }
-        let resume = Some(seq_position(seq - 1));
-        Some(if seq > self.last + 1 {
+        let resume = Some(seq_position(seq.saturating_sub(1), self.created));
+        Some(if seq > self.last {
             Loss::new(LossReason::Trimmed, Some(seq - self.last - 1), resume)
         } else {
             Loss::new(LossReason::HistoryReset, None, resume)
         })
+    }
+
+    fn position_at(&self, seq: u64) -> Position {
+        seq_position(seq, self.created)
     }
 }
 
@@ -393,13 +556,18 @@ impl Subscription for NatsSubscription {
             let message = match self.stashed.take() {
                 Some(m) => m,
                 None if records.is_empty() => match tokio::select! {
-                    m = self.messages.next() => m,
-                    _ = self.reconnects.changed() => {
-                        return Err(Error::disconnected(KIND, "reconnected; the consumer starts afresh"));
+                    // First: a message that came after a reconnect may be
+                    // from another history.
+                    biased;
+                    what = link_lost(&mut self.link, self.connects) => {
+                        return Err(Error::disconnected(KIND, what));
                     }
+                    m = self.messages.next() => m,
                 } {
                     Some(Ok(m)) => m,
-                    Some(Err(e)) => return Err(err(e)),
+                    Some(Err(e)) => {
+                        return Err(Error::disconnected(KIND, e));
+                    }
                     None => {
                         return Err(Error::disconnected(
                             KIND,
@@ -424,31 +592,31 @@ impl Subscription for NatsSubscription {
             if let Some(loss) = self.gap(seq) {
                 self.stashed = Some(message);
                 if records.is_empty() {
-                    self.last = seq - 1;
+                    self.last = seq.saturating_sub(1);
                     return Ok(Delivery::Lost(loss));
                 }
                 // Deliver what came before the gap; the gap is reported next.
                 break;
             }
             self.last = seq;
-            records.push(record(&message, seq));
+            records.push(record(&message, self.position_at(seq)));
         }
         Ok(Delivery::Batch {
             records,
-            position: seq_position(self.last),
+            position: self.position_at(self.last),
         })
     }
 
     fn position(&self) -> Option<Position> {
-        Some(seq_position(self.last))
+        Some(self.position_at(self.last))
     }
 }
 
-fn record(message: &jetstream::Message, seq: u64) -> Record {
+fn record(message: &jetstream::Message, position: Position) -> Record {
     let tag = message
         .headers
         .as_ref()
         .and_then(|h| h.get(TAG_HEADER))
         .map(|v| v.as_str().to_owned());
-    Record::new(seq_position(seq), tag, message.payload.clone())
+    Record::new(position, tag, message.payload.clone())
 }

@@ -18,14 +18,19 @@ use super::{
     Subscription,
 };
 use crate::error::{Error, Result};
+use crate::names;
 
 const STREAMS: &str = "redis-streams";
 const PUBSUB: &str = "redis-pubsub";
 
-/// Partition names in a Streams [`Position`]: the last entry id read, and
-/// its ordinal (how many entries the stream had ever received up to it).
+/// Partition names in a Streams [`Position`]: the last entry id read, its
+/// ordinal (how many entries the stream had ever received up to it), and
+/// the stream's epoch, which names the history both belong to: a stream
+/// deleted and made again, or a Redis that lost its data, starts a new
+/// epoch, even once its ids and ordinals have grown past the old ones.
 const ID: &str = "id";
 const ORDINAL: &str = "n";
+const EPOCH: &str = "e";
 
 fn map_err(transport: &'static str, e: RedisError) -> Error {
     if e.is_io_error() || e.is_connection_dropped() || e.is_timeout() || e.is_connection_refusal() {
@@ -79,8 +84,11 @@ async fn publisher_connection(
 const XADD_SCRIPT: &str = include_str!("redis_publish.lua");
 
 /// Where the stream stands, read in one atomic step: the ordinal of its last
-/// entry (the counter, or `entries-added` without one), its length, and its
-/// last id.
+/// entry (the counter, or `entries-added` without one), its length, its
+/// last id, and its epoch. The epoch is made here if the stream has none
+/// yet, exactly as the publish script would, so that a reader of a stream
+/// nobody has written to yet still has a history to name: had it none, a
+/// wipe and a new stream grown past its position would go unnoticed.
 const STATE_SCRIPT: &str = r"
 local added, length, last = 0, 0, '0-0'
 local ok, info = pcall(redis.call, 'XINFO', 'STREAM', KEYS[1])
@@ -94,7 +102,22 @@ if ok then
 end
 local counter = redis.call('GET', KEYS[2])
 if counter then added = tonumber(counter) end
-return {added, length, last}
+local epoch = redis.call('GET', KEYS[3])
+if not epoch then
+  local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
+  if newest then
+    local f = newest[2]
+    for i = 1, #f, 2 do
+      if f[i] == 'e' then epoch = f[i + 1] break end
+    end
+  end
+  if not epoch then
+    local t = redis.call('TIME')
+    epoch = t[1] .. string.format('%06d', t[2])
+  end
+  redis.call('SET', KEYS[3], epoch)
+end
+return {added, length, last, epoch}
 ";
 
 /// The Redis Streams transport: one stream per topic; every node reads it
@@ -121,11 +144,12 @@ pub struct RedisStreamsBus {
     config: StreamsConfig,
 }
 
-/// The stream's key and its ordinal counter's key.
+/// The stream's key, and the keys of its ordinal counter and its epoch.
 #[derive(Debug, Clone)]
 struct StreamKeys {
     stream: String,
     counter: String,
+    epoch: String,
 }
 
 impl fmt::Debug for RedisStreamsBus {
@@ -229,10 +253,14 @@ impl RedisStreamsBus {
         Self::builder(url).connect().await
     }
 
+    /// `<prefix><topic>`, with `:` (and `%`) in the topic escaped: the
+    /// counter and epoch keys append `:n` and `:e`, and unescaped, topic
+    /// `x:n` would have been topic `x`'s counter.
     fn keys(&self, topic: &str) -> StreamKeys {
-        let stream = format!("{}{topic}", self.config.key_prefix);
+        let stream = format!("{}{}", self.config.key_prefix, key_part(topic));
         StreamKeys {
             counter: format!("{stream}:n"),
+            epoch: format!("{stream}:e"),
             stream,
         }
     }
@@ -248,6 +276,11 @@ impl RedisStreamsBus {
     }
 }
 
+/// A topic as part of a Redis key or channel: `:` and `%` escaped.
+fn key_part(topic: &str) -> std::borrow::Cow<'_, str> {
+    names::escape(topic, |c| c != ':')
+}
+
 /// Where the stream stands (see `STATE_SCRIPT`).
 #[derive(Debug, Default)]
 struct StreamState {
@@ -255,22 +288,38 @@ struct StreamState {
     entries_added: u64,
     length: u64,
     last_id: String,
+    epoch: u64,
+}
+
+impl StreamState {
+    /// Ordinal of the entry before the oldest one kept.
+    fn trimmed(&self) -> u64 {
+        self.entries_added.saturating_sub(self.length)
+    }
+
+    fn position(&self) -> Position {
+        streams_position(&self.last_id, self.entries_added, self.epoch)
+    }
 }
 
 /// Hashed once: `Script::new` computes the SHA-1 that `EVALSHA` sends.
 static STATE: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(STATE_SCRIPT));
 
 async fn stream_state(conn: &mut MultiplexedConnection, keys: &StreamKeys) -> Result<StreamState> {
-    let (entries_added, length, last_id): (u64, u64, String) = STATE
+    let (entries_added, length, last_id, epoch): (u64, u64, String, String) = STATE
         .key(&keys.stream)
         .key(&keys.counter)
+        .key(&keys.epoch)
         .invoke_async(conn)
         .await
         .map_err(|e| map_err(STREAMS, e))?;
+    // An epoch that is not a number was not written by cache-sync; 0 never
+    // matches one that was, so a position from it reads as another history.
     Ok(StreamState {
         entries_added,
         length,
         last_id,
+        epoch: epoch.parse().unwrap_or(0),
     })
 }
 
@@ -296,6 +345,8 @@ fn as_u64(v: &Value) -> Option<u64> {
 struct Entry {
     id: String,
     ordinal: Option<u64>,
+    /// Entries of a cache-sync before epochs carry none.
+    epoch: Option<u64>,
     tag: Option<String>,
     payload: Bytes,
 }
@@ -314,6 +365,7 @@ fn parse_entry(v: Value) -> Option<Entry> {
     let mut entry = Entry {
         id: into_string(id)?,
         ordinal: None,
+        epoch: None,
         tag: None,
         payload: Bytes::new(),
     };
@@ -322,6 +374,7 @@ fn parse_entry(v: Value) -> Option<Entry> {
         let Value::BulkString(k) = k else { continue };
         match (k.as_slice(), v) {
             (b"n", v) => entry.ordinal = as_u64(&v),
+            (b"e", v) => entry.epoch = Some(as_u64(&v).unwrap_or(0)),
             (b"t", v) => entry.tag = into_string(v),
             (b"p", Value::BulkString(b)) => entry.payload = Bytes::from(b),
             _ => {}
@@ -353,9 +406,10 @@ fn parse_xread(v: Value) -> Vec<Value> {
         .collect()
 }
 
-fn streams_position(id: &str, ordinal: u64) -> Position {
+fn streams_position(id: &str, ordinal: u64, epoch: u64) -> Position {
     let mut p = Position::single(ID, Offset::Id(id.to_owned()));
     p.set(ORDINAL, Offset::Seq(ordinal));
+    p.set(EPOCH, Offset::Seq(epoch));
     p
 }
 
@@ -366,12 +420,15 @@ impl ChangeBus for RedisStreamsBus {
     }
 
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        self.check_topic(topic)?;
+        self.check_tag(tag)?;
         let mut conn = self.publisher.clone();
         let keys = self.keys(topic);
         let id: String = self
             .script
             .key(&keys.stream)
             .key(&keys.counter)
+            .key(&keys.epoch)
             .arg(self.config.max_len)
             .arg(tag)
             .arg(payload.as_ref())
@@ -386,34 +443,38 @@ impl ChangeBus for RedisStreamsBus {
         topic: &str,
         options: SubscribeOptions,
     ) -> Result<Box<dyn Subscription>> {
+        self.check_topic(topic)?;
         let keys = self.keys(topic);
         let mut conn = self.reader().await?;
         let state = stream_state(&mut conn, &keys).await?;
-        let trimmed = state.entries_added.saturating_sub(state.length);
+        let trimmed = state.trimmed();
         let mut pending = None;
         let (id, ordinal) = match options.from {
             StartFrom::Latest => (state.last_id.clone(), state.entries_added),
-            // Ordinal of the entry before the oldest one kept.
             StartFrom::Earliest => ("0-0".to_owned(), trimmed),
-            StartFrom::Position(p) => match (p.get(ID), p.get(ORDINAL)) {
-                (Some(Offset::Id(id)), Some(Offset::Seq(n))) if *n <= state.entries_added => {
+            StartFrom::Position(p) => match (p.get(ID), p.get(ORDINAL), p.get(EPOCH)) {
+                (Some(Offset::Id(id)), Some(Offset::Seq(n)), Some(Offset::Seq(e)))
+                    if *e == state.epoch && *n <= state.entries_added =>
+                {
                     if *n < trimmed {
                         // Entries after the stored position are gone already.
                         pending = Some(Loss::new(
                             LossReason::Trimmed,
                             Some(trimmed - n),
-                            Some(streams_position(id, trimmed)),
+                            Some(streams_position(id, trimmed, state.epoch)),
                         ));
                         (id.clone(), trimmed)
                     } else {
                         (id.clone(), *n)
                     }
                 }
+                // Another history (another epoch, or a position from before
+                // epochs), or an ordinal past this one's end.
                 _ => {
                     pending = Some(Loss::new(
                         LossReason::HistoryReset,
                         None,
-                        Some(streams_position(&state.last_id, state.entries_added)),
+                        Some(state.position()),
                     ));
                     (state.last_id.clone(), state.entries_added)
                 }
@@ -421,7 +482,7 @@ impl ChangeBus for RedisStreamsBus {
             StartFrom::Timestamp(t) => {
                 let ms = t
                     .duration_since(UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis() as u64);
+                    .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
                 let first: Value = redis::cmd("XRANGE")
                     .arg(&keys.stream)
                     .arg(ms)
@@ -436,19 +497,20 @@ impl ChangeBus for RedisStreamsBus {
                     _ => None,
                 };
                 // XREAD returns ids after the one given: start just before `ms`.
-                let start = if ms == 0 {
-                    "0-0".to_owned()
-                } else {
-                    format!("{}-{}", ms - 1, u64::MAX)
+                let start = match ms.checked_sub(1) {
+                    Some(before) => format!("{before}-{}", u64::MAX),
+                    None => "0-0".to_owned(),
                 };
                 match first.and_then(|e| e.ordinal) {
                     Some(n) => {
-                        // `n` is the oldest entry kept: trimmed ones came before
-                        // it, and some of them may have been at or after `t`.
-                        if n - 1 == trimmed && trimmed > 0 {
+                        // `n` is the oldest entry kept at or after `t`:
+                        // trimmed ones came before it, and some of them may
+                        // have been at or after `t`.
+                        let before = n.saturating_sub(1);
+                        if before == trimmed && trimmed > 0 {
                             pending = Some(Loss::new(LossReason::Trimmed, None, None));
                         }
-                        (start, n - 1)
+                        (start, before)
                     }
                     None => {
                         if state.length == 0 && trimmed > 0 {
@@ -464,7 +526,10 @@ impl ChangeBus for RedisStreamsBus {
             keys,
             id,
             ordinal,
-            block_ms: self.config.block.as_millis().max(1) as u64,
+            epoch: state.epoch,
+            block_ms: u64::try_from(self.config.block.as_millis())
+                .unwrap_or(u64::MAX)
+                .max(1),
             pending,
         }))
     }
@@ -477,6 +542,8 @@ struct StreamsSubscription {
     id: String,
     /// Ordinal of the entry at `id`.
     ordinal: u64,
+    /// The history `id` and `ordinal` belong to.
+    epoch: u64,
     block_ms: u64,
     pending: Option<Loss>,
 }
@@ -492,20 +559,33 @@ impl fmt::Debug for StreamsSubscription {
 }
 
 impl StreamsSubscription {
+    fn position(&self) -> Position {
+        streams_position(&self.id, self.ordinal, self.epoch)
+    }
+
+    /// Continues from where the stream stands now, in whatever history it
+    /// holds: everything before is unknown to this node.
+    fn reset_to(&mut self, state: &StreamState) -> Loss {
+        self.id.clone_from(&state.last_id);
+        self.ordinal = state.entries_added;
+        self.epoch = state.epoch;
+        Loss::new(LossReason::HistoryReset, None, Some(self.position()))
+    }
+
     async fn idle_check(&mut self) -> Result<Option<Loss>> {
         let state = stream_state(&mut self.conn, &self.keys).await?;
-        let trimmed = state.entries_added.saturating_sub(state.length);
-        if state.entries_added < self.ordinal {
-            self.id.clone_from(&state.last_id);
-            self.ordinal = state.entries_added;
-            let resume = Some(streams_position(&self.id, self.ordinal));
-            return Ok(Some(Loss::new(LossReason::HistoryReset, None, resume)));
+        if state.epoch != self.epoch || state.entries_added < self.ordinal {
+            return Ok(Some(self.reset_to(&state)));
         }
+        let trimmed = state.trimmed();
         if trimmed > self.ordinal {
             let missed = trimmed - self.ordinal;
             self.ordinal = trimmed;
-            let resume = Some(streams_position(&self.id, self.ordinal));
-            return Ok(Some(Loss::new(LossReason::Trimmed, Some(missed), resume)));
+            return Ok(Some(Loss::new(
+                LossReason::Trimmed,
+                Some(missed),
+                Some(self.position()),
+            )));
         }
         Ok(None)
     }
@@ -543,57 +623,48 @@ impl Subscription for StreamsSubscription {
                 let Some(entry) = parse_entry(v) else {
                     return Err(bad_reply(STREAMS, "XREAD entry"));
                 };
-                let expected = self.ordinal + 1;
-                match entry.ordinal {
-                    Some(n) if n == expected => {}
-                    Some(n) if n > expected && records.is_empty() => {
-                        // Entries between our last read and this one were trimmed.
-                        let loss = Loss::new(
-                            LossReason::Trimmed,
-                            Some(n - expected),
-                            Some(streams_position(&self.id, n - 1)),
-                        );
-                        self.ordinal = n - 1;
-                        return Ok(Delivery::Lost(loss));
-                    }
-                    // A jump mid-batch: deliver what came before it first.
-                    Some(n) if n > expected => break,
-                    Some(_) | None => {
-                        // Ordinals went backwards or are missing: this is a
-                        // different stream than the one we were reading.
-                        let state = stream_state(&mut self.conn, &self.keys).await?;
-                        self.id.clone_from(&state.last_id);
-                        self.ordinal = state.entries_added;
-                        if records.is_empty() {
-                            return Ok(Delivery::Lost(Loss::new(
-                                LossReason::HistoryReset,
-                                None,
-                                Some(streams_position(&self.id, self.ordinal)),
-                            )));
+                let expected = self.ordinal.checked_add(1);
+                let same_history = entry.epoch.is_none_or(|e| e == self.epoch);
+                match (entry.ordinal, expected) {
+                    (Some(n), Some(x)) if same_history && n == x => self.ordinal = n,
+                    (Some(n), Some(x)) if same_history && n > x => {
+                        if !records.is_empty() {
+                            // A jump mid-batch: deliver what came before it first.
+                            break;
                         }
-                        self.pending = Some(Loss::new(
-                            LossReason::HistoryReset,
-                            None,
-                            Some(streams_position(&self.id, self.ordinal)),
-                        ));
+                        // Entries between our last read and this one were trimmed.
+                        let missed = n - self.ordinal - 1;
+                        self.ordinal = n - 1;
+                        return Ok(Delivery::Lost(Loss::new(
+                            LossReason::Trimmed,
+                            Some(missed),
+                            Some(self.position()),
+                        )));
+                    }
+                    _ => {
+                        // Another epoch, ordinals that went backwards or are
+                        // missing: a different stream than the one we read.
+                        let state = stream_state(&mut self.conn, &self.keys).await?;
+                        let loss = self.reset_to(&state);
+                        if records.is_empty() {
+                            return Ok(Delivery::Lost(loss));
+                        }
+                        self.pending = Some(loss);
                         break;
                     }
                 }
-                self.ordinal = expected;
                 self.id.clone_from(&entry.id);
-                records.push(Record::new(
-                    streams_position(&entry.id, expected),
-                    entry.tag,
-                    entry.payload,
-                ));
+                records.push(Record::new(self.position(), entry.tag, entry.payload));
             }
-            let position = streams_position(&self.id, self.ordinal);
-            return Ok(Delivery::Batch { records, position });
+            return Ok(Delivery::Batch {
+                records,
+                position: self.position(),
+            });
         }
     }
 
     fn position(&self) -> Option<Position> {
-        Some(streams_position(&self.id, self.ordinal))
+        Some(StreamsSubscription::position(self))
     }
 }
 
@@ -725,7 +796,8 @@ impl ChangeBus for RedisPubSubBus {
 
     async fn publish(&self, topic: &str, _tag: &str, payload: Bytes) -> Result<Option<Position>> {
         let mut conn = self.publisher.clone();
-        let channel = format!("{}{topic}", self.config.channel_prefix);
+        self.check_topic(topic)?;
+        let channel = format!("{}{}", self.config.channel_prefix, key_part(topic));
         redis::cmd("PUBLISH")
             .arg(channel)
             .arg(payload.as_ref())
@@ -762,7 +834,8 @@ impl ChangeBus for RedisPubSubBus {
             .map_err(|_| Error::disconnected(PUBSUB, "connect timed out"))?
             .map_err(|e| map_err(PUBSUB, e))?;
         let (mut sink, stream) = pubsub.split();
-        let channel = format!("{}{topic}", self.config.channel_prefix);
+        self.check_topic(topic)?;
+        let channel = format!("{}{}", self.config.channel_prefix, key_part(topic));
         tokio::time::timeout(self.config.response_timeout, sink.subscribe(&channel))
             .await
             .map_err(|_| Error::disconnected(PUBSUB, "SUBSCRIBE timed out"))?

@@ -11,14 +11,16 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use rocketmq_client_rust::{
     ClientConfig, ClientResult, ClientRuntime, ClientRuntimeConfig, ConsumeOrderlyContext,
-    ConsumeOrderlyStatus, DefaultMQAdminExt, DefaultMQProducer, DefaultMQPushConsumer,
-    MQPushConsumer, MessageQueueListener, OffsetAdmin, RouteAdmin, TelemetryHandle, TopicAdmin,
+    ConsumeOrderlyStatus, ConsumerAdmin, DefaultMQAdminExt, DefaultMQProducer,
+    DefaultMQPushConsumer, MQPushConsumer, MessageQueueListener, OffsetAdmin, RouteAdmin,
+    TelemetryHandle, TopicAdmin,
 };
 use rocketmq_model::common::config::TopicConfig;
 use rocketmq_model::common::consumer::consume_from_where::ConsumeFromWhere;
 use rocketmq_model::common::message::message_ext::MessageExt;
 use rocketmq_model::common::message::message_queue::MessageQueue;
 use rocketmq_model::common::message::message_single::Message;
+use rocketmq_model::common::topic::{TOPIC_MAX_LENGTH, TopicValidator};
 use rocketmq_protocol::protocol::heartbeat::message_model::MessageModel;
 use rocketmq_runtime::{RuntimeConfig, RuntimeOwner};
 use tokio::sync::{RwLock, mpsc, watch};
@@ -29,6 +31,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::lock;
+use crate::names::{self, NameKind};
 
 const KIND: &str = "rocketmq";
 /// The client id is `<client_ip>@<instance>` and names the offsets
@@ -319,6 +322,20 @@ fn client_config(namesrv: &str, instance: &str) -> ClientConfig {
     cc.set_instance_name(instance.into());
     cc.set_client_ip(CLIENT_IP.into());
     cc
+}
+
+/// A topic as RocketMQ names it: letters, digits, `-` and `_` as they are,
+/// everything else escaped (`%XX`, which RocketMQ's topic alphabet allows).
+/// Escaping `%` also keeps user topics clear of `%RETRY%` and `%DLQ%`.
+fn rmq_topic(topic: &str) -> std::borrow::Cow<'_, str> {
+    names::escape(topic, names::plain)
+}
+
+/// A cache name as a message tag, escaped the same way: a raw `||` would
+/// split one tag into two in a subscription expression, and spaces around
+/// a tag are trimmed by the client.
+fn rmq_tag(cache: &str) -> std::borrow::Cow<'_, str> {
+    names::escape(cache, names::plain)
 }
 
 /// Java's `String.hashCode`, as the client's `SelectMessageQueueByHash` uses.
@@ -649,7 +666,33 @@ impl ChangeBus for RocketMqBus {
         true
     }
 
+    fn check_topic(&self, topic: &str) -> Result<()> {
+        names::check(NameKind::Topic, topic)?;
+        let name = rmq_topic(topic);
+        if name.len() > TOPIC_MAX_LENGTH {
+            return Err(names::invalid(
+                NameKind::Topic,
+                topic,
+                format_args!(
+                    "on RocketMQ a topic, {} characters once escaped, may be at most {TOPIC_MAX_LENGTH}",
+                    name.len()
+                ),
+            ));
+        }
+        if TopicValidator::is_system_topic(&name) {
+            return Err(names::invalid(
+                NameKind::Topic,
+                topic,
+                "it is one of RocketMQ's system topics",
+            ));
+        }
+        Ok(())
+    }
+
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        self.check_topic(topic)?;
+        self.check_tag(tag)?;
+        let (topic, tag) = (&*rmq_topic(topic), &*rmq_tag(tag));
         let inner = self.inner.get();
         inner.ensure_open()?;
         inner.ensure_topic(topic).await?;
@@ -670,6 +713,8 @@ impl ChangeBus for RocketMqBus {
         topic: &str,
         options: SubscribeOptions,
     ) -> Result<Box<dyn Subscription>> {
+        self.check_topic(topic)?;
+        let topic = &*rmq_topic(topic);
         let inner = self.inner.get();
         inner.ensure_open()?;
         inner.ensure_topic(topic).await?;
@@ -685,10 +730,14 @@ impl ChangeBus for RocketMqBus {
 
         let expression = match &options.tags {
             // Without spaces: the client hashes untrimmed tags for the broker.
-            Some(tags) if !tags.is_empty() => tags.join("||"),
+            Some(tags) if !tags.is_empty() => tags
+                .iter()
+                .map(|t| rmq_tag(t))
+                .collect::<Vec<_>>()
+                .join("||"),
             _ => "*".to_owned(),
         };
-        let (tx, rx) = mpsc::channel::<Vec<Record>>(BUFFER_BATCHES);
+        let (tx, rx) = mpsc::channel::<Vec<(Record, Anchor)>>(BUFFER_BATCHES);
         let (assigned_tx, mut assigned) = watch::channel(HashSet::new());
         let mut consumer = DefaultMQPushConsumer::builder(inner.rt.clone())
             .client_config(client_config(&inner.config.namesrv, &instance))
@@ -713,7 +762,8 @@ impl ChangeBus for RocketMqBus {
                 move |msgs: &[&MessageExt],
                       ctx: &mut ConsumeOrderlyContext|
                       -> ClientResult<ConsumeOrderlyStatus> {
-                    let batch: Vec<Record> = msgs.iter().map(|m| record(m)).collect();
+                    let batch: Vec<(Record, Anchor)> =
+                        msgs.iter().map(|m| (record(m), Anchor::of(m))).collect();
                     match tx.try_send(batch) {
                         Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {
                             Ok(ConsumeOrderlyStatus::Success)
@@ -752,14 +802,14 @@ impl ChangeBus for RocketMqBus {
         let mut addrs: Vec<String> = plan.queues.iter().map(|q| q.addr.clone()).collect();
         addrs.sort();
         addrs.dedup();
-        let (back_tx, back) = watch::channel(false);
-        let watchdog = tokio::spawn(watchdog(addrs, back_tx));
+        let (report, brokers) = watch::channel(Brokers::Up);
+        let watchdog = tokio::spawn(watchdog(addrs, report));
         Ok(Box::new(RocketMqSubscription {
             rx,
             buffered: VecDeque::new(),
             position: plan.seed,
             pending: plan.loss,
-            back,
+            brokers,
             watchdog,
             consumer: Some(consumer),
         }))
@@ -788,10 +838,16 @@ async fn plan_start(admin: &DefaultMQAdminExt, topic: &str, from: &StartFrom) ->
             StartFrom::Position(p) => match p.get(&q.name) {
                 Some(Offset::Seq(n)) => {
                     let n = i64::try_from(*n).unwrap_or(i64::MAX);
-                    if n < min {
-                        trimmed += u64::try_from(min - n).unwrap_or(0);
+                    if n > max {
+                        reset = true;
+                        max
+                    } else if n < min {
+                        trimmed = trimmed.saturating_add(u64::try_from(min - n).unwrap_or(0));
                         min
-                    } else if n > max {
+                    } else if n > 0 && !same_history(admin, topic, q, n, p).await? {
+                        // The message before the position is not the one this
+                        // node read there: the broker's store was replaced
+                        // (wiped, or another broker under the same name).
                         reset = true;
                         max
                     } else {
@@ -832,6 +888,20 @@ async fn plan_start(admin: &DefaultMQAdminExt, topic: &str, from: &StartFrom) ->
             Offset::Seq(u64::try_from(offset).unwrap_or(0)),
         );
     }
+    if reset {
+        // Continue from the end of what the brokers hold now.
+        for q in &queues {
+            let (_, max) = offsets(admin, q).await?;
+            seed.set(q.name.clone(), Offset::Seq(u64::try_from(max).unwrap_or(0)));
+        }
+    }
+    // Name the history each starting offset belongs to, so that a later
+    // re-subscription from this position can tell whether it still exists.
+    for q in &queues {
+        if let Some(Offset::Seq(n)) = seed.get(&q.name).cloned() {
+            set_anchor(&mut seed, q, anchor_before(admin, topic, q, n).await?);
+        }
+    }
     let loss = if reset {
         Some(Loss::new(
             LossReason::HistoryReset,
@@ -857,6 +927,144 @@ async fn plan_start(admin: &DefaultMQAdminExt, topic: &str, from: &StartFrom) ->
         loss,
         from_where,
     })
+}
+
+/// Which message a queue offset follows: the commit-log offset and store
+/// time of the message just before it. Two histories of one broker (before
+/// and after its store was wiped) never hold the same message at the same
+/// place with the same store time, though their queue offsets may match.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Anchor {
+    commit_log_offset: i64,
+    store_timestamp: i64,
+}
+
+impl Anchor {
+    fn of(m: &MessageExt) -> Self {
+        Self {
+            commit_log_offset: m.commit_log_offset(),
+            store_timestamp: m.store_timestamp(),
+        }
+    }
+
+    fn to_offset(self) -> Offset {
+        Offset::Id(format!(
+            "{}@{}",
+            self.commit_log_offset, self.store_timestamp
+        ))
+    }
+
+    fn from_offset(offset: &Offset) -> Option<Self> {
+        let Offset::Id(text) = offset else {
+            return None;
+        };
+        let (log, stored) = text.split_once('@')?;
+        Some(Self {
+            commit_log_offset: log.parse().ok()?,
+            store_timestamp: stored.parse().ok()?,
+        })
+    }
+}
+
+/// The partition that holds a queue's anchor, next to the queue's offset.
+fn anchor_partition(queue: &str) -> String {
+    format!("{queue}@")
+}
+
+fn set_anchor(position: &mut Position, q: &QueueRef, anchor: Option<Anchor>) {
+    if let Some(a) = anchor {
+        position.set(anchor_partition(&q.name), a.to_offset());
+    }
+}
+
+/// The anchor of queue offset `n`, from the broker: the message at `n - 1`,
+/// looked up through the consume queue. `None` for an empty queue.
+async fn anchor_before(
+    admin: &DefaultMQAdminExt,
+    topic: &str,
+    q: &QueueRef,
+    n: u64,
+) -> Result<Option<Anchor>> {
+    let Some(index) = n.checked_sub(1) else {
+        return Ok(None);
+    };
+    let body = ConsumerAdmin::query_consume_queue(
+        admin,
+        q.addr.as_str().into(),
+        topic.into(),
+        q.mq.queue_id(),
+        index,
+        1,
+        // Any group: the broker only uses it to evaluate a filter.
+        "cache-sync-anchor".into(),
+    )
+    .await
+    .map_err(err)?;
+    let Some(entry) = body.queue_data.as_deref().and_then(<[_]>::first) else {
+        // Trimmed away meanwhile: nothing to name, and nothing to check later.
+        return Ok(None);
+    };
+    let message = view_message(admin, topic, q, entry.physic_offset).await?;
+    Ok(message.map(|m| Anchor::of(&m)))
+}
+
+/// The message stored at `commit_log_offset` on the queue's broker, or
+/// `None` when the broker holds none there (or something that is not one).
+async fn view_message(
+    admin: &DefaultMQAdminExt,
+    topic: &str,
+    q: &QueueRef,
+    commit_log_offset: i64,
+) -> Result<Option<MessageExt>> {
+    let Some(id) = offset_message_id(&q.addr, commit_log_offset) else {
+        return Ok(None);
+    };
+    match ConsumerAdmin::query_message(admin, "".into(), topic.into(), id.into()).await {
+        Ok(m) => Ok(Some(m)),
+        // The broker answered, but holds no such message.
+        Err(_) if reachable(&q.addr).await => Ok(None),
+        Err(e) => Err(err(e)),
+    }
+}
+
+/// RocketMQ's offset message id: the storing broker's address and the
+/// message's commit-log offset, in hex.
+fn offset_message_id(addr: &str, commit_log_offset: i64) -> Option<String> {
+    let addr: std::net::SocketAddr = addr.parse().ok()?;
+    let port = i32::from(addr.port());
+    Some(match addr.ip() {
+        std::net::IpAddr::V4(ip) => {
+            format!("{:08X}{port:08X}{commit_log_offset:016X}", u32::from(ip))
+        }
+        std::net::IpAddr::V6(ip) => {
+            format!("{:032X}{port:08X}{commit_log_offset:016X}", u128::from(ip))
+        }
+    })
+}
+
+/// Whether the message this node read just before offset `n` is still
+/// where it was. A position without an anchor (from before anchors, or one
+/// this node never read) cannot vouch for its history.
+async fn same_history(
+    admin: &DefaultMQAdminExt,
+    topic: &str,
+    q: &QueueRef,
+    n: i64,
+    position: &Position,
+) -> Result<bool> {
+    let Some(anchor) = position
+        .get(&anchor_partition(&q.name))
+        .and_then(Anchor::from_offset)
+    else {
+        return Ok(false);
+    };
+    let Some(m) = view_message(admin, topic, q, anchor.commit_log_offset).await? else {
+        return Ok(false);
+    };
+    Ok(Anchor::of(&m) == anchor
+        && m.queue_offset().checked_add(1) == Some(n)
+        && m.queue_id() == q.mq.queue_id()
+        && m.topic().as_str() == topic)
 }
 
 async fn offsets(admin: &DefaultMQAdminExt, q: &QueueRef) -> Result<(i64, i64)> {
@@ -928,61 +1136,82 @@ impl MessageQueueListener for AssignWatch {
 }
 
 fn record(m: &MessageExt) -> Record {
+    // A tag that no escape produced came from another producer: left out,
+    // the consumer routes the event by its header instead.
+    let tag = m
+        .get_tags()
+        .and_then(|t| names::unescape(t.as_str()).map(|c| c.into_owned()));
     Record::new(
         Position::single(
             partition(m.broker_name(), m.queue_id()),
             next_offset(m.queue_offset()),
         ),
-        m.get_tags().map(|t| t.to_string()),
+        tag,
         m.body().unwrap_or_default(),
     )
 }
 
-/// Holds a TCP connection to each broker. A broker that dies closes it at
-/// once, however quickly it comes back; once every broker accepts
-/// connections again after that, `back` turns true.
-async fn watchdog(addrs: Vec<String>, back: watch::Sender<bool>) {
-    let mut conns = HashMap::new();
-    for addr in &addrs {
-        if let Ok(Ok(s)) = tokio::time::timeout(
-            Duration::from_millis(500),
-            tokio::net::TcpStream::connect(addr.as_str()),
-        )
-        .await
-        {
-            conns.insert(addr.clone(), s);
-        }
-    }
-    let mut was_down = conns.len() < addrs.len();
+/// What a subscription's watchdog saw of its brokers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Brokers {
+    /// Every connection is open.
+    Up,
+    /// A broker closed its connection and refuses new ones: it is down.
+    Down,
+    /// A broker closed its connection but accepts new ones at once. It
+    /// restarted (this process may have been paused meanwhile), or cut the
+    /// connection for its own reasons: either way the client's connections
+    /// may now lead to another store, so the subscription starts afresh and
+    /// checks its position's history.
+    Closed,
+}
+
+/// How often the watchdog replaces its own connections: well inside the
+/// broker's idle timeout (120 s), so a close is never the broker tidying up
+/// a silent connection.
+const WATCHDOG_REFRESH: Duration = Duration::from_secs(30);
+
+/// Holds a TCP connection to each broker, and reports the first time one
+/// closes. A broker that dies closes it at once, however quickly it comes
+/// back; the pull requests of the client, by contrast, hang for 30 s.
+async fn watchdog(addrs: Vec<String>, report: watch::Sender<Brokers>) {
     loop {
-        if was_down {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            let mut all = true;
-            for addr in &addrs {
-                all &= reachable(addr).await;
+        let mut conns = HashMap::new();
+        for addr in &addrs {
+            match connect(addr).await {
+                Some(s) => {
+                    conns.insert(addr.clone(), s);
+                }
+                None => {
+                    report.send_replace(Brokers::Down);
+                    return;
+                }
             }
-            if all {
-                back.send_replace(true);
-                return;
-            }
-            continue;
         }
         let ended = conns.iter().map(|(addr, s)| Box::pin(closed(addr, s)));
-        let addr = first_of(ended).await;
-        conns.remove(&addr);
-        // An idle connection the broker closed on purpose can be reopened at
-        // once; a dead broker cannot.
-        match tokio::time::timeout(
-            Duration::from_millis(500),
-            tokio::net::TcpStream::connect(addr.as_str()),
-        )
-        .await
-        {
-            Ok(Ok(s)) => {
-                conns.insert(addr, s);
+        tokio::select! {
+            addr = first_of(ended) => {
+                let state = match connect(&addr).await {
+                    Some(_) => Brokers::Closed,
+                    None => Brokers::Down,
+                };
+                report.send_replace(state);
+                return;
             }
-            _ => was_down = true,
+            () = tokio::time::sleep(WATCHDOG_REFRESH) => {}
         }
+    }
+}
+
+async fn connect(addr: &str) -> Option<tokio::net::TcpStream> {
+    match tokio::time::timeout(
+        Duration::from_millis(500),
+        tokio::net::TcpStream::connect(addr),
+    )
+    .await
+    {
+        Ok(Ok(s)) => Some(s),
+        _ => None,
     }
 }
 
@@ -1038,13 +1267,13 @@ impl Consumer {
 }
 
 struct RocketMqSubscription {
-    rx: mpsc::Receiver<Vec<Record>>,
+    rx: mpsc::Receiver<Vec<(Record, Anchor)>>,
     /// Records received but not yet handed out; kept so a cancelled or short
     /// `next` loses nothing.
-    buffered: VecDeque<Record>,
+    buffered: VecDeque<(Record, Anchor)>,
     position: Position,
     pending: Option<Loss>,
-    back: watch::Receiver<bool>,
+    brokers: watch::Receiver<Brokers>,
     watchdog: tokio::task::JoinHandle<()>,
     consumer: Option<Consumer>,
 }
@@ -1083,13 +1312,15 @@ impl Subscription for RocketMqSubscription {
                     Some(b) => self.buffered.extend(b),
                     None => return Err(Error::disconnected(KIND, "the consumer stopped")),
                 },
-                Ok(_) = self.back.wait_for(|b| *b) => {
-                    // Its pull requests may hang for 30 s after a broker
-                    // restart; a fresh consumer resumes at once.
-                    return Err(Error::disconnected(
-                        KIND,
-                        "a broker restarted; the consumer starts afresh",
-                    ));
+                Ok(state) = self.brokers.wait_for(|b| *b != Brokers::Up) => {
+                    // Ending here shows the outage at once (the node stops
+                    // reporting itself healthy), and a fresh consumer does
+                    // not wait out the client's 30 s pull timeout.
+                    let why = match *state {
+                        Brokers::Down => "a broker went down",
+                        _ => "a broker closed its connection; the consumer starts afresh",
+                    };
+                    return Err(Error::disconnected(KIND, why));
                 }
             }
         }
@@ -1100,9 +1331,23 @@ impl Subscription for RocketMqSubscription {
             }
         }
         let n = self.buffered.len().min(max.max(1));
-        let records: Vec<Record> = self.buffered.drain(..n).collect();
-        for r in &records {
+        let mut records = Vec::with_capacity(n);
+        // The newest anchor per queue, written into the position once per
+        // batch rather than once per record.
+        let mut anchors: Vec<(String, Anchor)> = Vec::new();
+        for (r, anchor) in self.buffered.drain(..n) {
             self.position.advance(&r.position);
+            if let Some((queue, _)) = r.position.iter().next() {
+                match anchors.iter_mut().find(|(q, _)| q == queue) {
+                    Some((_, a)) => *a = anchor,
+                    None => anchors.push((queue.to_owned(), anchor)),
+                }
+            }
+            records.push(r);
+        }
+        for (queue, anchor) in anchors {
+            self.position
+                .set(anchor_partition(&queue), anchor.to_offset());
         }
         Ok(Delivery::Batch {
             records,

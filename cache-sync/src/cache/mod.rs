@@ -6,7 +6,7 @@ use std::fmt;
 use std::future::Future;
 use std::hash::{BuildHasher, Hash, RandomState};
 use std::sync::atomic::{
-    AtomicBool, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+    AtomicU64, Ordering::AcqRel, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
 };
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -40,9 +40,16 @@ pub const DEFAULT_MAX_TRACKED_KEYS: usize = 100_000;
 /// load result holds that key's write lock from its decision until moka has
 /// the result, so they are serialised per key. A load takes a token when it
 /// starts; if any write to its key, or any clear, lands before the load's
-/// result is installed, the result is discarded and the load is retried (up to
-/// [`max_load_retries`](SyncedCacheBuilder::max_load_retries) times; after
-/// that the last result is returned to the caller without being cached).
+/// result is installed, the result is discarded and the load is retried, up
+/// to [`max_load_retries`](SyncedCacheBuilder::max_load_retries) times. A key
+/// that changes during every one of those is loaded once more while holding
+/// its write lock, so that load cannot be overtaken: `get_with` never returns
+/// a value older than a change applied while it ran.
+///
+/// During that last load, writes to the keys that share its lock stripe
+/// wait for the loader, so a loader must not wait for another task that
+/// writes this cache. Writes the loader makes itself, on its own task (a
+/// nested `get_with`, an `insert`), go ahead.
 ///
 /// Do not write to the wrapped moka cache directly: such writes bypass the
 /// per-key bookkeeping.
@@ -106,7 +113,9 @@ where
     }
 
     /// How many times a load whose key was written meanwhile is retried
-    /// before its result is returned uncached. Default 3.
+    /// without holding the key's write lock. After that, one more load runs
+    /// under the lock, so it cannot be overtaken (see the type's docs).
+    /// Default 3; 0 takes the lock at the first retry.
     pub fn max_load_retries(mut self, n: u32) -> Self {
         self.max_load_retries = n;
         self
@@ -123,7 +132,7 @@ where
                 stripe_hasher: RandomState::new(),
                 flights: Mutex::default(),
                 max_load_retries: self.max_load_retries,
-                registered: AtomicBool::new(false),
+                owner: AtomicU64::new(0),
                 quarantine_until: Mutex::new(None),
                 quarantine: Mutex::new(Duration::ZERO),
                 stats: Stats::default(),
@@ -150,7 +159,8 @@ pub(crate) struct Inner<K, V> {
     stripe_hasher: RandomState,
     flights: Mutex<HashMap<K, Arc<Flight<V>>>>,
     max_load_retries: u32,
-    registered: AtomicBool,
+    /// The node that holds the cache, by its token; 0 when none does.
+    owner: AtomicU64,
     /// Until then, versioned refreshes are applied as invalidations; see
     /// `CacheHandle::resync`.
     quarantine_until: Mutex<Option<tokio::time::Instant>>,
@@ -222,6 +232,12 @@ impl StripedCounter {
 /// Enough that writes to different keys from a few cores rarely meet.
 const WRITE_STRIPES: usize = 64;
 
+tokio::task_local! {
+    /// Set while a locked load's loader runs: (the cache's address, the
+    /// stripe its task holds).
+    static HELD_STRIPE: (usize, usize);
+}
+
 /// What a write does to the moka entry, decided under the key's write lock.
 enum Write<V> {
     Put(V),
@@ -232,7 +248,7 @@ enum Write<V> {
 pub(crate) fn now_us() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 impl<K, V> SyncedCache<K, V>
@@ -319,8 +335,8 @@ where
     /// Concurrent calls for one key share a single load. If the key is
     /// written (by an event or locally) or the cache cleared while the load
     /// runs, its result is not cached and `loader` runs again, so the value
-    /// returned is never older than the last change applied before the call
-    /// returns; see the type-level docs.
+    /// returned is never older than a change applied while the call ran;
+    /// see the type-level docs.
     pub async fn get_with<F, Fut>(&self, key: K, mut loader: F) -> V
     where
         F: FnMut() -> Fut,
@@ -431,8 +447,14 @@ where
     where
         F: FnOnce(&mut VersionTable<K>, &K) -> Write<V>,
     {
-        let stripe = self.stripe_hasher.hash_one(&key) as usize % WRITE_STRIPES;
-        let _key_lock = self.write_locks[stripe].lock().await;
+        let stripe = self.stripe(&key);
+        // A locked load's own loader may write (a nested `get_with`, say);
+        // its task already holds the stripe, and waiting would be waiting on
+        // itself.
+        let _key_lock = match self.held_by_this_task(stripe) {
+            true => None,
+            false => Some(self.write_locks[stripe].lock().await),
+        };
         // The decision and moka's change normally happen in one poll. moka
         // can wait in between only when an eviction listener holds the key;
         // a caller cancelled there leaves the decision recorded without the
@@ -469,13 +491,37 @@ where
         decision
     }
 
+    fn stripe(&self, key: &K) -> usize {
+        self.stripe_hasher.hash_one(key) as usize % WRITE_STRIPES
+    }
+
+    /// Whether the current task is a locked load's, holding `stripe` of this
+    /// cache while its loader runs.
+    fn held_by_this_task(&self, stripe: usize) -> bool {
+        HELD_STRIPE
+            .try_with(|&(cache, held)| cache == self.id() && held == stripe)
+            .unwrap_or(false)
+    }
+
+    fn id(&self) -> usize {
+        std::ptr::from_ref(self) as usize
+    }
+
     async fn clear(&self, version: Option<u64>) {
-        // In stripe order, the only order in which anyone holds more than one.
-        let mut held = Vec::with_capacity(WRITE_STRIPES);
-        for stripe in self.write_locks.iter() {
-            held.push(stripe.lock().await);
-        }
+        // First the stamp: from here on no load that started earlier passes
+        // its check. Then a barrier through every stripe, one at a time: a
+        // write that passed its check before the stamp holds its stripe
+        // until moka has its value, so once the barrier is through, every
+        // such value is in moka, and `invalidate_all` (which drops what was
+        // inserted before it runs) removes it. Holding one stripe at a time
+        // means a clear never holds one stripe while waiting for another, so
+        // it cannot deadlock with a locked load whose loader writes.
         lock(&self.table).clear(version);
+        for (i, stripe) in self.write_locks.iter().enumerate() {
+            if !self.held_by_this_task(i) {
+                drop(stripe.lock().await);
+            }
+        }
         self.cache.invalidate_all();
     }
 
@@ -488,6 +534,9 @@ where
     {
         let mut attempt = 0;
         loop {
+            if attempt > self.max_load_retries {
+                return self.load_locked(key, loader).await;
+            }
             let token = lock(&self.table).load_token();
             self.stats.loads.fetch_add(1, Relaxed);
             let value = match loader().await {
@@ -515,11 +564,44 @@ where
                 return Ok(v);
             }
             attempt += 1;
-            if attempt > self.max_load_retries {
-                tracing::debug!(cache = %self.name, "key kept changing during loads; returning the last load uncached");
-                return Ok(value);
-            }
         }
+    }
+
+    /// The last resort for a key that kept changing during every load: one
+    /// more load while holding the key's write stripe, so no write to the
+    /// key (and no clear) can land between the read and the install. Writes
+    /// to keys of that stripe wait for the loader meanwhile, the consumer
+    /// included; that is the price of never returning a value older than a
+    /// change applied during the call.
+    async fn load_locked<F, Fut, E>(&self, key: &K, loader: &mut F) -> Result<V, Arc<E>>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<V, E>>,
+    {
+        tracing::debug!(cache = %self.name, "key kept changing during loads; loading it under its write lock");
+        let stripe = self.stripe(key);
+        let _held = match self.held_by_this_task(stripe) {
+            true => None,
+            false => Some(self.write_locks[stripe].lock().await),
+        };
+        let token = lock(&self.table).load_token();
+        self.stats.loads.fetch_add(1, Relaxed);
+        let loaded = HELD_STRIPE.scope((self.id(), stripe), loader()).await;
+        let value = match loaded {
+            Ok(v) => v,
+            Err(e) => {
+                self.stats.load_failures.fetch_add(1, Relaxed);
+                return Err(Arc::new(e));
+            }
+        };
+        // Nothing but the loader itself can have written the key meanwhile;
+        // if it did, its write stands and the value is returned uncached.
+        if lock(&self.table).superseded(key, token) {
+            self.stats.loads_superseded.fetch_add(1, Relaxed);
+        } else {
+            self.cache.insert(key.clone(), value.clone()).await;
+        }
+        Ok(value)
     }
 
     fn snapshot(&self) -> CacheStatus {
@@ -557,9 +639,12 @@ where
 #[async_trait]
 pub(crate) trait CacheHandle: Send + Sync {
     fn name(&self) -> &str;
-    /// Claims the cache for one node, whose reorder window sets how long
-    /// each quarantine lasts. False if it is already registered.
-    fn claim(&self, reorder_window: Duration) -> bool;
+    /// Claims the cache for the node with token `owner` (never 0), whose
+    /// reorder window sets how long each quarantine lasts. False if another
+    /// node holds it.
+    fn claim(&self, owner: u64, reorder_window: Duration) -> bool;
+    /// Gives the cache up, if `owner` holds it, so another node may claim it.
+    fn release(&self, owner: u64);
     /// Applies one decoded event. Undecodable keys or values are answered
     /// here (invalidation or a resync), counted, and logged.
     async fn apply(&self, header: &Header, change: Change);
@@ -599,12 +684,22 @@ where
         &self.name
     }
 
-    fn claim(&self, reorder_window: Duration) -> bool {
-        if self.registered.swap(true, Relaxed) {
+    fn claim(&self, owner: u64, reorder_window: Duration) -> bool {
+        if self
+            .owner
+            .compare_exchange(0, owner, AcqRel, Acquire)
+            .is_err()
+        {
             return false;
         }
         *lock(&self.quarantine) = reorder_window;
         true
+    }
+
+    fn release(&self, owner: u64) {
+        // Only the claimant's release counts: a node that shut down, and
+        // whose cache another node claimed since, must not free it again.
+        let _ = self.owner.compare_exchange(owner, 0, AcqRel, Acquire);
     }
 
     async fn apply(&self, header: &Header, change: Change) {
@@ -688,7 +783,8 @@ where
     }
 
     fn quarantine(&self) {
-        let until = tokio::time::Instant::now() + *lock(&self.quarantine);
+        // A window too long for the clock (`Duration::MAX`) lasts for good.
+        let until = crate::util::deadline_after(*lock(&self.quarantine));
         let mut q = lock(&self.quarantine_until);
         *q = Some(q.map_or(until, |old| old.max(until)));
     }

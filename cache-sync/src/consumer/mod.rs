@@ -26,6 +26,7 @@ use crate::lock;
 use crate::publish::Publisher;
 use crate::sign::{Keyring, strip_unverified};
 use crate::status::{NodeStatus, StatusServer};
+use crate::util::deadline_after;
 
 mod offsets;
 
@@ -36,6 +37,12 @@ pub const DEFAULT_TOPIC: &str = "cache-sync";
 
 /// See [`NodeBuilder::reorder_window`].
 pub const DEFAULT_REORDER_WINDOW: Duration = Duration::from_secs(10);
+
+/// The shortest wait between re-subscription attempts.
+const MIN_BACKOFF: Duration = Duration::from_millis(1);
+
+/// Hands each node a token of its own, so a cache knows which node holds it.
+static NEXT_NODE_TOKEN: AtomicU64 = AtomicU64::new(1);
 
 /// One application node: a broadcasting consumer plus the caches it keeps in
 /// step, and the source of its status.
@@ -72,7 +79,17 @@ impl Drop for Handle {
     }
 }
 
+/// A node that failed to start, or whose last task and handle are gone,
+/// lets its caches be registered on another node.
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.release_caches();
+    }
+}
+
 struct Shared {
+    /// This node's claim on its caches; see `CacheHandle::claim`.
+    token: u64,
     id: String,
     topic: String,
     bus: Arc<dyn ChangeBus>,
@@ -236,8 +253,8 @@ impl NodeBuilder {
     /// returns, every event published afterwards reaches this node.
     pub async fn start(self) -> Result<Node> {
         let c = &self.config;
-        if self.id.is_empty() || self.topic.is_empty() {
-            return Err(Error::Config("node id and topic must not be empty".into()));
+        if self.id.is_empty() {
+            return Err(Error::Config("node id must not be empty".into()));
         }
         if c.max_batch == 0 {
             return Err(Error::Config("max_batch must be at least 1".into()));
@@ -247,12 +264,25 @@ impl NodeBuilder {
                 "max_event_bytes must be between 1 and {MAX_EVENT_BYTES_CEILING}"
             )));
         }
-        if c.persist_interval.is_zero() || c.min_backoff > c.max_backoff {
-            return Err(Error::Config(
-                "persist_interval must be non-zero and min_backoff <= max_backoff".into(),
-            ));
+        if c.persist_interval.is_zero() {
+            return Err(Error::Config("persist_interval must be non-zero".into()));
         }
+        if c.min_backoff < MIN_BACKOFF || c.min_backoff > c.max_backoff {
+            return Err(Error::Config(format!(
+                "reconnect_backoff needs {MIN_BACKOFF:?} <= min <= max, not {:?} and {:?}: \
+                 a smaller minimum would retry a down broker in a tight loop",
+                c.min_backoff, c.max_backoff
+            )));
+        }
+        self.bus.check_topic(&self.topic)?;
+        for cache in &self.caches {
+            self.bus.check_tag(cache.name())?;
+        }
+        // Everything that can be refused without side effects is refused
+        // above; from here a failure drops `shared`, whose `Drop` releases
+        // every cache claimed so far, so they can be registered again.
         let shared = Arc::new(Shared {
+            token: NEXT_NODE_TOKEN.fetch_add(1, Relaxed),
             id: self.id,
             topic: self.topic,
             bus: self.bus,
@@ -282,7 +312,12 @@ impl NodeBuilder {
             None => match &shared.config.start_from {
                 StartFrom::Latest if !window.is_zero() => {
                     covered = true;
-                    StartFrom::Timestamp(std::time::SystemTime::now() - window)
+                    // A window reaching back before the epoch (`Duration::MAX`)
+                    // asks for all the history there is.
+                    match std::time::SystemTime::now().checked_sub(window) {
+                        Some(t) if t > std::time::UNIX_EPOCH => StartFrom::Timestamp(t),
+                        _ => StartFrom::Earliest,
+                    }
                 }
                 StartFrom::Latest | StartFrom::Earliest => {
                     covered = true;
@@ -379,18 +414,39 @@ impl Node {
     /// The cache is emptied first: nothing it held was kept in step before
     /// now, so register caches before warming them. Prefer
     /// [`NodeBuilder::register`]: a cache registered after start is
-    /// quarantined for the [reorder window](NodeBuilder::reorder_window). Fails if the name is
-    /// taken on this node or the cache is registered on another node.
+    /// quarantined for the [reorder window](NodeBuilder::reorder_window).
+    ///
+    /// Fails with [`Error::DuplicateCache`] if the name is taken on this
+    /// node, [`Error::Config`] if another node holds the cache or the
+    /// transport cannot carry its name, and [`Error::Shutdown`] once the node
+    /// has shut down. A node gives its caches up when it shuts down, or when
+    /// its start fails, so they can be registered on another.
     pub async fn register<K, V>(&self, cache: &SyncedCache<K, V>) -> Result<()>
     where
         K: Hash + Eq + Clone + Send + Sync + Serialize + DeserializeOwned + 'static,
         V: Clone + Send + Sync + DeserializeOwned + 'static,
     {
         let handle = cache.handle();
-        self.handle.shared.register(handle.clone()).await?;
+        let shared = &self.handle.shared;
+        if self.is_stopped() {
+            return Err(Error::Shutdown);
+        }
+        shared.bus.check_tag(handle.name())?;
+        shared.register(handle.clone()).await?;
+        // A shutdown that ran meanwhile may have released its caches before
+        // this one was in the map: undo, rather than hold a claim nobody
+        // will release.
+        if self.is_stopped() {
+            shared.unregister(&handle);
+            return Err(Error::Shutdown);
+        }
         // It joins mid-stream: recent events for it were not kept for it.
         handle.quarantine();
         Ok(())
+    }
+
+    fn is_stopped(&self) -> bool {
+        *self.handle.stop.borrow()
     }
 
     /// A publisher on this node's transport and topic, with the node id as
@@ -402,8 +458,8 @@ impl Node {
             .origin(s.id.clone())
             .max_event_bytes(s.config.max_event_bytes);
         match &s.keyring {
-            Some(ring) => builder.signing(ring.clone()).build(),
-            None => builder.build(),
+            Some(ring) => builder.signing(ring.clone()).build_checked(),
+            None => builder.build_checked(),
         }
     }
 
@@ -463,6 +519,10 @@ impl Node {
 
     /// Stops fetching, applies what was already fetched, saves the position,
     /// and waits for the consumer to finish.
+    ///
+    /// Afterwards the node takes no more work ([`register`](Self::register)
+    /// fails with [`Error::Shutdown`]) and its caches can be registered on
+    /// another node. Calling it again does nothing more.
     pub async fn shutdown(&self) -> Result<()> {
         self.handle.stop.send_replace(true);
         let tasks = self.handle.tasks.lock().await.take();
@@ -470,8 +530,11 @@ impl Node {
             let _ = consumer.await;
             let _ = maintenance.await;
         }
-        self.handle.shared.consuming.store(false, Relaxed);
-        self.handle.shared.persist().await
+        let shared = &self.handle.shared;
+        shared.consuming.store(false, Relaxed);
+        let saved = shared.persist().await;
+        shared.release_caches();
+        saved
     }
 }
 
@@ -489,18 +552,13 @@ impl Shared {
 
     async fn register(&self, cache: Arc<dyn CacheHandle>) -> Result<()> {
         let name = cache.name().to_owned();
-        if name.is_empty() || name.len() > 255 {
-            return Err(Error::Config(format!(
-                "cache name {name:?} must be 1 to 255 bytes"
-            )));
-        }
         {
             let mut guard = self.caches.write().unwrap_or_else(|p| p.into_inner());
             let caches = Arc::make_mut(&mut guard);
             if caches.contains_key(&name) {
                 return Err(Error::DuplicateCache(name));
             }
-            if !cache.claim(self.config.reorder_window) {
+            if !cache.claim(self.token, self.config.reorder_window) {
                 return Err(Error::Config(format!(
                     "cache {name:?} is already registered on a node"
                 )));
@@ -513,6 +571,21 @@ impl Shared {
         self.registrations.send_modify(|n| *n += 1);
         tracing::debug!(node = %self.id, cache = %name, "cache registered");
         Ok(())
+    }
+
+    /// Takes a cache out of the map again, and releases it.
+    fn unregister(&self, cache: &Arc<dyn CacheHandle>) {
+        {
+            let mut guard = self.caches.write().unwrap_or_else(|p| p.into_inner());
+            Arc::make_mut(&mut guard).remove(cache.name());
+        }
+        cache.release(self.token);
+    }
+
+    fn release_caches(&self) {
+        for cache in self.caches().values() {
+            cache.release(self.token);
+        }
     }
 
     async fn subscribe(&self, from: StartFrom) -> Result<Box<dyn Subscription>> {
@@ -531,9 +604,14 @@ impl Shared {
         self.offsets.save(&self.topic, &position).await
     }
 
-    async fn resync_all(&self, reason: LossReason, missed: Option<u64>) {
+    /// Counts a loss and remembers its reason for the status.
+    fn record_loss(&self, reason: LossReason) {
         self.stats.losses.fetch_add(1, Relaxed);
         *lock(&self.stats.last_loss) = Some((reason.label().to_owned(), now_us()));
+    }
+
+    async fn resync_all(&self, reason: LossReason, missed: Option<u64>) {
+        self.record_loss(reason);
         let caches: Vec<_> = self.caches().values().cloned().collect();
         tracing::warn!(
             node = %self.id, topic = %self.topic, reason = reason.label(), ?missed, caches = caches.len(),
@@ -583,6 +661,9 @@ async fn consume_loop(shared: Arc<Shared>, initial: Subscribed, mut stop: watch:
     let mut fetched = subscription.position();
     let mut sub = Some(subscription);
     let mut backoff = Duration::ZERO;
+    // Whether the next subscription resumes after a broken one (time passed,
+    // connections dropped), rather than re-subscribing at once for new tags.
+    let mut after_error = false;
     // One future for the whole loop: a fresh `wait_for` per select would
     // register with (and leave) the channel's waiter list once per event.
     let mut stopped = std::pin::pin!(async move {
@@ -606,12 +687,17 @@ async fn consume_loop(shared: Arc<Shared>, initial: Subscribed, mut stop: watch:
                     shared.config.start_from.clone()
                 }
             };
+            let resumed = after_error && fetched.is_some();
             let names: HashSet<String> = shared.caches().keys().cloned().collect();
             match shared.subscribe(from).await {
                 Ok(new) => {
                     fetched = new.position().or(fetched);
                     sub = Some(new);
                     backoff = Duration::ZERO;
+                    after_error = false;
+                    if resumed {
+                        seqs.resumed(names.iter().cloned());
+                    }
                     shared.consuming.store(true, Relaxed);
                     for name in names.difference(&subscribed_names) {
                         if let Some(cache) = shared.cache(name) {
@@ -624,7 +710,9 @@ async fn consume_loop(shared: Arc<Shared>, initial: Subscribed, mut stop: watch:
                 }
                 Err(e) => {
                     shared.stats.transport_errors.fetch_add(1, Relaxed);
-                    backoff = (backoff * 2).clamp(cfg.min_backoff, cfg.max_backoff);
+                    shared.consuming.store(false, Relaxed);
+                    after_error = true;
+                    backoff = next_backoff(backoff, cfg);
                     tracing::warn!(node = %shared.id, error = %e, retry_in = ?backoff, "re-subscribe failed");
                 }
             }
@@ -661,12 +749,20 @@ async fn consume_loop(shared: Arc<Shared>, initial: Subscribed, mut stop: watch:
             Err(e) => {
                 shared.stats.transport_errors.fetch_add(1, Relaxed);
                 shared.consuming.store(false, Relaxed);
-                backoff = (backoff * 2).clamp(cfg.min_backoff, cfg.max_backoff);
+                after_error = true;
+                backoff = next_backoff(backoff, cfg);
                 tracing::warn!(node = %shared.id, error = %e, retry_in = ?backoff, "subscription failed; re-subscribing");
                 sub = None;
             }
         }
     }
+}
+
+/// Doubles the wait, within the configured bounds, without overflowing.
+fn next_backoff(backoff: Duration, cfg: &Config) -> Duration {
+    backoff
+        .saturating_mul(2)
+        .clamp(cfg.min_backoff, cfg.max_backoff)
 }
 
 async fn apply_loss(shared: &Shared, seqs: &mut PublisherSeqs, loss: Loss) {
@@ -696,12 +792,13 @@ const SETTLE_DELAY: Duration = Duration::from_millis(10);
 /// slow offset store never delays applying, and runs the caches'
 /// housekeeping.
 async fn maintenance_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
-    let mut persist = tokio::time::interval(shared.config.persist_interval);
-    persist.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    persist.tick().await;
-    let mut housekeeping = tokio::time::interval(HOUSEKEEPING_INTERVAL);
-    housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    housekeeping.tick().await;
+    // Deadlines rather than `tokio::time::interval`, whose next tick is
+    // `now + period` and panics for a period as long as `Duration::MAX`.
+    let every = shared.config.persist_interval;
+    let mut persist = std::pin::pin!(tokio::time::sleep_until(deadline_after(every)));
+    let mut housekeeping = std::pin::pin!(tokio::time::sleep_until(deadline_after(
+        HOUSEKEEPING_INTERVAL
+    )));
     enum Due {
         Stop,
         Persist,
@@ -712,19 +809,20 @@ async fn maintenance_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) 
         let due = tokio::select! {
             biased;
             _ = stop.wait_for(|s| *s) => Due::Stop,
-            _ = persist.tick() => Due::Persist,
-            _ = housekeeping.tick() => Due::Housekeeping,
+            () = &mut persist => Due::Persist,
+            () = &mut housekeeping => Due::Housekeeping,
             () = shared.applied.notified() => Due::Applied,
         };
         match due {
             Due::Stop => break,
             Due::Persist => {
-                if shared.dirty.swap(false, Relaxed) {
-                    if let Err(e) = shared.persist().await {
-                        shared.dirty.store(true, Relaxed);
-                        tracing::warn!(node = %shared.id, error = %e, "could not save position");
-                    }
+                if shared.dirty.swap(false, Relaxed)
+                    && let Err(e) = shared.persist().await
+                {
+                    shared.dirty.store(true, Relaxed);
+                    tracing::warn!(node = %shared.id, error = %e, "could not save position");
                 }
+                persist.as_mut().reset(deadline_after(every));
             }
             Due::Housekeeping | Due::Applied => {
                 if matches!(due, Due::Applied) {
@@ -737,7 +835,9 @@ async fn maintenance_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) 
                     cache.settle().await;
                 }
                 // It just ran: the periodic run can wait a whole interval.
-                housekeeping.reset();
+                housekeeping
+                    .as_mut()
+                    .reset(deadline_after(HOUSEKEEPING_INTERVAL));
             }
         }
     }
@@ -751,6 +851,9 @@ type CacheMap = HashMap<String, Arc<dyn CacheHandle>>;
 struct PublisherSeqs {
     last: HashMap<u64, HashMap<String, u64>>,
     tracked: usize,
+    /// Caches whose unknown publishers are not taken on trust: every cache
+    /// held when the subscription last resumed, until it is resynced.
+    distrusted: HashSet<String>,
 }
 
 /// Bounds memory when publishers come and go: forgetting baselines only
@@ -758,28 +861,48 @@ struct PublisherSeqs {
 const MAX_TRACKED_PUBLISHERS: usize = 100_000;
 
 impl PublisherSeqs {
+    /// After a loss every cache was resynced: nothing before now matters.
     fn clear(&mut self) {
         self.last.clear();
         self.tracked = 0;
+        self.distrusted.clear();
     }
 
-    /// Records `seq` and returns how many events were skipped before it.
-    fn observe(&mut self, publisher: u64, cache: &str, seq: u64) -> u64 {
+    /// The subscription resumed from a position. Had the transport's history
+    /// been replaced unnoticed in between, a publisher's earlier events
+    /// would be gone, and only a known baseline could tell; so for these
+    /// caches, a publisher's first event after a start counts as a gap.
+    fn resumed(&mut self, caches: impl IntoIterator<Item = String>) {
+        self.distrusted.extend(caches);
+    }
+
+    /// `cache` was resynced: what any publisher sent it before is moot.
+    fn resynced(&mut self, cache: &str) {
+        self.distrusted.remove(cache);
+    }
+
+    /// Records `seq`; returns how many events may have been missed before
+    /// it, if any. Checked arithmetic throughout: `seq` comes off the wire.
+    fn observe(&mut self, publisher: u64, cache: &str, seq: u64) -> Option<u64> {
         if let Some(last) = self.last.get_mut(&publisher).and_then(|m| m.get_mut(cache)) {
-            let missed = seq.saturating_sub(*last + 1);
             // A redelivery (seq <= last) is applied again but does not move back.
+            let missed = seq.checked_sub(*last).and_then(|d| d.checked_sub(1));
             *last = (*last).max(seq);
-            return missed;
+            return missed.filter(|&m| m > 0);
         }
         if self.tracked >= MAX_TRACKED_PUBLISHERS {
-            self.clear();
+            // Forgetting baselines is safe here, not after a resume: the
+            // caches stay distrusted.
+            self.last.clear();
+            self.tracked = 0;
         }
         self.last
             .entry(publisher)
             .or_default()
             .insert(cache.to_owned(), seq);
         self.tracked += 1;
-        0
+        // A publisher's first event (seq 1) vouches for everything before it.
+        (seq > 1 && self.distrusted.contains(cache)).then(|| seq - 1)
     }
 }
 
@@ -791,7 +914,8 @@ async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, records: Vec<R
     let caches = shared.caches();
     for record in records {
         shared.stats.received.fetch_add(1, Relaxed);
-        // Tag filter: skip other caches' events without decoding them.
+        // Tag filter: skip other caches' events without reading them. The
+        // tag is not authenticated, but skipping changes nothing.
         let tagged = match record.tag.as_deref() {
             Some(tag) => match caches.get(tag) {
                 Some(c) => Some(c),
@@ -802,6 +926,21 @@ async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, records: Vec<R
             },
             None => None,
         };
+        // Authentication comes before anything that could change state,
+        // the size check and the tag's cache included: what fails it may
+        // only bump a counter, or forgeries could flush caches at will.
+        let payload = match &shared.keyring {
+            Some(ring) => match ring.open(&record.payload) {
+                Ok(inner) => inner,
+                Err(e) => {
+                    reject(shared, &record, &e.to_string(), e.kind().label());
+                    continue;
+                }
+            },
+            None => strip_unverified(&record.payload),
+        };
+        // From here the bytes are authentic, or the node does not ask: an
+        // unreadable event tagged for a held cache may have carried a change.
         if record.payload.len() > limit {
             let e = DecodeError::new(DecodeErrorKind::TooLarge {
                 size: record.payload.len(),
@@ -810,28 +949,17 @@ async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, records: Vec<R
             reject(shared, &record, &e.to_string(), e.kind().label());
             if let Some(cache) = tagged {
                 cache.reject(&e.to_string()).await;
+                seqs.resynced(cache.name());
             }
             continue;
         }
-        let payload = match &shared.keyring {
-            Some(ring) => match ring.open(&record.payload) {
-                Ok(inner) => inner,
-                Err(e) => {
-                    // Unauthenticated: count it, but let it change nothing,
-                    // not even an invalidation, or forgeries could flush caches.
-                    reject(shared, &record, &e.to_string(), e.kind().label());
-                    continue;
-                }
-            },
-            None => strip_unverified(&record.payload),
-        };
         let (header, offset) = match decode_header(payload, limit) {
             Ok(h) => h,
             Err(e) => {
                 reject(shared, &record, &e.to_string(), e.kind().label());
-                // It may have been a real change for this cache that we cannot read.
                 if let Some(cache) = tagged {
                     cache.reject(&e.to_string()).await;
+                    seqs.resynced(cache.name());
                 }
                 continue;
             }
@@ -840,20 +968,23 @@ async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, records: Vec<R
             shared.stats.skipped.fetch_add(1, Relaxed);
             continue;
         };
-        let missed = seqs.observe(header.publisher, &header.cache, header.seq);
-        if missed > 0 {
+        if let Some(missed) = seqs.observe(header.publisher, &header.cache, header.seq) {
             shared.stats.publisher_gaps.fetch_add(1, Relaxed);
+            shared.record_loss(LossReason::PublisherGap);
             tracing::warn!(node = %shared.id, cache = %header.cache, origin = %header.origin,
-                publisher = header.publisher, seq = header.seq, missed, "gap in a publisher's sequence");
-            shared
-                .resync_all(LossReason::PublisherGap, Some(missed))
-                .await;
+                publisher = header.publisher, seq = header.seq, missed,
+                "gap in a publisher's sequence; invalidating that cache");
+            // Sequence numbers run per (publisher, cache): only this cache
+            // can have missed anything.
+            cache.resync().await;
+            seqs.resynced(&header.cache);
         }
         match decode_change(payload, offset) {
             Ok(change) => cache.apply(&header, change).await,
             Err(e) => {
                 reject(shared, &record, &e.to_string(), e.kind().label());
                 cache.reject(&e.to_string()).await;
+                seqs.resynced(&header.cache);
             }
         }
     }

@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
@@ -62,6 +63,13 @@ impl OffsetStore for MemoryOffsetStore {
 /// written atomically (a temporary file, fsync, rename, fsync of the
 /// directory), so a crash leaves either the old file or the new one.
 ///
+/// Each save reads the file, replaces one topic's position and writes it
+/// back, holding an exclusive lock on `offsets.lock` in the same directory
+/// (`flock`), so stores that share a directory, in one process or several,
+/// never interleave their writes or lose each other's topics. Temporary
+/// files carry the process id and a counter, and leftovers of a crashed
+/// writer are removed by the next save.
+///
 /// ```json
 /// {"offsetTable": {"cache-sync": {"embedded-9f3c…": 1042}}}
 /// ```
@@ -107,13 +115,44 @@ impl FileOffsetStore {
         }
     }
 
-    fn write(dir: &Path, file: &OffsetsFile) -> Result<()> {
-        let io = |p: &Path| {
-            let p = p.display().to_string();
-            move |e| Error::io(&p, e)
+    /// Read-modify-write of one topic, under the directory's lock.
+    fn save_blocking(dir: &Path, topic: String, position: Position) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(io_at(dir))?;
+        let lock_path = dir.join("offsets.lock");
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(io_at(&lock_path))?;
+        // Released when `lock` is closed, on every path out of here.
+        lock.lock().map_err(io_at(&lock_path))?;
+        Self::remove_leftovers(dir);
+        let mut file = Self::read(&dir.join("offsets.json"))?;
+        file.offset_table.insert(topic, position);
+        Self::write(dir, &file)
+    }
+
+    /// Temporary files of writers that crashed before their rename. Only
+    /// called under the lock, when no writer can be mid-write.
+    fn remove_leftovers(dir: &Path) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
         };
-        std::fs::create_dir_all(dir).map_err(io(dir))?;
-        let tmp = dir.join("offsets.json.tmp");
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with("offsets.json.") && name.ends_with(".tmp") {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+
+    fn write(dir: &Path, file: &OffsetsFile) -> Result<()> {
+        let io = io_at;
+        static WRITES: AtomicU64 = AtomicU64::new(0);
+        let n = WRITES.fetch_add(1, Ordering::Relaxed);
+        let tmp = dir.join(format!("offsets.json.{}.{n}.tmp", std::process::id()));
         let target = dir.join("offsets.json");
         let json = serde_json::to_vec_pretty(file).map_err(|e| Error::Encode {
             what: "offsets",
@@ -132,6 +171,11 @@ impl FileOffsetStore {
     }
 }
 
+fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> Error + use<> {
+    let path = path.display().to_string();
+    move |e| Error::io(&path, e)
+}
+
 #[async_trait]
 impl OffsetStore for FileOffsetStore {
     async fn load(&self, topic: &str) -> Result<Option<Position>> {
@@ -146,13 +190,9 @@ impl OffsetStore for FileOffsetStore {
     async fn save(&self, topic: &str, position: &Position) -> Result<()> {
         let _guard = self.lock.lock().await;
         let (dir, topic, position) = (self.dir.clone(), topic.to_owned(), position.clone());
-        tokio::task::spawn_blocking(move || {
-            let mut file = Self::read(&dir.join("offsets.json"))?;
-            file.offset_table.insert(topic, position);
-            Self::write(&dir, &file)
-        })
-        .await
-        .map_err(|e| Error::io("offsets.json", std::io::Error::other(e)))?
+        tokio::task::spawn_blocking(move || Self::save_blocking(&dir, topic, position))
+            .await
+            .map_err(|e| Error::io("offsets.json", std::io::Error::other(e)))?
     }
 }
 
@@ -190,6 +230,48 @@ mod tests {
             err.to_string().contains("not a valid offsets file"),
             "{err}"
         );
+    }
+
+    /// Regression: two stores on one directory (two nodes given the same
+    /// data dir, in one process or two) shared a fixed temporary file name,
+    /// so their writes interleaved: a rename failed, or a torn or lost
+    /// update left a file the next start refused.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_stores_on_one_directory_never_corrupt_or_lose_each_others_topics() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut tasks = Vec::new();
+        for topic in ["a", "b", "c"] {
+            let store = FileOffsetStore::new(dir.path());
+            tasks.push(tokio::spawn(async move {
+                for i in 0..100u64 {
+                    store
+                        .save(topic, &Position::single("q0", Offset::Seq(i)))
+                        .await
+                        .unwrap();
+                    assert_eq!(
+                        store.load(topic).await.unwrap(),
+                        Some(Position::single("q0", Offset::Seq(i))),
+                        "{topic} lost its own write"
+                    );
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let store = FileOffsetStore::new(dir.path());
+        for topic in ["a", "b", "c"] {
+            assert_eq!(
+                store.load(topic).await.unwrap(),
+                Some(Position::single("q0", Offset::Seq(99)))
+            );
+        }
+        let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".tmp"))
+            .collect();
+        assert!(leftovers.is_empty(), "{leftovers:?}");
     }
 
     #[tokio::test]

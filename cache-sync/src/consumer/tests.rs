@@ -137,8 +137,11 @@ async fn garbage_is_rejected_counted_and_survived() {
     assert_eq!(c.get(&"k".into()).await, None);
 }
 
+/// Regression (in part): sequence numbers run per (publisher, cache), yet a
+/// gap used to resync every cache on the topic. Only the cache whose
+/// sequence jumped can have missed anything.
 #[tokio::test]
-async fn a_gap_in_a_publishers_sequence_invalidates_everything() {
+async fn a_gap_in_a_publishers_sequence_invalidates_that_cache_only() {
     let bus = EmbeddedBus::new();
     let (a, b) = (cache("a"), cache("b"));
     let node = Node::builder("n1", bus.clone())
@@ -155,7 +158,7 @@ async fn a_gap_in_a_publishers_sequence_invalidates_everything() {
     .await
     .unwrap();
     eventually("seq 1", async || holds(&a, "x", Some("1")).await).await;
-    b.insert("y".into(), "kept until the gap".into()).await;
+    b.insert("y".into(), "untouched by a's gap".into()).await;
     // Sequence 2 and 3 never arrive.
     bus.publish(
         DEFAULT_TOPIC,
@@ -171,13 +174,19 @@ async fn a_gap_in_a_publishers_sequence_invalidates_everything() {
         "stale entries before the gap are gone"
     );
     assert_eq!(
-        b.get(&"y".into()).await,
-        None,
-        "every cache on the topic is invalidated"
+        b.get(&"y".into()).await.as_deref(),
+        Some("untouched by a's gap"),
+        "another cache's sequence did not jump"
     );
     let s = node.status();
     assert_eq!((s.publisher_gaps, s.losses), (1, 1));
     assert_eq!(s.last_loss_reason.as_deref(), Some("publisher_gap"));
+    let resyncs: Vec<_> = s
+        .caches
+        .iter()
+        .map(|c| (c.name.as_str(), c.loss_resyncs))
+        .collect();
+    assert_eq!(resyncs, [("a", 1), ("b", 0)]);
     // A redelivery of an old sequence number is not a gap.
     bus.publish(
         DEFAULT_TOPIC,
@@ -194,6 +203,56 @@ async fn a_gap_in_a_publishers_sequence_invalidates_everything() {
     .await
     .unwrap();
     eventually("seq 5", async || holds(&a, "v", Some("5")).await).await;
+    assert_eq!(node.status().publisher_gaps, 1);
+}
+
+/// After a resume (a re-subscription from the node's position, with no loss
+/// signalled), the first event of a publisher the node has not heard from
+/// cannot vouch for the ones before it: had the history been replaced
+/// without the transport noticing, they would be gone. It is answered as a
+/// gap in that cache. At a fresh start (empty caches) it is trusted.
+#[tokio::test]
+async fn after_a_resume_an_unknown_publishers_first_event_is_not_trusted() {
+    let flaky = FlakyBus {
+        inner: EmbeddedBus::new(),
+        subscribes: Arc::default(),
+    };
+    let (a, b) = (cache("a"), cache("b"));
+    let node = Node::builder("n1", flaky.clone())
+        .reconnect_backoff(Duration::from_millis(1), Duration::from_millis(10))
+        .register(&a)
+        .register(&b)
+        .start()
+        .await
+        .unwrap();
+    let publish = |cache: &'static str, publisher, seq, k: &'static str| {
+        let bus = flaky.inner.clone();
+        async move {
+            bus.publish(
+                DEFAULT_TOPIC,
+                cache,
+                raw_event(cache, publisher, seq, &refresh_change(k, "v")),
+            )
+            .await
+            .unwrap();
+        }
+    };
+    // Before any resume: a publisher first seen at seq 41 is trusted.
+    publish("a", 1, 41, "a1").await;
+    eventually("applied", async || holds(&a, "a1", Some("v")).await).await;
+    // The first subscription fails after that batch; the node resumes.
+    eventually("resumed", async || flaky.subscribes.load(Relaxed) == 2).await;
+    b.insert("warm".into(), "kept".into()).await;
+    publish("a", 1, 42, "a2").await; // known publisher, next number: fine
+    publish("a", 2, 1, "a3").await; // a new publisher's first event: fine
+    publish("b", 3, 17, "b1").await; // unknown, after a resume: a gap in b
+    eventually("b1 applied", async || holds(&b, "b1", Some("v")).await).await;
+    assert!(holds(&a, "a1", Some("v")).await, "a was not resynced");
+    assert_eq!(b.peek(&"warm".into()).await, None, "b was resynced");
+    let s = node.status();
+    assert_eq!((s.publisher_gaps, s.losses), (1, 1), "{s:?}");
+    publish("b", 3, 18, "b2").await; // now known
+    eventually("b2 applied", async || holds(&b, "b2", Some("v")).await).await;
     assert_eq!(node.status().publisher_gaps, 1);
 }
 
@@ -495,6 +554,7 @@ async fn with_signatures_on_only_authentic_events_change_anything() {
     Publisher::builder(bus.clone())
         .signing(stranger)
         .build()
+        .unwrap()
         .refresh("t", [("k", "stranger")])
         .await
         .unwrap();
@@ -502,6 +562,7 @@ async fn with_signatures_on_only_authentic_events_change_anything() {
     Publisher::builder(bus.clone())
         .signing(forger)
         .build()
+        .unwrap()
         .refresh("t", [("k", "forged")])
         .await
         .unwrap();
@@ -515,6 +576,7 @@ async fn with_signatures_on_only_authentic_events_change_anything() {
     Publisher::builder(bus.clone())
         .signing(ring)
         .build()
+        .unwrap()
         .refresh("t", [("ok", "signed")])
         .await
         .unwrap();
@@ -558,6 +620,7 @@ async fn a_node_without_keys_accepts_signed_events_for_rollout() {
     Publisher::builder(bus)
         .signing(ring)
         .build()
+        .unwrap()
         .refresh("t", [("k", "v")])
         .await
         .unwrap();
@@ -664,19 +727,218 @@ fn publisher_seqs_count_gaps_per_publisher_and_cache() {
     let mut seqs = PublisherSeqs::default();
     assert_eq!(
         seqs.observe(1, "a", 5),
-        0,
+        None,
         "the first event sets the baseline"
     );
-    assert_eq!(seqs.observe(1, "a", 6), 0);
-    assert_eq!(seqs.observe(1, "a", 9), 2);
+    assert_eq!(seqs.observe(1, "a", 6), None);
+    assert_eq!(seqs.observe(1, "a", 9), Some(2));
     // A redelivery is no gap and does not move the baseline back.
-    assert_eq!(seqs.observe(1, "a", 7), 0);
-    assert_eq!(seqs.observe(1, "a", 10), 0);
+    assert_eq!(seqs.observe(1, "a", 7), None);
+    assert_eq!(seqs.observe(1, "a", 10), None);
     // Other caches and other publishers keep their own baselines.
-    assert_eq!(seqs.observe(1, "b", 1), 0);
-    assert_eq!(seqs.observe(2, "a", 1), 0);
-    assert_eq!(seqs.observe(1, "b", 3), 1);
+    assert_eq!(seqs.observe(1, "b", 1), None);
+    assert_eq!(seqs.observe(2, "a", 1), None);
+    assert_eq!(seqs.observe(1, "b", 3), Some(1));
     assert_eq!(seqs.tracked, 3);
+    // The ends of the range are numbers like any other.
+    assert_eq!(seqs.observe(3, "a", u64::MAX), None);
+    assert_eq!(seqs.observe(3, "a", u64::MAX), None);
+    assert_eq!(seqs.observe(3, "a", 0), None);
+    assert_eq!(seqs.observe(4, "a", 0), None);
+    assert_eq!(seqs.observe(4, "a", u64::MAX), Some(u64::MAX - 1));
+    // After a resume, unknown publishers do not vouch for what came before.
+    seqs.resumed(["a".to_owned()]);
+    assert_eq!(
+        seqs.observe(5, "a", 1),
+        None,
+        "a first event vouches for itself"
+    );
+    assert_eq!(seqs.observe(6, "a", 7), Some(6));
+    assert_eq!(
+        seqs.observe(6, "b", 7),
+        None,
+        "b was not held at the resume"
+    );
+    seqs.resynced("a");
+    assert_eq!(seqs.observe(7, "a", 3), None, "a was resynced since");
     seqs.clear();
-    assert_eq!(seqs.observe(1, "a", 20), 0, "after a loss, a new baseline");
+    assert_eq!(
+        seqs.observe(1, "a", 20),
+        None,
+        "after a loss, a new baseline"
+    );
+}
+
+/// Regression: on a verifying node, an unsigned payload over the size
+/// limit, tagged for a held cache, invalidated and quarantined that cache:
+/// the size check and the tag routing ran before the signature check.
+/// Nothing unauthenticated may change cache state; it only bumps a counter.
+#[tokio::test]
+async fn unauthenticated_input_changes_nothing_whatever_its_size_or_tag() {
+    let ring = Keyring::new("k1", b"node-and-admin-shared-secret".to_vec()).unwrap();
+    let bus = EmbeddedBus::new();
+    let c = cache("t");
+    let node = Node::builder("n1", bus.clone())
+        .verify_signatures(ring.clone())
+        .max_event_bytes(1024)
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    c.insert("k".into(), "cached".into()).await;
+
+    let oversized_unsigned = raw_event("t", 5, 1, &refresh_change("k", &"x".repeat(4096)));
+    let oversized_garbage = Bytes::from(vec![0xAB; 4096]);
+    let mut oversized_forged = vec![crate::sign::FORMAT_SIGNED, 2, b'k', b'1'];
+    oversized_forged.extend([0u8; 32 + 4096]);
+    let small_garbage = Bytes::from_static(b"\x01\xff\xff\xff");
+    for payload in [
+        oversized_unsigned,
+        oversized_garbage,
+        Bytes::from(oversized_forged),
+        small_garbage,
+        Bytes::new(),
+    ] {
+        bus.publish(DEFAULT_TOPIC, "t", payload).await.unwrap();
+    }
+    // A signed, versioned refresh afterwards: applied normally, so the cache
+    // was neither resynced nor quarantined by what came before.
+    let admin = Publisher::builder(bus.clone())
+        .signing(ring)
+        .build()
+        .unwrap();
+    admin
+        .refresh_versioned("t", [("fence", "signed", Some(7))])
+        .await
+        .unwrap();
+    eventually("the signed event applies", async || {
+        holds(&c, "fence", Some("signed")).await
+    })
+    .await;
+    assert_eq!(c.peek(&"k".into()).await.as_deref(), Some("cached"));
+    let s = node.status();
+    assert_eq!(s.events_rejected, 5, "{s:?}");
+    assert_eq!((s.losses, s.caches[0].loss_resyncs), (0, 0), "{s:?}");
+    assert_eq!(s.caches[0].rejected_events, 0, "{s:?}");
+    assert_eq!(s.caches[0].refreshes_quarantined, 0, "{s:?}");
+}
+
+/// Regression: a duplicate of an event whose sequence number is `u64::MAX`
+/// counted as a gap in release builds (`last + 1` wrapped to 0) and
+/// overflowed, killing the consumer task, in debug builds.
+#[tokio::test]
+async fn the_largest_sequence_number_is_just_a_number() {
+    let bus = EmbeddedBus::new();
+    let c = cache("t");
+    let node = Node::builder("n1", bus.clone())
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    for (seq, v) in [(u64::MAX - 1, "a"), (u64::MAX, "b"), (u64::MAX, "c")] {
+        bus.publish(
+            DEFAULT_TOPIC,
+            "t",
+            raw_event("t", 9, seq, &refresh_change("k", v)),
+        )
+        .await
+        .unwrap();
+    }
+    eventually("all three applied", async || {
+        node.status().caches[0].events_applied == 3
+    })
+    .await;
+    assert!(node.is_consuming(), "the consumer task died");
+    let s = node.status();
+    assert_eq!((s.publisher_gaps, s.losses), (0, 0), "{s:?}");
+    assert!(holds(&c, "k", Some("c")).await);
+}
+
+/// Regression: `reorder_window(Duration::MAX)` panicked in `start()`
+/// (`now - window` and `now + window` overflowed). A window that does not
+/// fit the clock means "as far as the clock reaches": replay all the
+/// history there is, and quarantine for as long as the process lives.
+#[tokio::test]
+async fn an_unbounded_reorder_window_replays_everything_and_quarantines_for_good() {
+    let bus = EmbeddedBus::new();
+    Publisher::new(bus.clone())
+        .refresh_versioned("t", [("old", "history", Some(1))])
+        .await
+        .unwrap();
+    let c = cache("t");
+    let node = Node::builder("n1", bus.clone())
+        .reorder_window(Duration::MAX)
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    eventually("the whole history is replayed", async || {
+        node.status().caches[0].events_applied == 1
+    })
+    .await;
+    let late = cache("late");
+    node.register(&late).await.unwrap();
+    node.publisher()
+        .refresh_versioned("late", [("k", "v", Some(2))])
+        .await
+        .unwrap();
+    eventually("applied as an invalidation", async || {
+        late.status().refreshes_quarantined == 1
+    })
+    .await;
+    assert!(node.is_consuming());
+}
+
+/// Regression: a cache claimed by a node whose `start()` failed, or by a
+/// node that shut down, could never be registered again ("already
+/// registered"); and `register()` on a stopped node returned `Ok` and then
+/// applied nothing.
+#[tokio::test]
+async fn registrations_are_released_when_a_start_fails_or_a_node_stops() {
+    let bus = EmbeddedBus::new();
+    let c = cache("t");
+
+    // Start fails after the caches were claimed: a corrupt offsets file.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("offsets.json"), b"{not json").unwrap();
+    let err = Node::builder("n1", bus.clone())
+        .offset_store(FileOffsetStore::new(dir.path()))
+        .register(&c)
+        .start()
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("not a valid offsets file"),
+        "{err}"
+    );
+
+    // Start fails on the configuration, with another cache already claimed.
+    let err = Node::builder("n1", bus.clone())
+        .register(&c)
+        .register(&cache("t"))
+        .start()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::DuplicateCache(_)), "{err}");
+
+    let node = Node::builder("n2", bus.clone())
+        .register(&c)
+        .start()
+        .await
+        .expect("a failed start released the cache");
+    node.shutdown().await.unwrap();
+
+    let stopped = node.register(&cache("other")).await.unwrap_err();
+    assert!(matches!(stopped, Error::Shutdown), "{stopped}");
+
+    let again = Node::builder("n3", bus.clone())
+        .register(&c)
+        .start()
+        .await
+        .expect("a node that shut down released its caches");
+    again.publisher().refresh("t", [("k", "v")]).await.unwrap();
+    eventually("the new node applies", async || {
+        holds(&c, "k", Some("v")).await
+    })
+    .await;
 }

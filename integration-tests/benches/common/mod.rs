@@ -326,7 +326,8 @@ where
     let publisher = Publisher::builder(bus().await)
         .topic(topic)
         .origin("bench")
-        .build();
+        .build()
+        .expect("publisher");
     System::CacheSync { publisher, nodes }
 }
 
