@@ -69,18 +69,31 @@ pub(crate) fn invalid(kind: NameKind, name: &str, rule: impl std::fmt::Display) 
 /// `%` itself as `%25`, so the result is injective: [`unescape`] gives the
 /// name back. Names made only of kept characters come out unchanged, so
 /// existing resource names stay as they were.
+#[cfg_attr(not(any(feature = "redis", feature = "rocketmq")), allow(dead_code))]
 pub(crate) fn escape(name: &str, keep: impl Fn(char) -> bool) -> Cow<'_, str> {
-    if name.chars().all(|c| c != '%' && keep(c)) {
+    escape_with(name, b'%', keep)
+}
+
+/// [`escape`] with another marker than `%`: NATS servers (2.10) format a
+/// stream's name into its acknowledgement subjects as a format string, so a
+/// `%` there breaks every message's reply subject.
+#[cfg_attr(
+    not(any(feature = "redis", feature = "rocketmq", feature = "nats")),
+    allow(dead_code)
+)]
+pub(crate) fn escape_with(name: &str, marker: u8, keep: impl Fn(char) -> bool) -> Cow<'_, str> {
+    let marker = char::from(marker);
+    if name.chars().all(|c| c != marker && keep(c)) {
         return Cow::Borrowed(name);
     }
     let mut out = String::with_capacity(name.len() + 8);
     let mut utf8 = [0u8; 4];
     for c in name.chars() {
-        if c != '%' && keep(c) {
+        if c != marker && keep(c) {
             out.push(c);
         } else {
             for b in c.encode_utf8(&mut utf8).bytes() {
-                let _ = write!(out, "%{b:02X}");
+                let _ = write!(out, "{marker}{b:02X}");
             }
         }
     }
@@ -89,15 +102,22 @@ pub(crate) fn escape(name: &str, keep: impl Fn(char) -> bool) -> Cow<'_, str> {
 
 /// The inverse of [`escape`]; `None` for text no escape produced (a bad
 /// `%` sequence, or bytes that are not UTF-8).
+#[cfg_attr(not(feature = "rocketmq"), allow(dead_code))]
 pub(crate) fn unescape(text: &str) -> Option<Cow<'_, str>> {
-    if !text.contains('%') {
+    unescape_with(text, b'%')
+}
+
+/// The inverse of [`escape_with`].
+#[cfg_attr(not(any(feature = "rocketmq", feature = "nats")), allow(dead_code))]
+pub(crate) fn unescape_with(text: &str, marker: u8) -> Option<Cow<'_, str>> {
+    if !text.as_bytes().contains(&marker) {
         return Some(Cow::Borrowed(text));
     }
     let bytes = text.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while let Some(&b) = bytes.get(i) {
-        if b == b'%' {
+        if b == marker {
             let hex = bytes.get(i + 1..i + 3)?;
             let hex = std::str::from_utf8(hex).ok()?;
             // Only the upper-case form `escape` writes: a second spelling of
@@ -116,6 +136,7 @@ pub(crate) fn unescape(text: &str) -> Option<Cow<'_, str>> {
 }
 
 /// ASCII letters, digits, `-` and `_`: safe in every broker's names.
+#[cfg_attr(not(feature = "rocketmq"), allow(dead_code))]
 pub(crate) fn plain(c: char) -> bool {
     c.is_ascii_alphanumeric() || c == '-' || c == '_'
 }

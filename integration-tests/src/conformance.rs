@@ -32,6 +32,10 @@ pub enum Fault {
     BufferLimitDisconnect,
     /// A node process stops and starts again, from its saved position.
     NodeRestart,
+    /// While a node is paused, the broker loses all its data (killed and
+    /// restarted on an empty store), and the new history grows past the
+    /// paused node's position before the node resumes.
+    WipeWhilePaused,
 }
 
 /// What a fault should do to a node's view, per transport.
@@ -58,6 +62,25 @@ pub trait Fixture: Send + Sync {
     fn expect(&self, fault: Fault) -> Option<Expect>;
     /// Makes the broker-side part of `fault` happen; returns when it healed.
     async fn inject(&mut self, fault: Fault);
+    /// How soon after its broker is killed every node must report itself
+    /// unhealthy (`consuming: false`), or `None` without a broker.
+    fn health_bound(&self) -> Option<Duration>;
+    /// Kills the broker (`kill -9`) and leaves it down.
+    fn kill(&mut self) {}
+    /// Starts a killed broker again, on the same data.
+    fn revive(&mut self) {}
+}
+
+/// Publishes enough events that a new history grows well past any position
+/// a node held in the old one (the suite's workloads publish hundreds).
+pub async fn regrow(bus: Arc<dyn ChangeBus>) {
+    let p = Publisher::builder(bus)
+        .origin("regrow")
+        .build()
+        .expect("publisher");
+    for i in 0..1500u32 {
+        retry(|| p.refresh("filler", [(i, i)])).await;
+    }
 }
 
 /// Wraps a transport so a test can stop one node from reading while it
@@ -94,6 +117,14 @@ impl ChangeBus for GatedBus {
 
     fn filters_by_tag(&self) -> bool {
         self.inner.filters_by_tag()
+    }
+
+    fn check_topic(&self, topic: &str) -> cache_sync::Result<()> {
+        self.inner.check_topic(topic)
+    }
+
+    fn check_tag(&self, tag: &str) -> cache_sync::Result<()> {
+        self.inner.check_tag(tag)
     }
 
     async fn publish(
@@ -510,9 +541,10 @@ pub async fn survives(fixture: &mut dyn Fixture, fault: Fault) {
             fixture.inject(fault).await;
             cluster.restart_node(fixture, 0).await;
         }
-        Fault::TrimPastReader => {
+        Fault::TrimPastReader | Fault::WipeWhilePaused => {
             // Node 0 keeps running, with its caches, but stops reading while
-            // traffic continues and history is cut past its position.
+            // traffic continues, and history is cut past its position or
+            // replaced by a new one grown past it.
             cluster.park_node_0().await;
             cluster.workload(&mut rng, 50).await;
             fixture.inject(fault).await;
@@ -532,6 +564,17 @@ pub async fn survives(fixture: &mut dyn Fixture, fault: Fault) {
 
     let after = cluster.losses();
     match (fault, expect) {
+        // The transport itself must tell: publisher gaps alone would miss
+        // the writers that published nothing after the wipe.
+        (Fault::WipeWhilePaused, Expect::Loss) => {
+            let transport = cluster.transport_losses();
+            assert!(
+                transport[0] > transport_before[0],
+                "{}: {fault:?} must be signalled by the transport on the paused node: \
+                 before {transport_before:?}, after {transport:?}",
+                fixture.name()
+            );
+        }
         // A restarted node starts with new counters; its loss shows there.
         (Fault::NodeRestart | Fault::TrimPastReader, Expect::Loss) => {
             assert!(
@@ -579,4 +622,313 @@ pub async fn survives(fixture: &mut dyn Fixture, fault: Fault) {
         }
     }
     cluster.shutdown().await;
+}
+
+/// Kills the broker: within the transport's documented bound every node
+/// reports itself unhealthy; once the broker is back, every node reports
+/// itself healthy again and applies new events.
+pub async fn health_follows_the_broker(fixture: &mut dyn Fixture) {
+    let Some(bound) = fixture.health_bound() else {
+        eprintln!("{}: no broker to kill", fixture.name());
+        return;
+    };
+    let mut cluster = Cluster::start(fixture, 2).await;
+    cluster.converge().await;
+    for node in &cluster.nodes {
+        assert!(
+            node.node.is_consuming(),
+            "{}: healthy before",
+            fixture.name()
+        );
+    }
+    fixture.kill();
+    let killed = tokio::time::Instant::now();
+    for node in &cluster.nodes {
+        while node.node.is_consuming() {
+            assert!(
+                killed.elapsed() < bound,
+                "{}: {} still reports itself healthy {:?} after its broker was killed \
+                 (documented bound {bound:?})",
+                fixture.name(),
+                node.node.id(),
+                killed.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    eprintln!(
+        "{}: every node unhealthy {:?} after the kill",
+        fixture.name(),
+        killed.elapsed()
+    );
+    fixture.revive();
+    for node in &cluster.nodes {
+        crate::eventually(
+            &format!("{} reports itself healthy again", node.node.id()),
+            async || node.node.is_consuming(),
+        )
+        .await;
+    }
+    cluster.converge().await;
+    cluster.shutdown().await;
+}
+
+/// A bus whose publishes fail on request: either before the event reaches
+/// the broker (a connection cut on the way), or after (an acknowledgement
+/// lost on the way back).
+struct CutBus {
+    inner: Arc<dyn ChangeBus>,
+    cut: std::sync::Mutex<Option<Cut>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cut {
+    BeforeTheBroker,
+    AfterTheBroker,
+}
+
+impl std::fmt::Debug for CutBus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CutBus").finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl ChangeBus for CutBus {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    async fn publish(
+        &self,
+        topic: &str,
+        tag: &str,
+        payload: bytes::Bytes,
+    ) -> cache_sync::Result<Option<Position>> {
+        let cut = self.cut.lock().expect("cut").take();
+        if cut == Some(Cut::BeforeTheBroker) {
+            return Err(cut_error());
+        }
+        let published = self.inner.publish(topic, tag, payload).await?;
+        match cut {
+            Some(Cut::AfterTheBroker) => Err(cut_error()),
+            _ => Ok(published),
+        }
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> cache_sync::Result<Box<dyn Subscription>> {
+        self.inner.subscribe(topic, options).await
+    }
+}
+
+fn cut_error() -> cache_sync::Error {
+    cache_sync::Error::Io {
+        path: "the connection to the broker".into(),
+        source: std::io::Error::new(std::io::ErrorKind::ConnectionReset, "cut mid-flight"),
+    }
+}
+
+/// A publish cut before the broker got it leaves a gap in that publisher's
+/// numbers for that cache: every node resyncs that cache, and no other. One
+/// cut after the broker got it leaves no gap, and nothing is resynced.
+pub async fn publish_cut_mid_flight(fixture: &mut dyn Fixture) {
+    let mut cluster = Cluster::start(fixture, 2).await;
+    let bus = Arc::new(CutBus {
+        inner: fixture.bus().await,
+        cut: std::sync::Mutex::new(None),
+    });
+    let admin = Publisher::builder(bus.clone())
+        .origin("cut-admin")
+        .build()
+        .expect("publisher");
+    let publish = async |i: u32| {
+        retry(|| admin.refresh(TABLE, [(format!("cut{i}"), Some(format!("v{i}")))])).await
+    };
+    publish(0).await;
+    cluster.converge().await;
+    let resyncs = |cluster: &Cluster| -> Vec<(u64, u64)> {
+        cluster
+            .nodes
+            .iter()
+            .map(|n| (n.table.status().loss_resyncs, n.fence.status().loss_resyncs))
+            .collect()
+    };
+    let before = resyncs(&cluster);
+    let transport_before = cluster.transport_losses();
+
+    *bus.cut.lock().expect("cut") = Some(Cut::AfterTheBroker);
+    assert!(
+        admin
+            .refresh(TABLE, [("cut1", Some("v1".to_owned()))])
+            .await
+            .is_err()
+    );
+    publish(2).await;
+    cluster.converge().await;
+    assert_eq!(
+        resyncs(&cluster),
+        before,
+        "{}: an event that arrived leaves no gap",
+        fixture.name()
+    );
+
+    *bus.cut.lock().expect("cut") = Some(Cut::BeforeTheBroker);
+    assert!(
+        admin
+            .refresh(TABLE, [("cut3", Some("v3".to_owned()))])
+            .await
+            .is_err()
+    );
+    publish(4).await;
+    cluster.converge().await;
+    for (node, ((table, fence), (table_before, fence_before))) in cluster
+        .nodes
+        .iter()
+        .zip(resyncs(&cluster).into_iter().zip(before))
+    {
+        assert_eq!(
+            table,
+            table_before + 1,
+            "{}: {} must resync the cache whose sequence jumped",
+            fixture.name(),
+            node.node.id()
+        );
+        assert_eq!(
+            fence,
+            fence_before,
+            "{}: {} resynced a cache whose sequence did not jump",
+            fixture.name(),
+            node.node.id()
+        );
+    }
+    assert_eq!(
+        cluster.transport_losses(),
+        transport_before,
+        "{}: the transport lost nothing",
+        fixture.name()
+    );
+    cluster.shutdown().await;
+}
+
+/// Topic names that once shared a broker resource, or broke one: each must
+/// get a resource of its own, and a node on one sees none of the other's
+/// events. Cache names with the characters brokers give meaning to work too.
+pub async fn names_map_one_to_one(fixture: &mut dyn Fixture) {
+    let pairs: [(&str, &str); 6] = [
+        ("tenant.a", "tenant_a"),
+        ("x", "x:n"),
+        (">", "tenant.*"),
+        ("a b", "a%20b"),
+        ("über", "%C3%BCber"),
+        ("x:e", "x"),
+    ];
+    for (a, b) in pairs {
+        let mut nodes = Vec::new();
+        for topic in [a, b] {
+            let cache =
+                cache_sync::SyncedCache::new("c", moka::future::Cache::<String, String>::new(10));
+            let node = fixture
+                .configure(cache_sync::Node::builder(
+                    format!("node-{topic}"),
+                    fixture.bus().await,
+                ))
+                .topic(topic)
+                // No look-back: "x" comes up twice, and only this pair's
+                // events may reach it.
+                .reorder_window(Duration::ZERO)
+                .register(&cache)
+                .start()
+                .await
+                .unwrap_or_else(|e| panic!("{}: topic {topic:?}: {e}", fixture.name()));
+            nodes.push((topic, node, cache));
+        }
+        for (topic, _, _) in &nodes {
+            let p = Publisher::builder(fixture.bus().await)
+                .topic(*topic)
+                .build()
+                .unwrap_or_else(|e| panic!("{}: topic {topic:?}: {e}", fixture.name()));
+            retry(|| p.refresh("c", [("k", topic.to_string())])).await;
+        }
+        for (topic, node, cache) in &nodes {
+            crate::eventually(&format!("{topic:?} applies its own event"), async || {
+                cache.peek(&"k".to_owned()).await.as_deref() == Some(*topic)
+            })
+            .await;
+            let s = node.status();
+            assert_eq!(
+                (s.events_received, s.events_rejected, s.losses),
+                (1, 0, 0),
+                "{}: topic {topic:?} saw another topic's events: {s:?}",
+                fixture.name()
+            );
+        }
+        for (_, node, _) in nodes {
+            let _ = node.shutdown().await;
+        }
+    }
+    // Cache names are tags on some transports: characters that mean
+    // something in a tag expression or a header must not.
+    let names = [
+        "feature flags",
+        "a||b",
+        "*",
+        ".",
+        "x:n",
+        "ü",
+        " lead",
+        "%41",
+    ];
+    let caches: Vec<_> = names
+        .iter()
+        .map(|n| cache_sync::SyncedCache::new(*n, moka::future::Cache::<String, String>::new(10)))
+        .collect();
+    let mut builder = fixture.configure(cache_sync::Node::builder("names", fixture.bus().await));
+    for c in &caches {
+        builder = builder.register(c);
+    }
+    let node = builder
+        .start()
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", fixture.name()));
+    let p = Publisher::new(fixture.bus().await);
+    for n in names {
+        retry(|| p.refresh(n, [("k", n.to_string())])).await;
+    }
+    for c in &caches {
+        crate::eventually(
+            &format!("cache {:?} applies its event", c.name()),
+            async || c.peek(&"k".to_owned()).await.as_deref() == Some(c.name()),
+        )
+        .await;
+    }
+    assert_eq!(node.status().events_rejected, 0);
+    let _ = node.shutdown().await;
+    // And names no transport can carry fail at build time, naming the rule.
+    for bad in ["", "nul\0byte", "new\nline"] {
+        let err = fixture
+            .configure(cache_sync::Node::builder("bad", fixture.bus().await))
+            .topic(bad)
+            .start()
+            .await
+            .expect_err("a bad topic starts no node");
+        assert!(err.is_config(), "{}: {bad:?}: {err}", fixture.name());
+        let err = Publisher::builder(fixture.bus().await)
+            .topic(bad)
+            .build()
+            .expect_err("a bad topic builds no publisher");
+        assert!(err.is_config(), "{}: {bad:?}: {err}", fixture.name());
+    }
+    let long = "t".repeat(300);
+    assert!(
+        fixture
+            .configure(cache_sync::Node::builder("long", fixture.bus().await))
+            .topic(long.as_str())
+            .start()
+            .await
+            .is_err_and(|e| e.is_config())
+    );
 }

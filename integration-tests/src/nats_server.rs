@@ -101,6 +101,17 @@ impl NatsServer {
         self.spawn();
     }
 
+    /// `kill -9`, then starts again on the same port with an empty store:
+    /// every stream is gone, and made again from sequence 1 on first use.
+    pub fn wipe(&mut self) {
+        self.kill();
+        let store = self.dir.path().join("store");
+        if store.exists() {
+            std::fs::remove_dir_all(&store).expect("remove the nats store");
+        }
+        self.spawn();
+    }
+
     /// SIGSTOP.
     pub fn pause(&self) {
         self.process.pause();

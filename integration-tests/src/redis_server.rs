@@ -124,6 +124,27 @@ impl RedisServer {
         self.spawn();
     }
 
+    /// `kill -9`, then starts again on the same port with no data at all: a
+    /// server that lost its disk, or one without persistence.
+    pub fn wipe(&mut self) {
+        self.kill();
+        for entry in std::fs::read_dir(self.dir.path())
+            .expect("redis dir")
+            .flatten()
+        {
+            if entry.file_name() == "redis.log" {
+                continue;
+            }
+            let path = entry.path();
+            let _ = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+        }
+        self.spawn();
+    }
+
     /// SIGSTOP: the server holds connections open but answers nothing.
     pub fn pause(&self) {
         self.process.pause();

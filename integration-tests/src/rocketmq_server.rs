@@ -249,6 +249,18 @@ impl RocketMqServer {
         self.spawn_broker();
     }
 
+    /// `kill -9` the broker, then starts it again on the same ports with an
+    /// empty store: commit log, queues and topic configuration are gone, so
+    /// queue offsets start again from 0.
+    pub fn wipe(&mut self) {
+        self.kill();
+        let store = self.dir.path().join("store");
+        if store.exists() {
+            std::fs::remove_dir_all(&store).expect("remove the broker store");
+        }
+        self.spawn_broker();
+    }
+
     /// SIGSTOP the broker.
     pub fn pause(&self) {
         signal("-STOP", self.broker_pid());

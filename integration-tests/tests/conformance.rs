@@ -10,7 +10,10 @@ use cache_sync::{
     ChangeBus, EmbeddedBus, NatsJetStreamBus, Publisher, RedisPubSubBus, RedisStreamsBus,
     RocketMqBus,
 };
-use integration_tests::conformance::{Expect, Fault, Fixture, normal_path, retry, survives};
+use integration_tests::conformance::{
+    Expect, Fault, Fixture, health_follows_the_broker, names_map_one_to_one, normal_path,
+    publish_cut_mid_flight, regrow, retry, survives,
+};
 use integration_tests::nats_server::NatsServer;
 use integration_tests::redis_server::RedisServer;
 use integration_tests::rocketmq_server::RocketMqServer;
@@ -44,6 +47,10 @@ impl Fixture for Embedded {
             // In-process: there is no broker to kill, pause or disconnect.
             _ => None,
         }
+    }
+
+    fn health_bound(&self) -> Option<Duration> {
+        None
     }
 
     async fn inject(&mut self, fault: Fault) {
@@ -80,7 +87,7 @@ impl Fixture for Streams {
 
     fn expect(&self, fault: Fault) -> Option<Expect> {
         match fault {
-            Fault::TrimPastReader => Some(Expect::Loss),
+            Fault::TrimPastReader | Fault::WipeWhilePaused => Some(Expect::Loss),
             // Durable and replayable: every one of these resumes losslessly.
             Fault::BrokerRestart
             | Fault::BrokerPause
@@ -105,9 +112,26 @@ impl Fixture for Streams {
                     .expect("XTRIM");
                 assert!(reply.starts_with(':'), "XTRIM: {reply}");
             }
+            Fault::WipeWhilePaused => {
+                self.server.wipe();
+                regrow(self.bus().await).await;
+            }
             Fault::NodeRestart => {}
             other => panic!("not injectable here: {other:?}"),
         }
+    }
+
+    fn health_bound(&self) -> Option<Duration> {
+        // A killed server resets the reader's connection at once.
+        Some(Duration::from_secs(5))
+    }
+
+    fn kill(&mut self) {
+        self.server.kill();
+    }
+
+    fn revive(&mut self) {
+        self.server.restart();
     }
 }
 
@@ -140,9 +164,22 @@ impl Fixture for PubSub {
             // A new process starts with empty caches: what it missed while
             // down cannot be stale in it, and there is no position to resume.
             Fault::NodeRestart => Some(Expect::NoLoss),
-            // Every disconnect may have lost messages, so every one is a loss.
+            // Every disconnect may have lost messages, so every one is a loss
+            // (a wiped server is one more restart).
             _ => Some(Expect::Loss),
         }
+    }
+
+    fn health_bound(&self) -> Option<Duration> {
+        Some(Duration::from_secs(5))
+    }
+
+    fn kill(&mut self) {
+        self.server.kill();
+    }
+
+    fn revive(&mut self) {
+        self.server.restart();
     }
 
     async fn inject(&mut self, fault: Fault) {
@@ -184,6 +221,7 @@ impl Fixture for PubSub {
                         .starts_with("+OK")
                 );
             }
+            Fault::WipeWhilePaused => self.server.wipe(),
             Fault::NodeRestart => {}
             other => panic!("not injectable here: {other:?}"),
         }
@@ -212,7 +250,7 @@ impl Fixture for Nats {
 
     fn expect(&self, fault: Fault) -> Option<Expect> {
         match fault {
-            Fault::TrimPastReader => Some(Expect::Loss),
+            Fault::TrimPastReader | Fault::WipeWhilePaused => Some(Expect::Loss),
             // File storage and per-node sequence tracking: these resume losslessly.
             Fault::BrokerRestart | Fault::BrokerPause | Fault::NodeRestart => Some(Expect::NoLoss),
             // The server has no command to cut one client off (no CLIENT KILL),
@@ -237,9 +275,26 @@ impl Fixture for Nats {
                     retry(|| p.refresh("filler", [(i, i)])).await;
                 }
             }
+            Fault::WipeWhilePaused => {
+                self.server.wipe();
+                regrow(self.bus().await).await;
+            }
             Fault::NodeRestart => {}
             other => panic!("not injectable here: {other:?}"),
         }
+    }
+
+    fn health_bound(&self) -> Option<Duration> {
+        // The client reports the dropped connection at once.
+        Some(Duration::from_secs(5))
+    }
+
+    fn kill(&mut self) {
+        self.server.kill();
+    }
+
+    fn revive(&mut self) {
+        self.server.restart();
     }
 }
 
@@ -273,6 +328,7 @@ impl Fixture for RocketMq {
             // A durable commit log, and a position per node seeded into a
             // fresh consumer after a broker restart: these resume losslessly.
             Fault::BrokerRestart | Fault::BrokerPause | Fault::NodeRestart => Some(Expect::NoLoss),
+            Fault::WipeWhilePaused => Some(Expect::Loss),
             // Not injected: the broker has no command to cut one client off,
             // it deletes commit-log files only on its retention schedule,
             // which this suite does not drive, and a slow reader is held
@@ -290,9 +346,26 @@ impl Fixture for RocketMq {
                 tokio::time::sleep(Duration::from_millis(1500)).await;
                 self.server.resume();
             }
+            Fault::WipeWhilePaused => {
+                self.server.wipe();
+                regrow(self.bus().await).await;
+            }
             Fault::NodeRestart => {}
             other => panic!("not injectable here: {other:?}"),
         }
+    }
+
+    fn health_bound(&self) -> Option<Duration> {
+        // The subscription's watchdog sees its connection close at once.
+        Some(Duration::from_secs(5))
+    }
+
+    fn kill(&mut self) {
+        self.server.kill();
+    }
+
+    fn revive(&mut self) {
+        self.server.restart();
     }
 }
 
@@ -341,6 +414,26 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn node_process_restarted() {
                 survives(&mut $fixture, Fault::NodeRestart).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn broker_wiped_while_a_node_was_paused() {
+                survives(&mut $fixture, Fault::WipeWhilePaused).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn health_follows_a_killed_broker() {
+                health_follows_the_broker(&mut $fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn publish_cut_mid_flight_resyncs_only_that_cache() {
+                publish_cut_mid_flight(&mut $fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn names_map_one_to_one_onto_broker_resources() {
+                names_map_one_to_one(&mut $fixture).await;
             }
         }
     };

@@ -220,3 +220,71 @@ async fn pubsub_backlog_past_its_limit_is_an_overflow_loss() {
         }
     }
 }
+
+/// Reads `n` records (no loss) from `sub`; returns its position after them.
+async fn read(sub: &mut Box<dyn cache_sync::Subscription>, n: usize) -> cache_sync::Position {
+    let mut got = 0;
+    let mut position = None;
+    while got < n {
+        match sub.next(n - got).await.expect("read") {
+            Delivery::Batch {
+                records,
+                position: p,
+            } => {
+                got += records.len();
+                position = Some(p);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    position.expect("read something")
+}
+
+/// A stream that lost its history and grew a new one whose ordinals line up
+/// with a reader's position (the new stream was trimmed so that its oldest
+/// entry is exactly the next ordinal the reader expects): ids and ordinals
+/// look contiguous, and only the epoch tells the histories apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_a_wiped_history_is_caught_even_when_ordinals_line_up() {
+    let mut server = RedisServer::start();
+    let bus = RedisStreamsBus::builder(server.url())
+        .block(Duration::from_millis(100))
+        .connect()
+        .await
+        .unwrap();
+    let p = Publisher::new(bus.clone());
+    for i in 0..10u32 {
+        p.refresh("t", [(i, i)]).await.unwrap();
+    }
+    let mut sub = bus
+        .subscribe("cache-sync", SubscribeOptions::new(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let position = read(&mut sub, 10).await;
+    assert_eq!(position.get("n"), Some(&Offset::Seq(10)));
+    drop(sub);
+
+    server.wipe();
+    let p = Publisher::new(RedisStreamsBus::connect(server.url()).await.unwrap());
+    for i in 0..20u32 {
+        p.refresh("t", [(i, i)]).await.unwrap();
+    }
+    // Keep ordinals 11..=20: the next one the old reader expects comes first.
+    let reply = server
+        .command(&["XTRIM", "cache-sync:cache-sync", "MAXLEN", "10"])
+        .unwrap();
+    assert_eq!(reply, ":10");
+
+    let bus = RedisStreamsBus::connect(server.url()).await.unwrap();
+    let mut sub = bus
+        .subscribe(
+            "cache-sync",
+            SubscribeOptions::new(StartFrom::Position(position)),
+        )
+        .await
+        .unwrap();
+    match sub.next(100).await.unwrap() {
+        Delivery::Lost(loss) => assert_eq!(loss.reason, LossReason::HistoryReset),
+        other => panic!("resumed inside another history as if nothing happened: {other:?}"),
+    }
+}

@@ -204,19 +204,19 @@ impl NatsJetStreamBus {
         format!(
             "{}.{}",
             self.config.subject_prefix,
-            names::escape(topic, subject_char)
+            names::escape_with(topic, MARKER, subject_char)
         )
     }
 
-    /// `<prefix>_<topic>`, each escaped to letters, digits and `-`, so the
-    /// one `_` between them keeps the name injective: `tenant.a` and
-    /// `tenant_a` get streams of their own. Names made of those characters
-    /// alone are unchanged (`cache-sync_catalog`).
+    /// `<prefix>_<topic>`, each escaped to letters, digits and `-` (others
+    /// as `=XX`), so the one `_` between them keeps the name injective:
+    /// `tenant.a` and `tenant_a` get streams of their own. Names made of
+    /// those characters alone are unchanged (`cache-sync_catalog`).
     fn stream_name(&self, topic: &str) -> String {
         format!(
             "{}_{}",
-            names::escape(&self.config.subject_prefix, stream_char),
-            names::escape(topic, stream_char)
+            names::escape_with(&self.config.subject_prefix, MARKER, stream_char),
+            names::escape_with(topic, MARKER, stream_char)
         )
     }
 
@@ -255,7 +255,12 @@ impl NatsJetStreamBus {
         created: u64,
     ) -> std::result::Result<Option<Position>, jetstream::context::PublishError> {
         let mut headers = HeaderMap::new();
-        headers.insert(TAG_HEADER, tag);
+        // Escaped: header values lose leading and trailing spaces, and
+        // cannot hold line breaks.
+        headers.insert(
+            TAG_HEADER,
+            names::escape_with(tag, MARKER, header_char).as_ref(),
+        );
         let ack = self
             .js
             .publish_with_headers(self.subject(topic), headers, payload)
@@ -306,13 +311,24 @@ fn check_prefix(prefix: &str) -> Result<()> {
     }
     Err(Error::Config(format!(
         "NATS subject prefix {prefix:?} is not allowed: it must be a literal subject, dot-separated \
-         tokens of printable characters without whitespace, '*', '>' or '%'"
+         tokens of printable ASCII without whitespace, '*', '>', '%' or '='"
     )))
 }
 
+/// Escapes in NATS names start with `=` (quoted-printable's marker), not `%`:
+/// the server formats a stream's name into each message's acknowledgement
+/// subject as a format string, and a `%` there garbles the subject and
+/// makes the client drop the connection.
+const MARKER: u8 = b'=';
+
 /// Characters a subject token takes as they are.
 fn subject_char(c: char) -> bool {
-    c.is_ascii_graphic() && !matches!(c, '.' | '*' | '>' | '%')
+    c.is_ascii_graphic() && !matches!(c, '.' | '*' | '>' | '%' | '=')
+}
+
+/// Characters a tag header value takes as they are.
+fn header_char(c: char) -> bool {
+    c.is_ascii_graphic() && c != '='
 }
 
 /// Characters a stream name takes as they are; `_` separates the prefix
@@ -613,10 +629,12 @@ impl Subscription for NatsSubscription {
 }
 
 fn record(message: &jetstream::Message, position: Position) -> Record {
+    // A tag no escape produced came from another producer: left out, the
+    // consumer routes the event by its header instead.
     let tag = message
         .headers
         .as_ref()
         .and_then(|h| h.get(TAG_HEADER))
-        .map(|v| v.as_str().to_owned());
+        .and_then(|v| names::unescape_with(v.as_str(), MARKER).map(|t| t.into_owned()));
     Record::new(position, tag, message.payload.clone())
 }

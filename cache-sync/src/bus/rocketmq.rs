@@ -702,6 +702,9 @@ impl ChangeBus for RocketMqBus {
                 Ok(p)
             }
             Err(e) => {
+                // The topic may be gone (a broker that lost its store): look
+                // its route up again on the next publish.
+                inner.topics.lock().await.remove(topic);
                 inner.after_send_failure(topic).await;
                 Err(e)
             }
@@ -717,6 +720,9 @@ impl ChangeBus for RocketMqBus {
         let topic = &*rmq_topic(topic);
         let inner = self.inner.get();
         inner.ensure_open()?;
+        // Looked up afresh: subscriptions are rare, and a broker that lost
+        // its store has lost the topic with it.
+        inner.topics.lock().await.remove(topic);
         inner.ensure_topic(topic).await?;
         let mut admin = inner.admin().await?;
         let plan = plan_start(admin.get(), topic, &options.from).await;
