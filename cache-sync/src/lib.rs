@@ -138,6 +138,9 @@ mod cache;
 mod consumer;
 mod error;
 mod event;
+#[cfg(any(test, feature = "_fuzz"))]
+#[doc(hidden)]
+pub mod fuzz;
 mod names;
 mod publish;
 mod sign;

@@ -102,14 +102,7 @@ impl FileOffsetStore {
 
     fn read(path: &Path) -> Result<OffsetsFile> {
         match std::fs::read(path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
-                // Atomic writes cannot leave a torn file, so this is a hand edit or
-                // another program's file: refuse loudly rather than start from scratch.
-                Error::Config(format!(
-                    "{} is not a valid offsets file: {e}",
-                    path.display()
-                ))
-            }),
+            Ok(bytes) => parse(&bytes, path),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(OffsetsFile::default()),
             Err(e) => Err(Error::io(path.display(), e)),
         }
@@ -169,6 +162,30 @@ impl FileOffsetStore {
             .map_err(io(dir))?;
         Ok(())
     }
+}
+
+fn parse(bytes: &[u8], path: &Path) -> Result<OffsetsFile> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        // Atomic writes cannot leave a torn file, so this is a hand edit or
+        // another program's file: refuse loudly rather than start from scratch.
+        Error::Config(format!(
+            "{} is not a valid offsets file: {e}",
+            path.display()
+        ))
+    })
+}
+
+/// See `consumer::fuzz_offsets`: what parses is written back (as the store
+/// writes it) and parses to the same positions.
+#[cfg(any(test, feature = "_fuzz"))]
+pub(super) fn fuzz(data: &[u8]) {
+    let path = Path::new("offsets.json");
+    let Ok(file) = parse(data, path) else {
+        return;
+    };
+    let json = serde_json::to_vec_pretty(&file).expect("positions serialize");
+    let again = parse(&json, path).expect("what the store writes, it reads");
+    assert_eq!(again.offset_table, file.offset_table);
 }
 
 fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> Error + use<> {

@@ -1,0 +1,245 @@
+//! Entry points for the fuzz targets in `cache-sync/fuzz`, and the replay
+//! of their corpora in `cargo test`.
+//!
+//! Not part of the API: compiled for this crate's tests and behind the
+//! internal `_fuzz` feature, which only the fuzz crate turns on. Each
+//! function takes untrusted bytes, must never panic on them, and asserts
+//! the properties that must hold whatever the bytes are.
+
+use crate::event::{Change, decode_change, decode_header, decode_part, encode};
+use crate::sign::{Keyring, strip_unverified};
+
+/// The limit the targets decode under: small, so the fuzzer reaches it.
+pub(crate) const LIMIT: usize = 4096;
+
+/// The event decoder: header, change, and the keys and values inside. What
+/// decodes re-encodes, and decodes again to the same event. (Not always to
+/// the same bytes: a varint may arrive longer than bincode would write it.)
+pub fn event(data: &[u8]) {
+    let Ok((header, offset)) = decode_header(data, LIMIT) else {
+        return;
+    };
+    let Ok(change) = decode_change(data, offset) else {
+        return;
+    };
+    let again = encode(&header, &change).expect("a decoded event encodes");
+    assert!(again.len() <= data.len(), "re-encoding grew the event");
+    let (header2, offset2) = decode_header(&again, LIMIT).expect("a re-encoded header decodes");
+    let change2 = decode_change(&again, offset2).expect("a re-encoded change decodes");
+    assert_eq!((header2, change2), (header.clone(), change.clone()));
+    let parts: Vec<&[u8]> = match &change {
+        Change::Invalidate { keys } => keys.iter().map(|k| k.key.as_ref()).collect(),
+        Change::Refresh { entries } => entries
+            .iter()
+            .flat_map(|e| [e.key.as_ref(), e.value.as_ref()])
+            .collect(),
+        Change::Clear { .. } => Vec::new(),
+    };
+    for part in parts {
+        let _ = decode_part::<String>(part, "key");
+        let _ = decode_part::<u64>(part, "key");
+        let _ = decode_part::<(Option<String>, Vec<u8>)>(part, "value");
+    }
+}
+
+pub(crate) fn ring() -> Keyring {
+    Keyring::new("fuzz", b"a fixed secret for the fuzz target".to_vec())
+        .expect("a valid key")
+        .accept("k2", b"a second accepted secret".to_vec())
+        .expect("a valid key")
+}
+
+/// The signed-frame opener. Nothing opens unless it is exactly a frame the
+/// ring would have made; whatever the bytes, signing them and opening the
+/// result gives them back.
+pub fn signed(data: &[u8]) {
+    let ring = ring();
+    if let Ok(inner) = ring.open(data) {
+        assert!(data.ends_with(inner), "an opened frame's event is its tail");
+        assert_eq!(ring.sign(inner), data, "a forged frame opened");
+    }
+    let stripped = strip_unverified(data);
+    assert!(data.ends_with(stripped));
+    let frame = ring.sign(data);
+    assert_eq!(ring.open(&frame).ok(), Some(data));
+}
+
+/// `offsets.json` parsing. What parses writes back to a file that parses to
+/// the same positions.
+pub fn offsets(data: &[u8]) {
+    crate::consumer::fuzz_offsets(data);
+}
+
+/// The consumer's record handling, fed raw records (tags and payloads as a
+/// transport would hand them over). See `consumer::fuzz_records`.
+pub fn records(data: &[u8]) {
+    crate::consumer::fuzz_records(data);
+}
+
+#[cfg(test)]
+mod replay {
+    use std::path::Path;
+
+    use crate::event::{EntryVersion, Header, KeyVersion};
+
+    use super::*;
+
+    fn event_bytes(cache: &str, publisher: u64, seq: u64, change: &Change) -> Vec<u8> {
+        let header = Header {
+            cache: cache.into(),
+            origin: "seed".into(),
+            publisher,
+            seq,
+            published_at_us: 1_796_000_000_000_000,
+        };
+        encode(&header, change).expect("seed encodes")
+    }
+
+    fn changes() -> Vec<Change> {
+        fn part(v: &dyn erased::Part) -> bytes::Bytes {
+            v.bytes()
+        }
+        vec![
+            Change::Refresh {
+                entries: vec![EntryVersion {
+                    key: part(&"de"),
+                    value: part(&"Germany"),
+                    version: Some(3),
+                }],
+            },
+            Change::Refresh {
+                entries: vec![
+                    EntryVersion {
+                        key: part(&7u64),
+                        value: part(&vec![1u8, 2, 3]),
+                        version: None,
+                    },
+                    EntryVersion {
+                        key: part(&u64::MAX),
+                        value: part(&Vec::<u8>::new()),
+                        version: Some(u64::MAX),
+                    },
+                ],
+            },
+            Change::Invalidate {
+                keys: vec![KeyVersion {
+                    key: part(&"warm"),
+                    version: Some(9),
+                }],
+            },
+            Change::Clear { version: Some(5) },
+            Change::Clear { version: None },
+        ]
+    }
+
+    /// Type-erased keys and values for the seeds.
+    mod erased {
+        pub(super) trait Part {
+            fn bytes(&self) -> bytes::Bytes;
+        }
+        impl<T: serde::Serialize> Part for T {
+            fn bytes(&self) -> bytes::Bytes {
+                crate::event::encode_part(self, "seed").expect("seed part encodes")
+            }
+        }
+    }
+
+    /// A record for the `records` target: tag, then payload.
+    fn record(tag: Option<&str>, payload: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        match tag {
+            Some(t) => {
+                out.push(u8::try_from(t.len()).expect("short tag"));
+                out.extend(t.as_bytes());
+            }
+            None => out.push(255),
+        }
+        let len = u16::try_from(payload.len()).expect("short payload");
+        out.extend(len.to_le_bytes());
+        out.extend(payload);
+        out
+    }
+
+    /// Writes the inputs the fuzzers start from. Run once, by hand, before
+    /// the first `scripts/fuzz`: `cargo test -p cache-sync --lib write_fuzz_seeds -- --ignored`.
+    #[test]
+    #[ignore = "writes files; run by hand to seed new corpora"]
+    fn write_fuzz_seeds() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
+        let write = |target: &str, n: usize, data: &[u8]| {
+            let dir = root.join(target);
+            std::fs::create_dir_all(&dir).expect("corpus dir");
+            std::fs::write(dir.join(format!("seed-{n:02}")), data).expect("seed");
+        };
+        let ring = ring();
+        let mut events = Vec::new();
+        for (i, change) in changes().iter().enumerate() {
+            for cache in ["a", "b"] {
+                events.push(event_bytes(cache, 42, i as u64 + 1, change));
+            }
+        }
+        for (n, e) in events.iter().enumerate() {
+            write("event", n, e);
+            write("signed", n, &ring.sign(e));
+        }
+        write("signed", 90, b"\x01plain");
+        write("signed", 91, &[crate::sign::FORMAT_SIGNED, 2, b'k', b'9']);
+        let offsets = [
+            r#"{"offsetTable": {}}"#,
+            r#"{"offsetTable": {"cache-sync": {"embedded-9f3c": 1042}}}"#,
+            r#"{"offsetTable": {"t": {"broker-a:0": 25, "broker-a:0@": "4096@1796000000123", "id": "1700-3", "n": 7, "e": 1796000000123456}}}"#,
+            r#"{"offsetTable": {"t": {"seq": 18446744073709551615, "created": 0}}, "extra": [1, 2]}"#,
+        ];
+        for (n, o) in offsets.iter().enumerate() {
+            write("offsets", n, o.as_bytes());
+        }
+        // Records: plain (mode 0) and verifying (mode 1, and with small
+        // version tables), tagged and not, in order, with gaps and garbage.
+        for (n, mode) in [0u8, 1, 2, 3, 0x0e].into_iter().enumerate() {
+            let mut input = vec![mode];
+            for (i, e) in events.iter().enumerate() {
+                let cache = if i % 2 == 0 { "a" } else { "b" };
+                let payload = if mode & 1 == 1 {
+                    ring.sign(e)
+                } else {
+                    e.clone()
+                };
+                let tag = (i % 3 != 0).then_some(cache);
+                input.extend(record(tag, &payload));
+            }
+            input.extend(record(Some("a"), b"\x01\xff\xff garbage"));
+            input.extend(record(Some("other"), b""));
+            input.extend(record(None, &event_bytes("a", 42, 99, &changes()[0])));
+            write("records", n, &input);
+        }
+    }
+
+    /// Every input the fuzzers kept, run again as a regression test.
+    #[test]
+    fn the_committed_corpora_replay_cleanly() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
+        type Target = fn(&[u8]);
+        let targets: [(&str, Target); 4] = [
+            ("event", super::event),
+            ("signed", super::signed),
+            ("offsets", super::offsets),
+            ("records", super::records),
+        ];
+        for (name, target) in targets {
+            let dir = root.join(name);
+            let mut inputs = 0;
+            for entry in
+                std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("corpus {}: {e}", dir.display()))
+            {
+                let path = entry.expect("corpus entry").path();
+                let data = std::fs::read(&path).expect("corpus file");
+                target(&data);
+                inputs += 1;
+            }
+            assert!(
+                inputs >= 10,
+                "corpus {name} holds only {inputs} inputs; run scripts/fuzz"
+            );
+        }
+    }
+}
