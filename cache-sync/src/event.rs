@@ -117,7 +117,7 @@ pub(crate) fn decode_header(bytes: &[u8], limit: usize) -> Result<(Header, usize
     }
     let (header, used) =
         bincode::serde::decode_from_slice::<Header, _>(rest, wire_config()).map_err(malformed)?;
-    Ok((header, 1 + used))
+    Ok((header, used.saturating_add(1)))
 }
 
 /// Reads the change that follows the header, rejecting trailing bytes.
@@ -127,7 +127,7 @@ pub(crate) fn decode_change(bytes: &[u8], offset: usize) -> Result<Change, Decod
         bincode::serde::decode_from_slice::<Change, _>(rest, wire_config()).map_err(malformed)?;
     if used != rest.len() {
         return Err(DecodeError::new(DecodeErrorKind::TrailingBytes(
-            rest.len() - used,
+            rest.len().saturating_sub(used),
         )));
     }
     Ok(change)
@@ -164,7 +164,10 @@ pub(crate) fn decode_part<T: DeserializeOwned>(
     let (value, used) = bincode::serde::decode_from_slice::<T, _>(bytes, wire_config())
         .map_err(|e| mismatch(e.to_string()))?;
     if used != bytes.len() {
-        return Err(mismatch(format!("{} trailing bytes", bytes.len() - used)));
+        return Err(mismatch(format!(
+            "{} trailing bytes",
+            bytes.len().saturating_sub(used)
+        )));
     }
     Ok(value)
 }
@@ -172,7 +175,9 @@ pub(crate) fn decode_part<T: DeserializeOwned>(
 /// Encoded size of a key or entry inside a change, used to split batches
 /// before they exceed the event limit. Over-estimates the varint prefixes.
 pub(crate) fn framed_len(parts: &[&Bytes]) -> usize {
-    parts.iter().map(|p| p.len() + 9).sum::<usize>() + 10
+    parts.iter().fold(10usize, |sum, p| {
+        sum.saturating_add(p.len().saturating_add(9))
+    })
 }
 
 #[cfg(test)]

@@ -132,6 +132,11 @@
 // when the compiler proves them `Send`.
 #![recursion_limit = "256"]
 #![warn(missing_docs)]
+// Numbers come off the wire (sequence numbers, offsets, ordinals, lengths)
+// and out of configuration (durations, capacities): every operation that
+// could overflow says what happens at the edge (checked, saturating or
+// wrapping). Tests may use plain arithmetic.
+#![cfg_attr(not(test), warn(clippy::arithmetic_side_effects))]
 
 mod bus;
 mod cache;

@@ -86,7 +86,7 @@ pub(crate) fn escape_with(name: &str, marker: u8, keep: impl Fn(char) -> bool) -
     if name.chars().all(|c| c != marker && keep(c)) {
         return Cow::Borrowed(name);
     }
-    let mut out = String::with_capacity(name.len() + 8);
+    let mut out = String::with_capacity(name.len().saturating_add(8));
     let mut utf8 = [0u8; 4];
     for c in name.chars() {
         if c != marker && keep(c) {
@@ -118,7 +118,7 @@ pub(crate) fn unescape_with(text: &str, marker: u8) -> Option<Cow<'_, str>> {
     let mut i = 0;
     while let Some(&b) = bytes.get(i) {
         if b == marker {
-            let hex = bytes.get(i + 1..i + 3)?;
+            let hex = bytes.get(i.checked_add(1)?..i.checked_add(3)?)?;
             let hex = std::str::from_utf8(hex).ok()?;
             // Only the upper-case form `escape` writes: a second spelling of
             // one byte would make two texts decode to one name.
@@ -126,10 +126,10 @@ pub(crate) fn unescape_with(text: &str, marker: u8) -> Option<Cow<'_, str>> {
                 return None;
             }
             out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
+            i = i.saturating_add(3);
         } else {
             out.push(b);
-            i += 1;
+            i = i.saturating_add(1);
         }
     }
     String::from_utf8(out).ok().map(Cow::Owned)

@@ -286,21 +286,23 @@ impl Publisher {
         size: impl Fn(&T) -> usize,
         make: impl Fn(Vec<T>) -> Change,
     ) -> Result<Vec<Change>> {
-        // Room for the header (cache name and origin are at most a few
-        // hundred bytes) and the format byte.
-        // The signature adds its key id and a 32-byte tag.
-        let signature = if self.inner.keyring.is_some() {
-            2 + 255 + 32
+        // Room for the header (the cache name, up to 255 bytes, the origin,
+        // and 64 bytes for the numbers and length prefixes) and the format
+        // byte. A signature adds its format byte, key id and 32-byte tag.
+        const HEADER: usize = 64 + 255;
+        const SIGNED: usize = HEADER + 2 + 255 + 32;
+        let overhead = if self.inner.keyring.is_some() {
+            SIGNED
         } else {
-            0
+            HEADER
         };
         let budget = self
             .inner
             .max_event_bytes
-            .saturating_sub(64 + self.inner.origin.len() + 255 + signature);
+            .saturating_sub(self.inner.origin.len().saturating_add(overhead));
         let mut changes = Vec::new();
         let mut batch = Vec::new();
-        let mut used = 0;
+        let mut used = 0usize;
         for item in items {
             let n = size(&item);
             if n > budget {
@@ -310,11 +312,11 @@ impl Publisher {
                     limit: budget,
                 });
             }
-            if used + n > budget && !batch.is_empty() {
+            if used.saturating_add(n) > budget && !batch.is_empty() {
                 changes.push(make(std::mem::take(&mut batch)));
                 used = 0;
             }
-            used += n;
+            used = used.saturating_add(n);
             batch.push(item);
         }
         if !batch.is_empty() {
@@ -349,7 +351,9 @@ impl Publisher {
             position: None,
         };
         for change in changes {
-            *seq += 1;
+            // 2^64 publishes to one cache from one publisher will not happen;
+            // saturating keeps the numbers from ever going back regardless.
+            *seq = seq.saturating_add(1);
             let header = Header {
                 cache: cache.to_owned(),
                 origin: self.inner.origin.clone(),
@@ -373,7 +377,7 @@ impl Publisher {
                 .bus
                 .publish(&self.inner.topic, cache, Bytes::from(payload))
                 .await?;
-            published.events += 1;
+            published.events = published.events.saturating_add(1);
             published.position = position.or(published.position);
         }
         Ok((published, out))

@@ -91,7 +91,7 @@ impl Keyring {
     pub(crate) fn sign(&self, event: &[u8]) -> Vec<u8> {
         let id = &*self.primary;
         let tag = self.mac(id, event).map(|m| m.finalize().into_bytes());
-        let mut out = Vec::with_capacity(2 + id.len() + TAG_LEN + event.len());
+        let mut out = Vec::with_capacity(event.len().saturating_add(2 + 255 + TAG_LEN));
         out.push(FORMAT_SIGNED);
         out.push(id.len() as u8);
         out.extend_from_slice(id.as_bytes());

@@ -71,7 +71,7 @@ struct Stored {
 
 impl Log {
     fn end(&self) -> u64 {
-        self.first + self.records.len() as u64
+        self.first.saturating_add(self.records.len() as u64)
     }
 }
 
@@ -172,7 +172,7 @@ impl ChangeBus for EmbeddedBus {
             let now = SystemTime::now();
             let ts = log.last_ts.map_or(now, |last| last.max(now));
             log.last_ts = Some(ts);
-            log.bytes += payload.len();
+            log.bytes = log.bytes.saturating_add(payload.len());
             log.records.push_back(Stored {
                 ts,
                 tag: tag.into(),
@@ -182,9 +182,9 @@ impl ChangeBus for EmbeddedBus {
                 || (log.bytes > self.shared.max_bytes && log.records.len() > 1)
             {
                 if let Some(old) = log.records.pop_front() {
-                    log.bytes -= old.payload.len();
+                    log.bytes = log.bytes.saturating_sub(old.payload.len());
                     log.trimmed_ts = Some(old.ts);
-                    log.first += 1;
+                    log.first = log.first.saturating_add(1);
                 }
             }
             log.end()
@@ -225,7 +225,8 @@ impl ChangeBus for EmbeddedBus {
                             Some(self.position(log.first)),
                         ));
                     }
-                    log.first + log.records.partition_point(|r| r.ts < t) as u64
+                    log.first
+                        .saturating_add(log.records.partition_point(|r| r.ts < t) as u64)
                 }
             }
         };
@@ -261,8 +262,7 @@ impl EmbeddedSubscription {
             return Some(Delivery::Lost(loss));
         }
         let log = lock(&self.topic.log);
-        if self.cursor < log.first {
-            let missed = log.first - self.cursor;
+        if let Some(missed) = log.first.checked_sub(self.cursor).filter(|&m| m > 0) {
             self.cursor = log.first;
             return Some(Delivery::Lost(Loss::new(
                 LossReason::Trimmed,
@@ -270,25 +270,25 @@ impl EmbeddedSubscription {
                 Some(self.position_at(self.cursor)),
             )));
         }
-        if self.cursor >= log.end() {
-            return None;
-        }
+        // Here `first <= cursor`; nothing new unless `cursor < end`.
+        let ahead = log.end().checked_sub(self.cursor).filter(|&n| n > 0)?;
         // Scan at most `max` records, matching or not, so a burst for other
         // caches cannot make one call walk the whole history.
-        let start = (self.cursor - log.first) as usize;
+        let start = usize::try_from(self.cursor.saturating_sub(log.first)).unwrap_or(usize::MAX);
         let mut records = Vec::new();
-        for (i, r) in log.records.range(start..).take(max.max(1)).enumerate() {
-            let offset = self.cursor + i as u64;
+        let mut offset = self.cursor;
+        for r in log.records.range(start..).take(max.max(1)) {
+            offset = offset.saturating_add(1);
             if self.tags.as_ref().is_none_or(|t| t.contains(&*r.tag)) {
                 records.push(Record::new(
-                    self.position_at(offset + 1),
+                    self.position_at(offset),
                     Some(r.tag.to_string()),
                     r.payload.clone(),
                 ));
             }
         }
-        let scanned = (log.end() - self.cursor).min(max.max(1) as u64);
-        self.cursor += scanned;
+        let scanned = ahead.min(max.max(1) as u64);
+        self.cursor = self.cursor.saturating_add(scanned);
         Some(Delivery::Batch {
             records,
             position: self.position_at(self.cursor),

@@ -417,12 +417,14 @@ impl ChangeBus for NatsJetStreamBus {
                     // oldest message kept comes after it.
                     match first.checked_sub(*n).and_then(|d| d.checked_sub(1)) {
                         Some(missed) if missed > 0 && state.messages > 0 => {
+                            // `first > n + 1 >= 1` here.
+                            let before = first.saturating_sub(1);
                             pending = Some(Loss::new(
                                 LossReason::Trimmed,
                                 Some(missed),
-                                Some(seq_position(first - 1, created)),
+                                Some(seq_position(before, created)),
                             ));
-                            (after(first - 1), first - 1)
+                            (after(before), before)
                         }
                         _ => (after(*n), *n),
                     }
@@ -549,11 +551,12 @@ impl NatsSubscription {
             return None;
         }
         let resume = Some(seq_position(seq.saturating_sub(1), self.created));
-        Some(if seq > self.last {
-            Loss::new(LossReason::Trimmed, Some(seq - self.last - 1), resume)
-        } else {
-            Loss::new(LossReason::HistoryReset, None, resume)
-        })
+        Some(
+            match seq.checked_sub(self.last).and_then(|d| d.checked_sub(1)) {
+                Some(missed) => Loss::new(LossReason::Trimmed, Some(missed), resume),
+                None => Loss::new(LossReason::HistoryReset, None, resume),
+            },
+        )
     }
 
     fn position_at(&self, seq: u64) -> Position {

@@ -19,6 +19,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::names;
+use crate::util::{clamp_timeout, deadline_after};
 
 const STREAMS: &str = "redis-streams";
 const PUBSUB: &str = "redis-pubsub";
@@ -183,19 +184,20 @@ impl RedisStreamsBuilder {
         self
     }
 
-    /// How long one `XREAD BLOCK` waits before asking again. Default 5 s.
+    /// How long one `XREAD BLOCK` waits before asking again. Default 5 s;
+    /// between 1 ms and an hour.
     /// The reader's response timeout is this plus
     /// [`response_timeout`](Self::response_timeout); the `redis` crate's
     /// default of 500 ms would fail every blocking read.
     pub fn block(mut self, block: Duration) -> Self {
-        self.config.block = block.max(Duration::from_millis(1));
+        self.config.block = clamp_timeout(block);
         self
     }
 
     /// How long to wait for a connection or an answer before treating the
-    /// server as unreachable. Default 5 s.
+    /// server as unreachable. Default 5 s; between 1 ms and an hour.
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
-        self.config.response_timeout = timeout.max(Duration::from_millis(1));
+        self.config.response_timeout = clamp_timeout(timeout);
         self
     }
 
@@ -268,7 +270,11 @@ impl RedisStreamsBus {
     async fn reader(&self) -> Result<MultiplexedConnection> {
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.config.response_timeout))
-            .set_response_timeout(Some(self.config.block + self.config.response_timeout));
+            .set_response_timeout(Some(
+                self.config
+                    .block
+                    .saturating_add(self.config.response_timeout),
+            ));
         self.client
             .get_multiplexed_async_connection_with_config(&config)
             .await
@@ -456,11 +462,11 @@ impl ChangeBus for RedisStreamsBus {
                 (Some(Offset::Id(id)), Some(Offset::Seq(n)), Some(Offset::Seq(e)))
                     if *e == state.epoch && *n <= state.entries_added =>
                 {
-                    if *n < trimmed {
+                    if let Some(missed) = trimmed.checked_sub(*n).filter(|&m| m > 0) {
                         // Entries after the stored position are gone already.
                         pending = Some(Loss::new(
                             LossReason::Trimmed,
-                            Some(trimmed - n),
+                            Some(missed),
                             Some(streams_position(id, trimmed, state.epoch)),
                         ));
                         (id.clone(), trimmed)
@@ -578,8 +584,7 @@ impl StreamsSubscription {
             return Ok(Some(self.reset_to(&state)));
         }
         let trimmed = state.trimmed();
-        if trimmed > self.ordinal {
-            let missed = trimmed - self.ordinal;
+        if let Some(missed) = trimmed.checked_sub(self.ordinal).filter(|&m| m > 0) {
             self.ordinal = trimmed;
             return Ok(Some(Loss::new(
                 LossReason::Trimmed,
@@ -632,9 +637,10 @@ impl Subscription for StreamsSubscription {
                             // A jump mid-batch: deliver what came before it first.
                             break;
                         }
-                        // Entries between our last read and this one were trimmed.
-                        let missed = n - self.ordinal - 1;
-                        self.ordinal = n - 1;
+                        // Entries between our last read and this one were
+                        // trimmed; `n > ordinal + 1` here.
+                        let missed = n.saturating_sub(x);
+                        self.ordinal = n.saturating_sub(1);
                         return Ok(Delivery::Lost(Loss::new(
                             LossReason::Trimmed,
                             Some(missed),
@@ -724,28 +730,31 @@ impl RedisPubSubBuilder {
     /// unbounded queue, so a node that applies slower than events arrive
     /// would never trip the server's limit and would grow without bound.
     /// Past this limit the queued messages are dropped and the loss is
-    /// signalled as [`LossReason::Overflow`].
+    /// signalled as [`LossReason::Overflow`]. At least 64 KiB: a smaller
+    /// limit would drop ordinary events one by one, each as a loss.
     pub fn max_backlog_bytes(mut self, bytes: usize) -> Self {
-        self.config.max_backlog_bytes = bytes.max(1);
+        self.config.max_backlog_bytes = bytes.max(64 << 10);
         self
     }
 
-    /// How often an idle subscription PINGs the server. Default 1 s.
+    /// How often an idle subscription PINGs the server. Default 1 s; between
+    /// 1 ms and an hour.
     pub fn ping_interval(mut self, every: Duration) -> Self {
-        self.config.ping_interval = every.max(Duration::from_millis(1));
+        self.config.ping_interval = clamp_timeout(every);
         self
     }
 
     /// How long a PING may go unanswered before the link counts as dead.
-    /// Default 1 s.
+    /// Default 1 s; between 1 ms and an hour.
     pub fn ping_timeout(mut self, timeout: Duration) -> Self {
-        self.config.ping_timeout = timeout.max(Duration::from_millis(1));
+        self.config.ping_timeout = clamp_timeout(timeout);
         self
     }
 
-    /// How long to wait for a connection or a `PUBLISH` answer. Default 5 s.
+    /// How long to wait for a connection or a `PUBLISH` answer. Default 5 s;
+    /// between 1 ms and an hour.
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
-        self.config.response_timeout = timeout.max(Duration::from_millis(1));
+        self.config.response_timeout = clamp_timeout(timeout);
         self
     }
 
@@ -898,7 +907,9 @@ impl PubSubSubscription {
 
     fn push(&mut self, msg: &redis::Msg) {
         let record = record(msg);
-        self.backlog_bytes += record.payload.len() + RECORD_OVERHEAD;
+        self.backlog_bytes = self
+            .backlog_bytes
+            .saturating_add(record.payload.len().saturating_add(RECORD_OVERHEAD));
         self.backlog.push_back(record);
     }
 
@@ -921,10 +932,10 @@ impl PubSubSubscription {
         }
         let n = max.max(1).min(self.backlog.len());
         let records: Vec<Record> = self.backlog.drain(..n).collect();
-        self.backlog_bytes -= records
-            .iter()
-            .map(|r| r.payload.len() + RECORD_OVERHEAD)
-            .sum::<usize>();
+        let taken = records.iter().fold(0usize, |sum, r| {
+            sum.saturating_add(r.payload.len().saturating_add(RECORD_OVERHEAD))
+        });
+        self.backlog_bytes = self.backlog_bytes.saturating_sub(taken);
         Ok(Delivery::Batch {
             records,
             position: Position::default(),
@@ -960,13 +971,13 @@ impl Subscription for PubSubSubscription {
                     self.push(&msg);
                 }
                 () = self.ping.as_mut() => {
-                    let due = self.heard_at + self.ping_interval;
+                    let due = self.heard_at.checked_add(self.ping_interval);
                     let now = tokio::time::Instant::now();
-                    if now < due {
+                    if let Some(due) = due.filter(|&due| now < due) {
                         self.ping.as_mut().reset(due);
                         continue;
                     }
-                    self.ping.as_mut().reset(now + self.ping_interval);
+                    self.ping.as_mut().reset(deadline_after(self.ping_interval));
                     match tokio::time::timeout(self.ping_timeout, self.sink.ping::<Value>()).await {
                         Ok(Ok(_)) => {}
                         Ok(Err(e)) => return Err(map_err(PUBSUB, e)),

@@ -432,9 +432,9 @@ impl Inner {
                 }
                 // The name server learns the route when the broker registers
                 // again, within milliseconds.
-                let deadline = Instant::now() + Duration::from_secs(5);
+                let started = Instant::now();
                 while route(a, topic).await?.is_none() {
-                    if Instant::now() > deadline {
+                    if started.elapsed() > Duration::from_secs(5) {
                         return Err(Error::disconnected(
                             KIND,
                             format!("topic {topic} created but its route never appeared"),
@@ -491,7 +491,7 @@ impl Inner {
     async fn after_send_failure(&self, topic: &str) {
         {
             let mut f = lock(&self.send_failures);
-            f.consecutive += 1;
+            f.consecutive = f.consecutive.saturating_add(1);
             let recently = f
                 .last_recreate
                 .is_some_and(|t| t.elapsed() < Duration::from_secs(1));
@@ -848,7 +848,8 @@ async fn plan_start(admin: &DefaultMQAdminExt, topic: &str, from: &StartFrom) ->
                         reset = true;
                         max
                     } else if n < min {
-                        trimmed = trimmed.saturating_add(u64::try_from(min - n).unwrap_or(0));
+                        trimmed = trimmed
+                            .saturating_add(u64::try_from(min.saturating_sub(n)).unwrap_or(0));
                         min
                     } else if n > 0 && !same_history(admin, topic, q, n, p).await? {
                         // The message before the position is not the one this

@@ -563,7 +563,7 @@ where
             if let Some(v) = self.cache.get(key).await {
                 return Ok(v);
             }
-            attempt += 1;
+            attempt = attempt.saturating_add(1);
         }
     }
 

@@ -100,7 +100,7 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
 
     /// Stamps a write to `key` and returns its record.
     fn written(&mut self, key: &K) -> &mut KeyMeta {
-        self.stamp += 1;
+        self.stamp = self.stamp.saturating_add(1);
         let stamp = self.stamp;
         let m = self.record(key);
         m.touched = stamp;
@@ -145,7 +145,7 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
     }
 
     pub(crate) fn clear(&mut self, version: Option<u64>) {
-        self.stamp += 1;
+        self.stamp = self.stamp.saturating_add(1);
         self.cleared_at = self.stamp;
         if let Some(v) = version {
             self.clear_floor = Some(self.clear_floor.map_or(v, |f| f.max(v)));
@@ -165,7 +165,7 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
     fn record(&mut self, key: &K) -> &mut KeyMeta {
         self.compact_queue();
         if !self.map.contains_key(key) {
-            self.evict_to(self.capacity - 1);
+            self.evict_to(self.capacity.saturating_sub(1));
             let meta = KeyMeta {
                 version: self.evicted_version,
                 exact: false,
@@ -174,7 +174,7 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
             };
             self.map.insert(key.clone(), meta);
         }
-        self.next_tick += 1;
+        self.next_tick = self.next_tick.saturating_add(1);
         let tick = self.next_tick;
         self.queue.push_back((key.clone(), tick));
         let m = self.map.get_mut(key).expect("inserted above if missing");

@@ -942,3 +942,205 @@ async fn registrations_are_released_when_a_start_fails_or_a_node_stops() {
     })
     .await;
 }
+
+/// A bus whose subscriptions fail while `down` is set: a broker that is
+/// unreachable when a node starts.
+#[derive(Debug, Clone, Default)]
+struct SwitchBus {
+    inner: EmbeddedBus,
+    down: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[async_trait]
+impl ChangeBus for SwitchBus {
+    fn kind(&self) -> &'static str {
+        "switch"
+    }
+
+    fn filters_by_tag(&self) -> bool {
+        true
+    }
+
+    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        self.inner.publish(topic, tag, payload).await
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        if self.down.load(Relaxed) {
+            return Err(Error::disconnected("switch", "the broker is down"));
+        }
+        self.inner.subscribe(topic, options).await
+    }
+}
+
+/// One step of the lifecycle matrix.
+#[derive(Debug, Clone)]
+enum Step {
+    /// Start node `slot` with these caches (a bit set), with the broker up
+    /// or down. A node already in the slot is shut down first, unless
+    /// `drop_old`, when it is dropped without a word.
+    Start {
+        slot: usize,
+        caches: u8,
+        broker_down: bool,
+        drop_old: bool,
+    },
+    Register {
+        slot: usize,
+        cache: usize,
+    },
+    Shutdown {
+        slot: usize,
+    },
+    Drop {
+        slot: usize,
+    },
+}
+
+fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+    use proptest::prelude::*;
+    prop_oneof![
+        3 => (0..3usize, 0..8u8, proptest::bool::weighted(0.25), any::<bool>()).prop_map(
+            |(slot, caches, broker_down, drop_old)| Step::Start { slot, caches, broker_down, drop_old }
+        ),
+        3 => (0..3usize, 0..3usize).prop_map(|(slot, cache)| Step::Register { slot, cache }),
+        1 => (0..3usize).prop_map(|slot| Step::Shutdown { slot }),
+        1 => (0..3usize).prop_map(|slot| Step::Drop { slot }),
+    ]
+}
+
+/// Register, start, fail, shut down, drop and register again, in any order:
+/// a cache is held by at most one running node; every refusal is the one
+/// the situation calls for (`DuplicateCache`, a claim held elsewhere,
+/// `Shutdown`); a failed start, a shutdown and a dropped node each give
+/// their caches back; and every cache a running node holds gets its events.
+async fn lifecycle(steps: Vec<Step>) -> std::result::Result<(), String> {
+    let bus = SwitchBus::default();
+    let caches: Vec<Cache> = (0..3).map(|i| cache(&format!("c{i}"))).collect();
+    // Per slot: the node, whether it still runs, and the caches it holds.
+    let mut slots: Vec<Option<(Node, bool, Vec<usize>)>> = vec![None, None, None];
+    let owner = |slots: &Vec<Option<(Node, bool, Vec<usize>)>>, c: usize| {
+        slots.iter().position(|s| {
+            s.as_ref()
+                .is_some_and(|(_, running, held)| *running && held.contains(&c))
+        })
+    };
+    for (i, step) in steps.into_iter().enumerate() {
+        let fail = |what: String| format!("step {i} {step:?}: {what}");
+        match step.clone() {
+            Step::Start {
+                slot,
+                caches: set,
+                broker_down,
+                drop_old,
+            } => {
+                if let Some((old, _, _)) = slots[slot].take() {
+                    if drop_old {
+                        let weak = Arc::downgrade(&old.handle.shared);
+                        drop(old);
+                        eventually("the dropped node lets go", async || {
+                            weak.strong_count() == 0
+                        })
+                        .await;
+                    } else {
+                        old.shutdown()
+                            .await
+                            .map_err(|e| fail(format!("shutdown: {e}")))?;
+                    }
+                }
+                let wanted: Vec<usize> = (0..3).filter(|c| set & (1 << c) != 0).collect();
+                let taken = wanted.iter().any(|&c| owner(&slots, c).is_some());
+                bus.down.store(broker_down, Relaxed);
+                let mut builder = Node::builder(format!("n{slot}"), bus.clone());
+                for &c in &wanted {
+                    builder = builder.register(&caches[c]);
+                }
+                let started = builder.start().await;
+                bus.down.store(false, Relaxed);
+                match (started, taken, broker_down) {
+                    (Ok(node), false, false) => slots[slot] = Some((node, true, wanted)),
+                    (Err(e), true, _) if e.is_config() => {}
+                    (Err(e), false, true) if e.is_disconnected() => {}
+                    (other, taken, down) => {
+                        return Err(fail(format!("taken {taken}, down {down}: got {other:?}")));
+                    }
+                }
+            }
+            Step::Register { slot, cache: c } => {
+                let Some((node, _, _)) = slots[slot].as_ref() else {
+                    continue;
+                };
+                let result = node.register(&caches[c]).await;
+                let holder = owner(&slots, c);
+                let (node, running, held) = slots[slot].as_mut().expect("checked above");
+                match result {
+                    Ok(()) if *running && holder.is_none() => held.push(c),
+                    Err(Error::Shutdown) if !*running => {}
+                    Err(Error::DuplicateCache(_)) if *running && held.contains(&c) => {}
+                    Err(e) if *running && e.is_config() && holder.is_some_and(|h| h != slot) => {}
+                    other => {
+                        return Err(fail(format!(
+                            "{} running {running}, holder {holder:?}: got {other:?}",
+                            node.id()
+                        )));
+                    }
+                }
+            }
+            Step::Shutdown { slot } => {
+                if let Some((node, running, _)) = slots[slot].as_mut() {
+                    node.shutdown()
+                        .await
+                        .map_err(|e| fail(format!("shutdown: {e}")))?;
+                    *running = false;
+                }
+            }
+            Step::Drop { slot } => {
+                if let Some((node, _, _)) = slots[slot].take() {
+                    let weak = Arc::downgrade(&node.handle.shared);
+                    drop(node);
+                    eventually("the dropped node lets go", async || {
+                        weak.strong_count() == 0
+                    })
+                    .await;
+                }
+            }
+        }
+    }
+    // Every cache a running node holds gets its events.
+    let publisher = Publisher::new(bus.inner.clone());
+    for (c, cache) in caches.iter().enumerate() {
+        if owner(&slots, c).is_none() {
+            continue;
+        }
+        publisher
+            .refresh(cache.name(), [("k", "final")])
+            .await
+            .map_err(|e| e.to_string())?;
+        eventually(&format!("{} applies", cache.name()), async || {
+            holds(cache, "k", Some("final")).await
+        })
+        .await;
+    }
+    Ok(())
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(96))]
+    #[test]
+    fn lifecycle_matrix(steps in proptest::collection::vec(step(), 1..16)) {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let outcome = rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(60), lifecycle(steps)).await
+        });
+        let result = outcome.map_err(|_| proptest::test_runner::TestCaseError::fail("hung"))?;
+        result.map_err(proptest::test_runner::TestCaseError::fail)?;
+    }
+}

@@ -1,0 +1,409 @@
+//! The configuration space, sampled: random builder settings (capacities
+//! 0 to 8, durations of 0, 1 ns, 1 ms and `Duration::MAX`, topic and cache
+//! names from an alphabet of the characters brokers give meaning to) on
+//! every transport in the suite. Each combination must either fail with an
+//! error that says why, or work: the node starts, sees the event published
+//! to it (or says it cannot), and shuts down. None may panic or hang.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cache_sync::{
+    ChangeBus, EmbeddedBus, NatsJetStreamBus, Node, Publisher, RedisPubSubBus, RedisStreamsBus,
+    RocketMqBus, SyncedCache,
+};
+use integration_tests::nats_server::NatsServer;
+use integration_tests::redis_server::RedisServer;
+use integration_tests::rocketmq_server::RocketMqServer;
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+
+/// How long one combination may take, start to shutdown, before it counts
+/// as a hang.
+const CASE_LIMIT: Duration = Duration::from_secs(60);
+
+/// The edges, and often enough an ordinary value that whole combinations
+/// get past validation.
+fn duration() -> impl Strategy<Value = Duration> {
+    prop_oneof![
+        1 => Just(Duration::ZERO),
+        1 => Just(Duration::from_nanos(1)),
+        3 => Just(Duration::from_millis(1)),
+        3 => Just(Duration::from_millis(100)),
+        2 => Just(Duration::MAX),
+    ]
+}
+
+/// Names from the characters that mean something to some broker, plus
+/// the empty name, a NUL, and one over the 255-byte limit.
+fn name() -> impl Strategy<Value = String> {
+    let alphabet = prop_oneof![
+        3 => Just('a'),
+        1 => Just('Z'),
+        1 => Just('0'),
+        1 => Just('.'),
+        1 => Just('*'),
+        1 => Just('>'),
+        1 => Just(':'),
+        1 => Just(' '),
+        1 => Just('ü'),
+        1 => Just('%'),
+        1 => Just('='),
+        1 => Just('|'),
+        1 => Just('_'),
+        1 => Just('-'),
+        1 => Just('/'),
+    ];
+    prop_oneof![
+        16 => proptest::collection::vec(alphabet, 1..8).prop_map(|cs| cs.into_iter().collect()),
+        1 => Just(String::new()),
+        1 => Just("a\0b".to_owned()),
+        1 => Just("x".repeat(300)),
+        1 => Just("ü".repeat(127)),
+        1 => Just("x".repeat(255)),
+        1 => Just("cache-sync".to_owned()),
+    ]
+}
+
+#[derive(Debug, Clone)]
+struct Settings {
+    topic: String,
+    cache: String,
+    max_batch: usize,
+    max_event_bytes: usize,
+    max_tracked_keys: usize,
+    max_load_retries: u32,
+    reorder_window: Duration,
+    persist_interval: Duration,
+    min_backoff: Duration,
+    max_backoff: Duration,
+    publisher_max_event_bytes: usize,
+    /// Transport settings: two durations and a capacity, used as each
+    /// transport's builder takes them.
+    t1: Duration,
+    t2: Duration,
+    capacity: usize,
+}
+
+/// Ordinary settings, every one valid.
+fn sane() -> Settings {
+    Settings {
+        topic: "topic".into(),
+        cache: "cache".into(),
+        max_batch: 4,
+        max_event_bytes: 1 << 20,
+        max_tracked_keys: 8,
+        max_load_retries: 3,
+        reorder_window: Duration::from_millis(100),
+        persist_interval: Duration::from_millis(100),
+        min_backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(100),
+        publisher_max_event_bytes: 1 << 20,
+        t1: Duration::from_millis(100),
+        t2: Duration::from_millis(100),
+        capacity: 8,
+    }
+}
+
+/// Half the time every setting is random; the other half one setting is
+/// (any of them), the rest ordinary, so that each edge is also tried alone
+/// and most combinations get past validation.
+fn settings() -> impl Strategy<Value = Settings> {
+    (random_settings(), any::<bool>(), 0usize..13).prop_map(|(random, one_edge, which)| {
+        if !one_edge {
+            return random;
+        }
+        let mut s = sane();
+        match which {
+            0 => s.topic = random.topic,
+            1 => s.cache = random.cache,
+            2 => s.max_batch = random.max_batch,
+            3 => s.max_event_bytes = random.max_event_bytes,
+            4 => s.max_tracked_keys = random.max_tracked_keys,
+            5 => s.max_load_retries = random.max_load_retries,
+            6 => s.reorder_window = random.reorder_window,
+            7 => s.persist_interval = random.persist_interval,
+            8 => (s.min_backoff, s.max_backoff) = (random.min_backoff, random.max_backoff),
+            9 => s.publisher_max_event_bytes = random.publisher_max_event_bytes,
+            10 => s.t1 = random.t1,
+            11 => s.t2 = random.t2,
+            _ => s.capacity = random.capacity,
+        }
+        s
+    })
+}
+
+fn random_settings() -> impl Strategy<Value = Settings> {
+    let bytes = prop_oneof![
+        1 => 0usize..=8,
+        3 => Just(256),
+        3 => Just(1 << 20),
+        1 => Just(usize::MAX),
+    ];
+    let batch = prop_oneof![1 => Just(0usize), 8 => 1usize..=8];
+    // Mostly in order, so that both ends are exercised past validation.
+    let backoff = prop_oneof![
+        3 => (duration(), duration()).prop_map(|(a, b)| (a.min(b), a.max(b))),
+        1 => (duration(), duration()),
+    ];
+    (
+        (name(), name(), batch, bytes.clone(), 0usize..=8, 0u32..=8),
+        (duration(), duration(), backoff, bytes),
+        (duration(), duration(), 0usize..=8),
+    )
+        .prop_map(
+            |(
+                (topic, cache, max_batch, max_event_bytes, max_tracked_keys, max_load_retries),
+                (
+                    reorder_window,
+                    persist_interval,
+                    (min_backoff, max_backoff),
+                    publisher_max_event_bytes,
+                ),
+                (t1, t2, capacity),
+            )| Settings {
+                topic,
+                cache,
+                max_batch,
+                max_event_bytes,
+                max_tracked_keys,
+                max_load_retries,
+                reorder_window,
+                persist_interval,
+                min_backoff,
+                max_backoff,
+                publisher_max_event_bytes,
+                t1,
+                t2,
+                capacity,
+            },
+        )
+}
+
+/// What every transport refuses, whatever its own rules add.
+fn name_is_bad(name: &str) -> bool {
+    name.is_empty() || name.len() > 255 || name.chars().any(char::is_control)
+}
+
+/// How a combination turned out, when it kept the contract.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// Refused with an error that says why.
+    Refused,
+    /// Started, published, and the node saw the event or said why not.
+    Worked,
+}
+
+/// Runs one combination on a bus made by `connect`; `Err` describes how it
+/// failed the contract.
+async fn one(
+    settings: Settings,
+    connect: impl AsyncFnOnce(&Settings) -> cache_sync::Result<Arc<dyn ChangeBus>>,
+) -> Result<Outcome, String> {
+    let bus = match connect(&settings).await {
+        Ok(bus) => bus,
+        Err(e) if !e.to_string().is_empty() => return Ok(Outcome::Refused),
+        Err(e) => return Err(format!("an error that says nothing: {e:?}")),
+    };
+    let cache: SyncedCache<String, String> =
+        SyncedCache::builder(settings.cache.clone(), moka::future::Cache::new(16))
+            .max_tracked_keys(settings.max_tracked_keys)
+            .max_load_retries(settings.max_load_retries)
+            .build();
+    let started = Node::builder("config-space", bus.clone())
+        .topic(settings.topic.clone())
+        .max_batch(settings.max_batch)
+        .max_event_bytes(settings.max_event_bytes)
+        .reorder_window(settings.reorder_window)
+        .persist_interval(settings.persist_interval)
+        .reconnect_backoff(settings.min_backoff, settings.max_backoff)
+        .register(&cache)
+        .start()
+        .await;
+    let node = match started {
+        Ok(node) => node,
+        Err(e) => {
+            if std::env::var_os("CONFIG_SPACE_VERBOSE").is_some() {
+                eprintln!("refused: {e}");
+            }
+            let named_rule = !e.to_string().is_empty();
+            return named_rule
+                .then_some(Outcome::Refused)
+                .ok_or_else(|| format!("an error that says nothing: {e:?}"));
+        }
+    };
+    if name_is_bad(&settings.topic) || name_is_bad(&settings.cache) {
+        return Err("a node started with a name no transport accepts".into());
+    }
+    let publisher = Publisher::builder(bus)
+        .topic(settings.topic.clone())
+        .max_event_bytes(settings.publisher_max_event_bytes)
+        .build()
+        .map_err(|e| format!("the node's own topic was refused to a publisher: {e}"))?;
+    let published = publisher.refresh(&settings.cache, [("k", "v")]).await;
+    let outcome = if published.is_ok() {
+        Outcome::Worked
+    } else {
+        Outcome::Refused
+    };
+    if published.is_ok() {
+        // The node sees the event, or says why it cannot (a transport
+        // error or a loss, counted); it never goes quiet while claiming
+        // health.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let s = node.status();
+            if s.events_received >= 1 || s.transport_errors >= 1 || s.losses >= 1 {
+                break;
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(format!(
+                    "the node never saw the event nor reported why: {s:?}"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    let s = node.status();
+    if !s.consuming && s.transport_errors == 0 {
+        return Err(format!(
+            "the consumer stopped without an error (a panic?): {s:?}"
+        ));
+    }
+    node.shutdown()
+        .await
+        .map_err(|e| format!("shutdown failed: {e}"))?;
+    Ok(outcome)
+}
+
+/// Runs `cases` combinations, each under [`CASE_LIMIT`]. At least a fifth
+/// of them must get all the way through (about half do), or the test says
+/// nothing about the paths past validation.
+fn explore<C>(cases: u32, connect: C)
+where
+    C: Fn(Settings) -> std::pin::Pin<Box<dyn Future<Output = Result<Outcome, String>> + Send>>,
+{
+    let worked = std::sync::atomic::AtomicU32::new(0);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut runner = TestRunner::new(Config {
+        cases,
+        // A failing combination is printed whole; shrinking it against a
+        // live broker would take longer than it helps.
+        max_shrink_iters: 0,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    runner
+        .run(&settings(), |s| {
+            let outcome = runtime.block_on(async {
+                tokio::time::timeout(CASE_LIMIT, tokio::spawn(connect(s))).await
+            });
+            match outcome {
+                Err(_) => Err(TestCaseError::fail("hung")),
+                Ok(Err(join)) => Err(TestCaseError::fail(format!("panicked: {join}"))),
+                Ok(Ok(Ok(outcome))) => {
+                    if outcome == Outcome::Worked {
+                        worked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    Ok(())
+                }
+                Ok(Ok(Err(broken))) => Err(TestCaseError::fail(broken)),
+            }
+        })
+        .expect("every combination fails clearly or works");
+    let worked = worked.into_inner();
+    eprintln!("{worked} of {cases} combinations worked end to end; the rest were refused");
+    assert!(
+        worked * 5 >= cases,
+        "only {worked} of {cases} combinations got past validation"
+    );
+}
+
+#[test]
+fn embedded() {
+    explore(256, |s| {
+        Box::pin(one(s, async |s: &Settings| {
+            let bus = EmbeddedBus::builder()
+                .max_records(s.capacity)
+                .max_bytes(s.capacity)
+                .build();
+            Ok(Arc::new(bus) as Arc<dyn ChangeBus>)
+        }))
+    });
+}
+
+#[test]
+fn redis_streams() {
+    let server = RedisServer::start();
+    let url = server.url();
+    explore(64, move |s| {
+        let url = url.clone();
+        Box::pin(one(s, async move |s: &Settings| {
+            let bus = RedisStreamsBus::builder(url)
+                .block(s.t1)
+                .response_timeout(s.t2)
+                .max_len(s.capacity)
+                .connect()
+                .await?;
+            Ok(Arc::new(bus) as Arc<dyn ChangeBus>)
+        }))
+    });
+}
+
+#[test]
+fn redis_pubsub() {
+    let server = RedisServer::start();
+    let url = server.url();
+    explore(48, move |s| {
+        let url = url.clone();
+        Box::pin(one(s, async move |s: &Settings| {
+            let bus = RedisPubSubBus::builder(url)
+                .ping_interval(s.t1)
+                .ping_timeout(s.t2)
+                .max_backlog_bytes(s.capacity)
+                .connect()
+                .await?;
+            Ok(Arc::new(bus) as Arc<dyn ChangeBus>)
+        }))
+    });
+}
+
+#[test]
+fn nats_jetstream() {
+    let server = NatsServer::start();
+    let url = server.url();
+    explore(48, move |s| {
+        let url = url.clone();
+        Box::pin(one(s, async move |s: &Settings| {
+            let bus = NatsJetStreamBus::builder(url)
+                .pull_expiry(s.t1)
+                .ping_interval(s.t2)
+                .max_messages(i64::try_from(s.capacity).unwrap_or(i64::MAX))
+                .connect()
+                .await?;
+            Ok(Arc::new(bus) as Arc<dyn ChangeBus>)
+        }))
+    });
+}
+
+#[test]
+fn rocketmq() {
+    let server = RocketMqServer::start();
+    let addr = server.namesrv_addr();
+    // Each combination starts a client runtime and a consumer (about a
+    // second each), so fewer of them.
+    explore(16, move |s| {
+        let addr = addr.clone();
+        Box::pin(one(s, async move |s: &Settings| {
+            let bus = RocketMqBus::builder(addr)
+                .queues_per_topic(u32::try_from(s.capacity).unwrap_or(u32::MAX))
+                .connect()
+                .await?;
+            Ok(Arc::new(bus) as Arc<dyn ChangeBus>)
+        }))
+    });
+}
