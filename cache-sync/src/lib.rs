@@ -71,13 +71,23 @@
 //! install is atomic with the check (every write to a key holds that key's
 //! write lock from its decision until moka has the change).
 //! A superseded load is retried; concurrent loads of one key are coalesced.
+//! Nor does it return such a value: after
+//! [`max_load_retries`](SyncedCacheBuilder::max_load_retries) superseded
+//! loads, one more runs under the key's write lock, so nothing can overtake
+//! it.
 //!
 //! ## What happens on loss
 //! Zero tolerance: one possibly missed event is enough to act.
 //! - The transport signals a loss ([`Delivery::Lost`]): history trimmed past
 //!   the node, a stored position from a history that no longer exists, a
-//!   reconnect on a lossy transport, a full local buffer.
-//! - The consumer sees a gap in a publisher's sequence numbers.
+//!   reconnect on a lossy transport, a full local buffer. Every position
+//!   names the history it belongs to (the embedded bus's instance, a Redis
+//!   stream's epoch, a NATS stream's creation time, the RocketMQ message
+//!   before each queue offset), so a broker that lost its data and grew a
+//!   new history past a paused node's offset is caught, not resumed into.
+//! - The consumer sees a gap in a publisher's sequence numbers. After a
+//!   re-subscription, a publisher the node has not heard from yet whose
+//!   first event is not its first counts as a gap too.
 //! - The consumer cannot re-subscribe from a known position.
 //!
 //! After a loss, the node cannot know the versions it missed. For one
@@ -91,8 +101,10 @@
 //! reloads, but a change whose publish the caller did not retry is never
 //! left stale.
 //!
-//! Each of these invalidates every cache on the topic, and is counted
-//! (`losses`, `publisher_gaps`, each cache's `loss_resyncs`) and logged.
+//! A gap in a publisher's numbers invalidates the one cache whose numbers
+//! jumped (they run per publisher and cache); every other loss invalidates
+//! every cache on the topic. Each is counted (`losses`, `publisher_gaps`,
+//! each cache's `loss_resyncs`) and logged.
 //!
 //! ## Bad input
 //! Garbage, truncated, oversized (over 1 MiB by default) or unknown-format
@@ -106,12 +118,30 @@
 //! ## Signed events
 //! With [`PublisherBuilder::signing`] and [`NodeBuilder::verify_signatures`],
 //! every event carries an HMAC-SHA256 over its bytes and a key id, checked in
-//! constant time before anything is parsed. Unsigned, forged, tampered and
-//! unknown-key events are rejected, counted and logged, and change nothing
-//! (not even an invalidation, or forgeries could flush caches at will). A
+//! constant time before anything else: before the size limit, and before the
+//! transport's tag is used to pick a cache. Unsigned, forged, tampered,
+//! oversized-and-unsigned and unknown-key events are rejected, counted and
+//! logged, and change nothing (not even an invalidation, or forgeries could
+//! flush caches at will). A
 //! [`Keyring`] accepts several keys, so keys can rotate. A replayed signed
 //! event is still authentic: versions make a replayed refresh stale, while an
 //! unversioned one is applied again.
+//!
+//! ## Names and limits
+//! Topic and cache names are 1 to 255 bytes of UTF-8 without control
+//! characters; each transport maps them one-to-one onto its own resources
+//! (see `docs/transports.md`), and refuses, when a node starts or a
+//! publisher is built, a name it cannot map ([`ChangeBus::check_topic`]).
+//! Numbers from the wire and from configuration never wrap or panic:
+//! `Duration::MAX` means "as long as the process runs" where a duration is
+//! a window, and transport timeouts are clamped to an hour. An automatic row
+//! version after `u64::MAX` is [`Error::VersionExhausted`].
+//!
+//! ## Lifecycle
+//! A cache belongs to one node at a time. A node gives its caches back when
+//! it shuts down, when its start fails, and when its last handle is
+//! dropped; a node that has shut down refuses new work with
+//! [`Error::Shutdown`].
 //!
 //! ## Redelivery
 //! Positions are saved periodically and on shutdown through an

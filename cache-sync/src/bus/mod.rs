@@ -259,6 +259,13 @@ impl fmt::Display for LossReason {
 ///   it delivered everything after the previous batch (history trimmed, a
 ///   reconnect on a lossy transport, a full local buffer), it yields
 ///   [`Delivery::Lost`] before the next batch.
+/// - A [`Position`] names the history it belongs to (an instance id, an
+///   epoch, a creation time), not only an offset into it: subscribing from a
+///   position of a history the broker no longer holds yields
+///   [`LossReason::HistoryReset`] first, even when the new history's offsets
+///   have grown past the stored one.
+/// - While the transport cannot reach its broker, `next` fails promptly
+///   rather than waiting for it, so the node can report itself unhealthy.
 /// - [`Subscription::next`] is cancel-safe: dropping its future loses nothing.
 /// - An `Err` from `next` means the subscription is broken. The consumer drops
 ///   it and subscribes again from the last position it received.
