@@ -39,3 +39,59 @@ async fn publish_recreates_a_stream_deleted_behind_its_back() {
         other => panic!("expected the second message, got {other:?}"),
     }
 }
+
+/// A stream with the topic's name that belongs to something else (other
+/// subjects) is refused, not read or written; and the error says so truthfully:
+/// the server is up and answered, so it is no disconnect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_of_the_name_with_other_subjects_is_refused_truthfully() {
+    let server = NatsServer::start();
+    let js = async_nats::jetstream::new(async_nats::connect(server.url()).await.unwrap());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "cache-sync_orders".into(),
+        subjects: vec!["someone.else.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let bus = NatsJetStreamBus::connect(server.url()).await.unwrap();
+    let err = bus
+        .publish("orders", "c", Bytes::from_static(b"x"))
+        .await
+        .expect_err("published into another application's stream");
+    assert!(err.is_config() && !err.is_disconnected(), "{err}");
+    assert!(err.to_string().contains("someone.else.>"), "{err}");
+    let err = bus
+        .subscribe("orders", SubscribeOptions::new(StartFrom::Latest))
+        .await
+        .expect_err("subscribed to another application's stream");
+    assert!(err.is_config(), "{err}");
+
+    // A topic of another name is unaffected.
+    bus.publish("order", "c", Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+
+    // A server that answers with an error is not a disconnect either: a
+    // stream whose limits the server refuses fails as a transport error.
+    let strict = NatsJetStreamBus::builder(server.url())
+        .subject_prefix("strict")
+        .connect()
+        .await
+        .unwrap();
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "taken".into(),
+        subjects: vec!["strict.held".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let err = strict
+        .publish("held", "c", Bytes::from_static(b"x"))
+        .await
+        .expect_err("two streams cannot share a subject");
+    assert!(
+        !err.is_disconnected(),
+        "the server is up and answered: {err}"
+    );
+}
