@@ -122,7 +122,10 @@ const SMOKE: Sizes = Sizes {
 /// The script `RedisStreamsBus` publishes with, from the same file cache-sync
 /// includes, to run `redis-benchmark` on it. The bench still checks with
 /// `SCRIPT EXISTS` that cache-sync loaded this very text (same SHA-1).
-const PUBLISH_SCRIPT: &str = include_str!("../../cache-sync/src/bus/redis_publish.lua");
+const PUBLISH_SCRIPT: &str = concat!(
+    include_str!("../../cache-sync/src/bus/redis_epoch.lua"),
+    include_str!("../../cache-sync/src/bus/redis_publish.lua")
+);
 
 /// Throughput publishers stop early after this, so a slow disk (the
 /// `appendfsync always` server) cannot stretch the run.

@@ -82,7 +82,10 @@ async fn publisher_connection(
 /// cache-sync) restarts from `entries-added`, so the count never jumps back
 /// while the stream lives. A failed `XADD` takes its number back, so it
 /// causes no false gap.
-const XADD_SCRIPT: &str = include_str!("redis_publish.lua");
+const XADD_SCRIPT: &str = concat!(
+    include_str!("redis_epoch.lua"),
+    include_str!("redis_publish.lua")
+);
 
 /// Where the stream stands, read in one atomic step: the ordinal of its last
 /// entry (the counter, or `entries-added` without one), its length, its
@@ -90,7 +93,9 @@ const XADD_SCRIPT: &str = include_str!("redis_publish.lua");
 /// yet, exactly as the publish script would, so that a reader of a stream
 /// nobody has written to yet still has a history to name: had it none, a
 /// wipe and a new stream grown past its position would go unnoticed.
-const STATE_SCRIPT: &str = r"
+const STATE_SCRIPT: &str = concat!(
+    include_str!("redis_epoch.lua"),
+    r"
 local added, length, last = 0, 0, '0-0'
 local ok, info = pcall(redis.call, 'XINFO', 'STREAM', KEYS[1])
 if ok then
@@ -103,23 +108,9 @@ if ok then
 end
 local counter = redis.call('GET', KEYS[2])
 if counter then added = tonumber(counter) end
-local epoch = redis.call('GET', KEYS[3])
-if not epoch then
-  local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
-  if newest then
-    local f = newest[2]
-    for i = 1, #f, 2 do
-      if f[i] == 'e' then epoch = f[i + 1] break end
-    end
-  end
-  if not epoch then
-    local t = redis.call('TIME')
-    epoch = t[1] .. string.format('%06d', t[2])
-  end
-  redis.call('SET', KEYS[3], epoch)
-end
-return {added, length, last, epoch}
-";
+return {added, length, last, stream_epoch()}
+"
+);
 
 /// The Redis Streams transport: one stream per topic; every node reads it
 /// with `XREAD BLOCK` from its own last id (no consumer group: broadcast).

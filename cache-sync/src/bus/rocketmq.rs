@@ -646,14 +646,7 @@ async fn queues_of(admin: &DefaultMQAdminExt, topic: &str) -> Result<Vec<QueueRe
 
 /// A plain TCP connect: the broker process accepts connections.
 async fn reachable(addr: &str) -> bool {
-    matches!(
-        tokio::time::timeout(
-            Duration::from_millis(500),
-            tokio::net::TcpStream::connect(addr)
-        )
-        .await,
-        Ok(Ok(_))
-    )
+    connect(addr).await.is_some()
 }
 
 #[async_trait]
