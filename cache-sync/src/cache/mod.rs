@@ -6,7 +6,8 @@ use std::fmt;
 use std::future::Future;
 use std::hash::{BuildHasher, Hash, RandomState};
 use std::sync::atomic::{
-    AtomicU64, Ordering::AcqRel, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+    AtomicU64, AtomicUsize, Ordering::AcqRel, Ordering::Acquire, Ordering::Relaxed,
+    Ordering::Release,
 };
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -46,10 +47,12 @@ pub const DEFAULT_MAX_TRACKED_KEYS: usize = 100_000;
 /// its write lock, so that load cannot be overtaken: `get_with` never returns
 /// a value older than a change applied while it ran.
 ///
-/// During that last load, writes to the keys that share its lock stripe
-/// wait for the loader, so a loader must not wait for another task that
-/// writes this cache. Writes the loader makes itself, on its own task (a
-/// nested `get_with`, an `insert`), go ahead.
+/// During that last load the key is pinned: other tasks' writes to that one
+/// key (the node's consumer included) and clears of the cache wait for the
+/// loader, so a loader must not wait for another task that writes that key
+/// or clears the cache. Writes to other keys never wait for it, and writes
+/// the loader makes itself, on its own task (a nested `get_with`, an
+/// `insert`), go ahead.
 ///
 /// Do not write to the wrapped moka cache directly: such writes bypass the
 /// per-key bookkeeping.
@@ -130,6 +133,8 @@ where
                 table: Mutex::new(VersionTable::new(self.max_tracked_keys)),
                 write_locks: (0..WRITE_STRIPES).map(|_| AsyncMutex::new(())).collect(),
                 stripe_hasher: RandomState::new(),
+                pins: Mutex::default(),
+                pinned: AtomicUsize::new(0),
                 flights: Mutex::default(),
                 max_load_retries: self.max_load_retries,
                 owner: AtomicU64::new(0),
@@ -157,6 +162,14 @@ pub(crate) struct Inner<K, V> {
     /// event spent about three quarters of its time there.
     write_locks: Box<[AsyncMutex<()>]>,
     stripe_hasher: RandomState,
+    /// Keys under a locked last load (see `load_locked`): writes to them
+    /// from other tasks wait until the load has installed its value.
+    /// Entries are added and removed under the key's stripe, so a write
+    /// that holds the stripe sees every pin of its key.
+    pins: Mutex<HashMap<K, Arc<AsyncMutex<()>>>>,
+    /// `pins.len()`, read under a stripe so a write skips the map's lock
+    /// while nothing is pinned (nearly always).
+    pinned: AtomicUsize,
     flights: Mutex<HashMap<K, Arc<Flight<V>>>>,
     max_load_retries: u32,
     /// The node that holds the cache, by its token; 0 when none does.
@@ -233,9 +246,9 @@ impl StripedCounter {
 const WRITE_STRIPES: usize = 64;
 
 tokio::task_local! {
-    /// Set while a locked load's loader runs: (the cache's address, the
-    /// stripe its task holds).
-    static HELD_STRIPE: (usize, usize);
+    /// Set while a locked load's loader runs: the addresses of the pins its
+    /// task holds (more than one when locked loads nest).
+    static HELD_PINS: Vec<usize>;
 }
 
 /// What a write does to the moka entry, decided under the key's write lock.
@@ -436,6 +449,43 @@ impl<K: Hash + Eq, V> Drop for FlightGuard<'_, K, V> {
     }
 }
 
+/// A locked load's pin on its key: removed, and its waiters woken, when the
+/// load installs, fails or is cancelled.
+struct KeyPin<'a, K: Hash + Eq, V> {
+    inner: &'a Inner<K, V>,
+    key: &'a K,
+    pin: Arc<AsyncMutex<()>>,
+    /// Held for the pin's life; waiters wait for it.
+    held: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl<K: Hash + Eq, V> Drop for KeyPin<'_, K, V> {
+    fn drop(&mut self) {
+        let mut pins = lock(&self.inner.pins);
+        if pins
+            .get(self.key)
+            .is_some_and(|p| Arc::ptr_eq(p, &self.pin))
+        {
+            pins.remove(self.key);
+        }
+        self.inner.pinned.store(pins.len(), Relaxed);
+        drop(pins);
+        // Wakes the writes that waited for the pin; they find it gone.
+        self.held.take();
+    }
+}
+
+fn pin_id(pin: &Arc<AsyncMutex<()>>) -> usize {
+    Arc::as_ptr(pin) as usize
+}
+
+/// Whether the current task is the locked load that holds `pin`.
+fn held_by_this_task(pin: &Arc<AsyncMutex<()>>) -> bool {
+    HELD_PINS
+        .try_with(|held| held.contains(&pin_id(pin)))
+        .unwrap_or(false)
+}
+
 impl<K, V> Inner<K, V>
 where
     K: Hash + Eq + Clone + Send + Sync + 'static,
@@ -447,14 +497,7 @@ where
     where
         F: FnOnce(&mut VersionTable<K>, &K) -> Write<V>,
     {
-        let stripe = self.stripe(&key);
-        // A locked load's own loader may write (a nested `get_with`, say);
-        // its task already holds the stripe, and waiting would be waiting on
-        // itself.
-        let _key_lock = match self.held_by_this_task(stripe) {
-            true => None,
-            false => Some(self.write_locks[stripe].lock().await),
-        };
+        let _key_lock = self.lock_key(&key).await;
         // The decision and moka's change normally happen in one poll. moka
         // can wait in between only when an eviction listener holds the key;
         // a caller cancelled there leaves the decision recorded without the
@@ -495,16 +538,31 @@ where
         self.stripe_hasher.hash_one(key) as usize % WRITE_STRIPES
     }
 
-    /// Whether the current task is a locked load's, holding `stripe` of this
-    /// cache while its loader runs.
-    fn held_by_this_task(&self, stripe: usize) -> bool {
-        HELD_STRIPE
-            .try_with(|&(cache, held)| cache == self.id() && held == stripe)
-            .unwrap_or(false)
+    /// Takes `key`'s stripe, once no other task's locked load pins the key.
+    async fn lock_key(&self, key: &K) -> tokio::sync::MutexGuard<'_, ()> {
+        let stripe = &self.write_locks[self.stripe(key)];
+        loop {
+            let guard = stripe.lock().await;
+            match self.pin_of_another_task(key) {
+                None => return guard,
+                Some(pin) => {
+                    // Wait without the stripe: writes to the stripe's other
+                    // keys go on meanwhile.
+                    drop(guard);
+                    drop(pin.lock().await);
+                }
+            }
+        }
     }
 
-    fn id(&self) -> usize {
-        std::ptr::from_ref(self) as usize
+    /// The pin on `key` of a locked load on another task, if any. Call with
+    /// the key's stripe held.
+    fn pin_of_another_task(&self, key: &K) -> Option<Arc<AsyncMutex<()>>> {
+        if self.pinned.load(Relaxed) == 0 {
+            return None;
+        }
+        let pin = lock(&self.pins).get(key).cloned()?;
+        (!held_by_this_task(&pin)).then_some(pin)
     }
 
     async fn clear(&self, version: Option<u64>) {
@@ -515,12 +573,17 @@ where
         // such value is in moka, and `invalidate_all` (which drops what was
         // inserted before it runs) removes it. Holding one stripe at a time
         // means a clear never holds one stripe while waiting for another, so
-        // it cannot deadlock with a locked load whose loader writes.
+        // it cannot deadlock with a write waiting for a pin.
         lock(&self.table).clear(version);
-        for (i, stripe) in self.write_locks.iter().enumerate() {
-            if !self.held_by_this_task(i) {
-                drop(stripe.lock().await);
-            }
+        for stripe in &self.write_locks {
+            drop(stripe.lock().await);
+        }
+        // A locked load that took its token before the stamp installs only
+        // once its pin is gone; wait for those too (not for this task's own:
+        // that would be waiting on itself).
+        let pins: Vec<_> = lock(&self.pins).values().cloned().collect();
+        for pin in pins.iter().filter(|p| !held_by_this_task(p)) {
+            drop(pin.lock().await);
         }
         self.cache.invalidate_all();
     }
@@ -568,25 +631,38 @@ where
     }
 
     /// The last resort for a key that kept changing during every load: one
-    /// more load while holding the key's write stripe, so no write to the
-    /// key (and no clear) can land between the read and the install. Writes
-    /// to keys of that stripe wait for the loader meanwhile, the consumer
-    /// included; that is the price of never returning a value older than a
-    /// change applied during the call.
+    /// more load with the key pinned, so no write to the key from another
+    /// task (and no clear) can land between the read and the install. Those
+    /// writes wait for the loader meanwhile, the consumer's included; that
+    /// is the price of never returning a value older than a change applied
+    /// during the call. Writes to other keys do not wait.
     async fn load_locked<F, Fut, E>(&self, key: &K, loader: &mut F) -> Result<V, Arc<E>>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<V, E>>,
     {
-        tracing::debug!(cache = %self.name, "key kept changing during loads; loading it under its write lock");
-        let stripe = self.stripe(key);
-        let _held = match self.held_by_this_task(stripe) {
-            true => None,
-            false => Some(self.write_locks[stripe].lock().await),
+        tracing::debug!(cache = %self.name, "key kept changing during loads; loading it pinned");
+        let pin = Arc::new(AsyncMutex::new(()));
+        let pinned = KeyPin {
+            inner: self,
+            key,
+            held: pin.clone().try_lock_owned().ok(),
+            pin: pin.clone(),
         };
-        let token = lock(&self.table).load_token();
+        let token = {
+            // Pin under the stripe: a write that holds it has either landed
+            // already (before the token) or will see the pin.
+            let _stripe = self.lock_key(key).await;
+            let mut pins = lock(&self.pins);
+            // A nested load of the same key on this task keeps the outer pin.
+            pins.entry(key.clone()).or_insert_with(|| pin.clone());
+            self.pinned.store(pins.len(), Relaxed);
+            lock(&self.table).load_token()
+        };
         self.stats.loads.fetch_add(1, Relaxed);
-        let loaded = HELD_STRIPE.scope((self.id(), stripe), loader()).await;
+        let mut held = HELD_PINS.try_with(Clone::clone).unwrap_or_default();
+        held.push(pin_id(&pin));
+        let loaded = HELD_PINS.scope(held, loader()).await;
         let value = match loaded {
             Ok(v) => v,
             Err(e) => {
@@ -594,12 +670,18 @@ where
                 return Err(Arc::new(e));
             }
         };
-        // Nothing but the loader itself can have written the key meanwhile;
-        // if it did, its write stands and the value is returned uncached.
-        if lock(&self.table).superseded(key, token) {
-            self.stats.loads_superseded.fetch_add(1, Relaxed);
-        } else {
-            self.cache.insert(key.clone(), value.clone()).await;
+        {
+            let _stripe = self.write_locks[self.stripe(key)].lock().await;
+            // Nothing but the loader itself can have written the key
+            // meanwhile; if it did, its write stands and the value is
+            // returned uncached.
+            if lock(&self.table).superseded(key, token) {
+                self.stats.loads_superseded.fetch_add(1, Relaxed);
+            } else {
+                self.cache.insert(key.clone(), value.clone()).await;
+            }
+            // Unpin before the stripe goes, so the next write sees no pin.
+            drop(pinned);
         }
         Ok(value)
     }

@@ -433,3 +433,173 @@ async fn after_a_resync_versioned_refreshes_are_quarantined() {
     let s = c.status();
     assert_eq!((s.refreshes_quarantined, s.loss_resyncs), (1, 1));
 }
+
+/// A cache whose every load of a key is superseded until the locked last
+/// one: with no retries, the first load's own invalidation sends the second
+/// load under the pin.
+fn locking_cache() -> Cache {
+    SyncedCache::builder("t", moka::future::Cache::new(1000))
+        .max_load_retries(0)
+        .build()
+}
+
+/// Keys other than `k` that share its write stripe, and some that do not.
+fn neighbours(c: &Cache, k: &str) -> (Vec<String>, Vec<String>) {
+    let stripe = c.inner.stripe(&k.to_string());
+    (0..2000)
+        .map(|i| format!("o{i}"))
+        .partition(|o| c.inner.stripe(o) == stripe)
+}
+
+/// Regression (review of issue 9): the last load held its key's whole write
+/// stripe while the loader ran, so events for 1/64 of the cache's keys, and
+/// the consumer behind them, waited for a slow loader. Only the key itself
+/// may wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_locked_load_holds_up_only_its_own_key() {
+    let c = locking_cache();
+    let (parked_tx, parked_rx) = oneshot::channel::<()>();
+    let (go_tx, go_rx) = oneshot::channel::<()>();
+    let gates = Arc::new(Mutex::new((Some(parked_tx), Some(go_rx))));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let load = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            let c2 = c.clone();
+            c.get_with("k".to_string(), move || {
+                let (c, gates, calls) = (c2.clone(), gates.clone(), calls.clone());
+                async move {
+                    if calls.fetch_add(1, Relaxed) == 0 {
+                        c.invalidate(&"k".into()).await; // supersedes this load
+                        return "first".to_string();
+                    }
+                    let (parked, go) = {
+                        let mut g = lock(&gates);
+                        (g.0.take().unwrap(), g.1.take().unwrap())
+                    };
+                    parked.send(()).unwrap();
+                    go.await.unwrap();
+                    "locked".to_string()
+                }
+            })
+            .await
+        })
+    };
+    parked_rx.await.unwrap(); // the locked load's loader is running
+    let (same_stripe, others) = neighbours(&c, "k");
+    assert!(!same_stripe.is_empty());
+    let writes = async {
+        for o in same_stripe.iter().chain(&others) {
+            refresh(&c, o, "v", Some(1)).await;
+            invalidate(&c, o, Some(2)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), writes)
+        .await
+        .expect("writes to other keys waited for the locked load");
+
+    // A write to the key itself waits, and lands after the install.
+    let event = {
+        let c = c.clone();
+        tokio::spawn(async move { invalidate(&c, "k", Some(7)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!event.is_finished(), "a write to the pinned key went ahead");
+    go_tx.send(()).unwrap();
+    assert_eq!(load.await.unwrap(), "locked");
+    event.await.unwrap();
+    assert_eq!(c.get(&"k".into()).await, None, "the invalidation came last");
+    assert_eq!(c.status().loads, 2);
+}
+
+/// Regression (review of issue 9): a locked load whose loader waited for
+/// another task's load of a key in its stripe deadlocked: that load could
+/// not install while the stripe was held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_locked_loader_may_wait_for_another_load_in_its_stripe() {
+    let c = locking_cache();
+    let k2 = neighbours(&c, "k").0[0].clone();
+    // The other task leads a load of k2 that waits for a signal.
+    let (started_tx, started_rx) = oneshot::channel::<()>();
+    let (release_tx, release_rx) = oneshot::channel::<()>();
+    let other = {
+        let (c, k2) = (c.clone(), k2.clone());
+        let gates = Arc::new(Mutex::new((Some(started_tx), Some(release_rx))));
+        tokio::spawn(async move {
+            c.get_with(k2, move || {
+                let gates = gates.clone();
+                async move {
+                    let (started, release) = {
+                        let mut g = lock(&gates);
+                        (g.0.take().unwrap(), g.1.take().unwrap())
+                    };
+                    started.send(()).unwrap();
+                    release.await.unwrap();
+                    "v2".to_string()
+                }
+            })
+            .await
+        })
+    };
+    started_rx.await.unwrap();
+    let release = Arc::new(Mutex::new(Some(release_tx)));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c2 = c.clone();
+    let first = c.get_with("k".to_string(), move || {
+        let (c, release, calls, k2) = (c2.clone(), release.clone(), calls.clone(), k2.clone());
+        async move {
+            if calls.fetch_add(1, Relaxed) == 0 {
+                c.invalidate(&"k".into()).await;
+                return "first".to_string();
+            }
+            // Locked: let the other load finish, and wait for its value.
+            lock(&release).take().unwrap().send(()).unwrap();
+            let v2 = c.get_with(k2, || async { "not this".to_string() }).await;
+            format!("locked after {v2}")
+        }
+    });
+    let got = tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .expect("the locked load and the other load waited on each other");
+    assert_eq!(got, "locked after v2");
+    assert_eq!(other.await.unwrap(), "v2");
+}
+
+/// Locked loads that nest on one task: the inner loader writes the outer
+/// load's key, and clears the cache, without waiting on its own task.
+#[tokio::test]
+async fn nested_locked_loads_do_not_wait_on_their_own_task() {
+    let c = locking_cache();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c2 = c.clone();
+    let outer = c.get_with("k1".to_string(), move || {
+        let (c, calls) = (c2.clone(), calls.clone());
+        async move {
+            if calls.fetch_add(1, Relaxed) == 0 {
+                c.invalidate(&"k1".into()).await;
+                return "first".to_string();
+            }
+            let inner_calls = AtomicUsize::new(0);
+            let inner = c
+                .get_with("k2".to_string(), || async {
+                    if inner_calls.fetch_add(1, Relaxed) == 0 {
+                        c.invalidate(&"k2".into()).await;
+                        return "first".to_string();
+                    }
+                    c.insert("k1".into(), "from the inner loader".into()).await;
+                    c.invalidate_all().await;
+                    "inner".to_string()
+                })
+                .await;
+            format!("outer({inner})")
+        }
+    });
+    let got = tokio::time::timeout(Duration::from_secs(10), outer)
+        .await
+        .expect("a nested locked load waited on its own task");
+    assert_eq!(got, "outer(inner)");
+    // Both loads were overtaken by the inner loader's own writes: returned,
+    // never cached.
+    assert_eq!(c.get(&"k1".into()).await, None);
+    assert_eq!(c.get(&"k2".into()).await, None);
+}
