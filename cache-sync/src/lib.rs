@@ -111,9 +111,14 @@
 //! payloads, and keys or values that do not decode into the cache's types,
 //! are counted, logged with a reason, and skipped; the consumer never panics.
 //! Where such an event was meant for a cache the node holds (its transport
-//! tag or header names it), the cache is invalidated, since the event may
-//! have carried a change. A refresh whose value does not decode becomes an
-//! invalidation of its key: a failure is never silently dropped.
+//! tag names it, or its header does, read from the front of an oversized
+//! event), the cache is invalidated, since the event may have carried a
+//! change. An event that names no cache (no tag, as on Redis Pub/Sub, and
+//! a header this node cannot read, as from a publisher of a newer format)
+//! may have changed any of them: every cache is invalidated, and the loss
+//! counted with the reason `unreadable`. A refresh whose value does not
+//! decode becomes an invalidation of its key: a failure is never silently
+//! dropped.
 //!
 //! ## Signed events
 //! With [`PublisherBuilder::signing`] and [`NodeBuilder::verify_signatures`],
@@ -126,6 +131,12 @@
 //! [`Keyring`] accepts several keys, so keys can rotate. A replayed signed
 //! event is still authentic: versions make a replayed refresh stale, while an
 //! unversioned one is applied again.
+//!
+//! Signatures cover events, not the broker's bookkeeping around them: a
+//! party that can write to the broker directly (its own `XADD` to a Redis
+//! stream with a wrong ordinal or epoch, a deleted stream or topic) can make
+//! nodes see a loss and invalidate every cache, though never make them
+//! apply a value. Keep broker credentials as close as the signing keys.
 //!
 //! ## Names and limits
 //! Topic and cache names are 1 to 255 bytes of UTF-8 without control

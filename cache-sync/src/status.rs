@@ -175,6 +175,11 @@ pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long [`StatusServer::shutdown`] lets requests in flight finish
 /// before it closes their connections.
 pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// Connections served at once. Past that, new ones wait in the listen
+/// queue until one closes (the timeouts above bound how long that takes),
+/// so a flood of idle clients cannot use up the process's file descriptors.
+/// Probes and scrapes need a handful.
+pub(crate) const MAX_CONNECTIONS: usize = 64;
 
 /// A running status server. Stops when [`shutdown`](Self::shutdown) is called
 /// or when dropped.
@@ -183,7 +188,8 @@ pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// 10 s to send a request's head and a connection that makes no progress
 /// for 60 s is closed, so no client can hold a connection, or the server's
 /// shutdown, hostage; shutdown lets requests in flight finish for up to 5 s,
-/// then closes what is left.
+/// then closes what is left. At most 64 connections are served at once;
+/// more wait to be accepted until one closes.
 #[derive(Debug)]
 pub struct StatusServer {
     addr: SocketAddr,
@@ -242,7 +248,7 @@ async fn serve(listener: TcpListener, app: Router, mut stop: watch::Receiver<boo
     loop {
         tokio::select! {
             () = async { let _ = stop.wait_for(|s| *s).await; } => break,
-            accepted = listener.accept() => match accepted {
+            accepted = listener.accept(), if connections.len() < MAX_CONNECTIONS => match accepted {
                 Ok((stream, _)) => {
                     connections.spawn(connection(stream, app.clone(), draining.clone()));
                 }
@@ -511,6 +517,41 @@ mod tests {
             .expect("shutdown waited on a stalled client")
             .unwrap();
         assert!(started.elapsed() <= SHUTDOWN_GRACE + HEADER_READ_TIMEOUT);
+    }
+
+    /// Review of issue 9: connections were not capped, so idle clients
+    /// could use up the process's file descriptors. Past the cap, a client
+    /// waits until the silent ones time out, and is then served.
+    #[tokio::test(start_paused = true)]
+    async fn connections_are_capped_and_the_next_client_waits_its_turn() {
+        let (node, _cache) = node_with_cache().await;
+        let server = node.serve_status("127.0.0.1:0").await.unwrap();
+        let addr = server.local_addr();
+        let mut silent = Vec::new();
+        for _ in 0..MAX_CONNECTIONS {
+            silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        let started = tokio::time::Instant::now();
+        let mut probe = tokio::net::TcpStream::connect(addr).await.unwrap();
+        probe
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut response = String::new();
+        tokio::time::timeout(
+            HEADER_READ_TIMEOUT + IDLE_TIMEOUT,
+            probe.read_to_string(&mut response),
+        )
+        .await
+        .expect("the client past the cap was never served")
+        .unwrap();
+        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        assert!(
+            started.elapsed() >= HEADER_READ_TIMEOUT,
+            "served at once: no cap ({:?})",
+            started.elapsed()
+        );
+        server.shutdown().await.unwrap();
     }
 
     #[tokio::test]

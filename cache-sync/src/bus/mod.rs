@@ -226,6 +226,10 @@ pub enum LossReason {
     PublisherGap,
     /// A local buffer between the transport and the consumer overflowed.
     Overflow,
+    /// An event arrived that could not be read (too large, an unknown format,
+    /// garbled) and named no cache: neither its transport tag nor its header
+    /// said which cache it was for.
+    Unreadable,
 }
 
 impl LossReason {
@@ -238,6 +242,7 @@ impl LossReason {
             LossReason::Gap => "gap",
             LossReason::PublisherGap => "publisher_gap",
             LossReason::Overflow => "overflow",
+            LossReason::Unreadable => "unreadable",
         }
     }
 }

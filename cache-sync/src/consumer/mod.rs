@@ -429,6 +429,10 @@ impl Node {
     /// transport cannot carry its name, and [`Error::Shutdown`] once the node
     /// has shut down. A node gives its caches up when it shuts down, or when
     /// its start fails, so they can be registered on another.
+    ///
+    /// Emptying the cache waits for writes in progress, and for a
+    /// [`get_with`](SyncedCache::get_with) loader that holds a key. A call
+    /// dropped before it returns (a timeout) leaves the cache unregistered.
     pub async fn register<K, V>(&self, cache: &SyncedCache<K, V>) -> Result<()>
     where
         K: Hash + Eq + Clone + Send + Sync + Serialize + DeserializeOwned + 'static,
@@ -573,10 +577,19 @@ impl Shared {
             }
             caches.insert(name.clone(), cache.clone());
         }
+        // The reset below can wait (for a write, or a loader holding a key):
+        // a caller that gives up meanwhile (a timeout) must not leave the
+        // cache in the map without the re-subscription that brings its
+        // events, so the registration is undone unless it completes.
+        let mut undo = UndoRegister {
+            shared: self,
+            cache: Some(cache.clone()),
+        };
         // After the insert: events applied meanwhile are wiped too, which is
         // safe; the other order could drop one that arrived in between.
         cache.reset().await;
         self.registrations.send_modify(|n| *n = n.wrapping_add(1));
+        undo.cache = None;
         tracing::debug!(node = %self.id, cache = %name, "cache registered");
         Ok(())
     }
@@ -627,6 +640,20 @@ impl Shared {
         );
         for cache in caches {
             cache.resync().await;
+        }
+    }
+}
+
+/// Takes a cache out again if its registration is dropped half-way.
+struct UndoRegister<'a> {
+    shared: &'a Shared,
+    cache: Option<Arc<dyn CacheHandle>>,
+}
+
+impl Drop for UndoRegister<'_> {
+    fn drop(&mut self) {
+        if let Some(cache) = self.cache.take() {
+            self.shared.unregister(&cache);
         }
     }
 }
@@ -948,27 +975,21 @@ async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, records: Vec<R
             None => strip_unverified(&record.payload),
         };
         // From here the bytes are authentic, or the node does not ask: an
-        // unreadable event tagged for a held cache may have carried a change.
+        // unreadable event may have carried a change.
         if record.payload.len() > limit {
             let e = DecodeError::new(DecodeErrorKind::TooLarge {
                 size: record.payload.len(),
                 limit,
             });
             reject(shared, &record, &e.to_string(), e.kind().label());
-            if let Some(cache) = tagged {
-                cache.reject(&e.to_string()).await;
-                seqs.resynced(cache.name());
-            }
+            unreadable(shared, seqs, &caches, tagged, payload, &e.to_string()).await;
             continue;
         }
         let (header, offset) = match decode_header(payload, limit) {
             Ok(h) => h,
             Err(e) => {
                 reject(shared, &record, &e.to_string(), e.kind().label());
-                if let Some(cache) = tagged {
-                    cache.reject(&e.to_string()).await;
-                    seqs.resynced(cache.name());
-                }
+                unreadable(shared, seqs, &caches, tagged, payload, &e.to_string()).await;
                 continue;
             }
         };
@@ -993,6 +1014,45 @@ async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, records: Vec<R
                 reject(shared, &record, &e.to_string(), e.kind().label());
                 cache.reject(&e.to_string()).await;
                 seqs.resynced(&header.cache);
+            }
+        }
+    }
+}
+
+/// An event that is authentic (or the node does not verify) but cannot be
+/// applied: the cache it was meant for may have missed a change. The
+/// transport's tag names that cache, or else the event's header, read from
+/// the front of an oversized payload; an event that names no cache may have
+/// been for any of them (a Pub/Sub message carries no tag, and a publisher
+/// of a newer format writes a header this node cannot read).
+async fn unreadable(
+    shared: &Shared,
+    seqs: &mut PublisherSeqs,
+    caches: &CacheMap,
+    tagged: Option<&Arc<dyn CacheHandle>>,
+    payload: &[u8],
+    reason: &str,
+) {
+    if let Some(cache) = tagged {
+        cache.reject(reason).await;
+        seqs.resynced(cache.name());
+        return;
+    }
+    let limit = shared.config.max_event_bytes;
+    match decode_header(payload.get(..limit).unwrap_or(payload), limit) {
+        Ok((header, _)) => {
+            let Some(cache) = caches.get(&header.cache) else {
+                return;
+            };
+            // Its number is used up: the next one is no gap.
+            let _ = seqs.observe(header.publisher, &header.cache, header.seq);
+            cache.reject(reason).await;
+            seqs.resynced(&header.cache);
+        }
+        Err(_) => {
+            shared.resync_all(LossReason::Unreadable, None).await;
+            for cache in caches.keys() {
+                seqs.resynced(cache);
             }
         }
     }

@@ -3,6 +3,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use tokio::sync::oneshot;
 
 use super::*;
 use crate::event::{Change, EntryVersion, Header, encode, encode_part};
@@ -821,6 +822,174 @@ async fn unauthenticated_input_changes_nothing_whatever_its_size_or_tag() {
     assert_eq!((s.losses, s.caches[0].loss_resyncs), (0, 0), "{s:?}");
     assert_eq!(s.caches[0].rejected_events, 0, "{s:?}");
     assert_eq!(s.caches[0].refreshes_quarantined, 0, "{s:?}");
+}
+
+/// Delivers the embedded bus's records without their tags, as Redis
+/// Pub/Sub does.
+#[derive(Debug, Clone)]
+struct UntaggedBus(EmbeddedBus);
+
+#[derive(Debug)]
+struct UntaggedSub(Box<dyn Subscription>);
+
+#[async_trait]
+impl ChangeBus for UntaggedBus {
+    fn kind(&self) -> &'static str {
+        "untagged"
+    }
+
+    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        self.0.publish(topic, tag, payload).await
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        Ok(Box::new(UntaggedSub(
+            self.0.subscribe(topic, options).await?,
+        )))
+    }
+}
+
+#[async_trait]
+impl Subscription for UntaggedSub {
+    async fn next(&mut self, max: usize) -> Result<Delivery> {
+        let mut delivery = self.0.next(max).await?;
+        if let Delivery::Batch { records, .. } = &mut delivery {
+            for r in records {
+                r.tag = None;
+            }
+        }
+        Ok(delivery)
+    }
+
+    fn position(&self) -> Option<Position> {
+        self.0.position()
+    }
+}
+
+/// Regression (review of issue 9): with no tag to name its cache (Redis
+/// Pub/Sub), a genuine event over the node's size limit, or one in a format
+/// the node cannot read, was counted and dropped, and the cache it changed
+/// stayed stale. The header, read from the front of an oversized event,
+/// names the cache; an event that names none may have changed any.
+#[tokio::test]
+async fn an_unreadable_event_without_a_tag_invalidates_what_it_may_have_changed() {
+    let bus = UntaggedBus(EmbeddedBus::new());
+    let (t, u) = (cache("t"), cache("u"));
+    let node = Node::builder("n1", bus.clone())
+        .max_event_bytes(1024)
+        .register(&t)
+        .register(&u)
+        .start()
+        .await
+        .unwrap();
+    t.insert("k".into(), "cached".into()).await;
+    u.insert("k".into(), "cached".into()).await;
+
+    // Too large for this node (its publisher allowed more): only "t".
+    let big = raw_event("t", 5, 1, &refresh_change("k", &"x".repeat(4096)));
+    bus.publish(DEFAULT_TOPIC, "t", big).await.unwrap();
+    // The publisher's next number is no gap: the oversized one used up 1.
+    let next = raw_event("t", 5, 2, &refresh_change("after", "big"));
+    bus.publish(DEFAULT_TOPIC, "t", next).await.unwrap();
+    eventually("the next event applies", async || {
+        holds(&t, "after", Some("big")).await
+    })
+    .await;
+    assert_eq!(t.get(&"k".into()).await, None, "t may have missed a change");
+    assert_eq!(u.peek(&"k".into()).await.as_deref(), Some("cached"));
+    let s = node.status();
+    assert_eq!(
+        (s.events_rejected, s.publisher_gaps, s.losses),
+        (1, 0, 0),
+        "{s:?}"
+    );
+    assert_eq!(
+        (s.caches[0].rejected_events, s.caches[1].rejected_events),
+        (1, 0)
+    );
+
+    // A format this node cannot read, naming no cache: any may be stale.
+    u.insert("k".into(), "cached".into()).await;
+    bus.publish(
+        DEFAULT_TOPIC,
+        "u",
+        Bytes::from_static(b"\x09a newer format"),
+    )
+    .await
+    .unwrap();
+    eventually("every cache is invalidated", async || {
+        node.status().losses == 1
+    })
+    .await;
+    assert_eq!(u.get(&"k".into()).await, None);
+    let s = node.status();
+    assert_eq!(s.last_loss_reason.as_deref(), Some("unreadable"));
+    assert_eq!(s.events_rejected, 2);
+    node.shutdown().await.unwrap();
+}
+
+/// Regression (review of issue 9): a registration dropped while it emptied
+/// the cache left the cache in the node's map with no re-subscription, so
+/// on a transport that filters by tag its events never came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_given_up_half_way_leaves_nothing_behind() {
+    let bus = EmbeddedBus::new();
+    let node = Node::builder("n1", bus.clone()).start().await.unwrap();
+    let c: Cache = SyncedCache::builder("t", moka::future::Cache::new(100))
+        .max_load_retries(0)
+        .build();
+    // A loader holding a key: with no retries, its first load is overtaken
+    // by its own invalidation, and the second runs with the key pinned,
+    // which a clear waits for.
+    let (parked_tx, parked_rx) = oneshot::channel::<()>();
+    let (go_tx, go_rx) = oneshot::channel::<()>();
+    let gates = Arc::new(Mutex::new((Some(parked_tx), Some(go_rx))));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let load = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            let c2 = c.clone();
+            c.get_with("k".to_string(), move || {
+                let (c, gates, calls) = (c2.clone(), gates.clone(), calls.clone());
+                async move {
+                    if calls.fetch_add(1, Relaxed) == 0 {
+                        c.invalidate(&"k".into()).await;
+                        return "first".to_string();
+                    }
+                    let (parked, go) = {
+                        let mut g = lock(&gates);
+                        (g.0.take().unwrap(), g.1.take().unwrap())
+                    };
+                    parked.send(()).unwrap();
+                    go.await.unwrap();
+                    "loaded".to_string()
+                }
+            })
+            .await
+        })
+    };
+    parked_rx.await.unwrap();
+    let gave_up = tokio::time::timeout(Duration::from_millis(50), node.register(&c)).await;
+    assert!(
+        gave_up.is_err(),
+        "the reset should wait for the pinned load"
+    );
+    assert!(node.status().caches.is_empty(), "{:?}", node.status());
+    go_tx.send(()).unwrap();
+    assert_eq!(load.await.unwrap(), "loaded");
+
+    // Nothing was left behind: the same cache registers, and gets events.
+    node.register(&c).await.unwrap();
+    node.publisher().refresh("t", [("k2", "v")]).await.unwrap();
+    eventually("events reach the cache", async || {
+        holds(&c, "k2", Some("v")).await
+    })
+    .await;
+    node.shutdown().await.unwrap();
 }
 
 /// Regression: a duplicate of an event whose sequence number is `u64::MAX`
