@@ -661,6 +661,18 @@ pub async fn health_follows_the_broker(fixture: &mut dyn Fixture) {
         fixture.name(),
         killed.elapsed()
     );
+    // A publish meanwhile fails, and calls itself what it is.
+    let err = cluster.nodes[0]
+        .node
+        .publisher()
+        .refresh("health-probe", [("k", "v")])
+        .await
+        .expect_err("a publish to a killed broker succeeded");
+    assert!(
+        err.is_disconnected(),
+        "{}: a publish to a killed broker failed, but not as disconnected: {err}",
+        fixture.name()
+    );
     fixture.revive();
     for node in &cluster.nodes {
         crate::eventually(
@@ -730,6 +742,31 @@ fn cut_error() -> cache_sync::Error {
         path: "the connection to the broker".into(),
         source: std::io::Error::new(std::io::ErrorKind::ConnectionReset, "cut mid-flight"),
     }
+}
+
+/// A publish the transport refuses while the broker is up (an event over
+/// its message size limit: 1 MiB on NATS, 4 MiB on RocketMQ) is not
+/// reported as a lost connection: a caller that retries on
+/// `is_disconnected()` would retry it for ever.
+pub async fn a_refusal_is_no_disconnect(fixture: &mut dyn Fixture) {
+    let publisher = Publisher::builder(fixture.bus().await)
+        .max_event_bytes(16 << 20)
+        .build()
+        .expect("publisher");
+    let big = "x".repeat(8 << 20);
+    match publisher.refresh("big", [("k", big.as_str())]).await {
+        Ok(_) => eprintln!("{}: took an 8 MiB event", fixture.name()),
+        Err(e) => {
+            eprintln!("{}: refused an 8 MiB event: {e}", fixture.name());
+            assert!(
+                !e.is_disconnected(),
+                "{}: a refusal from a live broker reported as disconnected: {e}",
+                fixture.name()
+            );
+        }
+    }
+    // And the bus still works.
+    retry(|| publisher.refresh("small", [("k", "v")])).await;
 }
 
 /// A publish cut before the broker got it leaves a gap in that publisher's

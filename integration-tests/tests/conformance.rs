@@ -11,8 +11,8 @@ use cache_sync::{
     RocketMqBus,
 };
 use integration_tests::conformance::{
-    Expect, Fault, Fixture, health_follows_the_broker, names_map_one_to_one, normal_path,
-    publish_cut_mid_flight, regrow, retry, survives,
+    Expect, Fault, Fixture, a_refusal_is_no_disconnect, health_follows_the_broker,
+    names_map_one_to_one, normal_path, publish_cut_mid_flight, regrow, retry, survives,
 };
 use integration_tests::nats_server::NatsServer;
 use integration_tests::redis_server::RedisServer;
@@ -434,6 +434,11 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn names_map_one_to_one_onto_broker_resources() {
                 names_map_one_to_one(&mut $fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_refused_publish_is_no_disconnect() {
+                a_refusal_is_no_disconnect(&mut $fixture).await;
             }
         }
     };

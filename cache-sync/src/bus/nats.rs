@@ -398,8 +398,10 @@ impl ChangeBus for NatsJetStreamBus {
         topic: &str,
         options: SubscribeOptions,
     ) -> Result<Box<dyn Subscription>> {
-        // Before anything is read: a change after this ends the subscription.
+        // Before anything is read: a change after this ends the subscription,
+        // a reconnect while the consumer is being made included.
         let link = self.link.subscribe();
+        let connects = link.borrow().connects.max(1);
         let mut stream = self.stream(topic).await?;
         let info = stream.info().await.map_err(|e| self.err(e))?;
         let (state, created) = (info.state.clone(), created(info));
@@ -478,7 +480,6 @@ impl ChangeBus for NatsJetStreamBus {
             last
         };
         let messages = consumer.messages().await.map_err(|e| self.err(e))?;
-        let connects = link.borrow().connects.max(1);
         Ok(Box::new(NatsSubscription {
             messages,
             last,
@@ -584,6 +585,14 @@ impl Subscription for NatsSubscription {
                     m = self.messages.next() => m,
                 } {
                     Some(Ok(m)) => m,
+                    // A missed heartbeat, a deleted consumer: "disconnected"
+                    // only while the client is.
+                    Some(Err(e)) if self.link.borrow().up => {
+                        return Err(Error::Transport {
+                            transport: KIND,
+                            source: Box::new(e),
+                        });
+                    }
                     Some(Err(e)) => {
                         return Err(Error::disconnected(KIND, e));
                     }

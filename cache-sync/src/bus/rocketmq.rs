@@ -10,10 +10,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use bytes::Bytes;
 use rocketmq_client_rust::{
-    ClientConfig, ClientResult, ClientRuntime, ClientRuntimeConfig, ConsumeOrderlyContext,
-    ConsumeOrderlyStatus, ConsumerAdmin, DefaultMQAdminExt, DefaultMQProducer,
-    DefaultMQPushConsumer, MQPushConsumer, MessageQueueListener, OffsetAdmin, RouteAdmin,
-    TelemetryHandle, TopicAdmin,
+    ClientConfig, ClientError, ClientResult, ClientRuntime, ClientRuntimeConfig,
+    ConsumeOrderlyContext, ConsumeOrderlyStatus, ConsumerAdmin, DefaultMQAdminExt,
+    DefaultMQProducer, DefaultMQPushConsumer, MQPushConsumer, MessageQueueListener, OffsetAdmin,
+    RouteAdmin, TelemetryHandle, TopicAdmin,
 };
 use rocketmq_model::common::config::TopicConfig;
 use rocketmq_model::common::consumer::consume_from_where::ConsumeFromWhere;
@@ -51,8 +51,21 @@ const SEND_FAILURES_BEFORE_RECREATE: u32 = 3;
 
 type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-fn err(e: impl fmt::Display) -> Error {
-    Error::disconnected(KIND, e.to_string())
+/// "Disconnected" only when the client says the broker or name server could
+/// not be reached or did not answer in time; a refusal (no such topic, no
+/// permission, a bad argument, a broker-side failure) is another transport
+/// error, which retrying the same call will not mend.
+fn err(e: ClientError) -> Error {
+    use rocketmq_error::CanonicalCondition as C;
+    match e.descriptor().condition() {
+        C::Unavailable | C::DeadlineExceeded | C::Aborted | C::Cancelled => {
+            Error::disconnected(KIND, e.to_string())
+        }
+        _ => Error::Transport {
+            transport: KIND,
+            source: e.to_string().into(),
+        },
+    }
 }
 
 /// The RocketMQ transport: one topic with N message queues on the brokers of
@@ -216,7 +229,7 @@ impl RocketMqBuilder {
             producer: RwLock::new(None),
             producers_made: AtomicU64::new(0),
             send_failures: Mutex::new(SendFailures::default()),
-            topics: tokio::sync::Mutex::new(HashSet::new()),
+            topics: tokio::sync::Mutex::new(HashMap::new()),
             names: AtomicU64::new(0),
             closed: AtomicBool::new(false),
         });
@@ -274,8 +287,9 @@ struct Inner {
     producer: RwLock<Option<DefaultMQProducer>>,
     producers_made: AtomicU64,
     send_failures: Mutex<SendFailures>,
-    /// Topics created (or found) by this bus.
-    topics: tokio::sync::Mutex<HashSet<String>>,
+    /// Topics created (or found) by this bus, with the addresses of the
+    /// master brokers their route named then.
+    topics: tokio::sync::Mutex<HashMap<String, Vec<String>>>,
     names: AtomicU64,
     closed: AtomicBool,
 }
@@ -404,13 +418,14 @@ impl Inner {
     /// master broker, once per topic and bus.
     async fn ensure_topic(&self, topic: &str) -> Result<()> {
         let mut topics = self.topics.lock().await;
-        if topics.contains(topic) {
+        if topics.contains_key(topic) {
             return Ok(());
         }
         let mut admin = self.admin().await?;
         let result = async {
             let a = admin.get();
-            if route(a, topic).await?.is_none() {
+            let mut found = route(a, topic).await?;
+            if found.is_none() {
                 let cluster = RouteAdmin::examine_broker_cluster_info(a)
                     .await
                     .map_err(err)?;
@@ -433,7 +448,11 @@ impl Inner {
                 // The name server learns the route when the broker registers
                 // again, within milliseconds.
                 let started = Instant::now();
-                while route(a, topic).await?.is_none() {
+                loop {
+                    found = route(a, topic).await?;
+                    if found.is_some() {
+                        break;
+                    }
                     if started.elapsed() > Duration::from_secs(5) {
                         return Err(Error::disconnected(
                             KIND,
@@ -443,13 +462,44 @@ impl Inner {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             }
-            Ok(())
+            Ok(found
+                .iter()
+                .flat_map(|r| &r.broker_datas)
+                .filter_map(|b| b.broker_addrs().get(&0).map(ToString::to_string))
+                .collect::<Vec<_>>())
         }
         .await;
         admin.shutdown().await;
-        result?;
-        topics.insert(topic.to_owned());
+        topics.insert(topic.to_owned(), result?);
         Ok(())
+    }
+
+    /// A failed send, classified by what can be reached: the client
+    /// reports a send to a broker that went down as an invalid argument (it
+    /// finds no queue to send to), so its own classification is not enough.
+    /// "Disconnected" when every name server, or one of the topic's
+    /// brokers, refuses connections; otherwise the error stands.
+    async fn classify_send_failure(&self, topic: &str, e: Error) -> Error {
+        if e.is_disconnected() {
+            return e;
+        }
+        let mut name_server_up = false;
+        for addr in self.config.namesrv.split(';').filter(|a| !a.is_empty()) {
+            if reachable(addr).await {
+                name_server_up = true;
+                break;
+            }
+        }
+        if !name_server_up {
+            return Error::disconnected(KIND, format!("no name server answers: {e}"));
+        }
+        let brokers = self.topics.lock().await.get(topic).cloned();
+        for addr in brokers.unwrap_or_default() {
+            if !reachable(&addr).await {
+                return Error::disconnected(KIND, format!("broker {addr} is down: {e}"));
+            }
+        }
+        e
     }
 
     async fn send(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
@@ -695,6 +745,7 @@ impl ChangeBus for RocketMqBus {
                 Ok(p)
             }
             Err(e) => {
+                let e = inner.classify_send_failure(topic, e).await;
                 // The topic may be gone (a broker that lost its store): look
                 // its route up again on the next publish.
                 inner.topics.lock().await.remove(topic);
@@ -784,7 +835,10 @@ impl ChangeBus for RocketMqBus {
             )
             .await
             .map_err(|_| Error::disconnected(KIND, "queues were not assigned within 10 s"))?
-            .map_err(err)?;
+            .map_err(|_| Error::Transport {
+                transport: KIND,
+                source: "the consumer dropped its queue listener".into(),
+            })?;
             Ok::<_, Error>(())
         }
         .await;
@@ -1016,9 +1070,21 @@ async fn view_message(
     q: &QueueRef,
     commit_log_offset: i64,
 ) -> Result<Option<MessageExt>> {
-    let Some(id) = offset_message_id(&q.addr, commit_log_offset) else {
-        return Ok(None);
+    // The name server lists brokers by the address they announce, an IP as
+    // a rule; a host name is resolved, and failing that the history cannot
+    // be checked now (an error, retried), which is not the same as a
+    // history that is gone.
+    let broker = match q.addr.parse::<std::net::SocketAddr>() {
+        Ok(a) => a,
+        Err(_) => tokio::net::lookup_host(q.addr.as_str())
+            .await
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| {
+                Error::disconnected(KIND, format!("cannot resolve broker {}", q.addr))
+            })?,
     };
+    let id = offset_message_id(broker, commit_log_offset);
     match ConsumerAdmin::query_message(admin, "".into(), topic.into(), id.into()).await {
         Ok(m) => Ok(Some(m)),
         // The broker answered, but holds no such message.
@@ -1029,17 +1095,16 @@ async fn view_message(
 
 /// RocketMQ's offset message id: the storing broker's address and the
 /// message's commit-log offset, in hex.
-fn offset_message_id(addr: &str, commit_log_offset: i64) -> Option<String> {
-    let addr: std::net::SocketAddr = addr.parse().ok()?;
+fn offset_message_id(addr: std::net::SocketAddr, commit_log_offset: i64) -> String {
     let port = i32::from(addr.port());
-    Some(match addr.ip() {
+    match addr.ip() {
         std::net::IpAddr::V4(ip) => {
             format!("{:08X}{port:08X}{commit_log_offset:016X}", u32::from(ip))
         }
         std::net::IpAddr::V6(ip) => {
             format!("{:032X}{port:08X}{commit_log_offset:016X}", u128::from(ip))
         }
-    })
+    }
 }
 
 /// Whether the message this node read just before offset `n` is still
