@@ -904,4 +904,4 @@ where
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -437,10 +437,55 @@ async fn after_a_resync_versioned_refreshes_are_quarantined() {
 /// A cache whose every load of a key is superseded until the locked last
 /// one: with no retries, the first load's own invalidation sends the second
 /// load under the pin.
-fn locking_cache() -> Cache {
+pub(crate) fn locking_cache() -> Cache {
     SyncedCache::builder("t", moka::future::Cache::new(1000))
         .max_load_retries(0)
         .build()
+}
+
+/// Spawns `c.get_with(key)` with a loader that waits for a signal, and
+/// returns once that loader runs: the load's task, and the sender that
+/// lets the loader return `value`. With `pinned`, the first load is
+/// overtaken by its own invalidation, so on a cache with no retries
+/// ([`locking_cache`]) the waiting load is the locked last one, with `key`
+/// pinned.
+pub(crate) async fn parked_load(
+    c: &Cache,
+    key: &str,
+    value: &str,
+    pinned: bool,
+) -> (tokio::task::JoinHandle<String>, oneshot::Sender<()>) {
+    let (parked_tx, parked_rx) = oneshot::channel::<()>();
+    let (go_tx, go_rx) = oneshot::channel::<()>();
+    let gates = Arc::new(Mutex::new((Some(parked_tx), Some(go_rx))));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (c2, key2, value) = (c.clone(), key.to_string(), value.to_string());
+    let load = tokio::spawn({
+        let c = c.clone();
+        let key = key.to_string();
+        async move {
+            c.get_with(key, move || {
+                let (c, key, value) = (c2.clone(), key2.clone(), value.clone());
+                let (gates, calls) = (gates.clone(), calls.clone());
+                async move {
+                    if pinned && calls.fetch_add(1, Relaxed) == 0 {
+                        c.invalidate(&key).await; // overtakes this load
+                        return "first".to_string();
+                    }
+                    let (parked, go) = {
+                        let mut g = lock(&gates);
+                        (g.0.take().unwrap(), g.1.take().unwrap())
+                    };
+                    parked.send(()).unwrap();
+                    go.await.unwrap();
+                    value
+                }
+            })
+            .await
+        }
+    });
+    parked_rx.await.unwrap();
+    (load, go_tx)
 }
 
 /// Keys other than `k` that share its write stripe, and some that do not.
@@ -458,34 +503,7 @@ fn neighbours(c: &Cache, k: &str) -> (Vec<String>, Vec<String>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_locked_load_holds_up_only_its_own_key() {
     let c = locking_cache();
-    let (parked_tx, parked_rx) = oneshot::channel::<()>();
-    let (go_tx, go_rx) = oneshot::channel::<()>();
-    let gates = Arc::new(Mutex::new((Some(parked_tx), Some(go_rx))));
-    let calls = Arc::new(AtomicUsize::new(0));
-    let load = {
-        let c = c.clone();
-        tokio::spawn(async move {
-            let c2 = c.clone();
-            c.get_with("k".to_string(), move || {
-                let (c, gates, calls) = (c2.clone(), gates.clone(), calls.clone());
-                async move {
-                    if calls.fetch_add(1, Relaxed) == 0 {
-                        c.invalidate(&"k".into()).await; // supersedes this load
-                        return "first".to_string();
-                    }
-                    let (parked, go) = {
-                        let mut g = lock(&gates);
-                        (g.0.take().unwrap(), g.1.take().unwrap())
-                    };
-                    parked.send(()).unwrap();
-                    go.await.unwrap();
-                    "locked".to_string()
-                }
-            })
-            .await
-        })
-    };
-    parked_rx.await.unwrap(); // the locked load's loader is running
+    let (load, go_tx) = parked_load(&c, "k", "locked", true).await;
     let (same_stripe, others) = neighbours(&c, "k");
     assert!(!same_stripe.is_empty());
     let writes = async {
@@ -520,28 +538,7 @@ async fn a_locked_loader_may_wait_for_another_load_in_its_stripe() {
     let c = locking_cache();
     let k2 = neighbours(&c, "k").0[0].clone();
     // The other task leads a load of k2 that waits for a signal.
-    let (started_tx, started_rx) = oneshot::channel::<()>();
-    let (release_tx, release_rx) = oneshot::channel::<()>();
-    let other = {
-        let (c, k2) = (c.clone(), k2.clone());
-        let gates = Arc::new(Mutex::new((Some(started_tx), Some(release_rx))));
-        tokio::spawn(async move {
-            c.get_with(k2, move || {
-                let gates = gates.clone();
-                async move {
-                    let (started, release) = {
-                        let mut g = lock(&gates);
-                        (g.0.take().unwrap(), g.1.take().unwrap())
-                    };
-                    started.send(()).unwrap();
-                    release.await.unwrap();
-                    "v2".to_string()
-                }
-            })
-            .await
-        })
-    };
-    started_rx.await.unwrap();
+    let (other, release_tx) = parked_load(&c, &k2, "v2", false).await;
     let release = Arc::new(Mutex::new(Some(release_tx)));
     let calls = Arc::new(AtomicUsize::new(0));
     let c2 = c.clone();

@@ -3,7 +3,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use tokio::sync::oneshot;
 
 use super::*;
 use crate::event::{Change, EntryVersion, Header, encode, encode_part};
@@ -939,40 +938,9 @@ async fn an_unreadable_event_without_a_tag_invalidates_what_it_may_have_changed(
 async fn a_registration_given_up_half_way_leaves_nothing_behind() {
     let bus = EmbeddedBus::new();
     let node = Node::builder("n1", bus.clone()).start().await.unwrap();
-    let c: Cache = SyncedCache::builder("t", moka::future::Cache::new(100))
-        .max_load_retries(0)
-        .build();
-    // A loader holding a key: with no retries, its first load is overtaken
-    // by its own invalidation, and the second runs with the key pinned,
-    // which a clear waits for.
-    let (parked_tx, parked_rx) = oneshot::channel::<()>();
-    let (go_tx, go_rx) = oneshot::channel::<()>();
-    let gates = Arc::new(Mutex::new((Some(parked_tx), Some(go_rx))));
-    let calls = Arc::new(AtomicUsize::new(0));
-    let load = {
-        let c = c.clone();
-        tokio::spawn(async move {
-            let c2 = c.clone();
-            c.get_with("k".to_string(), move || {
-                let (c, gates, calls) = (c2.clone(), gates.clone(), calls.clone());
-                async move {
-                    if calls.fetch_add(1, Relaxed) == 0 {
-                        c.invalidate(&"k".into()).await;
-                        return "first".to_string();
-                    }
-                    let (parked, go) = {
-                        let mut g = lock(&gates);
-                        (g.0.take().unwrap(), g.1.take().unwrap())
-                    };
-                    parked.send(()).unwrap();
-                    go.await.unwrap();
-                    "loaded".to_string()
-                }
-            })
-            .await
-        })
-    };
-    parked_rx.await.unwrap();
+    let c = crate::cache::tests::locking_cache();
+    // A loader holding a key, which a clear waits for.
+    let (load, go_tx) = crate::cache::tests::parked_load(&c, "k", "loaded", true).await;
     let gave_up = tokio::time::timeout(Duration::from_millis(50), node.register(&c)).await;
     assert!(
         gave_up.is_err(),
