@@ -180,6 +180,11 @@ pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// so a flood of idle clients cannot use up the process's file descriptors.
 /// Probes and scrapes need a handful.
 pub(crate) const MAX_CONNECTIONS: usize = 64;
+/// How long one connection is kept: after that it is closed once its
+/// request in flight is answered. Busy keep-alive clients never go idle,
+/// so without this, as many of them as the cap could keep a probe out for
+/// good.
+pub(crate) const MAX_CONNECTION_AGE: Duration = Duration::from_secs(60);
 
 /// A running status server. Stops when [`shutdown`](Self::shutdown) is called
 /// or when dropped.
@@ -189,7 +194,8 @@ pub(crate) const MAX_CONNECTIONS: usize = 64;
 /// for 60 s is closed, so no client can hold a connection, or the server's
 /// shutdown, hostage; shutdown lets requests in flight finish for up to 5 s,
 /// then closes what is left. At most 64 connections are served at once;
-/// more wait to be accepted until one closes.
+/// more wait to be accepted until one closes, and none is kept longer than
+/// 60 s (it closes after the request in flight).
 #[derive(Debug)]
 pub struct StatusServer {
     addr: SocketAddr,
@@ -291,6 +297,12 @@ async fn connection(stream: TcpStream, app: Router, mut draining: watch::Receive
         () = async { let _ = draining.wait_for(|d| *d).await; } => {
             // Finish the request in flight, if any, then close; the server
             // cuts this short after `SHUTDOWN_GRACE`.
+            conn.as_mut().graceful_shutdown();
+            let _ = conn.await;
+        }
+        () = tokio::time::sleep(MAX_CONNECTION_AGE) => {
+            // The same, bounded by the idle timeout; a shutdown meanwhile
+            // cuts it short as above.
             conn.as_mut().graceful_shutdown();
             let _ = conn.await;
         }
@@ -551,6 +563,41 @@ mod tests {
             "served at once: no cap ({:?})",
             started.elapsed()
         );
+        server.shutdown().await.unwrap();
+    }
+
+    /// Review of issue 9: with the cap, busy keep-alive clients (which never
+    /// go idle) could hold every slot for good. A connection is closed once
+    /// it is `MAX_CONNECTION_AGE` old, after the request in flight.
+    #[tokio::test(start_paused = true)]
+    async fn a_busy_keep_alive_connection_is_closed_when_it_is_old() {
+        let (node, _cache) = node_with_cache().await;
+        let server = node.serve_status("127.0.0.1:0").await.unwrap();
+        let mut stream = tokio::net::TcpStream::connect(server.local_addr())
+            .await
+            .unwrap();
+        let opened = tokio::time::Instant::now();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let sent = stream
+                .write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
+                .await;
+            // A response, or the end of the connection.
+            let n = match sent {
+                Ok(()) => stream.read(&mut buf).await.unwrap_or(0),
+                Err(_) => 0,
+            };
+            if n == 0 {
+                break;
+            }
+            assert!(
+                opened.elapsed() <= MAX_CONNECTION_AGE + IDLE_TIMEOUT,
+                "a busy connection was kept for {:?}",
+                opened.elapsed()
+            );
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        }
+        assert!(opened.elapsed() >= MAX_CONNECTION_AGE);
         server.shutdown().await.unwrap();
     }
 
