@@ -287,9 +287,9 @@ struct Inner {
     producer: RwLock<Option<DefaultMQProducer>>,
     producers_made: AtomicU64,
     send_failures: Mutex<SendFailures>,
-    /// Topics created (or found) by this bus, with the addresses of the
-    /// master brokers their route named then.
-    topics: tokio::sync::Mutex<HashMap<String, Vec<String>>>,
+    /// Topics created (or found) by this bus, with their route's master
+    /// brokers then (name to address).
+    topics: tokio::sync::Mutex<HashMap<String, TopicBrokers>>,
     names: AtomicU64,
     closed: AtomicBool,
 }
@@ -416,10 +416,10 @@ impl Inner {
 
     /// Creates the topic with the configured number of queues on every
     /// master broker, once per topic and bus.
-    async fn ensure_topic(&self, topic: &str) -> Result<()> {
+    async fn ensure_topic(&self, topic: &str) -> Result<TopicBrokers> {
         let mut topics = self.topics.lock().await;
-        if topics.contains_key(topic) {
-            return Ok(());
+        if let Some(brokers) = topics.get(topic) {
+            return Ok(brokers.clone());
         }
         let mut admin = self.admin().await?;
         let result = async {
@@ -465,21 +465,32 @@ impl Inner {
             Ok(found
                 .iter()
                 .flat_map(|r| &r.broker_datas)
-                .filter_map(|b| b.broker_addrs().get(&0).map(ToString::to_string))
-                .collect::<Vec<_>>())
+                .filter_map(|b| {
+                    let addr = b.broker_addrs().get(&0)?;
+                    Some((b.broker_name().to_string(), addr.to_string()))
+                })
+                .collect::<TopicBrokers>())
         }
         .await;
         admin.shutdown().await;
-        topics.insert(topic.to_owned(), result?);
-        Ok(())
+        let brokers = result?;
+        topics.insert(topic.to_owned(), brokers.clone());
+        Ok(brokers)
     }
 
     /// A failed send, classified by what can be reached: the client
     /// reports a send to a broker that went down as an invalid argument (it
     /// finds no queue to send to), so its own classification is not enough.
-    /// "Disconnected" when every name server, or one of the topic's
-    /// brokers, refuses connections; otherwise the error stands.
-    async fn classify_send_failure(&self, topic: &str, e: Error) -> Error {
+    /// "Disconnected" when every name server refuses connections, or the
+    /// broker the send went to does (all of the topic's brokers when the
+    /// client picked none); otherwise the error stands. `brokers` is what
+    /// the send was made with, not the map, which other sends may clear.
+    async fn classify_send_failure(
+        &self,
+        e: Error,
+        brokers: &TopicBrokers,
+        picked: Option<String>,
+    ) -> Error {
         if e.is_disconnected() {
             return e;
         }
@@ -493,16 +504,27 @@ impl Inner {
         if !name_server_up {
             return Error::disconnected(KIND, format!("no name server answers: {e}"));
         }
-        let brokers = self.topics.lock().await.get(topic).cloned();
-        for addr in brokers.unwrap_or_default() {
-            if !reachable(&addr).await {
+        let probed: Vec<&String> = match picked.as_ref().and_then(|b| brokers.get(b)) {
+            Some(addr) => vec![addr],
+            None => brokers.values().collect(),
+        };
+        for addr in probed {
+            if !reachable(addr).await {
                 return Error::disconnected(KIND, format!("broker {addr} is down: {e}"));
             }
         }
         e
     }
 
-    async fn send(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+    /// Sends to the queue the tag hashes to; `picked` learns that queue's
+    /// broker, so a failure can be told apart (see `classify_send_failure`).
+    async fn send(
+        &self,
+        topic: &str,
+        tag: &str,
+        payload: Bytes,
+        picked: &Arc<Mutex<Option<String>>>,
+    ) -> Result<Option<Position>> {
         let message = Message::builder()
             .topic(topic)
             .tags(tag)
@@ -513,13 +535,16 @@ impl Inner {
         let Some(producer) = guard.as_ref() else {
             return Err(Error::disconnected(KIND, "the bus was shut down"));
         };
+        let picked = picked.clone();
         let sent = producer
             .send_with_selector(
                 message,
-                |mqs: &[MessageQueue], _: &Message, tag: &String| {
+                move |mqs: &[MessageQueue], _: &Message, tag: &String| {
                     let n = i64::try_from(mqs.len()).ok().filter(|n| *n > 0)?;
                     let i = usize::try_from(i64::from(java_hash(tag)).rem_euclid(n)).ok()?;
-                    mqs.get(i).cloned()
+                    let mq = mqs.get(i)?;
+                    *lock(&picked) = Some(mq.broker_name().to_string());
+                    Some(mq.clone())
                 },
                 tag.to_owned(),
             )
@@ -738,14 +763,16 @@ impl ChangeBus for RocketMqBus {
         let (topic, tag) = (&*rmq_topic(topic), &*rmq_tag(tag));
         let inner = self.inner.get();
         inner.ensure_open()?;
-        inner.ensure_topic(topic).await?;
-        match inner.send(topic, tag, payload).await {
+        let brokers = inner.ensure_topic(topic).await?;
+        let picked = Arc::new(Mutex::new(None));
+        match inner.send(topic, tag, payload, &picked).await {
             Ok(p) => {
                 lock(&inner.send_failures).consecutive = 0;
                 Ok(p)
             }
             Err(e) => {
-                let e = inner.classify_send_failure(topic, e).await;
+                let picked = lock(&picked).take();
+                let e = inner.classify_send_failure(e, &brokers, picked).await;
                 // The topic may be gone (a broker that lost its store): look
                 // its route up again on the next publish.
                 inner.topics.lock().await.remove(topic);
@@ -1076,10 +1103,16 @@ async fn view_message(
     // history that is gone.
     let broker = match q.addr.parse::<std::net::SocketAddr>() {
         Ok(a) => a,
+        // IPv4 first: the client spells an id's address back as
+        // `ip:port`, which is no address for IPv6, and the broker listens on
+        // IPv4 by default.
         Err(_) => tokio::net::lookup_host(q.addr.as_str())
             .await
             .ok()
-            .and_then(|mut a| a.next())
+            .and_then(|a| {
+                let all: Vec<_> = a.collect();
+                all.iter().find(|a| a.is_ipv4()).or(all.first()).copied()
+            })
             .ok_or_else(|| {
                 Error::disconnected(KIND, format!("cannot resolve broker {}", q.addr))
             })?,
@@ -1215,6 +1248,9 @@ fn record(m: &MessageExt) -> Record {
         m.body().unwrap_or_default(),
     )
 }
+
+/// A topic's master brokers: broker name to address.
+type TopicBrokers = HashMap<String, String>;
 
 /// What a subscription's watchdog saw of its brokers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
