@@ -73,8 +73,8 @@
 //! A superseded load is retried; concurrent loads of one key are coalesced.
 //! Nor does it return such a value: after
 //! [`max_load_retries`](SyncedCacheBuilder::max_load_retries) superseded
-//! loads, one more runs under the key's write lock, so nothing can overtake
-//! it.
+//! loads, one more runs with the key pinned (other tasks' writes to that key
+//! wait for it), so nothing can overtake it.
 //!
 //! ## What happens on loss
 //! Zero tolerance: one possibly missed event is enough to act.

@@ -43,9 +43,9 @@ pub const DEFAULT_MAX_TRACKED_KEYS: usize = 100_000;
 /// starts; if any write to its key, or any clear, lands before the load's
 /// result is installed, the result is discarded and the load is retried, up
 /// to [`max_load_retries`](SyncedCacheBuilder::max_load_retries) times. A key
-/// that changes during every one of those is loaded once more while holding
-/// its write lock, so that load cannot be overtaken: `get_with` never returns
-/// a value older than a change applied while it ran.
+/// that changes during every one of those is loaded once more with the key
+/// pinned, so that load cannot be overtaken: `get_with` never returns a value
+/// older than a change applied while it ran.
 ///
 /// During that last load the key is pinned: other tasks' writes to that one
 /// key (the node's consumer included) and clears of the cache wait for the
@@ -116,9 +116,9 @@ where
     }
 
     /// How many times a load whose key was written meanwhile is retried
-    /// without holding the key's write lock. After that, one more load runs
-    /// under the lock, so it cannot be overtaken (see the type's docs).
-    /// Default 3; 0 takes the lock at the first retry.
+    /// without holding anything. After that, one more load runs with the key
+    /// pinned, so it cannot be overtaken (see the type's docs). Default 3;
+    /// 0 pins the key at the first retry.
     pub fn max_load_retries(mut self, n: u32) -> Self {
         self.max_load_retries = n;
         self
@@ -153,9 +153,9 @@ pub(crate) struct Inner<K, V> {
     /// Per-key write serialisation, striped by key hash: a write holds its
     /// key's stripe from the version-table decision until moka has the
     /// result, so no other write to the key can land in between. A clear
-    /// holds every stripe: moka's `invalidate_all` only drops entries
-    /// inserted before it runs, so a load that passed its check just before
-    /// a clear could otherwise insert just after it.
+    /// passes through every stripe, one at a time: moka's `invalidate_all`
+    /// only drops entries inserted before it runs, so a load that passed its
+    /// check just before a clear could otherwise insert just after it.
     ///
     /// moka's own `and_compute_with` would serialise per key too, but costs
     /// several lookups and a waiter-map insertion per call; applying an
@@ -164,8 +164,10 @@ pub(crate) struct Inner<K, V> {
     stripe_hasher: RandomState,
     /// Keys under a locked last load (see `load_locked`): writes to them
     /// from other tasks wait until the load has installed its value.
-    /// Entries are added and removed under the key's stripe, so a write
-    /// that holds the stripe sees every pin of its key.
+    /// Entries are added under the key's stripe, so a write that holds the
+    /// stripe sees every pin of its key; they are removed under it after an
+    /// install, and without it when the load fails or is cancelled (a write
+    /// that then finds the pin gone just goes ahead).
     pins: Mutex<HashMap<K, Arc<AsyncMutex<()>>>>,
     /// `pins.len()`, read under a stripe so a write skips the map's lock
     /// while nothing is pinned (nearly always).

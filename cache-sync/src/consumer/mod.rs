@@ -1021,10 +1021,11 @@ async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, records: Vec<R
 
 /// An event that is authentic (or the node does not verify) but cannot be
 /// applied: the cache it was meant for may have missed a change. The
-/// transport's tag names that cache, or else the event's header, read from
-/// the front of an oversized payload; an event that names no cache may have
-/// been for any of them (a Pub/Sub message carries no tag, and a publisher
-/// of a newer format writes a header this node cannot read).
+/// event's header names that cache (read from the front of an oversized
+/// payload; on a verifying node it is signed, unlike the tag), or else the
+/// transport's tag; an event that names no cache at all may have been for
+/// any of them (a Pub/Sub message carries no tag, and a publisher of a
+/// newer format writes a header this node cannot read).
 async fn unreadable(
     shared: &Shared,
     seqs: &mut PublisherSeqs,
@@ -1033,27 +1034,24 @@ async fn unreadable(
     payload: &[u8],
     reason: &str,
 ) {
-    if let Some(cache) = tagged {
+    let limit = shared.config.max_event_bytes;
+    let header = decode_header(payload.get(..limit).unwrap_or(payload), limit)
+        .ok()
+        .map(|(h, _)| h);
+    if let Some(h) = &header
+        && let Some(cache) = caches.get(&h.cache)
+    {
+        // Its number is used up: the next one is no gap.
+        let _ = seqs.observe(h.publisher, &h.cache, h.seq);
+        cache.reject(reason).await;
+        seqs.resynced(&h.cache);
+    } else if let Some(cache) = tagged {
         cache.reject(reason).await;
         seqs.resynced(cache.name());
-        return;
-    }
-    let limit = shared.config.max_event_bytes;
-    match decode_header(payload.get(..limit).unwrap_or(payload), limit) {
-        Ok((header, _)) => {
-            let Some(cache) = caches.get(&header.cache) else {
-                return;
-            };
-            // Its number is used up: the next one is no gap.
-            let _ = seqs.observe(header.publisher, &header.cache, header.seq);
-            cache.reject(reason).await;
-            seqs.resynced(&header.cache);
-        }
-        Err(_) => {
-            shared.resync_all(LossReason::Unreadable, None).await;
-            for cache in caches.keys() {
-                seqs.resynced(cache);
-            }
+    } else if header.is_none() {
+        shared.resync_all(LossReason::Unreadable, None).await;
+        for cache in caches.keys() {
+            seqs.resynced(cache);
         }
     }
 }
