@@ -931,6 +931,46 @@ async fn an_unreadable_event_without_a_tag_invalidates_what_it_may_have_changed(
     node.shutdown().await.unwrap();
 }
 
+/// Review of issue 9: the tag is not signed, the header is (on a verifying
+/// node): an oversized event re-tagged for another cache resyncs the cache
+/// its header names.
+#[tokio::test]
+async fn an_oversized_event_resyncs_the_cache_its_header_names_not_its_tag() {
+    let ring = Keyring::new("k1", b"node-and-admin-shared-secret".to_vec()).unwrap();
+    let bus = EmbeddedBus::new();
+    let (t, u) = (cache("t"), cache("u"));
+    let node = Node::builder("n1", bus.clone())
+        .verify_signatures(ring.clone())
+        .max_event_bytes(1024)
+        .register(&t)
+        .register(&u)
+        .start()
+        .await
+        .unwrap();
+    t.insert("k".into(), "cached".into()).await;
+    u.insert("k".into(), "cached".into()).await;
+    let signed = Bytes::from(ring.sign(&raw_event(
+        "t",
+        5,
+        1,
+        &refresh_change("k", &"x".repeat(4096)),
+    )));
+    bus.publish(DEFAULT_TOPIC, "u", signed).await.unwrap();
+    eventually("the event is rejected", async || {
+        node.status().events_rejected == 1
+    })
+    .await;
+    let s = node.status();
+    assert_eq!(
+        (s.caches[0].rejected_events, s.caches[1].rejected_events),
+        (1, 0),
+        "{s:?}"
+    );
+    assert_eq!(t.get(&"k".into()).await, None);
+    assert_eq!(u.peek(&"k".into()).await.as_deref(), Some("cached"));
+    node.shutdown().await.unwrap();
+}
+
 /// Regression (review of issue 9): a registration dropped while it emptied
 /// the cache left the cache in the node's map with no re-subscription, so
 /// on a transport that filters by tag its events never came.
