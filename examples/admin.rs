@@ -3,11 +3,11 @@
 //! prints the version it was published at, and exits.
 //!
 //! ```text
-//! cargo run -p cache-sync-examples --example admin -- --redis redis://127.0.0.1:6379/ upsert de Deutschland
-//! cargo run -p cache-sync-examples --example admin -- --redis redis://127.0.0.1:6379/ delete fr
-//! cargo run -p cache-sync-examples --example admin -- --redis redis://127.0.0.1:6379/ replace-all de=Deutschland it=Italia
-//! cargo run -p cache-sync-examples --example admin -- --redis redis://127.0.0.1:6379/ demo
-//! cargo run -p cache-sync-examples --example admin -- --nats nats://127.0.0.1:4222 upsert de Deutschland
+//! cargo run -p cache-sync-examples --features brokers --example admin -- --redis redis://127.0.0.1:6379/ upsert de Deutschland
+//! cargo run -p cache-sync-examples --features brokers --example admin -- --redis redis://127.0.0.1:6379/ delete fr
+//! cargo run -p cache-sync-examples --features brokers --example admin -- --redis redis://127.0.0.1:6379/ replace-all de=Deutschland it=Italia
+//! cargo run -p cache-sync-examples --features brokers --example admin -- --redis redis://127.0.0.1:6379/ demo
+//! cargo run -p cache-sync-examples --features brokers --example admin -- --nats nats://127.0.0.1:4222 upsert de Deutschland
 //! ```
 
 // An example's output is its user interface: it talks to a person at a terminal.

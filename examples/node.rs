@@ -3,9 +3,9 @@
 //! over Redis or NATS. Run two or more, each in its own terminal:
 //!
 //! ```text
-//! cargo run -p cache-sync-examples --example node -- --redis redis://127.0.0.1:6379/ --http 127.0.0.1:9465 --node-id node-a
-//! cargo run -p cache-sync-examples --example node -- --redis redis://127.0.0.1:6379/ --http 127.0.0.1:9466 --node-id node-b
-//! cargo run -p cache-sync-examples --example admin -- --redis redis://127.0.0.1:6379/ upsert de Deutschland
+//! cargo run -p cache-sync-examples --features brokers --example node -- --redis redis://127.0.0.1:6379/ --http 127.0.0.1:9465 --node-id node-a
+//! cargo run -p cache-sync-examples --features brokers --example node -- --redis redis://127.0.0.1:6379/ --http 127.0.0.1:9466 --node-id node-b
+//! cargo run -p cache-sync-examples --features brokers --example admin -- --redis redis://127.0.0.1:6379/ upsert de Deutschland
 //! curl -s http://127.0.0.1:9465/cache-sync/caches/countries
 //! ```
 //!
