@@ -23,7 +23,7 @@ use tracing_subscriber::EnvFilter;
 
 #[path = "shared/transport.rs"]
 mod transport;
-use transport::{Transport, TransportFlags};
+use transport::{Choice, TransportFlags};
 
 type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
 
@@ -69,7 +69,7 @@ enum Command {
 
 #[derive(Debug)]
 struct Args {
-    transport: Transport,
+    transport: Choice,
     command: Command,
 }
 
@@ -182,9 +182,9 @@ fn check_code(code: &str) -> Result<(), String> {
 }
 
 async fn run(args: Args) -> Result<()> {
-    let bus = args.transport.connect().await?;
+    let transport = args.transport.connect().await?;
     // The origin names this service in the nodes' logs.
-    let table: Table = Publisher::builder(bus)
+    let table: Table = Publisher::builder(transport)
         .origin("admin")
         .build()?
         .dictionary(CACHE);

@@ -1,5 +1,5 @@
 //! The cache-sync demo: three application nodes and an admin service in one
-//! process, kept in step over an in-process [`EmbeddedBus`] (no server needed).
+//! process, kept in step over an in-process [`EmbeddedTransport`] (no server needed).
 //!
 //! Each node caches a `countries` table (country code -> name) and reads it
 //! through from a shared in-memory "database". The admin changes rows (writing
@@ -23,7 +23,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use cache_sync::{DictionaryPublisher, EmbeddedBus, Node, Publisher, StatusServer, SyncedCache};
+use cache_sync::{
+    DictionaryPublisher, EmbeddedTransport, Node, Publisher, StatusServer, SyncedCache,
+};
 use tokio::sync::RwLock;
 use tracing_subscriber::EnvFilter;
 
@@ -66,16 +68,16 @@ async fn main() -> ExitCode {
 
 async fn run(keep_running: bool) -> Result<()> {
     let db = Database::seeded();
-    let bus = EmbeddedBus::new();
+    let transport = EmbeddedTransport::new();
     println!(
-        "cache-sync demo: {} nodes on one in-process bus, cache {CACHE:?}, database of {} countries",
+        "cache-sync demo: {} nodes on one in-process transport, cache {CACHE:?}, database of {} countries",
         NODE_IDS.len(),
         db.rows.read().await.len()
     );
 
     let mut nodes = Vec::new();
     for id in NODE_IDS {
-        nodes.push(AppNode::start(id, &bus, &db).await?);
+        nodes.push(AppNode::start(id, &transport, &db).await?);
     }
     println!("\nStatus endpoints (paste into another terminal):");
     for n in &nodes {
@@ -107,11 +109,11 @@ async fn run(keep_running: bool) -> Result<()> {
         );
     }
 
-    // The admin service is a separate publisher on the same bus; its origin
+    // The admin service is a separate publisher on the same transport; its origin
     // names it in the nodes' logs.
     let admin = Admin {
         db: db.clone(),
-        table: Publisher::builder(bus.clone())
+        table: Publisher::builder(transport.clone())
             .origin("admin")
             .build()?
             .dictionary(CACHE),
@@ -258,11 +260,11 @@ struct AppNode {
 }
 
 impl AppNode {
-    async fn start(id: &str, bus: &EmbeddedBus, db: &Database) -> Result<Self> {
+    async fn start(id: &str, transport: &EmbeddedTransport, db: &Database) -> Result<Self> {
         let countries = SyncedCache::new(CACHE, moka::future::Cache::new(10_000));
         // Registration empties the cache (nothing read before it was kept in
         // step), so it comes before the first read.
-        let node = Node::builder(id, bus.clone())
+        let node = Node::builder(id, transport.clone())
             .register(&countries)
             .start()
             .await?;

@@ -30,7 +30,7 @@ use tracing_subscriber::EnvFilter;
 
 #[path = "shared/transport.rs"]
 mod transport;
-use transport::{Transport, TransportFlags};
+use transport::{Choice, TransportFlags};
 
 type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
 
@@ -86,7 +86,7 @@ shows warnings only.
 
 #[derive(Debug)]
 struct Args {
-    transport: Transport,
+    transport: Choice,
     http: SocketAddr,
     node_id: String,
     data_dir: Option<PathBuf>,
@@ -184,9 +184,9 @@ fn default_node_id() -> String {
 }
 
 async fn run(args: Args) -> Result<()> {
-    let bus = args.transport.connect().await?;
+    let transport = args.transport.connect().await?;
     // Pub/Sub keeps no history, so there is no position worth saving.
-    let pubsub = matches!(args.transport, Transport::Redis { pubsub: true, .. });
+    let pubsub = matches!(args.transport, Choice::Redis { pubsub: true, .. });
     let offsets = match &args.data_dir {
         Some(_) if pubsub => {
             eprintln!("node: --data-dir has no effect with --pubsub");
@@ -199,7 +199,7 @@ async fn run(args: Args) -> Result<()> {
     // exist stay off the database too.
     let countries: SyncedCache<String, Option<String>> =
         SyncedCache::new(CACHE, moka::future::Cache::new(10_000));
-    let mut builder = Node::builder(args.node_id.as_str(), bus)
+    let mut builder = Node::builder(args.node_id.as_str(), transport)
         // Registration empties the cache, so it comes before the first read.
         .register(&countries);
     if let Some(store) = &offsets {

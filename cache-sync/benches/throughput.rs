@@ -36,7 +36,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use cache_sync::{EmbeddedBus, Node, NodeBuilder, Publisher, StartFrom, SyncedCache};
+use cache_sync::transport::StartFrom;
+use cache_sync::{EmbeddedTransport, Node, NodeBuilder, Publisher, SyncedCache};
 use moka::future::Cache;
 use moka::ops::compute::Op;
 use tokio::sync::broadcast;
@@ -105,9 +106,9 @@ fn synced() -> SyncedCache<u64, u64> {
 
 /// A node for the benchmarks, with default settings. Each run asserts that
 /// no refresh was quarantined (the default reorder window is replayed from the
-/// bus at start, not quarantined), so every refresh really is installed.
-fn node(id: impl Into<String>, bus: &EmbeddedBus) -> NodeBuilder {
-    Node::builder(id, bus.clone())
+/// transport at start, not quarantined), so every refresh really is installed.
+fn node(id: impl Into<String>, transport: &EmbeddedTransport) -> NodeBuilder {
+    Node::builder(id, transport.clone())
 }
 
 fn now_us() -> u64 {
@@ -382,19 +383,19 @@ async fn wait_until(mut done: impl FnMut() -> bool, what: &str) {
 }
 
 /// One round: `events` refresh events of `per_event` entries each, on a
-/// fresh bus, node and cache. With `backlog`, all are published before the
+/// fresh transport, node and cache. With `backlog`, all are published before the
 /// node starts (reading from the earliest record), so only fetch, decode and
 /// apply are timed; otherwise the publisher runs concurrently with the node
 /// and both are inside the timing. Returns (elapsed, publishing time).
 async fn apply_round(s: Sizes, events: u64, per_event: u64, backlog: bool) -> (Duration, Duration) {
     let entries = events * per_event;
     // History must hold every event, or this would measure loss recovery.
-    let bus = EmbeddedBus::builder()
+    let transport = EmbeddedTransport::builder()
         .max_records(events as usize + 1_024)
         .max_bytes(1 << 30)
         .build();
     let cache = synced();
-    let publisher = Publisher::new(bus.clone());
+    let publisher = Publisher::new(transport.clone());
     let publish_all = || async {
         let start = Instant::now();
         for e in 0..events {
@@ -405,7 +406,7 @@ async fn apply_round(s: Sizes, events: u64, per_event: u64, backlog: bool) -> (D
         }
         start.elapsed()
     };
-    let node = node("apply", &bus).start_from(StartFrom::Earliest);
+    let node = node("apply", &transport).start_from(StartFrom::Earliest);
 
     let (node, elapsed, publishing) = if backlog {
         let publishing = publish_all().await;
@@ -423,7 +424,7 @@ async fn apply_round(s: Sizes, events: u64, per_event: u64, backlog: bool) -> (D
 
     let st = node.status();
     let c = cache.status();
-    assert_eq!(st.losses, 0, "the bus history must hold every event");
+    assert_eq!(st.losses, 0, "the transport history must hold every event");
     assert_eq!(st.publisher_gaps + st.events_rejected, 0);
     assert_eq!(c.events_applied, events);
     assert_eq!(c.refreshes, entries, "every entry must be applied");
@@ -481,14 +482,14 @@ struct Latency {
 
 /// One event at a time to `nodes` nodes; see the module docs for the method.
 async fn propagation(s: Sizes, nodes: usize) -> (Vec<u64>, u64) {
-    let bus = EmbeddedBus::builder()
+    let transport = EmbeddedTransport::builder()
         .max_records(s.warmup + s.latency_events + 1_024)
         .build();
     let mut caches = Vec::new();
     let mut handles = Vec::new();
     for n in 0..nodes {
         let cache = synced();
-        let node = node(format!("node-{n}"), &bus)
+        let node = node(format!("node-{n}"), &transport)
             .register(&cache)
             .start()
             .await
@@ -496,7 +497,7 @@ async fn propagation(s: Sizes, nodes: usize) -> (Vec<u64>, u64) {
         caches.push(cache);
         handles.push(node);
     }
-    let publisher = Publisher::new(bus);
+    let publisher = Publisher::new(transport);
     let mut samples = Vec::with_capacity(s.latency_events);
     for i in 0..(s.warmup + s.latency_events) as u64 {
         let before = now_us();

@@ -72,7 +72,7 @@ pub enum Error {
     },
 
     /// A setting or a name is out of range or inconsistent. Raised when a
-    /// node starts, a cache is registered, a bus connects or a publisher is
+    /// node starts, a cache is registered, a transport connects or a publisher is
     /// built; a publish raises it only for a cache name it was given.
     #[error("invalid configuration: {0}")]
     Config(String),

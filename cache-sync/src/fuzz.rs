@@ -6,8 +6,8 @@
 //! function takes untrusted bytes, must never panic on them, and asserts
 //! the properties that must hold whatever the bytes are.
 
-use crate::event::{Change, decode_change, decode_header, decode_part, encode};
-use crate::sign::{Keyring, strip_unverified};
+use crate::wire::{Change, decode_change, decode_header, decode_part, encode};
+use crate::wire::{Keyring, strip_unverified};
 
 /// The limit the targets decode under: small, so the fuzzer reaches it.
 pub(crate) const LIMIT: usize = 4096;
@@ -67,20 +67,20 @@ pub fn signed(data: &[u8]) {
 /// `offsets.json` parsing. What parses writes back to a file that parses to
 /// the same positions.
 pub fn offsets(data: &[u8]) {
-    crate::consumer::fuzz_offsets(data);
+    crate::node::fuzz_offsets(data);
 }
 
 /// The consumer's record handling, fed raw records (tags and payloads as a
 /// transport would hand them over). See `consumer::fuzz_records`.
 pub fn records(data: &[u8]) {
-    crate::consumer::fuzz_records(data);
+    crate::node::fuzz_records(data);
 }
 
 #[cfg(test)]
 mod replay {
     use std::path::Path;
 
-    use crate::event::{EntryVersion, Header, KeyVersion};
+    use crate::wire::{EntryVersion, Header, KeyVersion};
 
     use super::*;
 
@@ -139,7 +139,7 @@ mod replay {
         }
         impl<T: serde::Serialize> Part for T {
             fn bytes(&self) -> bytes::Bytes {
-                crate::event::encode_part(self, "seed").expect("seed part encodes")
+                crate::wire::encode_part(self, "seed").expect("seed part encodes")
             }
         }
     }
@@ -183,7 +183,7 @@ mod replay {
             write("signed", n, &ring.sign(e));
         }
         write("signed", 90, b"\x01plain");
-        write("signed", 91, &[crate::sign::FORMAT_SIGNED, 2, b'k', b'9']);
+        write("signed", 91, &[crate::wire::FORMAT_SIGNED, 2, b'k', b'9']);
         let offsets = [
             r#"{"offsetTable": {}}"#,
             r#"{"offsetTable": {"cache-sync": {"embedded-9f3c": 1042}}}"#,

@@ -6,24 +6,24 @@
 //! hold and which version they are at.
 //!
 //! The path of an event, module by module: [`Publisher`] (and
-//! [`DictionaryPublisher`]) encode it → a [`ChangeBus`] carries it
-//! ([`EmbeddedBus`] in-process by default) → the [`Node`]'s consumer decodes
+//! [`DictionaryPublisher`]) encode it → a [`Transport`] carries it
+//! ([`EmbeddedTransport`] in-process by default) → the [`Node`]'s consumer decodes
 //! and applies it → [`SyncedCache`] → [`Node::status_router`].
 //!
 //! ```no_run
-//! use cache_sync::{EmbeddedBus, Node, Publisher, SyncedCache};
+//! use cache_sync::{EmbeddedTransport, Node, Publisher, SyncedCache};
 //!
 //! # async fn run() -> cache_sync::Result<()> {
-//! let bus = EmbeddedBus::new();
+//! let transport = EmbeddedTransport::new();
 //!
 //! // On every application node:
 //! let countries = SyncedCache::new("countries", moka::future::Cache::<String, String>::new(10_000));
-//! let node = Node::builder("node-1", bus.clone()).register(&countries).start().await?;
+//! let node = Node::builder("node-1", transport.clone()).register(&countries).start().await?;
 //! let name = countries.get_with("de".to_string(), || async { "Germany".to_string() }).await;
 //! let status = node.serve_status("127.0.0.1:9464").await?; // GET /cache-sync/status
 //!
 //! // In the admin service:
-//! let table = Publisher::new(bus).dictionary::<String, String>("countries");
+//! let table = Publisher::new(transport).dictionary::<String, String>("countries");
 //! table.upsert(&"de".to_string(), &"Deutschland".to_string()).await?;
 //! # Ok(()) }
 //! ```
@@ -59,7 +59,7 @@
 //!
 //! ## Ordering
 //! Events from one publisher to one cache carry consecutive sequence numbers
-//! and are applied in transport order (the embedded bus and a single stream
+//! and are applied in transport order (the embedded transport and a single stream
 //! are totally ordered). Events from different publishers are ordered by
 //! their versions alone; give concurrent writers of one table the
 //! database's versions.
@@ -81,7 +81,7 @@
 //! - The transport signals a loss ([`Delivery::Lost`]): history trimmed past
 //!   the node, a stored position from a history that no longer exists, a
 //!   reconnect on a lossy transport, a full local buffer. Every position
-//!   names the history it belongs to (the embedded bus's instance, a Redis
+//!   names the history it belongs to (the embedded transport's instance, a Redis
 //!   stream's epoch, a NATS stream's creation time, the RocketMQ message
 //!   before each queue offset), so a broker that lost its data and grew a
 //!   new history past a paused node's offset is caught, not resumed into.
@@ -142,7 +142,7 @@
 //! Topic and cache names are 1 to 255 bytes of UTF-8 without control
 //! characters; each transport maps them one-to-one onto its own resources
 //! (see `docs/transports.md`), and refuses, when a node starts or a
-//! publisher is built, a name it cannot map ([`ChangeBus::check_topic`]).
+//! publisher is built, a name it cannot map ([`Transport::check_topic`]).
 //! Numbers from the wire and from configuration never wrap or panic:
 //! `Duration::MAX` means "as long as the process runs" where a duration is
 //! a window, and transport timeouts are clamped to an hour. An automatic row
@@ -160,14 +160,14 @@
 //! event twice has the same effect as once.
 //!
 //! # Features
-//! The embedded bus needs no feature and no server. Broker transports come
+//! The embedded transport needs no feature and no server. Broker transports come
 //! behind cargo features:
 //!
 //! | feature | transports |
 //! |---|---|
-//! | `redis` | `RedisStreamsBus` (durable, replayable; recommended) and `RedisPubSubBus` (lowest latency, lossy) |
-//! | `nats` | `NatsJetStreamBus` (durable, replayable) |
-//! | `rocketmq` | `RocketMqBus` (durable, replayable; broker-side tag filtering, per-cache order) |
+//! | `redis` | `RedisStreamsTransport` (durable, replayable; recommended) and `RedisPubSubTransport` (lowest latency, lossy) |
+//! | `nats` | `NatsJetStreamTransport` (durable, replayable) |
+//! | `rocketmq` | `RocketMqTransport` (durable, replayable; broker-side tag filtering, per-cache order) |
 #![cfg_attr(docsrs, feature(doc_cfg))]
 // The RocketMQ client's futures nest deeper than the default limit allows
 // when the compiler proves them `Send`.
@@ -179,61 +179,43 @@
 // wrapping). Tests may use plain arithmetic.
 #![cfg_attr(not(test), warn(clippy::arithmetic_side_effects))]
 
-mod bus;
 mod cache;
-mod consumer;
 mod error;
-mod event;
 #[cfg(any(test, feature = "_fuzz"))]
 #[doc(hidden)]
 pub mod fuzz;
-mod names;
+mod node;
 mod publish;
-mod sign;
 mod status;
+pub mod transport;
 mod util;
-
-/// Locks a std mutex, taking it over if a panic poisoned it. No state behind
-/// these locks is left half-written across a panic point (a caller's `Hash`
-/// or `Eq` is the only code that could panic under one), so serving on beats
-/// taking the node down.
-pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+mod wire;
 
 #[doc(inline)]
-pub use bus::embedded::{EmbeddedBus, EmbeddedBusBuilder};
-#[cfg(feature = "nats")]
-#[doc(inline)]
-pub use bus::nats::{NatsJetStreamBuilder, NatsJetStreamBus};
-#[cfg(feature = "redis")]
-#[doc(inline)]
-pub use bus::redis::{RedisPubSubBuilder, RedisPubSubBus, RedisStreamsBuilder, RedisStreamsBus};
-#[cfg(feature = "rocketmq")]
-#[doc(inline)]
-pub use bus::rocketmq::{RocketMqBuilder, RocketMqBus};
-#[doc(inline)]
-pub use bus::{
-    ChangeBus, Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
-    Subscription,
-};
-#[doc(inline)]
-pub use cache::{DEFAULT_MAX_TRACKED_KEYS, SyncedCache, SyncedCacheBuilder};
-#[doc(inline)]
-pub use consumer::{
-    DEFAULT_REORDER_WINDOW, DEFAULT_TOPIC, FileOffsetStore, MemoryOffsetStore, Node, NodeBuilder,
-    OffsetStore,
-};
+pub use cache::{SyncedCache, SyncedCacheBuilder};
 #[doc(inline)]
 pub use error::{DecodeError, DecodeErrorKind, Error, Result};
 #[doc(inline)]
-pub use event::{DEFAULT_MAX_EVENT_BYTES, MAX_EVENT_BYTES_CEILING};
+pub use node::{FileOffsetStore, MemoryOffsetStore, Node, NodeBuilder, OffsetStore, StatusServer};
 #[doc(inline)]
 pub use publish::{DictionaryPublisher, Published, Publisher, PublisherBuilder};
 #[doc(inline)]
-pub use sign::Keyring;
+pub use status::{CacheStatus, NodeStatus};
 #[doc(inline)]
-pub use status::{CacheStatus, DEFAULT_STATUS_ADDR, NodeStatus, StatusServer};
+pub use transport::embedded::{EmbeddedBuilder, EmbeddedTransport};
+#[cfg(feature = "nats")]
+#[doc(inline)]
+pub use transport::nats::{NatsJetStreamBuilder, NatsJetStreamTransport};
+#[cfg(feature = "redis")]
+#[doc(inline)]
+pub use transport::redis::{
+    RedisPubSubBuilder, RedisPubSubTransport, RedisStreamsBuilder, RedisStreamsTransport,
+};
+#[cfg(feature = "rocketmq")]
+#[doc(inline)]
+pub use transport::rocketmq::{RocketMqBuilder, RocketMqTransport};
+#[doc(inline)]
+pub use wire::Keyring;
 
 /// The README's examples are compiled and run as doctests.
 #[cfg(doctest)]

@@ -1,6 +1,21 @@
 //! Small helpers shared by every layer.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Locks a std mutex, taking it over if a panic poisoned it. No state behind
+/// these locks is left half-written across a panic point (a caller's `Hash`
+/// or `Eq` is the only code that could panic under one), so serving on beats
+/// taking the node down.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Microseconds since the Unix epoch; 0 if the clock is before it.
+pub(crate) fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
 
 /// How far [`deadline_after`] reaches when a duration does not fit the
 /// clock: about 30 years, as tokio's own "far future".

@@ -4,7 +4,10 @@
 
 use std::sync::Arc;
 
-use cache_sync::{ChangeBus, NatsJetStreamBus, RedisPubSubBus, RedisStreamsBus, RocketMqBus};
+use cache_sync::transport::Transport;
+use cache_sync::{
+    NatsJetStreamTransport, RedisPubSubTransport, RedisStreamsTransport, RocketMqTransport,
+};
 
 /// The transport part of both examples' `--help`.
 pub(crate) const USAGE: &str = "\
@@ -21,7 +24,7 @@ transport (exactly one; give the admin and every node the same):
 ";
 
 #[derive(Debug)]
-pub(crate) enum Transport {
+pub(crate) enum Choice {
     Redis { url: String, pubsub: bool },
     Nats { url: String },
     RocketMq { namesrv: String },
@@ -30,7 +33,7 @@ pub(crate) enum Transport {
 /// Collects the transport flags while the caller parses its own.
 #[derive(Debug, Default)]
 pub(crate) struct TransportFlags {
-    chosen: Option<(String, Transport)>,
+    chosen: Option<(String, Choice)>,
     // `--pubsub` may come before `--redis`, so it is checked at the end.
     pubsub: bool,
 }
@@ -45,11 +48,11 @@ impl TransportFlags {
         value: impl FnOnce() -> Result<String, String>,
     ) -> Result<bool, String> {
         let transport = match flag {
-            "--redis" => Transport::Redis {
+            "--redis" => Choice::Redis {
                 url: url(flag, value()?, "redis://127.0.0.1:6379/")?,
                 pubsub: false,
             },
-            "--nats" => Transport::Nats {
+            "--nats" => Choice::Nats {
                 url: url(flag, value()?, "nats://127.0.0.1:4222")?,
             },
             "--rocketmq" => {
@@ -60,7 +63,7 @@ impl TransportFlags {
                         "--rocketmq {namesrv:?} is not an address such as 127.0.0.1:9876"
                     ));
                 }
-                Transport::RocketMq { namesrv }
+                Choice::RocketMq { namesrv }
             }
             "--pubsub" if !has_inline_value => {
                 self.pubsub = true;
@@ -77,12 +80,12 @@ impl TransportFlags {
         Ok(true)
     }
 
-    pub(crate) fn finish(self) -> Result<Transport, String> {
+    pub(crate) fn finish(self) -> Result<Choice, String> {
         match self.chosen {
             None => {
                 Err("a transport is required: --redis URL, --nats URL or --rocketmq ADDR".into())
             }
-            Some((_, Transport::Redis { url, .. })) => Ok(Transport::Redis {
+            Some((_, Choice::Redis { url, .. })) => Ok(Choice::Redis {
                 url,
                 pubsub: self.pubsub,
             }),
@@ -102,17 +105,19 @@ fn url(flag: &str, url: String, example: &str) -> Result<String, String> {
     }
 }
 
-impl Transport {
-    pub(crate) async fn connect(&self) -> cache_sync::Result<Arc<dyn ChangeBus>> {
+impl Choice {
+    pub(crate) async fn connect(&self) -> cache_sync::Result<Arc<dyn Transport>> {
         Ok(match self {
             Self::Redis { url, pubsub: false } => {
-                Arc::new(RedisStreamsBus::connect(url.as_str()).await?)
+                Arc::new(RedisStreamsTransport::connect(url.as_str()).await?)
             }
             Self::Redis { url, pubsub: true } => {
-                Arc::new(RedisPubSubBus::connect(url.as_str()).await?)
+                Arc::new(RedisPubSubTransport::connect(url.as_str()).await?)
             }
-            Self::Nats { url } => Arc::new(NatsJetStreamBus::connect(url.as_str()).await?),
-            Self::RocketMq { namesrv } => Arc::new(RocketMqBus::connect(namesrv.as_str()).await?),
+            Self::Nats { url } => Arc::new(NatsJetStreamTransport::connect(url.as_str()).await?),
+            Self::RocketMq { namesrv } => {
+                Arc::new(RocketMqTransport::connect(namesrv.as_str()).await?)
+            }
         })
     }
 }

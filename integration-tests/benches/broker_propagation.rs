@@ -1,6 +1,6 @@
 //! NATS JetStream and RocketMQ propagation (issue 4): how long a change takes
-//! from `Publisher` to being applied on N nodes over `NatsJetStreamBus` and
-//! `RocketMqBus`, next to each broker's raw floor measured the same way in the
+//! from `Publisher` to being applied on N nodes over `NatsJetStreamTransport` and
+//! `RocketMqTransport`, next to each broker's raw floor measured the same way in the
 //! same run with the broker's own client.
 //!
 //! ```text
@@ -33,7 +33,7 @@
 //! - RocketMQ: a producer `send` → one BROADCASTING push consumer per node
 //!   with the orderly listener, in a group and client instance of its own,
 //!   filtering on the same tag, each node on a client runtime of its own, as
-//!   the transport runs each bus. Both topics have one queue, as in the
+//!   the transport runs each transport. Both topics have one queue, as in the
 //!   conformance suite, so each consumer long-polls exactly one queue.
 
 // A benchmark's output is its table: printing to stdout is the point.
@@ -54,7 +54,8 @@ use async_nats::RequestErrorKind;
 use async_nats::jetstream::{self, consumer, stream};
 use async_trait::async_trait;
 use bytes::Bytes;
-use cache_sync::{ChangeBus, NatsJetStreamBus, RocketMqBus};
+use cache_sync::transport::Transport;
+use cache_sync::{NatsJetStreamTransport, RocketMqTransport};
 use common::{
     CACHE, RawFloor, STALL, Sizes, Slot, System, cache_sync_system, latency_header, latency_intro,
     latency_row, new_slots, now_us, run_footer, run_header, stamp_of,
@@ -165,14 +166,14 @@ async fn nats_pass(s: Sizes) {
     latency_header(&["core NATS publish → subscribe p50 / p99"]);
     let url = url.as_str();
     for &n in s.nodes {
-        let bus = move || async move {
-            let bus = NatsJetStreamBus::connect(url)
+        let transport = move || async move {
+            let transport = NatsJetStreamTransport::connect(url)
                 .await
-                .expect("connect nats bus");
-            Arc::new(bus) as Arc<dyn ChangeBus>
+                .expect("connect nats transport");
+            Arc::new(transport) as Arc<dyn Transport>
         };
         let systems = vec![
-            cache_sync_system(format!("lat-{n}-{}", now_us()), n, bus).await,
+            cache_sync_system(format!("lat-{n}-{}", now_us()), n, transport).await,
             NatsRaw::start(url, NatsKind::JetStream, n).await,
             NatsRaw::start(url, NatsKind::Core, n).await,
         ];
@@ -312,20 +313,20 @@ async fn rocketmq_pass(s: Sizes) {
     );
     latency_header(&[]);
     for &n in s.nodes {
-        // Every bus the nodes and the publisher use, to shut down after the row.
-        let buses = Mutex::new(Vec::new());
-        let made = &buses;
-        let bus = move || async move {
-            let bus = RocketMqBus::builder(namesrv)
+        // Every transport the nodes and the publisher use, to shut down after the row.
+        let transports = Mutex::new(Vec::new());
+        let made = &transports;
+        let transport = move || async move {
+            let transport = RocketMqTransport::builder(namesrv)
                 .queues_per_topic(1)
                 .connect()
                 .await
-                .expect("connect rocketmq bus");
-            made.lock().expect("buses").push(bus.clone());
-            Arc::new(bus) as Arc<dyn ChangeBus>
+                .expect("connect rocketmq transport");
+            made.lock().expect("transports").push(transport.clone());
+            Arc::new(transport) as Arc<dyn Transport>
         };
         let systems = vec![
-            cache_sync_system(format!("lat-{n}-{}", now_us()), n, bus).await,
+            cache_sync_system(format!("lat-{n}-{}", now_us()), n, transport).await,
             RmqRaw::start(&server, n).await,
         ];
         latency_row(
@@ -336,13 +337,13 @@ async fn rocketmq_pass(s: Sizes) {
             systems,
         )
         .await;
-        for bus in buses.into_inner().expect("buses") {
-            bus.shutdown().await;
+        for transport in transports.into_inner().expect("transports") {
+            transport.shutdown().await;
         }
     }
 }
 
-/// A client runtime of its own, as each `RocketMqBus` has.
+/// A client runtime of its own, as each `RocketMqTransport` has.
 struct RmqRuntime {
     owner: RuntimeOwner,
     rt: Arc<ClientRuntime>,

@@ -1,5 +1,5 @@
 //! Redis propagation (issue 3): how long a change takes from `Publisher` to
-//! being applied on N nodes over `RedisStreamsBus` and `RedisPubSubBus`, next
+//! being applied on N nodes over `RedisStreamsTransport` and `RedisPubSubTransport`, next
 //! to the raw Redis floor measured the same way in the same run; and how many
 //! events per second one node applies through Streams, next to
 //! `redis-benchmark` XADD against the same server.
@@ -17,7 +17,7 @@
 //! system one on 6379), through `integration_tests::redis_server`.
 //!
 //! Method, briefly (docs/benchmarks.md has the discussion):
-//! - Every node has its own bus client (its own connections), as separate
+//! - Every node has its own transport client (its own connections), as separate
 //!   processes would; all of them, the publisher and the observer share one
 //!   tokio runtime with one worker per core.
 //! - Latency: events go out one at a time. The next one is published only
@@ -48,7 +48,7 @@
 //! - The whole suite runs twice: on the test harness's server
 //!   (`RedisServer::start()`: AOF with `appendfsync always`, so every `XADD`
 //!   waits for an fsync) and on one with persistence off, the usual setup for
-//!   a cache-invalidation bus. Pub/Sub writes nothing to the AOF.
+//!   a cache-invalidation transport. Pub/Sub writes nothing to the AOF.
 
 // A benchmark's output is its table: printing to stdout is the point.
 #![allow(clippy::print_stdout)]
@@ -60,7 +60,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use cache_sync::{ChangeBus, Publisher, RedisPubSubBus, RedisStreamsBus};
+use cache_sync::transport::Transport;
+use cache_sync::{Publisher, RedisPubSubTransport, RedisStreamsTransport};
 use common::{
     CACHE, Latency, RawFloor, STALL, System, cache_sync_system, latency_header, latency_intro,
     latency_row, measure, new_slots, now_us, p, ratio, run_footer, run_header, stamp_of,
@@ -119,12 +120,12 @@ const SMOKE: Sizes = Sizes {
     both_servers: false,
 };
 
-/// The script `RedisStreamsBus` publishes with, from the same file cache-sync
+/// The script `RedisStreamsTransport` publishes with, from the same file cache-sync
 /// includes, to run `redis-benchmark` on it. The bench still checks with
 /// `SCRIPT EXISTS` that cache-sync loaded this very text (same SHA-1).
 const PUBLISH_SCRIPT: &str = concat!(
-    include_str!("../../cache-sync/src/bus/redis_epoch.lua"),
-    include_str!("../../cache-sync/src/bus/redis_publish.lua")
+    include_str!("../../cache-sync/src/transport/redis_epoch.lua"),
+    include_str!("../../cache-sync/src/transport/redis_publish.lua")
 );
 
 /// Throughput publishers stop early after this, so a slow disk (the
@@ -134,40 +135,40 @@ const THROUGHPUT_CAP: Duration = Duration::from_secs(5);
 // ------------------------------------------------------------ cache-sync
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Transport {
+enum Kind {
     Streams,
     PubSub,
 }
 
-impl Transport {
+impl Kind {
     fn label(self) -> &'static str {
         match self {
-            Transport::Streams => "Streams",
-            Transport::PubSub => "Pub/Sub",
+            Kind::Streams => "Streams",
+            Kind::PubSub => "Pub/Sub",
         }
     }
 
-    async fn bus(self, url: &str) -> Arc<dyn ChangeBus> {
+    async fn transport(self, url: &str) -> Arc<dyn Transport> {
         match self {
-            Transport::Streams => Arc::new(
-                RedisStreamsBus::connect(url)
+            Kind::Streams => Arc::new(
+                RedisStreamsTransport::connect(url)
                     .await
-                    .expect("connect streams bus"),
+                    .expect("connect streams transport"),
             ),
-            Transport::PubSub => Arc::new(
-                RedisPubSubBus::connect(url)
+            Kind::PubSub => Arc::new(
+                RedisPubSubTransport::connect(url)
                     .await
-                    .expect("connect pubsub bus"),
+                    .expect("connect pubsub transport"),
             ),
         }
     }
 }
 
-/// N nodes on a fresh topic, each with its own bus client, and a publisher
+/// N nodes on a fresh topic, each with its own transport client, and a publisher
 /// with its own.
-async fn redis_system(url: &str, transport: Transport, n: usize) -> System {
+async fn redis_system(url: &str, transport: Kind, n: usize) -> System {
     let topic = format!("lat-{}-{n}-{}", transport.label(), now_us());
-    cache_sync_system(topic, n, || transport.bus(url)).await
+    cache_sync_system(topic, n, || transport.transport(url)).await
 }
 
 // ------------------------------------------------------------ raw Redis
@@ -357,8 +358,8 @@ async fn publish_only(s: Sizes, url: &str) -> Vec<(&'static str, Latency, Latenc
     };
     let mut out = Vec::new();
     for (transport, kind) in [
-        (Transport::Streams, RawKind::Streams),
-        (Transport::PubSub, RawKind::PubSub),
+        (Kind::Streams, RawKind::Streams),
+        (Kind::PubSub, RawKind::PubSub),
     ] {
         let systems = vec![
             redis_system(url, transport, 0).await,
@@ -431,17 +432,17 @@ impl Throughput {
     }
 }
 
-/// One Streams node; `publishers` tasks, each with its own bus connection and
+/// One Streams node; `publishers` tasks, each with its own transport connection and
 /// `Publisher`, send `events` single-entry refreshes in total as fast as they
 /// can (each awaits its previous publish), or as many as they manage in
 /// `THROUGHPUT_CAP`. Timed until the node has applied them all.
 async fn streams_throughput(url: &str, events: u64, publishers: usize) -> Throughput {
     let topic = format!("tput-{publishers}-{}", now_us());
-    let nodes = start_nodes(&topic, 1, || Transport::Streams.bus(url)).await;
+    let nodes = start_nodes(&topic, 1, || Kind::Streams.transport(url)).await;
     let cache = nodes[0].cache.clone();
     let mut pubs = Vec::with_capacity(publishers);
     for k in 0..publishers {
-        let p = Publisher::builder(Transport::Streams.bus(url).await)
+        let p = Publisher::builder(Kind::Streams.transport(url).await)
             .topic(topic.clone())
             .origin(format!("publisher-{k}"))
             .build()
@@ -563,12 +564,7 @@ struct ThroughputPass {
     rb_many: Option<f64>,
 }
 
-async fn run_pass(
-    s: Sizes,
-    server: &'static str,
-    redis: RedisServer,
-    only: Option<Transport>,
-) -> Pass {
+async fn run_pass(s: Sizes, server: &'static str, redis: RedisServer, only: Option<Kind>) -> Pass {
     let url = redis.url();
     let max_nodes = s.latency.nodes.iter().copied().max().unwrap_or(1);
     println!("\n#### Server: {server}\n");
@@ -579,12 +575,12 @@ async fn run_pass(
     for &n in s.latency.nodes {
         for (transport, label, raw_kinds) in [
             (
-                Transport::Streams,
+                Kind::Streams,
                 "Streams (raw: XADD → XREAD BLOCK)",
                 &[RawKind::Streams, RawKind::StreamsHop][..],
             ),
             (
-                Transport::PubSub,
+                Kind::PubSub,
                 "Pub/Sub (raw: PUBLISH → message)",
                 &[RawKind::PubSub][..],
             ),
@@ -787,7 +783,7 @@ fn verdicts(s: Sizes, full: bool, passes: &[Pass]) {
     }
 }
 
-async fn run(s: Sizes, full: bool, workers: usize, only: Option<Transport>) {
+async fn run(s: Sizes, full: bool, workers: usize, only: Option<Kind>) {
     let started = Instant::now();
     run_header(full, workers);
     let mut passes = Vec::new();
@@ -822,8 +818,8 @@ fn main() {
     let mut only = None;
     for arg in std::env::args().skip(1).filter(|a| !a.starts_with('-')) {
         only = Some(match arg.as_str() {
-            "streams" => Transport::Streams,
-            "pubsub" => Transport::PubSub,
+            "streams" => Kind::Streams,
+            "pubsub" => Kind::PubSub,
             other => panic!("unknown section {other:?}: expected streams or pubsub"),
         });
     }

@@ -9,10 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use cache_sync::{
-    ChangeBus, Delivery, DictionaryPublisher, FileOffsetStore, NodeBuilder, Position, Publisher,
-    SubscribeOptions, Subscription,
-};
+use cache_sync::transport::{Delivery, Position, SubscribeOptions, Subscription, Transport};
+use cache_sync::{DictionaryPublisher, FileOffsetStore, NodeBuilder, Publisher};
 
 use crate::{Db, Row, TABLE, TestNode, assert_no_stale_entries};
 
@@ -53,7 +51,7 @@ pub trait Fixture: Send + Sync {
     /// For messages: `"redis-streams"`, ….
     fn name(&self) -> &'static str;
     /// A new client, as another process would make.
-    async fn bus(&self) -> Arc<dyn ChangeBus>;
+    async fn transport(&self) -> Arc<dyn Transport>;
     /// Node settings the transport needs in tests (short timeouts).
     fn configure(&self, b: NodeBuilder) -> NodeBuilder {
         b.reconnect_backoff(Duration::from_millis(10), Duration::from_millis(250))
@@ -73,8 +71,8 @@ pub trait Fixture: Send + Sync {
 
 /// Publishes enough events that a new history grows well past any position
 /// a node held in the old one (the suite's workloads publish hundreds).
-pub async fn regrow(bus: Arc<dyn ChangeBus>) {
-    let p = Publisher::builder(bus)
+pub async fn regrow(transport: Arc<dyn Transport>) {
+    let p = Publisher::builder(transport)
         .origin("regrow")
         .build()
         .expect("publisher");
@@ -85,15 +83,15 @@ pub async fn regrow(bus: Arc<dyn ChangeBus>) {
 
 /// Wraps a transport so a test can stop one node from reading while it
 /// keeps running with its caches intact: a live node that falls behind.
-struct GatedBus {
-    inner: Arc<dyn ChangeBus>,
+struct GatedTransport {
+    inner: Arc<dyn Transport>,
     open: tokio::sync::watch::Receiver<bool>,
     parked: Arc<std::sync::atomic::AtomicBool>,
 }
 
-impl std::fmt::Debug for GatedBus {
+impl std::fmt::Debug for GatedTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GatedBus")
+        f.debug_struct("GatedTransport")
             .field("kind", &self.inner.kind())
             .finish_non_exhaustive()
     }
@@ -110,7 +108,7 @@ struct GatedSubscription {
 }
 
 #[async_trait]
-impl ChangeBus for GatedBus {
+impl Transport for GatedTransport {
     fn kind(&self) -> &'static str {
         self.inner.kind()
     }
@@ -250,13 +248,13 @@ impl Cluster {
         }
         let mut admins = Vec::new();
         for i in 0..2 {
-            let p = Publisher::builder(fixture.bus().await)
+            let p = Publisher::builder(fixture.transport().await)
                 .origin(format!("admin-{i}"))
                 .build()
                 .expect("publisher");
             admins.push(p.dictionary(TABLE));
         }
-        let fencer = Publisher::builder(fixture.bus().await)
+        let fencer = Publisher::builder(fixture.transport().await)
             .origin("fencer")
             .build()
             .expect("publisher");
@@ -410,16 +408,16 @@ async fn start_node(
     gate: &tokio::sync::watch::Sender<bool>,
     parked: &Arc<std::sync::atomic::AtomicBool>,
 ) -> TestNode {
-    let mut bus = fixture.bus().await;
+    let mut transport = fixture.transport().await;
     if i == 0 {
-        bus = Arc::new(GatedBus {
-            inner: bus,
+        transport = Arc::new(GatedTransport {
+            inner: transport,
             open: gate.subscribe(),
             parked: parked.clone(),
         });
     }
     let store = FileOffsetStore::new(dir);
-    TestNode::start(&format!("node-{i}"), bus, |b| {
+    TestNode::start(&format!("node-{i}"), transport, |b| {
         fixture.configure(b).offset_store(store)
     })
     .await
@@ -487,13 +485,15 @@ pub async fn normal_path(fixture: &mut dyn Fixture) {
 /// Events of one publisher arrive in publish order on every node, and each
 /// node only applies events for caches it registered.
 async fn order_and_filtering(fixture: &dyn Fixture) {
-    let bus = fixture.bus().await;
-    let only_table = TestNode::start("only-table", fixture.bus().await, |b| fixture.configure(b))
-        .await
-        .expect("node");
+    let transport = fixture.transport().await;
+    let only_table = TestNode::start("only-table", fixture.transport().await, |b| {
+        fixture.configure(b)
+    })
+    .await
+    .expect("node");
     // Unversioned refreshes of one key: the last one published must win, which
     // only holds if delivery keeps publish order.
-    let p = Publisher::new(bus);
+    let p = Publisher::new(transport);
     for i in 0..200u32 {
         retry(|| p.refresh(TABLE, [("ordered", Some(format!("{i}")))])).await;
     }
@@ -685,11 +685,11 @@ pub async fn health_follows_the_broker(fixture: &mut dyn Fixture) {
     cluster.shutdown().await;
 }
 
-/// A bus whose publishes fail on request: either before the event reaches
+/// A transport whose publishes fail on request: either before the event reaches
 /// the broker (a connection cut on the way), or after (an acknowledgement
 /// lost on the way back).
-struct CutBus {
-    inner: Arc<dyn ChangeBus>,
+struct CutTransport {
+    inner: Arc<dyn Transport>,
     cut: std::sync::Mutex<Option<Cut>>,
 }
 
@@ -699,14 +699,14 @@ enum Cut {
     AfterTheBroker,
 }
 
-impl std::fmt::Debug for CutBus {
+impl std::fmt::Debug for CutTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CutBus").finish_non_exhaustive()
+        f.debug_struct("CutTransport").finish_non_exhaustive()
     }
 }
 
 #[async_trait]
-impl ChangeBus for CutBus {
+impl Transport for CutTransport {
     fn kind(&self) -> &'static str {
         self.inner.kind()
     }
@@ -749,7 +749,7 @@ fn cut_error() -> cache_sync::Error {
 /// reported as a lost connection: a caller that retries on
 /// `is_disconnected()` would retry it for ever.
 pub async fn a_refusal_is_no_disconnect(fixture: &mut dyn Fixture) {
-    let publisher = Publisher::builder(fixture.bus().await)
+    let publisher = Publisher::builder(fixture.transport().await)
         .max_event_bytes(16 << 20)
         .build()
         .expect("publisher");
@@ -765,7 +765,7 @@ pub async fn a_refusal_is_no_disconnect(fixture: &mut dyn Fixture) {
             );
         }
     }
-    // And the bus still works.
+    // And the transport still works.
     retry(|| publisher.refresh("small", [("k", "v")])).await;
 }
 
@@ -774,11 +774,11 @@ pub async fn a_refusal_is_no_disconnect(fixture: &mut dyn Fixture) {
 /// cut after the broker got it leaves no gap, and nothing is resynced.
 pub async fn publish_cut_mid_flight(fixture: &mut dyn Fixture) {
     let mut cluster = Cluster::start(fixture, 2).await;
-    let bus = Arc::new(CutBus {
-        inner: fixture.bus().await,
+    let transport = Arc::new(CutTransport {
+        inner: fixture.transport().await,
         cut: std::sync::Mutex::new(None),
     });
-    let admin = Publisher::builder(bus.clone())
+    let admin = Publisher::builder(transport.clone())
         .origin("cut-admin")
         .build()
         .expect("publisher");
@@ -797,7 +797,7 @@ pub async fn publish_cut_mid_flight(fixture: &mut dyn Fixture) {
     let before = resyncs(&cluster);
     let transport_before = cluster.transport_losses();
 
-    *bus.cut.lock().expect("cut") = Some(Cut::AfterTheBroker);
+    *transport.cut.lock().expect("cut") = Some(Cut::AfterTheBroker);
     assert!(
         admin
             .refresh(TABLE, [("cut1", Some("v1".to_owned()))])
@@ -813,7 +813,7 @@ pub async fn publish_cut_mid_flight(fixture: &mut dyn Fixture) {
         fixture.name()
     );
 
-    *bus.cut.lock().expect("cut") = Some(Cut::BeforeTheBroker);
+    *transport.cut.lock().expect("cut") = Some(Cut::BeforeTheBroker);
     assert!(
         admin
             .refresh(TABLE, [("cut3", Some("v3".to_owned()))])
@@ -871,7 +871,7 @@ pub async fn names_map_one_to_one(fixture: &mut dyn Fixture) {
             let node = fixture
                 .configure(cache_sync::Node::builder(
                     format!("node-{topic}"),
-                    fixture.bus().await,
+                    fixture.transport().await,
                 ))
                 .topic(topic)
                 // No look-back: "x" comes up twice, and only this pair's
@@ -884,7 +884,7 @@ pub async fn names_map_one_to_one(fixture: &mut dyn Fixture) {
             nodes.push((topic, node, cache));
         }
         for (topic, _, _) in &nodes {
-            let p = Publisher::builder(fixture.bus().await)
+            let p = Publisher::builder(fixture.transport().await)
                 .topic(*topic)
                 .build()
                 .unwrap_or_else(|e| panic!("{}: topic {topic:?}: {e}", fixture.name()));
@@ -923,7 +923,10 @@ pub async fn names_map_one_to_one(fixture: &mut dyn Fixture) {
         .iter()
         .map(|n| cache_sync::SyncedCache::new(*n, moka::future::Cache::<String, String>::new(10)))
         .collect();
-    let mut builder = fixture.configure(cache_sync::Node::builder("names", fixture.bus().await));
+    let mut builder = fixture.configure(cache_sync::Node::builder(
+        "names",
+        fixture.transport().await,
+    ));
     for c in &caches {
         builder = builder.register(c);
     }
@@ -931,7 +934,7 @@ pub async fn names_map_one_to_one(fixture: &mut dyn Fixture) {
         .start()
         .await
         .unwrap_or_else(|e| panic!("{}: {e}", fixture.name()));
-    let p = Publisher::new(fixture.bus().await);
+    let p = Publisher::new(fixture.transport().await);
     for n in names {
         retry(|| p.refresh(n, [("k", n.to_string())])).await;
     }
@@ -947,13 +950,13 @@ pub async fn names_map_one_to_one(fixture: &mut dyn Fixture) {
     // And names no transport can carry fail at build time, naming the rule.
     for bad in ["", "nul\0byte", "new\nline"] {
         let err = fixture
-            .configure(cache_sync::Node::builder("bad", fixture.bus().await))
+            .configure(cache_sync::Node::builder("bad", fixture.transport().await))
             .topic(bad)
             .start()
             .await
             .expect_err("a bad topic starts no node");
         assert!(err.is_config(), "{}: {bad:?}: {err}", fixture.name());
-        let err = Publisher::builder(fixture.bus().await)
+        let err = Publisher::builder(fixture.transport().await)
             .topic(bad)
             .build()
             .expect_err("a bad topic builds no publisher");
@@ -962,7 +965,7 @@ pub async fn names_map_one_to_one(fixture: &mut dyn Fixture) {
     let long = "t".repeat(300);
     assert!(
         fixture
-            .configure(cache_sync::Node::builder("long", fixture.bus().await))
+            .configure(cache_sync::Node::builder("long", fixture.transport().await))
             .topic(long.as_str())
             .start()
             .await

@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use cache_sync::{ChangeBus, Node, NodeBuilder, Publisher, SyncedCache};
+use cache_sync::transport::Transport;
+use cache_sync::{Node, NodeBuilder, Publisher, SyncedCache};
 
 pub mod conformance;
 pub mod nats_server;
@@ -69,15 +70,15 @@ pub const TABLE: &str = "table";
 const FENCE: &str = "fence";
 
 impl TestNode {
-    /// Starts a node on `bus` with a table cache and a fence cache.
+    /// Starts a node on `transport` with a table cache and a fence cache.
     pub async fn start(
         id: &str,
-        bus: impl ChangeBus,
+        transport: impl Transport,
         configure: impl FnOnce(NodeBuilder) -> NodeBuilder,
     ) -> cache_sync::Result<Self> {
         let table = SyncedCache::new(TABLE, moka::future::Cache::new(10_000));
         let fence = SyncedCache::new(FENCE, moka::future::Cache::new(10));
-        let builder = configure(Node::builder(id, bus))
+        let builder = configure(Node::builder(id, transport))
             .register(&table)
             .register(&fence);
         Ok(Self {

@@ -8,9 +8,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use cache_sync::transport::Transport;
 use cache_sync::{
-    ChangeBus, EmbeddedBus, NatsJetStreamBus, Node, Publisher, RedisPubSubBus, RedisStreamsBus,
-    RocketMqBus, SyncedCache,
+    EmbeddedTransport, NatsJetStreamTransport, Node, Publisher, RedisPubSubTransport,
+    RedisStreamsTransport, RocketMqTransport, SyncedCache,
 };
 use integration_tests::nats_server::NatsServer;
 use integration_tests::redis_server::RedisServer;
@@ -194,14 +195,14 @@ enum Outcome {
     Worked,
 }
 
-/// Runs one combination on a bus made by `connect`; `Err` describes how it
+/// Runs one combination on a transport made by `connect`; `Err` describes how it
 /// failed the contract.
 async fn one(
     settings: Settings,
-    connect: impl AsyncFnOnce(&Settings) -> cache_sync::Result<Arc<dyn ChangeBus>>,
+    connect: impl AsyncFnOnce(&Settings) -> cache_sync::Result<Arc<dyn Transport>>,
 ) -> Result<Outcome, String> {
-    let bus = match connect(&settings).await {
-        Ok(bus) => bus,
+    let transport = match connect(&settings).await {
+        Ok(transport) => transport,
         Err(e) if !e.to_string().is_empty() => return Ok(Outcome::Refused),
         Err(e) => return Err(format!("an error that says nothing: {e:?}")),
     };
@@ -210,7 +211,7 @@ async fn one(
             .max_tracked_keys(settings.max_tracked_keys)
             .max_load_retries(settings.max_load_retries)
             .build();
-    let started = Node::builder("config-space", bus.clone())
+    let started = Node::builder("config-space", transport.clone())
         .topic(settings.topic.clone())
         .max_batch(settings.max_batch)
         .max_event_bytes(settings.max_event_bytes)
@@ -235,7 +236,7 @@ async fn one(
     if name_is_bad(&settings.topic) || name_is_bad(&settings.cache) {
         return Err("a node started with a name no transport accepts".into());
     }
-    let publisher = Publisher::builder(bus)
+    let publisher = Publisher::builder(transport)
         .topic(settings.topic.clone())
         .max_event_bytes(settings.publisher_max_event_bytes)
         .build()
@@ -327,11 +328,11 @@ where
 fn embedded() {
     explore(256, |s| {
         Box::pin(one(s, async |s: &Settings| {
-            let bus = EmbeddedBus::builder()
+            let transport = EmbeddedTransport::builder()
                 .max_records(s.capacity)
                 .max_bytes(s.capacity)
                 .build();
-            Ok(Arc::new(bus) as Arc<dyn ChangeBus>)
+            Ok(Arc::new(transport) as Arc<dyn Transport>)
         }))
     });
 }
@@ -343,13 +344,13 @@ fn redis_streams() {
     explore(64, move |s| {
         let url = url.clone();
         Box::pin(one(s, async move |s: &Settings| {
-            let bus = RedisStreamsBus::builder(url)
+            let transport = RedisStreamsTransport::builder(url)
                 .block(s.t1)
                 .response_timeout(s.t2)
                 .max_len(s.capacity)
                 .connect()
                 .await?;
-            Ok(Arc::new(bus) as Arc<dyn ChangeBus>)
+            Ok(Arc::new(transport) as Arc<dyn Transport>)
         }))
     });
 }
@@ -361,13 +362,13 @@ fn redis_pubsub() {
     explore(48, move |s| {
         let url = url.clone();
         Box::pin(one(s, async move |s: &Settings| {
-            let bus = RedisPubSubBus::builder(url)
+            let transport = RedisPubSubTransport::builder(url)
                 .ping_interval(s.t1)
                 .ping_timeout(s.t2)
                 .max_backlog_bytes(s.capacity)
                 .connect()
                 .await?;
-            Ok(Arc::new(bus) as Arc<dyn ChangeBus>)
+            Ok(Arc::new(transport) as Arc<dyn Transport>)
         }))
     });
 }
@@ -379,13 +380,13 @@ fn nats_jetstream() {
     explore(48, move |s| {
         let url = url.clone();
         Box::pin(one(s, async move |s: &Settings| {
-            let bus = NatsJetStreamBus::builder(url)
+            let transport = NatsJetStreamTransport::builder(url)
                 .pull_expiry(s.t1)
                 .ping_interval(s.t2)
                 .max_messages(i64::try_from(s.capacity).unwrap_or(i64::MAX))
                 .connect()
                 .await?;
-            Ok(Arc::new(bus) as Arc<dyn ChangeBus>)
+            Ok(Arc::new(transport) as Arc<dyn Transport>)
         }))
     });
 }
@@ -399,11 +400,11 @@ fn rocketmq() {
     explore(16, move |s| {
         let addr = addr.clone();
         Box::pin(one(s, async move |s: &Settings| {
-            let bus = RocketMqBus::builder(addr)
+            let transport = RocketMqTransport::builder(addr)
                 .queues_per_topic(u32::try_from(s.capacity).unwrap_or(u32::MAX))
                 .connect()
                 .await?;
-            Ok(Arc::new(bus) as Arc<dyn ChangeBus>)
+            Ok(Arc::new(transport) as Arc<dyn Transport>)
         }))
     });
 }

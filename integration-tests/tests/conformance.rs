@@ -6,9 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use cache_sync::transport::Transport;
 use cache_sync::{
-    ChangeBus, EmbeddedBus, NatsJetStreamBus, Publisher, RedisPubSubBus, RedisStreamsBus,
-    RocketMqBus,
+    EmbeddedTransport, NatsJetStreamTransport, Publisher, RedisPubSubTransport,
+    RedisStreamsTransport, RocketMqTransport,
 };
 use integration_tests::conformance::{
     Expect, Fault, Fixture, a_refusal_is_no_disconnect, health_follows_the_broker,
@@ -19,13 +20,13 @@ use integration_tests::redis_server::RedisServer;
 use integration_tests::rocketmq_server::RocketMqServer;
 
 struct Embedded {
-    bus: EmbeddedBus,
+    transport: EmbeddedTransport,
 }
 
 impl Embedded {
     fn new() -> Self {
         Self {
-            bus: EmbeddedBus::builder().max_records(4096).build(),
+            transport: EmbeddedTransport::builder().max_records(4096).build(),
         }
     }
 }
@@ -36,8 +37,8 @@ impl Fixture for Embedded {
         "embedded"
     }
 
-    async fn bus(&self) -> Arc<dyn ChangeBus> {
-        Arc::new(self.bus.clone())
+    async fn transport(&self) -> Arc<dyn Transport> {
+        Arc::new(self.transport.clone())
     }
 
     fn expect(&self, fault: Fault) -> Option<Expect> {
@@ -56,7 +57,7 @@ impl Fixture for Embedded {
     async fn inject(&mut self, fault: Fault) {
         if fault == Fault::TrimPastReader {
             // More than the history holds, while the node is away.
-            let p = Publisher::new(self.bus.clone());
+            let p = Publisher::new(self.transport.clone());
             for i in 0..5000u32 {
                 p.refresh("filler", [(i, i)]).await.expect("publish filler");
             }
@@ -74,15 +75,15 @@ impl Fixture for Streams {
         "redis-streams"
     }
 
-    async fn bus(&self) -> Arc<dyn ChangeBus> {
-        let bus = retry(|| {
-            RedisStreamsBus::builder(self.server.url())
+    async fn transport(&self) -> Arc<dyn Transport> {
+        let transport = retry(|| {
+            RedisStreamsTransport::builder(self.server.url())
                 .block(Duration::from_millis(100))
                 .response_timeout(Duration::from_millis(500))
                 .connect()
         })
         .await;
-        Arc::new(bus)
+        Arc::new(transport)
     }
 
     fn expect(&self, fault: Fault) -> Option<Expect> {
@@ -114,7 +115,7 @@ impl Fixture for Streams {
             }
             Fault::WipeWhilePaused => {
                 self.server.wipe();
-                regrow(self.bus().await).await;
+                regrow(self.transport().await).await;
             }
             Fault::NodeRestart => {}
             other => panic!("not injectable here: {other:?}"),
@@ -145,16 +146,16 @@ impl Fixture for PubSub {
         "redis-pubsub"
     }
 
-    async fn bus(&self) -> Arc<dyn ChangeBus> {
-        let bus = retry(|| {
-            RedisPubSubBus::builder(self.server.url())
+    async fn transport(&self) -> Arc<dyn Transport> {
+        let transport = retry(|| {
+            RedisPubSubTransport::builder(self.server.url())
                 .ping_interval(Duration::from_millis(100))
                 .ping_timeout(Duration::from_millis(300))
                 .response_timeout(Duration::from_millis(500))
                 .connect()
         })
         .await;
-        Arc::new(bus)
+        Arc::new(transport)
     }
 
     fn expect(&self, fault: Fault) -> Option<Expect> {
@@ -238,14 +239,14 @@ impl Fixture for Nats {
         "nats-jetstream"
     }
 
-    async fn bus(&self) -> Arc<dyn ChangeBus> {
-        let bus = retry(|| {
-            NatsJetStreamBus::builder(self.server.url())
+    async fn transport(&self) -> Arc<dyn Transport> {
+        let transport = retry(|| {
+            NatsJetStreamTransport::builder(self.server.url())
                 .max_messages(2000)
                 .connect()
         })
         .await;
-        Arc::new(bus)
+        Arc::new(transport)
     }
 
     fn expect(&self, fault: Fault) -> Option<Expect> {
@@ -270,14 +271,14 @@ impl Fixture for Nats {
             }
             Fault::TrimPastReader => {
                 // More than the stream keeps, while the node is parked.
-                let p = Publisher::new(self.bus().await);
+                let p = Publisher::new(self.transport().await);
                 for i in 0..2500u32 {
                     retry(|| p.refresh("filler", [(i, i)])).await;
                 }
             }
             Fault::WipeWhilePaused => {
                 self.server.wipe();
-                regrow(self.bus().await).await;
+                regrow(self.transport().await).await;
             }
             Fault::NodeRestart => {}
             other => panic!("not injectable here: {other:?}"),
@@ -308,19 +309,19 @@ impl Fixture for RocketMq {
         "rocketmq"
     }
 
-    async fn bus(&self) -> Arc<dyn ChangeBus> {
+    async fn transport(&self) -> Arc<dyn Transport> {
         // One queue: the suite's fence is a cache of its own, and only one
         // queue orders it after the table's events. With several queues
         // each cache keeps its order, but a fence can overtake the table's
         // events while consumers catch up after a fault (measured: no loss,
         // fences ahead by microseconds), which `converge` reads as stale.
-        let bus = retry(|| {
-            RocketMqBus::builder(self.server.namesrv_addr())
+        let transport = retry(|| {
+            RocketMqTransport::builder(self.server.namesrv_addr())
                 .queues_per_topic(1)
                 .connect()
         })
         .await;
-        Arc::new(bus)
+        Arc::new(transport)
     }
 
     fn expect(&self, fault: Fault) -> Option<Expect> {
@@ -348,7 +349,7 @@ impl Fixture for RocketMq {
             }
             Fault::WipeWhilePaused => {
                 self.server.wipe();
-                regrow(self.bus().await).await;
+                regrow(self.transport().await).await;
             }
             Fault::NodeRestart => {}
             other => panic!("not injectable here: {other:?}"),

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cache_sync::{EmbeddedBus, Publisher};
+use cache_sync::{EmbeddedTransport, Publisher};
 use integration_tests::{Db, TABLE, TestNode, assert_no_stale_entries, fence};
 use proptest::prelude::*;
 
@@ -46,17 +46,17 @@ fn key(i: usize) -> String {
     format!("k{i}")
 }
 
-/// Runs one workload. `history` bounds the bus, so small values make slow
+/// Runs one workload. `history` bounds the transport, so small values make slow
 /// nodes fall behind and exercise the loss path. `window` is the nodes'
 /// reorder window: zero makes every refresh go through version ordering.
 async fn run(ops: Vec<Op>, history: usize, window: Duration) {
-    let bus = EmbeddedBus::builder().max_records(history).build();
+    let transport = EmbeddedTransport::builder().max_records(history).build();
     let db = Arc::new(Db::default());
     let mut nodes = Vec::new();
     for i in 0..NODES {
         // One node applies one event at a time, so it lags and loses more.
         let batch = if i == 0 { 1 } else { 64 };
-        let node = TestNode::start(&format!("node-{i}"), bus.clone(), |b| {
+        let node = TestNode::start(&format!("node-{i}"), transport.clone(), |b| {
             b.max_batch(batch).reorder_window(window)
         })
         .await
@@ -66,7 +66,7 @@ async fn run(ops: Vec<Op>, history: usize, window: Duration) {
     let nodes = Arc::new(nodes);
     let admins: Vec<_> = (0..2)
         .map(|i| {
-            Publisher::builder(bus.clone())
+            Publisher::builder(transport.clone())
                 .origin(format!("admin-{i}"))
                 .build()
                 .expect("publisher")
@@ -120,7 +120,7 @@ async fn run(ops: Vec<Op>, history: usize, window: Duration) {
         r.expect("task panicked");
     }
 
-    let fencer = Publisher::new(bus.clone());
+    let fencer = Publisher::new(transport.clone());
     fence(&fencer, &nodes, 1).await;
     let keys: Vec<String> = (0..KEYS).map(key).collect();
     assert_no_stale_entries(&db, &nodes, &keys).await;
@@ -140,7 +140,7 @@ async fn run(ops: Vec<Op>, history: usize, window: Duration) {
         assert_eq!(s.events_rejected, 0);
         assert_eq!(
             s.publisher_gaps, 0,
-            "the embedded bus is ordered per publisher: {s:?}"
+            "the embedded transport is ordered per publisher: {s:?}"
         );
         node.node.shutdown().await.expect("shutdown");
     }
@@ -169,7 +169,7 @@ proptest! {
     /// published after it, and stayed stale. The quarantine after a loss fixes it.
     #[test]
     fn nodes_converge_when_they_fall_behind_a_short_history(ops in proptest::collection::vec(op(), 1..120)) {
-        runtime().block_on(run(ops, 3, cache_sync::DEFAULT_REORDER_WINDOW));
+        runtime().block_on(run(ops, 3, std::time::Duration::from_secs(10)));
     }
 }
 
@@ -178,17 +178,17 @@ proptest! {
 #[test]
 fn a_short_history_does_cause_losses() {
     runtime().block_on(async {
-        let bus = EmbeddedBus::builder().max_records(3).build();
-        let node = TestNode::start("slow", bus.clone(), |b| b.max_batch(1))
+        let transport = EmbeddedTransport::builder().max_records(3).build();
+        let node = TestNode::start("slow", transport.clone(), |b| b.max_batch(1))
             .await
             .unwrap();
-        let dict = Publisher::new(bus.clone()).dictionary::<String, Option<String>>(TABLE);
+        let dict = Publisher::new(transport.clone()).dictionary::<String, Option<String>>(TABLE);
         for i in 0..200 {
             dict.upsert(&key(i % KEYS), &Some(format!("{i}")))
                 .await
                 .unwrap();
         }
-        fence(&Publisher::new(bus), std::slice::from_ref(&node), 1).await;
+        fence(&Publisher::new(transport), std::slice::from_ref(&node), 1).await;
         assert!(node.node.status().losses > 0, "{:?}", node.node.status());
     });
 }

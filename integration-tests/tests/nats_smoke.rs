@@ -2,17 +2,19 @@
 #![cfg(feature = "nats")]
 
 use bytes::Bytes;
-use cache_sync::{ChangeBus, Delivery, NatsJetStreamBus, StartFrom, SubscribeOptions};
+use cache_sync::NatsJetStreamTransport;
+use cache_sync::transport::{Delivery, StartFrom, SubscribeOptions, Transport};
 use integration_tests::nats_server::NatsServer;
 
-/// The bus remembers which streams it made, instead of asking the server on
+/// The transport remembers which streams it made, instead of asking the server on
 /// every publish. A stream deleted behind its back must not turn every later
 /// publish into an error: the next one makes it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_recreates_a_stream_deleted_behind_its_back() {
     let server = NatsServer::start();
-    let bus = NatsJetStreamBus::connect(server.url()).await.unwrap();
-    bus.publish("t", "c", Bytes::from_static(b"first"))
+    let transport = NatsJetStreamTransport::connect(server.url()).await.unwrap();
+    transport
+        .publish("t", "c", Bytes::from_static(b"first"))
         .await
         .unwrap();
 
@@ -24,10 +26,11 @@ async fn publish_recreates_a_stream_deleted_behind_its_back() {
     assert_eq!(names.len(), 1, "{names:?}");
     assert!(js.delete_stream(&names[0]).await.unwrap().success);
 
-    bus.publish("t", "c", Bytes::from_static(b"second"))
+    transport
+        .publish("t", "c", Bytes::from_static(b"second"))
         .await
         .expect("the publish after the deletion makes the stream again");
-    let mut sub = bus
+    let mut sub = transport
         .subscribe("t", SubscribeOptions::new(StartFrom::Earliest))
         .await
         .unwrap();
@@ -54,27 +57,28 @@ async fn a_stream_of_the_name_with_other_subjects_is_refused_truthfully() {
     })
     .await
     .unwrap();
-    let bus = NatsJetStreamBus::connect(server.url()).await.unwrap();
-    let err = bus
+    let transport = NatsJetStreamTransport::connect(server.url()).await.unwrap();
+    let err = transport
         .publish("orders", "c", Bytes::from_static(b"x"))
         .await
         .expect_err("published into another application's stream");
     assert!(err.is_config() && !err.is_disconnected(), "{err}");
     assert!(err.to_string().contains("someone.else.>"), "{err}");
-    let err = bus
+    let err = transport
         .subscribe("orders", SubscribeOptions::new(StartFrom::Latest))
         .await
         .expect_err("subscribed to another application's stream");
     assert!(err.is_config(), "{err}");
 
     // A topic of another name is unaffected.
-    bus.publish("order", "c", Bytes::from_static(b"x"))
+    transport
+        .publish("order", "c", Bytes::from_static(b"x"))
         .await
         .unwrap();
 
     // A server that answers with an error is not a disconnect either: a
     // stream whose limits the server refuses fails as a transport error.
-    let strict = NatsJetStreamBus::builder(server.url())
+    let strict = NatsJetStreamTransport::builder(server.url())
         .subject_prefix("strict")
         .connect()
         .await

@@ -3,24 +3,24 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use cache_sync::{
-    ChangeBus, Delivery, LossReason, Node, Offset, Publisher, RedisPubSubBus, RedisStreamsBus,
-    StartFrom, SubscribeOptions, SyncedCache,
-};
+use cache_sync::transport::{Delivery, LossReason, Offset, StartFrom, SubscribeOptions, Transport};
+use cache_sync::{Node, Publisher, RedisPubSubTransport, RedisStreamsTransport, SyncedCache};
 use integration_tests::eventually;
 use integration_tests::redis_server::RedisServer;
 
 /// A node with one cache, "t", that re-subscribes quickly, once it has
-/// applied a first refresh (`a` = `1`) published on `bus`.
-async fn node_with_a_applied(bus: impl ChangeBus + Clone) -> (SyncedCache<String, String>, Node) {
+/// applied a first refresh (`a` = `1`) published on `transport`.
+async fn node_with_a_applied(
+    transport: impl Transport + Clone,
+) -> (SyncedCache<String, String>, Node) {
     let cache: SyncedCache<String, String> = SyncedCache::new("t", moka::future::Cache::new(100));
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .reconnect_backoff(Duration::from_millis(10), Duration::from_millis(200))
         .register(&cache)
         .start()
         .await
         .expect("start the node");
-    Publisher::new(bus)
+    Publisher::new(transport)
         .refresh("t", [("a", "1")])
         .await
         .expect("publish a");
@@ -34,14 +34,14 @@ async fn node_with_a_applied(bus: impl ChangeBus + Clone) -> (SyncedCache<String
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_round_trip_and_resume_after_a_broker_restart() {
     let mut server = RedisServer::start();
-    let bus = RedisStreamsBus::builder(server.url())
+    let transport = RedisStreamsTransport::builder(server.url())
         .block(Duration::from_millis(200))
         .connect()
         .await
         .unwrap();
-    let (cache, node) = node_with_a_applied(bus.clone()).await;
+    let (cache, node) = node_with_a_applied(transport.clone()).await;
     server.restart();
-    let p = Publisher::new(RedisStreamsBus::connect(server.url()).await.unwrap());
+    let p = Publisher::new(RedisStreamsTransport::connect(server.url()).await.unwrap());
     p.refresh("t", [("b", "2")]).await.unwrap();
     eventually("b applied after restart", async || {
         cache.peek(&"b".into()).await.as_deref() == Some("2")
@@ -55,13 +55,13 @@ async fn streams_round_trip_and_resume_after_a_broker_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pubsub_round_trip_and_a_dropped_connection_is_a_loss() {
     let server = RedisServer::start();
-    let bus = RedisPubSubBus::builder(server.url())
+    let transport = RedisPubSubTransport::builder(server.url())
         .ping_interval(Duration::from_millis(50))
         .connect()
         .await
         .unwrap();
-    let (cache, node) = node_with_a_applied(bus.clone()).await;
-    let p = Publisher::new(bus);
+    let (cache, node) = node_with_a_applied(transport.clone()).await;
+    let p = Publisher::new(transport);
     assert!(server.kill_clients("pubsub") >= 1);
     eventually("loss signalled", async || node.status().losses >= 1).await;
     assert_eq!(cache.peek(&"a".into()).await, None);
@@ -86,16 +86,17 @@ async fn pubsub_round_trip_and_a_dropped_connection_is_a_loss() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_notice_a_trim_while_idle() {
     let server = RedisServer::start();
-    let bus = RedisStreamsBus::builder(server.url())
+    let transport = RedisStreamsTransport::builder(server.url())
         .block(Duration::from_millis(100))
         .connect()
         .await
         .unwrap();
-    let mut sub = bus
+    let mut sub = transport
         .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
         .await
         .unwrap();
-    bus.publish("t", "c", Bytes::from_static(b"a"))
+    transport
+        .publish("t", "c", Bytes::from_static(b"a"))
         .await
         .unwrap();
     assert!(matches!(
@@ -103,7 +104,8 @@ async fn streams_notice_a_trim_while_idle() {
         Delivery::Batch { .. }
     ));
     // "b" is published and trimmed before the reader asks again.
-    bus.publish("t", "c", Bytes::from_static(b"b"))
+    transport
+        .publish("t", "c", Bytes::from_static(b"b"))
         .await
         .unwrap();
     let reply = server
@@ -126,22 +128,25 @@ async fn streams_notice_a_trim_while_idle() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_ordinals_continue_without_their_counter() {
     let server = RedisServer::start();
-    let bus = RedisStreamsBus::connect(server.url()).await.unwrap();
+    let transport = RedisStreamsTransport::connect(server.url()).await.unwrap();
     for payload in ["a", "b"] {
-        bus.publish("t", "c", Bytes::from(payload)).await.unwrap();
+        transport
+            .publish("t", "c", Bytes::from(payload))
+            .await
+            .unwrap();
     }
     assert_eq!(
         server.command(&["INCRBY", "cache-sync:t:n", "0"]).unwrap(),
         ":2"
     );
     assert_eq!(server.command(&["DEL", "cache-sync:t:n"]).unwrap(), ":1");
-    bus.publish("t", "c", Bytes::from("c")).await.unwrap();
+    transport.publish("t", "c", Bytes::from("c")).await.unwrap();
     assert_eq!(
         server.command(&["INCRBY", "cache-sync:t:n", "0"]).unwrap(),
         ":3"
     );
 
-    let mut sub = bus
+    let mut sub = transport
         .subscribe("t", SubscribeOptions::new(StartFrom::Earliest))
         .await
         .unwrap();
@@ -164,12 +169,12 @@ async fn streams_ordinals_continue_without_their_counter() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pubsub_backlog_past_its_limit_is_an_overflow_loss() {
     let server = RedisServer::start();
-    let bus = RedisPubSubBus::builder(server.url())
+    let transport = RedisPubSubTransport::builder(server.url())
         .max_backlog_bytes(64 << 10)
         .connect()
         .await
         .unwrap();
-    let mut sub = bus
+    let mut sub = transport
         .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
         .await
         .unwrap();
@@ -180,7 +185,7 @@ async fn pubsub_backlog_past_its_limit_is_an_overflow_loss() {
     let mut lost = None;
     for _ in 0..50 {
         for _ in 0..10 {
-            bus.publish("t", "c", kib.clone()).await.unwrap();
+            transport.publish("t", "c", kib.clone()).await.unwrap();
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
         match tokio::time::timeout(Duration::from_secs(5), sub.next(1))
@@ -200,7 +205,8 @@ async fn pubsub_backlog_past_its_limit_is_an_overflow_loss() {
     assert_eq!(loss.reason, LossReason::Overflow);
     assert!(loss.missed.is_some_and(|n| n >= 50), "{loss:?}");
 
-    bus.publish("t", "c", Bytes::from_static(b"after"))
+    transport
+        .publish("t", "c", Bytes::from_static(b"after"))
         .await
         .unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -222,7 +228,10 @@ async fn pubsub_backlog_past_its_limit_is_an_overflow_loss() {
 }
 
 /// Reads `n` records (no loss) from `sub`; returns its position after them.
-async fn read(sub: &mut Box<dyn cache_sync::Subscription>, n: usize) -> cache_sync::Position {
+async fn read(
+    sub: &mut Box<dyn cache_sync::transport::Subscription>,
+    n: usize,
+) -> cache_sync::transport::Position {
     let mut got = 0;
     let mut position = None;
     while got < n {
@@ -247,16 +256,16 @@ async fn read(sub: &mut Box<dyn cache_sync::Subscription>, n: usize) -> cache_sy
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_a_wiped_history_is_caught_even_when_ordinals_line_up() {
     let mut server = RedisServer::start();
-    let bus = RedisStreamsBus::builder(server.url())
+    let transport = RedisStreamsTransport::builder(server.url())
         .block(Duration::from_millis(100))
         .connect()
         .await
         .unwrap();
-    let p = Publisher::new(bus.clone());
+    let p = Publisher::new(transport.clone());
     for i in 0..10u32 {
         p.refresh("t", [(i, i)]).await.unwrap();
     }
-    let mut sub = bus
+    let mut sub = transport
         .subscribe("cache-sync", SubscribeOptions::new(StartFrom::Earliest))
         .await
         .unwrap();
@@ -265,7 +274,7 @@ async fn streams_a_wiped_history_is_caught_even_when_ordinals_line_up() {
     drop(sub);
 
     server.wipe();
-    let p = Publisher::new(RedisStreamsBus::connect(server.url()).await.unwrap());
+    let p = Publisher::new(RedisStreamsTransport::connect(server.url()).await.unwrap());
     for i in 0..20u32 {
         p.refresh("t", [(i, i)]).await.unwrap();
     }
@@ -275,8 +284,8 @@ async fn streams_a_wiped_history_is_caught_even_when_ordinals_line_up() {
         .unwrap();
     assert_eq!(reply, ":10");
 
-    let bus = RedisStreamsBus::connect(server.url()).await.unwrap();
-    let mut sub = bus
+    let transport = RedisStreamsTransport::connect(server.url()).await.unwrap();
+    let mut sub = transport
         .subscribe(
             "cache-sync",
             SubscribeOptions::new(StartFrom::Position(position)),

@@ -1,10 +1,13 @@
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::Duration;
 
 use tokio::sync::{Barrier, oneshot};
 
+use serde::Serialize;
+
 use super::*;
-use crate::event::{EntryVersion, KeyVersion, encode_part};
+use crate::util::now_us;
+use crate::wire::{Change, EntryVersion, Header, KeyVersion, encode_part};
 
 type Cache = SyncedCache<String, String>;
 

@@ -13,7 +13,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
-use cache_sync::{ChangeBus, Node, Publisher, SyncedCache};
+use cache_sync::transport::Transport;
+use cache_sync::{Node, Publisher, SyncedCache};
 use hdrhistogram::Histogram;
 use tokio::task::JoinHandle;
 
@@ -270,17 +271,17 @@ pub(crate) struct BenchNode {
     pub(crate) cache: SyncedCache<u64, u64>,
 }
 
-/// `n` nodes on `topic`, each on a bus client of its own from `bus`, as
+/// `n` nodes on `topic`, each on a transport client of its own from `transport`, as
 /// separate processes would have.
-pub(crate) async fn start_nodes<F, Fut>(topic: &str, n: usize, bus: F) -> Vec<BenchNode>
+pub(crate) async fn start_nodes<F, Fut>(topic: &str, n: usize, transport: F) -> Vec<BenchNode>
 where
     F: Fn() -> Fut,
-    Fut: Future<Output = Arc<dyn ChangeBus>>,
+    Fut: Future<Output = Arc<dyn Transport>>,
 {
     let mut nodes = Vec::with_capacity(n);
     for k in 0..n {
         let cache = SyncedCache::new(CACHE, moka::future::Cache::new(10_000));
-        let node = Node::builder(format!("node-{k}"), bus().await)
+        let node = Node::builder(format!("node-{k}"), transport().await)
             .topic(topic)
             .register(&cache)
             .start()
@@ -315,15 +316,15 @@ pub(crate) async fn stop_nodes(nodes: Vec<BenchNode>) -> String {
     problems.join("; ")
 }
 
-/// `n` nodes on `topic` (see [`start_nodes`]) and a publisher with a bus
+/// `n` nodes on `topic` (see [`start_nodes`]) and a publisher with a transport
 /// client of its own.
-pub(crate) async fn cache_sync_system<F, Fut>(topic: String, n: usize, bus: F) -> System
+pub(crate) async fn cache_sync_system<F, Fut>(topic: String, n: usize, transport: F) -> System
 where
     F: Fn() -> Fut,
-    Fut: Future<Output = Arc<dyn ChangeBus>>,
+    Fut: Future<Output = Arc<dyn Transport>>,
 {
-    let nodes = start_nodes(&topic, n, &bus).await;
-    let publisher = Publisher::builder(bus().await)
+    let nodes = start_nodes(&topic, n, &transport).await;
+    let publisher = Publisher::builder(transport().await)
         .topic(topic)
         .origin("bench")
         .build()

@@ -13,12 +13,12 @@ use futures_util::{FutureExt, StreamExt};
 use tokio::sync::watch;
 
 use super::{
-    ChangeBus, Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
-    Subscription,
+    Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
+    Subscription, Transport,
 };
 use crate::error::{Error, Result};
-use crate::lock;
-use crate::names::{self, NameKind};
+use crate::transport::names::{self, NameKind};
+use crate::util::lock;
 
 const KIND: &str = "nats-jetstream";
 /// The partitions of a NATS position: the last stream sequence read, and
@@ -57,19 +57,19 @@ struct Link {
 /// - **Start positions:** latest, earliest, a stored sequence, a timestamp.
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 #[derive(Clone)]
-pub struct NatsJetStreamBus {
+pub struct NatsJetStreamTransport {
     js: jetstream::Context,
     client: async_nats::Client,
     config: NatsConfig,
     link: Arc<watch::Sender<Link>>,
-    /// Topics whose stream this bus has made sure of. Asking the server on
+    /// Topics whose stream this transport has made sure of. Asking the server on
     /// every publish cost a second round trip and doubled the publish time.
     known_streams: Arc<Mutex<HashMap<String, u64>>>,
 }
 
-impl fmt::Debug for NatsJetStreamBus {
+impl fmt::Debug for NatsJetStreamTransport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("NatsJetStreamBus")
+        f.debug_struct("NatsJetStreamTransport")
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
@@ -84,7 +84,7 @@ struct NatsConfig {
     storage: stream::StorageType,
 }
 
-/// Configures a [`NatsJetStreamBus`].
+/// Configures a [`NatsJetStreamTransport`].
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 #[derive(Debug, Clone)]
 pub struct NatsJetStreamBuilder {
@@ -139,7 +139,7 @@ impl NatsJetStreamBuilder {
     }
 
     /// Connects. The client reconnects by itself after a disconnect.
-    pub async fn connect(self) -> Result<NatsJetStreamBus> {
+    pub async fn connect(self) -> Result<NatsJetStreamTransport> {
         check_prefix(&self.config.subject_prefix)?;
         let link = Arc::new(watch::Sender::new(Link::default()));
         let on_event = Arc::downgrade(&link);
@@ -167,7 +167,7 @@ impl NatsJetStreamBuilder {
             .connect(self.url.as_str())
             .await
             .map_err(|e| Error::disconnected(KIND, e))?;
-        Ok(NatsJetStreamBus {
+        Ok(NatsJetStreamTransport {
             js: jetstream::new(client.clone()),
             client,
             config: self.config,
@@ -177,8 +177,8 @@ impl NatsJetStreamBuilder {
     }
 }
 
-impl NatsJetStreamBus {
-    /// Configures a bus for the server at `url` (`nats://127.0.0.1:4222`).
+impl NatsJetStreamTransport {
+    /// Configures a transport for the server at `url` (`nats://127.0.0.1:4222`).
     pub fn builder(url: impl Into<String>) -> NatsJetStreamBuilder {
         NatsJetStreamBuilder {
             url: url.into(),
@@ -349,7 +349,7 @@ fn created(info: &stream::Info) -> u64 {
 }
 
 #[async_trait]
-impl ChangeBus for NatsJetStreamBus {
+impl Transport for NatsJetStreamTransport {
     fn kind(&self) -> &'static str {
         KIND
     }

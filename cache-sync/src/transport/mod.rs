@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::Result;
 
 pub(crate) mod embedded;
+pub(crate) mod names;
 #[cfg(feature = "nats")]
 pub(crate) mod nats;
 #[cfg(feature = "redis")]
@@ -21,7 +22,7 @@ pub(crate) mod rocketmq;
 /// Where a subscriber stands in a topic: one offset per partition.
 ///
 /// Opaque to applications; meaningful only to the transport that produced it.
-/// A single-log transport (the embedded bus, a Redis stream, a NATS stream)
+/// A single-log transport (the embedded transport, a Redis stream, a NATS stream)
 /// uses one partition; RocketMQ uses one per message queue. It serializes to
 /// JSON as a map from partition name to offset, like RocketMQ's
 /// `offsets.json`:
@@ -41,7 +42,7 @@ pub struct Position(BTreeMap<String, Offset>);
 #[serde(untagged)]
 #[non_exhaustive]
 pub enum Offset {
-    /// A numeric offset or sequence (embedded bus, NATS, RocketMQ).
+    /// A numeric offset or sequence (embedded transport, NATS, RocketMQ).
     Seq(u64),
     /// An opaque id (a Redis stream entry id).
     Id(String),
@@ -275,7 +276,7 @@ impl fmt::Display for LossReason {
 /// - An `Err` from `next` means the subscription is broken. The consumer drops
 ///   it and subscribes again from the last position it received.
 #[async_trait]
-pub trait ChangeBus: Send + Sync + 'static {
+pub trait Transport: Send + Sync + 'static {
     /// A short name for status and logs: `"embedded"`, `"redis-streams"`, ….
     fn kind(&self) -> &'static str;
 
@@ -295,13 +296,13 @@ pub trait ChangeBus: Send + Sync + 'static {
     /// transport's own, never to accept less than a name that default
     /// allows and the transport can carry.
     fn check_topic(&self, topic: &str) -> Result<()> {
-        crate::names::check(crate::names::NameKind::Topic, topic)
+        crate::transport::names::check(crate::transport::names::NameKind::Topic, topic)
     }
 
     /// Like [`check_topic`](Self::check_topic), for a cache name, which the
     /// transport carries as a record's tag.
     fn check_tag(&self, tag: &str) -> Result<()> {
-        crate::names::check(crate::names::NameKind::Cache, tag)
+        crate::transport::names::check(crate::transport::names::NameKind::Cache, tag)
     }
 
     /// Publishes one encoded event under a tag (the cache name). Returns the
@@ -332,7 +333,7 @@ pub trait Subscription: Send + fmt::Debug {
 }
 
 #[async_trait]
-impl<T: ChangeBus + ?Sized> ChangeBus for std::sync::Arc<T> {
+impl<T: Transport + ?Sized> Transport for std::sync::Arc<T> {
     fn kind(&self) -> &'static str {
         (**self).kind()
     }

@@ -10,16 +10,16 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use serde::Serialize;
 
-use crate::bus::{ChangeBus, Position};
-use crate::cache::now_us;
-use crate::consumer::DEFAULT_TOPIC;
 use crate::error::{Error, Result};
-use crate::event::{
+use crate::node::DEFAULT_TOPIC;
+use crate::transport::{Position, Transport};
+use crate::util::lock;
+use crate::util::now_us;
+use crate::wire::Keyring;
+use crate::wire::{
     Change, DEFAULT_MAX_EVENT_BYTES, EntryVersion, Header, KeyVersion, MAX_EVENT_BYTES_CEILING,
     encode, encode_part, framed_len,
 };
-use crate::lock;
-use crate::sign::Keyring;
 
 /// Publishes change events for named caches.
 ///
@@ -39,7 +39,7 @@ pub struct Publisher {
 }
 
 struct PublisherInner {
-    bus: Arc<dyn ChangeBus>,
+    transport: Arc<dyn Transport>,
     topic: String,
     origin: String,
     id: u64,
@@ -60,7 +60,7 @@ impl fmt::Debug for Publisher {
 
 /// Configures a [`Publisher`].
 pub struct PublisherBuilder {
-    bus: Arc<dyn ChangeBus>,
+    transport: Arc<dyn Transport>,
     topic: String,
     origin: String,
     max_event_bytes: usize,
@@ -104,10 +104,10 @@ impl PublisherBuilder {
     }
 
     /// The publisher, once the transport has accepted the topic's name
-    /// ([`ChangeBus::check_topic`]); otherwise [`Error::Config`] naming the
+    /// ([`Transport::check_topic`]); otherwise [`Error::Config`] naming the
     /// rule the name broke.
     pub fn build(self) -> Result<Publisher> {
-        self.bus.check_topic(&self.topic)?;
+        self.transport.check_topic(&self.topic)?;
         Ok(self.build_checked())
     }
 
@@ -115,7 +115,7 @@ impl PublisherBuilder {
     pub(crate) fn build_checked(self) -> Publisher {
         Publisher {
             inner: Arc::new(PublisherInner {
-                bus: self.bus,
+                transport: self.transport,
                 topic: self.topic,
                 origin: self.origin,
                 // Random: a restarted publisher must not continue an old numbering.
@@ -139,16 +139,16 @@ pub struct Published {
 }
 
 impl Publisher {
-    /// A publisher on `bus` with the default topic, [`DEFAULT_TOPIC`], a
+    /// A publisher on `transport` with the default topic, [`DEFAULT_TOPIC`], a
     /// name every transport accepts.
-    pub fn new(bus: impl ChangeBus) -> Self {
-        Self::builder(bus).build_checked()
+    pub fn new(transport: impl Transport) -> Self {
+        Self::builder(transport).build_checked()
     }
 
-    /// Configures a publisher on `bus`.
-    pub fn builder(bus: impl ChangeBus) -> PublisherBuilder {
+    /// Configures a publisher on `transport`.
+    pub fn builder(transport: impl Transport) -> PublisherBuilder {
         PublisherBuilder {
-            bus: Arc::new(bus),
+            transport: Arc::new(transport),
             topic: DEFAULT_TOPIC.into(),
             origin: "publisher".into(),
             max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
@@ -338,7 +338,7 @@ impl Publisher {
         cache: &str,
         build: impl FnOnce() -> Result<(Vec<Change>, T)>,
     ) -> Result<(Published, T)> {
-        self.inner.bus.check_tag(cache)?;
+        self.inner.transport.check_tag(cache)?;
         let seq = {
             let mut seqs = lock(&self.inner.seqs);
             seqs.entry(cache.to_owned()).or_default().clone()
@@ -374,7 +374,7 @@ impl Publisher {
             }
             let position = self
                 .inner
-                .bus
+                .transport
                 .publish(&self.inner.topic, cache, Bytes::from(payload))
                 .await?;
             published.events = published.events.saturating_add(1);
@@ -566,12 +566,12 @@ fn replace_changes<'a, K: Serialize + 'a, V: Serialize + 'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::EmbeddedBus;
-    use crate::bus::{Delivery, StartFrom, SubscribeOptions};
-    use crate::event::decode;
+    use crate::EmbeddedTransport;
+    use crate::transport::{Delivery, StartFrom, SubscribeOptions};
+    use crate::wire::decode;
 
-    async fn drain(bus: &EmbeddedBus) -> Vec<(Header, Change)> {
-        let mut sub = bus
+    async fn drain(transport: &EmbeddedTransport) -> Vec<(Header, Change)> {
+        let mut sub = transport
             .subscribe(DEFAULT_TOPIC, SubscribeOptions::new(StartFrom::Earliest))
             .await
             .unwrap();
@@ -586,15 +586,15 @@ mod tests {
 
     #[tokio::test]
     async fn sequences_count_per_cache_from_one() {
-        let bus = EmbeddedBus::new();
-        let p = Publisher::builder(bus.clone())
+        let transport = EmbeddedTransport::new();
+        let p = Publisher::builder(transport.clone())
             .origin("admin")
             .build()
             .unwrap();
         p.invalidate("a", ["x"]).await.unwrap();
         p.invalidate("b", ["y"]).await.unwrap();
         p.clear("a").await.unwrap();
-        let seqs: Vec<_> = drain(&bus)
+        let seqs: Vec<_> = drain(&transport)
             .await
             .iter()
             .map(|(h, _)| (h.cache.clone(), h.seq))
@@ -604,15 +604,15 @@ mod tests {
 
     #[tokio::test]
     async fn large_batches_split_under_the_limit_and_oversized_entries_fail() {
-        let bus = EmbeddedBus::new();
-        let p = Publisher::builder(bus.clone())
+        let transport = EmbeddedTransport::new();
+        let p = Publisher::builder(transport.clone())
             .max_event_bytes(4096)
             .build()
             .unwrap();
         let rows: Vec<(u32, String)> = (0..100).map(|i| (i, "v".repeat(200))).collect();
         let sent = p.refresh("t", rows).await.unwrap();
         assert!(sent.events > 1, "{sent:?}");
-        let events = drain(&bus).await;
+        let events = drain(&transport).await;
         assert_eq!(events.len(), sent.events);
         assert_eq!(events.iter().map(|(_, c)| c.len()).sum::<usize>(), 100);
         let err = p
@@ -625,8 +625,8 @@ mod tests {
 
     #[tokio::test]
     async fn dictionary_versions_increase_and_respect_caller_versions() {
-        let bus = EmbeddedBus::new();
-        let dict = Publisher::new(bus.clone()).dictionary::<String, String>("countries");
+        let transport = EmbeddedTransport::new();
+        let dict = Publisher::new(transport.clone()).dictionary::<String, String>("countries");
         let a = dict.upsert(&"de".into(), &"Germany".into()).await.unwrap();
         let b = dict.delete(&"de".into()).await.unwrap();
         assert!(b > a);
@@ -640,7 +640,7 @@ mod tests {
             .replace_all([(&"se".to_string(), &"Sweden".to_string())])
             .await
             .unwrap();
-        let events = drain(&bus).await;
+        let events = drain(&transport).await;
         let kinds: Vec<_> = events.iter().map(|(_, c)| c.max_version()).collect();
         assert_eq!(
             kinds,
@@ -654,8 +654,8 @@ mod tests {
     /// node ignored the change as stale.
     #[tokio::test]
     async fn automatic_versions_past_the_largest_one_fail_instead_of_wrapping() {
-        let bus = EmbeddedBus::new();
-        let dict = Publisher::new(bus.clone()).dictionary::<String, String>("t");
+        let transport = EmbeddedTransport::new();
+        let dict = Publisher::new(transport.clone()).dictionary::<String, String>("t");
         dict.upsert_with_version(&"a".into(), &"x".into(), u64::MAX)
             .await
             .unwrap();
@@ -669,12 +669,12 @@ mod tests {
         }
         // Nothing was sent for the refused calls, and no sequence number
         // was used up: nodes see no gap.
-        let events = drain(&bus).await;
+        let events = drain(&transport).await;
         assert_eq!(events.len(), 1);
         dict.upsert_with_version(&"c".into(), &"z".into(), 5)
             .await
             .unwrap();
-        let seqs: Vec<_> = drain(&bus).await.iter().map(|(h, _)| h.seq).collect();
+        let seqs: Vec<_> = drain(&transport).await.iter().map(|(h, _)| h.seq).collect();
         assert_eq!(seqs, [1, 2]);
     }
 

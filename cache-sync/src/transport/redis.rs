@@ -14,11 +14,11 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnecti
 use redis::{AsyncConnectionConfig, Client, RedisError, Value};
 
 use super::{
-    ChangeBus, Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
-    Subscription,
+    Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
+    Subscription, Transport,
 };
 use crate::error::{Error, Result};
-use crate::names;
+use crate::transport::names;
 use crate::util::{clamp_timeout, deadline_after};
 
 const STREAMS: &str = "redis-streams";
@@ -129,7 +129,7 @@ return {added, length, last, stream_epoch()}
 /// Needs Redis 7.0 or later (`entries-added` in `XINFO STREAM`).
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 #[derive(Clone)]
-pub struct RedisStreamsBus {
+pub struct RedisStreamsTransport {
     client: Client,
     publisher: ConnectionManager,
     script: redis::Script,
@@ -144,9 +144,9 @@ struct StreamKeys {
     epoch: String,
 }
 
-impl fmt::Debug for RedisStreamsBus {
+impl fmt::Debug for RedisStreamsTransport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisStreamsBus")
+        f.debug_struct("RedisStreamsTransport")
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
@@ -160,7 +160,7 @@ struct StreamsConfig {
     key_prefix: String,
 }
 
-/// Configures a [`RedisStreamsBus`].
+/// Configures a [`RedisStreamsTransport`].
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 #[derive(Debug, Clone)]
 pub struct RedisStreamsBuilder {
@@ -199,7 +199,7 @@ impl RedisStreamsBuilder {
     }
 
     /// Connects and checks the server version.
-    pub async fn connect(self) -> Result<RedisStreamsBus> {
+    pub async fn connect(self) -> Result<RedisStreamsTransport> {
         let client = Client::open(self.url.as_str()).map_err(|e| Error::Config(e.to_string()))?;
         let mut publisher =
             publisher_connection(&client, STREAMS, self.config.response_timeout).await?;
@@ -218,7 +218,7 @@ impl RedisStreamsBuilder {
                 what: "Redis before 7.0",
             });
         }
-        Ok(RedisStreamsBus {
+        Ok(RedisStreamsTransport {
             client,
             publisher,
             script: redis::Script::new(XADD_SCRIPT),
@@ -227,8 +227,8 @@ impl RedisStreamsBuilder {
     }
 }
 
-impl RedisStreamsBus {
-    /// Configures a bus for the server at `url` (`redis://127.0.0.1:6379/`).
+impl RedisStreamsTransport {
+    /// Configures a transport for the server at `url` (`redis://127.0.0.1:6379/`).
     pub fn builder(url: impl Into<String>) -> RedisStreamsBuilder {
         RedisStreamsBuilder {
             url: url.into(),
@@ -411,7 +411,7 @@ fn streams_position(id: &str, ordinal: u64, epoch: u64) -> Position {
 }
 
 #[async_trait]
-impl ChangeBus for RedisStreamsBus {
+impl Transport for RedisStreamsTransport {
     fn kind(&self) -> &'static str {
         STREAMS
     }
@@ -681,15 +681,15 @@ impl Subscription for StreamsSubscription {
 /// always reports a loss first.
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 #[derive(Clone)]
-pub struct RedisPubSubBus {
+pub struct RedisPubSubTransport {
     client: Client,
     publisher: ConnectionManager,
     config: PubSubConfig,
 }
 
-impl fmt::Debug for RedisPubSubBus {
+impl fmt::Debug for RedisPubSubTransport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisPubSubBus")
+        f.debug_struct("RedisPubSubTransport")
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
@@ -704,7 +704,7 @@ struct PubSubConfig {
     channel_prefix: String,
 }
 
-/// Configures a [`RedisPubSubBus`].
+/// Configures a [`RedisPubSubTransport`].
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 #[derive(Debug, Clone)]
 pub struct RedisPubSubBuilder {
@@ -756,10 +756,10 @@ impl RedisPubSubBuilder {
     }
 
     /// Connects.
-    pub async fn connect(self) -> Result<RedisPubSubBus> {
+    pub async fn connect(self) -> Result<RedisPubSubTransport> {
         let client = Client::open(self.url.as_str()).map_err(|e| Error::Config(e.to_string()))?;
         let publisher = publisher_connection(&client, PUBSUB, self.config.response_timeout).await?;
-        Ok(RedisPubSubBus {
+        Ok(RedisPubSubTransport {
             client,
             publisher,
             config: self.config,
@@ -767,8 +767,8 @@ impl RedisPubSubBuilder {
     }
 }
 
-impl RedisPubSubBus {
-    /// Configures a bus for the server at `url`.
+impl RedisPubSubTransport {
+    /// Configures a transport for the server at `url`.
     pub fn builder(url: impl Into<String>) -> RedisPubSubBuilder {
         RedisPubSubBuilder {
             url: url.into(),
@@ -789,7 +789,7 @@ impl RedisPubSubBus {
 }
 
 #[async_trait]
-impl ChangeBus for RedisPubSubBus {
+impl Transport for RedisPubSubTransport {
     fn kind(&self) -> &'static str {
         PUBSUB
     }

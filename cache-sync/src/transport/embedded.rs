@@ -10,28 +10,28 @@ use bytes::Bytes;
 use tokio::sync::watch;
 
 use super::{
-    ChangeBus, Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
-    Subscription,
+    Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
+    Subscription, Transport,
 };
 use crate::error::{Error, Result};
-use crate::lock;
+use crate::util::lock;
 
 const KIND: &str = "embedded";
 
-/// An in-memory broadcast bus for nodes that share one process.
+/// An in-memory broadcast transport for nodes that share one process.
 ///
 /// Each topic is a log with bounded history (by record count and by bytes).
 /// Publishing never blocks on subscribers: a subscriber that falls further
 /// behind than the history reaches gets [`Delivery::Lost`] with
 /// [`LossReason::Trimmed`], and then continues from the oldest record kept.
 ///
-/// Positions carry this bus instance's id, so a position stored by an earlier
-/// process (or another bus) is recognised as [`LossReason::HistoryReset`]
+/// Positions carry this transport instance's id, so a position stored by an earlier
+/// process (or another transport) is recognised as [`LossReason::HistoryReset`]
 /// instead of being misread as an offset into this history.
 ///
 /// Clones share the same topics.
 #[derive(Clone, Debug)]
-pub struct EmbeddedBus {
+pub struct EmbeddedTransport {
     shared: Arc<Shared>,
 }
 
@@ -75,14 +75,14 @@ impl Log {
     }
 }
 
-/// Builds an [`EmbeddedBus`].
+/// Builds an [`EmbeddedTransport`].
 #[derive(Debug, Clone)]
-pub struct EmbeddedBusBuilder {
+pub struct EmbeddedBuilder {
     max_records: usize,
     max_bytes: usize,
 }
 
-impl Default for EmbeddedBusBuilder {
+impl Default for EmbeddedBuilder {
     fn default() -> Self {
         Self {
             max_records: 10_000,
@@ -91,7 +91,7 @@ impl Default for EmbeddedBusBuilder {
     }
 }
 
-impl EmbeddedBusBuilder {
+impl EmbeddedBuilder {
     /// Records kept per topic for replay and slow subscribers. Default 10 000.
     pub fn max_records(mut self, n: usize) -> Self {
         self.max_records = n.max(1);
@@ -104,11 +104,11 @@ impl EmbeddedBusBuilder {
         self
     }
 
-    /// The bus.
-    pub fn build(self) -> EmbeddedBus {
+    /// The transport.
+    pub fn build(self) -> EmbeddedTransport {
         // A random instance id: positions from another instance must not alias.
         let id = RandomState::new().hash_one(std::process::id());
-        EmbeddedBus {
+        EmbeddedTransport {
             shared: Arc::new(Shared {
                 partition: format!("embedded-{id:016x}"),
                 max_records: self.max_records,
@@ -119,21 +119,21 @@ impl EmbeddedBusBuilder {
     }
 }
 
-impl Default for EmbeddedBus {
+impl Default for EmbeddedTransport {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl EmbeddedBus {
-    /// A bus with the default history (10 000 records or 64 MiB per topic).
+impl EmbeddedTransport {
+    /// A transport with the default history (10 000 records or 64 MiB per topic).
     pub fn new() -> Self {
         Self::builder().build()
     }
 
     /// Configures history bounds.
-    pub fn builder() -> EmbeddedBusBuilder {
-        EmbeddedBusBuilder::default()
+    pub fn builder() -> EmbeddedBuilder {
+        EmbeddedBuilder::default()
     }
 
     fn topic(&self, name: &str) -> Arc<Topic> {
@@ -155,7 +155,7 @@ impl EmbeddedBus {
 }
 
 #[async_trait]
-impl ChangeBus for EmbeddedBus {
+impl Transport for EmbeddedTransport {
     fn kind(&self) -> &'static str {
         KIND
     }
@@ -307,7 +307,10 @@ impl Subscription for EmbeddedSubscription {
                 return Ok(d);
             }
             if self.end_rx.changed().await.is_err() {
-                return Err(Error::disconnected(KIND, "the embedded bus was dropped"));
+                return Err(Error::disconnected(
+                    KIND,
+                    "the embedded transport was dropped",
+                ));
             }
         }
     }
@@ -323,9 +326,10 @@ mod tests {
 
     use super::*;
 
-    async fn publish_n(bus: &EmbeddedBus, topic: &str, tag: &str, n: usize) {
+    async fn publish_n(transport: &EmbeddedTransport, topic: &str, tag: &str, n: usize) {
         for i in 0..n {
-            bus.publish(topic, tag, Bytes::from(format!("{tag}-{i}")))
+            transport
+                .publish(topic, tag, Bytes::from(format!("{tag}-{i}")))
                 .await
                 .unwrap();
         }
@@ -343,16 +347,16 @@ mod tests {
 
     #[tokio::test]
     async fn every_subscriber_gets_every_record_in_order() {
-        let bus = EmbeddedBus::new();
-        let mut a = bus
+        let transport = EmbeddedTransport::new();
+        let mut a = transport
             .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
             .await
             .unwrap();
-        let mut b = bus
+        let mut b = transport
             .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
             .await
             .unwrap();
-        publish_n(&bus, "t", "x", 3).await;
+        publish_n(&transport, "t", "x", 3).await;
         assert_eq!(payloads(a.next(10).await.unwrap()), ["x-0", "x-1", "x-2"]);
         assert_eq!(payloads(b.next(2).await.unwrap()), ["x-0", "x-1"]);
         assert_eq!(payloads(b.next(2).await.unwrap()), ["x-2"]);
@@ -360,8 +364,8 @@ mod tests {
 
     #[tokio::test]
     async fn next_waits_for_a_publish_and_is_cancel_safe() {
-        let bus = EmbeddedBus::new();
-        let mut s = bus
+        let transport = EmbeddedTransport::new();
+        let mut s = transport
             .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
             .await
             .unwrap();
@@ -370,19 +374,19 @@ mod tests {
                 .await
                 .is_err()
         );
-        let bus2 = bus.clone();
+        let bus2 = transport.clone();
         tokio::spawn(async move { publish_n(&bus2, "t", "x", 1).await });
         assert_eq!(payloads(s.next(10).await.unwrap()), ["x-0"]);
     }
 
     #[tokio::test]
     async fn falling_behind_history_is_a_loss_never_a_skip() {
-        let bus = EmbeddedBus::builder().max_records(4).build();
-        let mut s = bus
+        let transport = EmbeddedTransport::builder().max_records(4).build();
+        let mut s = transport
             .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
             .await
             .unwrap();
-        publish_n(&bus, "t", "x", 10).await;
+        publish_n(&transport, "t", "x", 10).await;
         match s.next(100).await.unwrap() {
             Delivery::Lost(l) => {
                 assert_eq!(l.reason, LossReason::Trimmed);
@@ -398,28 +402,28 @@ mod tests {
 
     #[tokio::test]
     async fn byte_bound_trims_too() {
-        let bus = EmbeddedBus::builder().max_bytes(8).build();
-        let mut s = bus
+        let transport = EmbeddedTransport::builder().max_bytes(8).build();
+        let mut s = transport
             .subscribe("t", SubscribeOptions::new(StartFrom::Earliest))
             .await
             .unwrap();
-        publish_n(&bus, "t", "x", 3).await; // 3 bytes each
+        publish_n(&transport, "t", "x", 3).await; // 3 bytes each
         assert!(matches!(s.next(10).await.unwrap(), Delivery::Lost(_)));
         assert_eq!(payloads(s.next(10).await.unwrap()), ["x-1", "x-2"]);
     }
 
     #[tokio::test]
     async fn resumes_from_a_position_and_rejects_foreign_ones() {
-        let bus = EmbeddedBus::new();
-        publish_n(&bus, "t", "x", 3).await;
-        let mut s = bus
+        let transport = EmbeddedTransport::new();
+        publish_n(&transport, "t", "x", 3).await;
+        let mut s = transport
             .subscribe("t", SubscribeOptions::new(StartFrom::Earliest))
             .await
             .unwrap();
         let Delivery::Batch { position, .. } = s.next(2).await.unwrap() else {
             panic!()
         };
-        let mut resumed = bus
+        let mut resumed = transport
             .subscribe(
                 "t",
                 SubscribeOptions::new(StartFrom::Position(position.clone())),
@@ -428,8 +432,8 @@ mod tests {
             .unwrap();
         assert_eq!(payloads(resumed.next(10).await.unwrap()), ["x-2"]);
 
-        // The same position read by a different bus (a restarted process).
-        let other = EmbeddedBus::new();
+        // The same position read by a different transport (a restarted process).
+        let other = EmbeddedTransport::new();
         publish_n(&other, "t", "y", 5).await;
         let mut s = other
             .subscribe("t", SubscribeOptions::new(StartFrom::Position(position)))
@@ -443,12 +447,12 @@ mod tests {
 
     #[tokio::test]
     async fn starts_from_a_timestamp() {
-        let bus = EmbeddedBus::new();
-        publish_n(&bus, "t", "x", 2).await;
+        let transport = EmbeddedTransport::new();
+        publish_n(&transport, "t", "x", 2).await;
         tokio::time::sleep(Duration::from_millis(5)).await;
         let t = SystemTime::now();
-        publish_n(&bus, "t", "y", 2).await;
-        let mut s = bus
+        publish_n(&transport, "t", "y", 2).await;
+        let mut s = transport
             .subscribe("t", SubscribeOptions::new(StartFrom::Timestamp(t)))
             .await
             .unwrap();
@@ -457,28 +461,28 @@ mod tests {
 
     #[tokio::test]
     async fn tag_filter_skips_other_caches_but_advances() {
-        let bus = EmbeddedBus::new();
-        let mut s = bus
+        let transport = EmbeddedTransport::new();
+        let mut s = transport
             .subscribe(
                 "t",
                 SubscribeOptions::new(StartFrom::Latest).with_tags(["keep"]),
             )
             .await
             .unwrap();
-        publish_n(&bus, "t", "other", 2).await;
-        publish_n(&bus, "t", "keep", 1).await;
+        publish_n(&transport, "t", "other", 2).await;
+        publish_n(&transport, "t", "keep", 1).await;
         assert_eq!(payloads(s.next(10).await.unwrap()), ["keep-0"]);
     }
 
     #[tokio::test]
     async fn topics_are_separate() {
-        let bus = EmbeddedBus::new();
-        let mut s = bus
+        let transport = EmbeddedTransport::new();
+        let mut s = transport
             .subscribe("a", SubscribeOptions::new(StartFrom::Latest))
             .await
             .unwrap();
-        publish_n(&bus, "b", "x", 1).await;
-        publish_n(&bus, "a", "y", 1).await;
+        publish_n(&transport, "b", "x", 1).await;
+        publish_n(&transport, "a", "y", 1).await;
         assert_eq!(payloads(s.next(10).await.unwrap()), ["y-0"]);
     }
 }

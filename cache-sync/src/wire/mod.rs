@@ -13,11 +13,18 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
 
+mod keyring;
+
+#[cfg(test)]
+pub(crate) use keyring::FORMAT_SIGNED;
+pub use keyring::Keyring;
+pub(crate) use keyring::strip_unverified;
+
 /// The only wire format this build reads and writes.
 pub(crate) const FORMAT_V1: u8 = 1;
 
 /// The default limit on one encoded event: 1 MiB.
-pub const DEFAULT_MAX_EVENT_BYTES: usize = 1 << 20;
+pub(crate) const DEFAULT_MAX_EVENT_BYTES: usize = 1 << 20;
 
 /// The highest limit that can be configured.
 ///
@@ -25,7 +32,7 @@ pub const DEFAULT_MAX_EVENT_BYTES: usize = 1 << 20;
 /// prefix may claim, so a forged prefix in a small payload cannot make the
 /// decoder reserve gigabytes. The configured (runtime) limit is then enforced
 /// on the payload length before decoding starts.
-pub const MAX_EVENT_BYTES_CEILING: usize = 64 << 20;
+pub(crate) const MAX_EVENT_BYTES_CEILING: usize = 64 << 20;
 
 type WireConfig = Configuration<LittleEndian, Varint, config::Limit<MAX_EVENT_BYTES_CEILING>>;
 

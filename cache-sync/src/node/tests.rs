@@ -4,9 +4,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
+use super::seqs::PublisherSeqs;
 use super::*;
-use crate::event::{Change, EntryVersion, Header, encode, encode_part};
-use crate::{EmbeddedBus, Keyring};
+use crate::transport::Delivery;
+use crate::wire::{Change, EntryVersion, Header, encode, encode_part};
+use crate::{EmbeddedTransport, Keyring};
 
 type Cache = SyncedCache<String, String>;
 
@@ -53,9 +55,9 @@ fn refresh_change(k: &str, v: &str) -> Change {
 
 #[tokio::test]
 async fn applies_events_including_its_own() {
-    let bus = EmbeddedBus::new();
+    let transport = EmbeddedTransport::new();
     let c = cache("countries");
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .register(&c)
         .start()
         .await
@@ -68,7 +70,7 @@ async fn applies_events_including_its_own() {
         holds(&c, "de", Some("Germany")).await
     })
     .await;
-    Publisher::new(bus)
+    Publisher::new(transport)
         .invalidate("countries", ["de"])
         .await
         .unwrap();
@@ -89,26 +91,26 @@ async fn applies_events_including_its_own() {
 
 #[tokio::test]
 async fn skips_events_for_caches_it_does_not_hold() {
-    let bus = EmbeddedBus::new();
+    let transport = EmbeddedTransport::new();
     let c = cache("mine");
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .register(&c)
         .start()
         .await
         .unwrap();
-    let p = Publisher::new(bus);
+    let p = Publisher::new(transport);
     p.refresh("theirs", [("k", "v")]).await.unwrap();
     p.refresh("mine", [("k", "v")]).await.unwrap();
     eventually("mine applied", async || holds(&c, "k", Some("v")).await).await;
-    // The embedded bus filters by tag, so "theirs" never even reaches the node.
+    // The embedded transport filters by tag, so "theirs" never even reaches the node.
     assert_eq!(node.status().events_received, 1);
 }
 
 #[tokio::test]
 async fn garbage_is_rejected_counted_and_survived() {
-    let bus = EmbeddedBus::new();
+    let transport = EmbeddedTransport::new();
     let c = cache("t");
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .max_event_bytes(4096)
         .register(&c)
         .start()
@@ -121,7 +123,10 @@ async fn garbage_is_rejected_counted_and_survived() {
         Bytes::from_static(b"\x09unknown format"),
         Bytes::from(vec![1u8; 10_000]),
     ] {
-        bus.publish(DEFAULT_TOPIC, "t", payload).await.unwrap();
+        transport
+            .publish(DEFAULT_TOPIC, "t", payload)
+            .await
+            .unwrap();
     }
     let p = node.publisher();
     p.refresh("t", [("after", "ok")]).await.unwrap();
@@ -142,31 +147,33 @@ async fn garbage_is_rejected_counted_and_survived() {
 /// sequence jumped can have missed anything.
 #[tokio::test]
 async fn a_gap_in_a_publishers_sequence_invalidates_that_cache_only() {
-    let bus = EmbeddedBus::new();
+    let transport = EmbeddedTransport::new();
     let (a, b) = (cache("a"), cache("b"));
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .register(&a)
         .register(&b)
         .start()
         .await
         .unwrap();
-    bus.publish(
-        DEFAULT_TOPIC,
-        "a",
-        raw_event("a", 7, 1, &refresh_change("x", "1")),
-    )
-    .await
-    .unwrap();
+    transport
+        .publish(
+            DEFAULT_TOPIC,
+            "a",
+            raw_event("a", 7, 1, &refresh_change("x", "1")),
+        )
+        .await
+        .unwrap();
     eventually("seq 1", async || holds(&a, "x", Some("1")).await).await;
     b.insert("y".into(), "untouched by a's gap".into()).await;
     // Sequence 2 and 3 never arrive.
-    bus.publish(
-        DEFAULT_TOPIC,
-        "a",
-        raw_event("a", 7, 4, &refresh_change("z", "4")),
-    )
-    .await
-    .unwrap();
+    transport
+        .publish(
+            DEFAULT_TOPIC,
+            "a",
+            raw_event("a", 7, 4, &refresh_change("z", "4")),
+        )
+        .await
+        .unwrap();
     eventually("seq 4", async || holds(&a, "z", Some("4")).await).await;
     assert_eq!(
         a.get(&"x".into()).await,
@@ -188,20 +195,22 @@ async fn a_gap_in_a_publishers_sequence_invalidates_that_cache_only() {
         .collect();
     assert_eq!(resyncs, [("a", 1), ("b", 0)]);
     // A redelivery of an old sequence number is not a gap.
-    bus.publish(
-        DEFAULT_TOPIC,
-        "a",
-        raw_event("a", 7, 2, &refresh_change("w", "2")),
-    )
-    .await
-    .unwrap();
-    bus.publish(
-        DEFAULT_TOPIC,
-        "a",
-        raw_event("a", 7, 5, &refresh_change("v", "5")),
-    )
-    .await
-    .unwrap();
+    transport
+        .publish(
+            DEFAULT_TOPIC,
+            "a",
+            raw_event("a", 7, 2, &refresh_change("w", "2")),
+        )
+        .await
+        .unwrap();
+    transport
+        .publish(
+            DEFAULT_TOPIC,
+            "a",
+            raw_event("a", 7, 5, &refresh_change("v", "5")),
+        )
+        .await
+        .unwrap();
     eventually("seq 5", async || holds(&a, "v", Some("5")).await).await;
     assert_eq!(node.status().publisher_gaps, 1);
 }
@@ -213,8 +222,8 @@ async fn a_gap_in_a_publishers_sequence_invalidates_that_cache_only() {
 /// gap in that cache. At a fresh start (empty caches) it is trusted.
 #[tokio::test]
 async fn after_a_resume_an_unknown_publishers_first_event_is_not_trusted() {
-    let flaky = FlakyBus {
-        inner: EmbeddedBus::new(),
+    let flaky = FlakyTransport {
+        inner: EmbeddedTransport::new(),
         subscribes: Arc::default(),
     };
     let (a, b) = (cache("a"), cache("b"));
@@ -226,15 +235,16 @@ async fn after_a_resume_an_unknown_publishers_first_event_is_not_trusted() {
         .await
         .unwrap();
     let publish = |cache: &'static str, publisher, seq, k: &'static str| {
-        let bus = flaky.inner.clone();
+        let transport = flaky.inner.clone();
         async move {
-            bus.publish(
-                DEFAULT_TOPIC,
-                cache,
-                raw_event(cache, publisher, seq, &refresh_change(k, "v")),
-            )
-            .await
-            .unwrap();
+            transport
+                .publish(
+                    DEFAULT_TOPIC,
+                    cache,
+                    raw_event(cache, publisher, seq, &refresh_change(k, "v")),
+                )
+                .await
+                .unwrap();
         }
     };
     // Before any resume: a publisher first seen at seq 41 is trusted.
@@ -260,9 +270,9 @@ async fn after_a_resume_an_unknown_publishers_first_event_is_not_trusted() {
 async fn falling_behind_the_history_is_answered_by_invalidating() {
     // History of 4 records, and the consumer cannot run while we publish 50
     // (the current-thread runtime only switches tasks at an await that blocks).
-    let bus = EmbeddedBus::builder().max_records(4).build();
+    let transport = EmbeddedTransport::builder().max_records(4).build();
     let c = cache("t");
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .max_batch(1)
         .register(&c)
         .start()
@@ -284,10 +294,10 @@ async fn falling_behind_the_history_is_answered_by_invalidating() {
     assert_eq!(c.get(&"stale".into()).await, None);
 }
 
-/// Wraps the embedded bus; the first subscription fails after one batch.
+/// Wraps the embedded transport; the first subscription fails after one batch.
 #[derive(Debug, Clone)]
-struct FlakyBus {
-    inner: EmbeddedBus,
+struct FlakyTransport {
+    inner: EmbeddedTransport,
     subscribes: Arc<AtomicUsize>,
 }
 
@@ -298,7 +308,7 @@ struct FlakySub {
 }
 
 #[async_trait]
-impl ChangeBus for FlakyBus {
+impl Transport for FlakyTransport {
     fn kind(&self) -> &'static str {
         "flaky"
     }
@@ -341,8 +351,8 @@ impl Subscription for FlakySub {
 
 #[tokio::test]
 async fn a_broken_subscription_resumes_where_it_was_without_loss() {
-    let flaky = FlakyBus {
-        inner: EmbeddedBus::new(),
+    let flaky = FlakyTransport {
+        inner: EmbeddedTransport::new(),
         subscribes: Arc::default(),
     };
     let c = cache("t");
@@ -370,9 +380,9 @@ async fn a_broken_subscription_resumes_where_it_was_without_loss() {
 
 #[tokio::test]
 async fn shutdown_saves_the_position_and_a_restart_replays_from_it() {
-    let bus = EmbeddedBus::new();
+    let transport = EmbeddedTransport::new();
     let store = MemoryOffsetStore::new();
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .offset_store(store.clone())
         .register(&cache("t"))
         .start()
@@ -391,7 +401,7 @@ async fn shutdown_saves_the_position_and_a_restart_replays_from_it() {
 
     p.refresh("t", [("b", "2")]).await.unwrap(); // while the node is down
     let c = cache("t");
-    let node = Node::builder("n1", bus)
+    let node = Node::builder("n1", transport)
         .offset_store(store.clone())
         .register(&c)
         .start()
@@ -409,8 +419,8 @@ async fn shutdown_saves_the_position_and_a_restart_replays_from_it() {
 #[tokio::test]
 async fn file_store_positions_survive_a_restart() {
     let dir = tempfile::tempdir().unwrap();
-    let bus = EmbeddedBus::new();
-    let node = Node::builder("n1", bus.clone())
+    let transport = EmbeddedTransport::new();
+    let node = Node::builder("n1", transport.clone())
         .offset_store(FileOffsetStore::new(dir.path()))
         .persist_interval(Duration::from_millis(10))
         .register(&cache("t"))
@@ -433,8 +443,8 @@ async fn file_store_positions_survive_a_restart() {
 
 #[tokio::test]
 async fn caches_can_be_registered_after_start() {
-    let bus = EmbeddedBus::new();
-    let node = Node::start("n1", bus.clone()).await.unwrap();
+    let transport = EmbeddedTransport::new();
+    let node = Node::start("n1", transport.clone()).await.unwrap();
     let c = cache("late");
     c.insert("warm".into(), "from before".into()).await;
     node.register(&c).await.unwrap();
@@ -455,8 +465,8 @@ async fn caches_can_be_registered_after_start() {
 
 #[tokio::test]
 async fn misconfiguration_fails_at_start() {
-    let bus = EmbeddedBus::new();
-    let err = Node::builder("n1", bus.clone())
+    let transport = EmbeddedTransport::new();
+    let err = Node::builder("n1", transport.clone())
         .register(&cache("x"))
         .register(&cache("x"))
         .start()
@@ -468,33 +478,33 @@ async fn misconfiguration_fails_at_start() {
     );
 
     let shared = cache("y");
-    let _n1 = Node::builder("n1", bus.clone())
+    let _n1 = Node::builder("n1", transport.clone())
         .register(&shared)
         .start()
         .await
         .unwrap();
-    let err = Node::builder("n2", bus.clone())
+    let err = Node::builder("n2", transport.clone())
         .register(&shared)
         .start()
         .await
         .unwrap_err();
     assert!(err.to_string().contains("already registered"), "{err}");
 
-    let err = Node::builder("n3", bus.clone())
+    let err = Node::builder("n3", transport.clone())
         .max_event_bytes(usize::MAX)
         .start()
         .await
         .unwrap_err();
     assert!(matches!(err, Error::Config(_)), "{err}");
-    let err = Node::builder("", bus).start().await.unwrap_err();
+    let err = Node::builder("", transport).start().await.unwrap_err();
     assert!(matches!(err, Error::Config(_)), "{err}");
 }
 
 #[tokio::test]
 async fn dropping_the_last_handle_stops_the_consumer() {
-    let bus = EmbeddedBus::new();
+    let transport = EmbeddedTransport::new();
     let c = cache("t");
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .register(&c)
         .start()
         .await
@@ -516,9 +526,9 @@ impl<'de> serde::Deserialize<'de> for PanickyKey {
 
 #[tokio::test]
 async fn a_panic_in_user_code_shows_as_unhealthy_rather_than_silently_stale() {
-    let bus = EmbeddedBus::new();
+    let transport = EmbeddedTransport::new();
     let c: SyncedCache<PanickyKey, String> = SyncedCache::new("t", moka::future::Cache::new(10));
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .register(&c)
         .start()
         .await
@@ -535,9 +545,9 @@ async fn a_panic_in_user_code_shows_as_unhealthy_rather_than_silently_stale() {
 #[tokio::test]
 async fn with_signatures_on_only_authentic_events_change_anything() {
     let ring = Keyring::new("k2", b"node-and-admin-shared-secret".to_vec()).unwrap();
-    let bus = EmbeddedBus::new();
+    let transport = EmbeddedTransport::new();
     let c = cache("t");
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .verify_signatures(ring.clone())
         .register(&c)
         .start()
@@ -546,12 +556,12 @@ async fn with_signatures_on_only_authentic_events_change_anything() {
     c.insert("k".into(), "cached".into()).await;
 
     // Unsigned, signed with an unknown key, forged (right id, wrong secret), tampered.
-    Publisher::new(bus.clone())
+    Publisher::new(transport.clone())
         .refresh("t", [("k", "unsigned")])
         .await
         .unwrap();
     let stranger = Keyring::new("k9", b"some-other-secret-000".to_vec()).unwrap();
-    Publisher::builder(bus.clone())
+    Publisher::builder(transport.clone())
         .signing(stranger)
         .build()
         .unwrap()
@@ -559,7 +569,7 @@ async fn with_signatures_on_only_authentic_events_change_anything() {
         .await
         .unwrap();
     let forger = Keyring::new("k2", b"a-guessed-secret-0000".to_vec()).unwrap();
-    Publisher::builder(bus.clone())
+    Publisher::builder(transport.clone())
         .signing(forger)
         .build()
         .unwrap()
@@ -569,11 +579,12 @@ async fn with_signatures_on_only_authentic_events_change_anything() {
     let mut tampered = ring.sign(&raw_event("t", 5, 1, &refresh_change("k", "original")));
     let last = tampered.len() - 1;
     tampered[last] ^= 0xFF;
-    bus.publish(DEFAULT_TOPIC, "t", Bytes::from(tampered))
+    transport
+        .publish(DEFAULT_TOPIC, "t", Bytes::from(tampered))
         .await
         .unwrap();
 
-    Publisher::builder(bus.clone())
+    Publisher::builder(transport.clone())
         .signing(ring)
         .build()
         .unwrap()
@@ -610,14 +621,14 @@ async fn with_signatures_on_only_authentic_events_change_anything() {
 #[tokio::test]
 async fn a_node_without_keys_accepts_signed_events_for_rollout() {
     let ring = Keyring::new("k1", b"rollout-secret-0000000".to_vec()).unwrap();
-    let bus = EmbeddedBus::new();
+    let transport = EmbeddedTransport::new();
     let c = cache("t");
-    let _node = Node::builder("n1", bus.clone())
+    let _node = Node::builder("n1", transport.clone())
         .register(&c)
         .start()
         .await
         .unwrap();
-    Publisher::builder(bus)
+    Publisher::builder(transport)
         .signing(ring)
         .build()
         .unwrap()
@@ -635,13 +646,13 @@ async fn a_node_without_keys_accepts_signed_events_for_rollout() {
 /// published later by another writer), installed the older row.
 #[tokio::test]
 async fn a_fresh_node_replays_the_reorder_window_so_older_refreshes_are_refused() {
-    let bus = EmbeddedBus::new();
-    let p = Publisher::new(bus.clone());
+    let transport = EmbeddedTransport::new();
+    let p = Publisher::new(transport.clone());
     p.invalidate_versioned("t", [("k", Some(12))])
         .await
         .unwrap();
     let c = cache("t");
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .register(&c)
         .start()
         .await
@@ -670,10 +681,10 @@ async fn a_fresh_node_replays_the_reorder_window_so_older_refreshes_are_refused(
 
 /// Without history to replay, the same situation is answered by quarantine.
 #[derive(Debug, Clone)]
-struct NoHistoryBus(EmbeddedBus);
+struct NoHistoryTransport(EmbeddedTransport);
 
 #[async_trait]
-impl ChangeBus for NoHistoryBus {
+impl Transport for NoHistoryTransport {
     fn kind(&self) -> &'static str {
         "no-history"
     }
@@ -699,13 +710,13 @@ impl ChangeBus for NoHistoryBus {
 
 #[tokio::test]
 async fn without_history_a_fresh_node_quarantines_instead() {
-    let bus = NoHistoryBus(EmbeddedBus::new());
-    let p = Publisher::new(bus.clone());
+    let transport = NoHistoryTransport(EmbeddedTransport::new());
+    let p = Publisher::new(transport.clone());
     p.invalidate_versioned("t", [("k", Some(12))])
         .await
         .unwrap();
     let c = cache("t");
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .register(&c)
         .start()
         .await
@@ -776,9 +787,9 @@ fn publisher_seqs_count_gaps_per_publisher_and_cache() {
 #[tokio::test]
 async fn unauthenticated_input_changes_nothing_whatever_its_size_or_tag() {
     let ring = Keyring::new("k1", b"node-and-admin-shared-secret".to_vec()).unwrap();
-    let bus = EmbeddedBus::new();
+    let transport = EmbeddedTransport::new();
     let c = cache("t");
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .verify_signatures(ring.clone())
         .max_event_bytes(1024)
         .register(&c)
@@ -789,7 +800,7 @@ async fn unauthenticated_input_changes_nothing_whatever_its_size_or_tag() {
 
     let oversized_unsigned = raw_event("t", 5, 1, &refresh_change("k", &"x".repeat(4096)));
     let oversized_garbage = Bytes::from(vec![0xAB; 4096]);
-    let mut oversized_forged = vec![crate::sign::FORMAT_SIGNED, 2, b'k', b'1'];
+    let mut oversized_forged = vec![crate::wire::FORMAT_SIGNED, 2, b'k', b'1'];
     oversized_forged.extend([0u8; 32 + 4096]);
     let small_garbage = Bytes::from_static(b"\x01\xff\xff\xff");
     for payload in [
@@ -799,11 +810,14 @@ async fn unauthenticated_input_changes_nothing_whatever_its_size_or_tag() {
         small_garbage,
         Bytes::new(),
     ] {
-        bus.publish(DEFAULT_TOPIC, "t", payload).await.unwrap();
+        transport
+            .publish(DEFAULT_TOPIC, "t", payload)
+            .await
+            .unwrap();
     }
     // A signed, versioned refresh afterwards: applied normally, so the cache
     // was neither resynced nor quarantined by what came before.
-    let admin = Publisher::builder(bus.clone())
+    let admin = Publisher::builder(transport.clone())
         .signing(ring)
         .build()
         .unwrap();
@@ -823,16 +837,16 @@ async fn unauthenticated_input_changes_nothing_whatever_its_size_or_tag() {
     assert_eq!(s.caches[0].refreshes_quarantined, 0, "{s:?}");
 }
 
-/// Delivers the embedded bus's records without their tags, as Redis
+/// Delivers the embedded transport's records without their tags, as Redis
 /// Pub/Sub does.
 #[derive(Debug, Clone)]
-struct UntaggedBus(EmbeddedBus);
+struct UntaggedTransport(EmbeddedTransport);
 
 #[derive(Debug)]
 struct UntaggedSub(Box<dyn Subscription>);
 
 #[async_trait]
-impl ChangeBus for UntaggedBus {
+impl Transport for UntaggedTransport {
     fn kind(&self) -> &'static str {
         "untagged"
     }
@@ -876,9 +890,9 @@ impl Subscription for UntaggedSub {
 /// names the cache; an event that names none may have changed any.
 #[tokio::test]
 async fn an_unreadable_event_without_a_tag_invalidates_what_it_may_have_changed() {
-    let bus = UntaggedBus(EmbeddedBus::new());
+    let transport = UntaggedTransport(EmbeddedTransport::new());
     let (t, u) = (cache("t"), cache("u"));
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .max_event_bytes(1024)
         .register(&t)
         .register(&u)
@@ -890,10 +904,10 @@ async fn an_unreadable_event_without_a_tag_invalidates_what_it_may_have_changed(
 
     // Too large for this node (its publisher allowed more): only "t".
     let big = raw_event("t", 5, 1, &refresh_change("k", &"x".repeat(4096)));
-    bus.publish(DEFAULT_TOPIC, "t", big).await.unwrap();
+    transport.publish(DEFAULT_TOPIC, "t", big).await.unwrap();
     // The publisher's next number is no gap: the oversized one used up 1.
     let next = raw_event("t", 5, 2, &refresh_change("after", "big"));
-    bus.publish(DEFAULT_TOPIC, "t", next).await.unwrap();
+    transport.publish(DEFAULT_TOPIC, "t", next).await.unwrap();
     eventually("the next event applies", async || {
         holds(&t, "after", Some("big")).await
     })
@@ -913,13 +927,14 @@ async fn an_unreadable_event_without_a_tag_invalidates_what_it_may_have_changed(
 
     // A format this node cannot read, naming no cache: any may be stale.
     u.insert("k".into(), "cached".into()).await;
-    bus.publish(
-        DEFAULT_TOPIC,
-        "u",
-        Bytes::from_static(b"\x09a newer format"),
-    )
-    .await
-    .unwrap();
+    transport
+        .publish(
+            DEFAULT_TOPIC,
+            "u",
+            Bytes::from_static(b"\x09a newer format"),
+        )
+        .await
+        .unwrap();
     eventually("every cache is invalidated", async || {
         node.status().losses == 1
     })
@@ -937,9 +952,9 @@ async fn an_unreadable_event_without_a_tag_invalidates_what_it_may_have_changed(
 #[tokio::test]
 async fn an_oversized_event_resyncs_the_cache_its_header_names_not_its_tag() {
     let ring = Keyring::new("k1", b"node-and-admin-shared-secret".to_vec()).unwrap();
-    let bus = EmbeddedBus::new();
+    let transport = EmbeddedTransport::new();
     let (t, u) = (cache("t"), cache("u"));
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .verify_signatures(ring.clone())
         .max_event_bytes(1024)
         .register(&t)
@@ -955,7 +970,7 @@ async fn an_oversized_event_resyncs_the_cache_its_header_names_not_its_tag() {
         1,
         &refresh_change("k", &"x".repeat(4096)),
     )));
-    bus.publish(DEFAULT_TOPIC, "u", signed).await.unwrap();
+    transport.publish(DEFAULT_TOPIC, "u", signed).await.unwrap();
     eventually("the event is rejected", async || {
         node.status().events_rejected == 1
     })
@@ -976,8 +991,11 @@ async fn an_oversized_event_resyncs_the_cache_its_header_names_not_its_tag() {
 /// on a transport that filters by tag its events never came.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registration_given_up_half_way_leaves_nothing_behind() {
-    let bus = EmbeddedBus::new();
-    let node = Node::builder("n1", bus.clone()).start().await.unwrap();
+    let transport = EmbeddedTransport::new();
+    let node = Node::builder("n1", transport.clone())
+        .start()
+        .await
+        .unwrap();
     let c = crate::cache::tests::locking_cache();
     // A loader holding a key, which a clear waits for.
     let (load, go_tx) = crate::cache::tests::parked_load(&c, "k", "loaded", true).await;
@@ -1005,21 +1023,22 @@ async fn a_registration_given_up_half_way_leaves_nothing_behind() {
 /// overflowed, killing the consumer task, in debug builds.
 #[tokio::test]
 async fn the_largest_sequence_number_is_just_a_number() {
-    let bus = EmbeddedBus::new();
+    let transport = EmbeddedTransport::new();
     let c = cache("t");
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .register(&c)
         .start()
         .await
         .unwrap();
     for (seq, v) in [(u64::MAX - 1, "a"), (u64::MAX, "b"), (u64::MAX, "c")] {
-        bus.publish(
-            DEFAULT_TOPIC,
-            "t",
-            raw_event("t", 9, seq, &refresh_change("k", v)),
-        )
-        .await
-        .unwrap();
+        transport
+            .publish(
+                DEFAULT_TOPIC,
+                "t",
+                raw_event("t", 9, seq, &refresh_change("k", v)),
+            )
+            .await
+            .unwrap();
     }
     eventually("all three applied", async || {
         node.status().caches[0].events_applied == 3
@@ -1037,13 +1056,13 @@ async fn the_largest_sequence_number_is_just_a_number() {
 /// history there is, and quarantine for as long as the process lives.
 #[tokio::test]
 async fn an_unbounded_reorder_window_replays_everything_and_quarantines_for_good() {
-    let bus = EmbeddedBus::new();
-    Publisher::new(bus.clone())
+    let transport = EmbeddedTransport::new();
+    Publisher::new(transport.clone())
         .refresh_versioned("t", [("old", "history", Some(1))])
         .await
         .unwrap();
     let c = cache("t");
-    let node = Node::builder("n1", bus.clone())
+    let node = Node::builder("n1", transport.clone())
         .reorder_window(Duration::MAX)
         .register(&c)
         .start()
@@ -1072,13 +1091,13 @@ async fn an_unbounded_reorder_window_replays_everything_and_quarantines_for_good
 /// applied nothing.
 #[tokio::test]
 async fn registrations_are_released_when_a_start_fails_or_a_node_stops() {
-    let bus = EmbeddedBus::new();
+    let transport = EmbeddedTransport::new();
     let c = cache("t");
 
     // Start fails after the caches were claimed: a corrupt offsets file.
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("offsets.json"), b"{not json").unwrap();
-    let err = Node::builder("n1", bus.clone())
+    let err = Node::builder("n1", transport.clone())
         .offset_store(FileOffsetStore::new(dir.path()))
         .register(&c)
         .start()
@@ -1090,7 +1109,7 @@ async fn registrations_are_released_when_a_start_fails_or_a_node_stops() {
     );
 
     // Start fails on the configuration, with another cache already claimed.
-    let err = Node::builder("n1", bus.clone())
+    let err = Node::builder("n1", transport.clone())
         .register(&c)
         .register(&cache("t"))
         .start()
@@ -1098,7 +1117,7 @@ async fn registrations_are_released_when_a_start_fails_or_a_node_stops() {
         .unwrap_err();
     assert!(matches!(err, Error::DuplicateCache(_)), "{err}");
 
-    let node = Node::builder("n2", bus.clone())
+    let node = Node::builder("n2", transport.clone())
         .register(&c)
         .start()
         .await
@@ -1108,7 +1127,7 @@ async fn registrations_are_released_when_a_start_fails_or_a_node_stops() {
     let stopped = node.register(&cache("other")).await.unwrap_err();
     assert!(matches!(stopped, Error::Shutdown), "{stopped}");
 
-    let again = Node::builder("n3", bus.clone())
+    let again = Node::builder("n3", transport.clone())
         .register(&c)
         .start()
         .await
@@ -1120,16 +1139,16 @@ async fn registrations_are_released_when_a_start_fails_or_a_node_stops() {
     .await;
 }
 
-/// A bus whose subscriptions fail while `down` is set: a broker that is
+/// A transport whose subscriptions fail while `down` is set: a broker that is
 /// unreachable when a node starts.
 #[derive(Debug, Clone, Default)]
-struct SwitchBus {
-    inner: EmbeddedBus,
+struct SwitchTransport {
+    inner: EmbeddedTransport,
     down: Arc<std::sync::atomic::AtomicBool>,
 }
 
 #[async_trait]
-impl ChangeBus for SwitchBus {
+impl Transport for SwitchTransport {
     fn kind(&self) -> &'static str {
         "switch"
     }
@@ -1196,7 +1215,7 @@ fn step() -> impl proptest::strategy::Strategy<Value = Step> {
 /// `Shutdown`); a failed start, a shutdown and a dropped node each give
 /// their caches back; and every cache a running node holds gets its events.
 async fn lifecycle(steps: Vec<Step>) -> std::result::Result<(), String> {
-    let bus = SwitchBus::default();
+    let transport = SwitchTransport::default();
     let caches: Vec<Cache> = (0..3).map(|i| cache(&format!("c{i}"))).collect();
     // Per slot: the node, whether it still runs, and the caches it holds.
     let mut slots: Vec<Option<(Node, bool, Vec<usize>)>> = vec![None, None, None];
@@ -1231,13 +1250,13 @@ async fn lifecycle(steps: Vec<Step>) -> std::result::Result<(), String> {
                 }
                 let wanted: Vec<usize> = (0..3).filter(|c| set & (1 << c) != 0).collect();
                 let taken = wanted.iter().any(|&c| owner(&slots, c).is_some());
-                bus.down.store(broker_down, Relaxed);
-                let mut builder = Node::builder(format!("n{slot}"), bus.clone());
+                transport.down.store(broker_down, Relaxed);
+                let mut builder = Node::builder(format!("n{slot}"), transport.clone());
                 for &c in &wanted {
                     builder = builder.register(&caches[c]);
                 }
                 let started = builder.start().await;
-                bus.down.store(false, Relaxed);
+                transport.down.store(false, Relaxed);
                 match (started, taken, broker_down) {
                     (Ok(node), false, false) => slots[slot] = Some((node, true, wanted)),
                     (Err(e), true, _) if e.is_config() => {}
@@ -1288,7 +1307,7 @@ async fn lifecycle(steps: Vec<Step>) -> std::result::Result<(), String> {
         }
     }
     // Every cache a running node holds gets its events.
-    let publisher = Publisher::new(bus.inner.clone());
+    let publisher = Publisher::new(transport.inner.clone());
     for (c, cache) in caches.iter().enumerate() {
         if owner(&slots, c).is_none() {
             continue;

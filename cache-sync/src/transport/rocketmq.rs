@@ -26,12 +26,12 @@ use rocketmq_runtime::{RuntimeConfig, RuntimeOwner};
 use tokio::sync::{RwLock, mpsc, watch};
 
 use super::{
-    ChangeBus, Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
-    Subscription,
+    Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
+    Subscription, Transport,
 };
 use crate::error::{Error, Result};
-use crate::lock;
-use crate::names::{self, NameKind};
+use crate::transport::names::{self, NameKind};
+use crate::util::lock;
 
 const KIND: &str = "rocketmq";
 /// The client id is `<client_ip>@<instance>` and names the offsets
@@ -77,7 +77,7 @@ fn err(e: ClientError) -> Error {
 ///   to every node. A cache's events all go to one queue (the tag is
 ///   hashed to pick it), so they arrive in publish order; events of
 ///   different caches are not ordered with each other. The message tag is
-///   the cache name and the brokers filter by it ([`ChangeBus::filters_by_tag`]).
+///   the cache name and the brokers filter by it ([`Transport::filters_by_tag`]).
 /// - **Back-pressure:** the client's orderly listener hands each batch to a
 ///   bounded buffer. When the buffer is full the queue is suspended for a
 ///   moment and the same batch is offered again, so a full buffer slows the
@@ -112,12 +112,12 @@ fn err(e: ClientError) -> Error {
 /// removes it when it ends.
 ///
 /// # Shutdown
-/// The bus owns the client's runtime. [`RocketMqBus::shutdown`] stops the
+/// The transport owns the client's runtime. [`RocketMqTransport::shutdown`] stops the
 /// producer, the client runtime and its tasks, in that order; dropping the
 /// last clone does the same on a helper thread.
 #[cfg_attr(docsrs, doc(cfg(feature = "rocketmq")))]
 #[derive(Clone)]
-pub struct RocketMqBus {
+pub struct RocketMqTransport {
     inner: Arc<dyn Shared>,
 }
 
@@ -134,9 +134,9 @@ impl Shared for Inner {
     }
 }
 
-impl fmt::Debug for RocketMqBus {
+impl fmt::Debug for RocketMqTransport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RocketMqBus")
+        f.debug_struct("RocketMqTransport")
             .field("config", &self.inner.get().config)
             .finish_non_exhaustive()
     }
@@ -150,7 +150,7 @@ struct RmqConfig {
     name_prefix: String,
 }
 
-/// Configures a [`RocketMqBus`].
+/// Configures a [`RocketMqTransport`].
 #[cfg_attr(docsrs, doc(cfg(feature = "rocketmq")))]
 #[derive(Debug, Clone)]
 pub struct RocketMqBuilder {
@@ -158,7 +158,7 @@ pub struct RocketMqBuilder {
 }
 
 impl RocketMqBuilder {
-    /// Message queues of a topic the bus creates. Default 4. More queues
+    /// Message queues of a topic the transport creates. Default 4. More queues
     /// spread caches over more brokers' queues; order holds per cache either
     /// way.
     pub fn queues_per_topic(mut self, n: u32) -> Self {
@@ -175,7 +175,7 @@ impl RocketMqBuilder {
         self
     }
 
-    /// Prefix of the consumer groups and client instance names the bus
+    /// Prefix of the consumer groups and client instance names the transport
     /// creates. Default `"cache-sync"`.
     pub fn name_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.config.name_prefix = prefix.into();
@@ -183,14 +183,14 @@ impl RocketMqBuilder {
     }
 
     /// Starts the client runtime and the producer.
-    pub async fn connect(self) -> Result<RocketMqBus> {
+    pub async fn connect(self) -> Result<RocketMqTransport> {
         // Boxed as `dyn Send`: the client's futures nest so deeply that
         // every crate awaiting them would need a higher recursion limit.
-        let connecting: BoxFuture<'static, Result<RocketMqBus>> = Box::pin(self.start());
+        let connecting: BoxFuture<'static, Result<RocketMqTransport>> = Box::pin(self.start());
         connecting.await
     }
 
-    async fn start(self) -> Result<RocketMqBus> {
+    async fn start(self) -> Result<RocketMqTransport> {
         let client_dir = client_offset_dir();
         let offset_dir = match self.config.offset_dir.clone() {
             Some(dir) if !same_dir(&dir, &client_dir) => {
@@ -235,14 +235,14 @@ impl RocketMqBuilder {
         });
         let producer = inner.new_producer().await?;
         *inner.producer.write().await = Some(producer);
-        Ok(RocketMqBus {
+        Ok(RocketMqTransport {
             inner: inner as Arc<dyn Shared>,
         })
     }
 }
 
-impl RocketMqBus {
-    /// Configures a bus for the name server at `namesrv_addr`
+impl RocketMqTransport {
+    /// Configures a transport for the name server at `namesrv_addr`
     /// (`127.0.0.1:9876`; several separated by `;`).
     pub fn builder(namesrv_addr: impl Into<String>) -> RocketMqBuilder {
         RocketMqBuilder {
@@ -261,7 +261,7 @@ impl RocketMqBus {
     }
 
     /// Stops the producer and the client runtime for every clone of this
-    /// bus. Subscriptions still alive then fail with a disconnect.
+    /// transport. Subscriptions still alive then fail with a disconnect.
     // A plain fn returning a boxed future, not an `async fn`: callers in
     // other crates would otherwise have to lay out the client's deeply nested
     // futures themselves, and need a raised recursion limit to do it.
@@ -280,14 +280,14 @@ struct SendFailures {
 struct Inner {
     config: RmqConfig,
     offset_dir: PathBuf,
-    /// Unique per bus: instance names and groups derive from it.
+    /// Unique per transport: instance names and groups derive from it.
     id: String,
     rt: Arc<ClientRuntime>,
     owner: Mutex<Option<RuntimeOwner>>,
     producer: RwLock<Option<DefaultMQProducer>>,
     producers_made: AtomicU64,
     send_failures: Mutex<SendFailures>,
-    /// Topics created (or found) by this bus, with their route's master
+    /// Topics created (or found) by this transport, with their route's master
     /// brokers then (name to address).
     topics: tokio::sync::Mutex<HashMap<String, TopicBrokers>>,
     names: AtomicU64,
@@ -382,7 +382,7 @@ impl Inner {
 
     fn ensure_open(&self) -> Result<()> {
         if self.closed.load(Ordering::SeqCst) {
-            return Err(Error::disconnected(KIND, "the bus was shut down"));
+            return Err(Error::disconnected(KIND, "the transport was shut down"));
         }
         Ok(())
     }
@@ -415,7 +415,7 @@ impl Inner {
     }
 
     /// Creates the topic with the configured number of queues on every
-    /// master broker, once per topic and bus.
+    /// master broker, once per topic and transport.
     async fn ensure_topic(&self, topic: &str) -> Result<TopicBrokers> {
         let mut topics = self.topics.lock().await;
         if let Some(brokers) = topics.get(topic) {
@@ -533,7 +533,7 @@ impl Inner {
             .map_err(|e| Error::Config(format!("rocketmq message: {e}")))?;
         let guard = self.producer.read().await;
         let Some(producer) = guard.as_ref() else {
-            return Err(Error::disconnected(KIND, "the bus was shut down"));
+            return Err(Error::disconnected(KIND, "the transport was shut down"));
         };
         let picked = picked.clone();
         let sent = producer
@@ -725,7 +725,7 @@ async fn reachable(addr: &str) -> bool {
 }
 
 #[async_trait]
-impl ChangeBus for RocketMqBus {
+impl Transport for RocketMqTransport {
     fn kind(&self) -> &'static str {
         KIND
     }
@@ -1394,7 +1394,7 @@ impl Drop for RocketMqSubscription {
             return;
         };
         // Shutting a consumer down is async; without a runtime it is left to
-        // the bus's own shutdown.
+        // the transport's own shutdown.
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             handle.spawn(async move { consumer.shutdown().await });
         }

@@ -14,9 +14,9 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-use crate::bus::Position;
 use crate::error::{Error, Result};
-use crate::lock;
+use crate::transport::Position;
+use crate::util::lock;
 
 /// Stores a node's position per topic.
 ///
@@ -216,7 +216,7 @@ impl OffsetStore for FileOffsetStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bus::Offset;
+    use crate::transport::Offset;
 
     #[tokio::test]
     async fn file_store_round_trips_per_topic_and_leaves_no_temp_file() {

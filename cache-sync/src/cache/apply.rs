@@ -1,0 +1,194 @@
+//! Applying events: the type-erased face a node sees of each cache.
+
+use std::hash::Hash;
+use std::sync::atomic::{
+    Ordering::AcqRel, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::Inner;
+use super::versions::RefreshDecision;
+use crate::status::CacheStatus;
+use crate::util::{lock, now_us};
+use crate::wire::{Change, Header, decode_part};
+
+/// What the consumer needs from a registered cache, without its types.
+#[async_trait]
+pub(crate) trait CacheHandle: Send + Sync {
+    fn name(&self) -> &str;
+    /// Claims the cache for the node with token `owner` (never 0), whose
+    /// reorder window sets how long each quarantine lasts. False if another
+    /// node holds it.
+    fn claim(&self, owner: u64, reorder_window: Duration) -> bool;
+    /// Gives the cache up, if `owner` holds it, so another node may claim it.
+    fn release(&self, owner: u64);
+    /// Applies one decoded event. Undecodable keys or values are answered
+    /// here (invalidation or a resync), counted, and logged.
+    async fn apply(&self, header: &Header, change: Change);
+    /// Drops everything, because events may have been lost, and quarantines.
+    async fn resync(&self);
+    /// Drops everything (on registration; not counted as a loss).
+    async fn reset(&self);
+    /// For one reorder window from now, applies versioned refreshes as
+    /// invalidations: a refresh delivered now may be older than an event for
+    /// its key that this cache never saw (lost, or published before the node
+    /// subscribed), when two writers publish in another order than they
+    /// committed. Only the source of truth can tell, so the entry is dropped
+    /// and the next read loads it.
+    fn quarantine(&self);
+    async fn reject(&self, reason: &str);
+    /// Lets moka finish pending bookkeeping, so `entries` is current.
+    async fn settle(&self);
+    fn status(&self) -> CacheStatus;
+}
+
+#[async_trait]
+impl<K, V> CacheHandle for Inner<K, V>
+where
+    K: Hash + Eq + Clone + Send + Sync + Serialize + DeserializeOwned + 'static,
+    V: Clone + Send + Sync + DeserializeOwned + 'static,
+{
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn claim(&self, owner: u64, reorder_window: Duration) -> bool {
+        if self
+            .owner
+            .compare_exchange(0, owner, AcqRel, Acquire)
+            .is_err()
+        {
+            return false;
+        }
+        *lock(&self.quarantine) = reorder_window;
+        true
+    }
+
+    fn release(&self, owner: u64) {
+        // Only the claimant's release counts: a node that shut down, and
+        // whose cache another node claimed since, must not free it again.
+        let _ = self.owner.compare_exchange(owner, 0, AcqRel, Acquire);
+    }
+
+    async fn apply(&self, header: &Header, change: Change) {
+        let s = &self.stats;
+        // Raised only once the change is in the cache, so a node never reports
+        // a version next to an older value.
+        let version = change.max_version();
+        match change {
+            Change::Clear { version } => {
+                self.clear(version).await;
+                s.clears.fetch_add(1, Relaxed);
+            }
+            Change::Invalidate { keys } => {
+                let mut decoded = Vec::with_capacity(keys.len());
+                for kv in keys {
+                    match decode_part::<K>(&kv.key, "key") {
+                        Ok(k) => decoded.push((k, kv.version)),
+                        Err(e) => return self.reject_and_resync(header, &e.to_string()).await,
+                    }
+                }
+                for (k, version) in decoded {
+                    self.invalidate(k, version).await;
+                    s.invalidations.fetch_add(1, Relaxed);
+                }
+            }
+            Change::Refresh { entries } => {
+                let quarantined = self.quarantined();
+                let mut decoded = Vec::with_capacity(entries.len());
+                for e in &entries {
+                    match decode_part::<K>(&e.key, "key") {
+                        Ok(k) => decoded.push(k),
+                        Err(err) => return self.reject_and_resync(header, &err.to_string()).await,
+                    }
+                }
+                for (k, e) in decoded.into_iter().zip(entries) {
+                    match decode_part::<V>(&e.value, "value") {
+                        Ok(_) if quarantined && e.version.is_some() => {
+                            self.invalidate(k, e.version).await;
+                            s.refreshes_quarantined.fetch_add(1, Relaxed)
+                        }
+                        Ok(v) => match self.refresh(k, v, e.version).await {
+                            RefreshDecision::Apply => s.refreshes.fetch_add(1, Relaxed),
+                            RefreshDecision::Stale => s.stale_ignored.fetch_add(1, Relaxed),
+                            RefreshDecision::Invalidate => s.invalidations.fetch_add(1, Relaxed),
+                        },
+                        Err(err) => {
+                            // Never drop a failed refresh: the old value would stay.
+                            tracing::warn!(
+                                cache = %self.name, origin = %header.origin, seq = header.seq,
+                                reason = %err, "refresh value did not decode; invalidating the key instead"
+                            );
+                            s.rejected_events.fetch_add(1, Relaxed);
+                            s.refresh_fallbacks.fetch_add(1, Relaxed);
+                            self.invalidate(k, e.version).await;
+                            s.invalidations.fetch_add(1, Relaxed)
+                        }
+                    };
+                }
+            }
+        }
+        if let Some(v) = version {
+            s.version.fetch_max(v, Relaxed);
+        }
+        let now = now_us();
+        s.last_applied_us.store(now, Relaxed);
+        s.last_latency_us
+            .store(now.saturating_sub(header.published_at_us), Relaxed);
+        // Last, and with Release (read with Acquire): a poller that sees the
+        // new count also sees this event's time and latency.
+        s.events_applied.fetch_add(1, Release);
+    }
+
+    async fn resync(&self) {
+        self.quarantine();
+        self.reset().await;
+        self.stats.loss_resyncs.fetch_add(1, Relaxed);
+    }
+
+    async fn reset(&self) {
+        self.clear(None).await;
+    }
+
+    fn quarantine(&self) {
+        // A window too long for the clock (`Duration::MAX`) lasts for good.
+        let until = crate::util::deadline_after(*lock(&self.quarantine));
+        let mut q = lock(&self.quarantine_until);
+        *q = Some(q.map_or(until, |old| old.max(until)));
+    }
+
+    async fn reject(&self, reason: &str) {
+        self.stats.rejected_events.fetch_add(1, Relaxed);
+        tracing::warn!(cache = %self.name, %reason, "unreadable event for this cache; invalidating it all, since it may have carried a change");
+        self.resync().await;
+    }
+
+    async fn settle(&self) {
+        self.cache.run_pending_tasks().await;
+    }
+
+    fn status(&self) -> CacheStatus {
+        self.snapshot()
+    }
+}
+
+impl<K, V> Inner<K, V>
+where
+    K: Hash + Eq + Clone + Send + Sync + Serialize + DeserializeOwned + 'static,
+    V: Clone + Send + Sync + DeserializeOwned + 'static,
+{
+    async fn reject_and_resync(&self, header: &Header, reason: &str) {
+        tracing::warn!(cache = %self.name, origin = %header.origin, seq = header.seq, %reason,
+            "event key did not decode; cannot tell which entries it meant");
+        self.stats.rejected_events.fetch_add(1, Relaxed);
+        self.resync().await;
+    }
+
+    fn quarantined(&self) -> bool {
+        lock(&self.quarantine_until).is_some_and(|until| tokio::time::Instant::now() < until)
+    }
+}

@@ -1,0 +1,188 @@
+//! Read-through loads: coalescing concurrent loads of one key, retrying a
+//! load a write overtook, and pinning the key for the last attempt.
+
+use std::any::Any;
+use std::future::Future;
+use std::hash::Hash;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+
+use tokio::sync::{Mutex as AsyncMutex, watch};
+
+use super::Inner;
+use super::write::Write;
+use crate::util::lock;
+
+pub(super) type SharedError = Arc<dyn Any + Send + Sync>;
+pub(super) type FlightResult<V> = Option<Result<V, SharedError>>;
+
+/// One in-flight load that concurrent callers for the same key wait on.
+pub(super) struct Flight<V> {
+    pub(super) result: watch::Sender<FlightResult<V>>,
+}
+
+tokio::task_local! {
+    /// Set while a locked load's loader runs: the addresses of the pins its
+    /// task holds (more than one when locked loads nest).
+    static HELD_PINS: Vec<usize>;
+}
+
+/// Removes a flight from the map when its leader finishes or is cancelled.
+pub(super) struct FlightGuard<'a, K: Hash + Eq, V> {
+    pub(super) inner: &'a Inner<K, V>,
+    pub(super) key: &'a K,
+    pub(super) flight: &'a Arc<Flight<V>>,
+}
+
+impl<K: Hash + Eq, V> Drop for FlightGuard<'_, K, V> {
+    fn drop(&mut self) {
+        let mut flights = lock(&self.inner.flights);
+        if flights
+            .get(self.key)
+            .is_some_and(|f| Arc::ptr_eq(f, self.flight))
+        {
+            flights.remove(self.key);
+        }
+    }
+}
+
+/// A locked load's pin on its key: removed, and its waiters woken, when the
+/// load installs, fails or is cancelled.
+pub(super) struct KeyPin<'a, K: Hash + Eq, V> {
+    pub(super) inner: &'a Inner<K, V>,
+    pub(super) key: &'a K,
+    pub(super) pin: Arc<AsyncMutex<()>>,
+    /// Held for the pin's life; waiters wait for it.
+    pub(super) held: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl<K: Hash + Eq, V> Drop for KeyPin<'_, K, V> {
+    fn drop(&mut self) {
+        let mut pins = lock(&self.inner.pins);
+        if pins
+            .get(self.key)
+            .is_some_and(|p| Arc::ptr_eq(p, &self.pin))
+        {
+            pins.remove(self.key);
+        }
+        self.inner.pinned.store(pins.len(), Relaxed);
+        drop(pins);
+        // Wakes the writes that waited for the pin; they find it gone.
+        self.held.take();
+    }
+}
+
+pub(super) fn pin_id(pin: &Arc<AsyncMutex<()>>) -> usize {
+    Arc::as_ptr(pin) as usize
+}
+
+/// Whether the current task is the locked load that holds `pin`.
+pub(super) fn held_by_this_task(pin: &Arc<AsyncMutex<()>>) -> bool {
+    HELD_PINS
+        .try_with(|held| held.contains(&pin_id(pin)))
+        .unwrap_or(false)
+}
+
+impl<K, V> Inner<K, V>
+where
+    K: Hash + Eq + Clone + Send + Sync + 'static,
+    V: Clone + Send + Sync + 'static,
+{
+    /// Runs the loader until its result can be installed without having
+    /// crossed a write to the key.
+    pub(super) async fn load<F, Fut, E>(&self, key: &K, loader: &mut F) -> Result<V, Arc<E>>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<V, E>>,
+    {
+        let mut attempt = 0;
+        loop {
+            if attempt > self.max_load_retries {
+                return self.load_locked(key, loader).await;
+            }
+            let token = lock(&self.table).load_token();
+            self.stats.loads.fetch_add(1, Relaxed);
+            let value = match loader().await {
+                Ok(v) => v,
+                Err(e) => {
+                    self.stats.load_failures.fetch_add(1, Relaxed);
+                    return Err(Arc::new(e));
+                }
+            };
+            let installed = self
+                .write(key.clone(), |table, k| {
+                    if table.superseded(k, token) {
+                        Write::Keep
+                    } else {
+                        Write::Put(value.clone())
+                    }
+                })
+                .await;
+            if installed {
+                return Ok(value);
+            }
+            self.stats.loads_superseded.fetch_add(1, Relaxed);
+            // A refresh that superseded us may have installed a newer value.
+            if let Some(v) = self.cache.get(key).await {
+                return Ok(v);
+            }
+            attempt = attempt.saturating_add(1);
+        }
+    }
+
+    /// The last resort for a key that kept changing during every load: one
+    /// more load with the key pinned, so no write to the key from another
+    /// task (and no clear) can land between the read and the install. Those
+    /// writes wait for the loader meanwhile, the consumer's included; that
+    /// is the price of never returning a value older than a change applied
+    /// during the call. Writes to other keys do not wait.
+    pub(super) async fn load_locked<F, Fut, E>(&self, key: &K, loader: &mut F) -> Result<V, Arc<E>>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<V, E>>,
+    {
+        tracing::debug!(cache = %self.name, "key kept changing during loads; loading it pinned");
+        let pin = Arc::new(AsyncMutex::new(()));
+        let pinned = KeyPin {
+            inner: self,
+            key,
+            held: pin.clone().try_lock_owned().ok(),
+            pin: pin.clone(),
+        };
+        let token = {
+            // Pin under the stripe: a write that holds it has either landed
+            // already (before the token) or will see the pin.
+            let _stripe = self.lock_key(key).await;
+            let mut pins = lock(&self.pins);
+            // A nested load of the same key on this task keeps the outer pin.
+            pins.entry(key.clone()).or_insert_with(|| pin.clone());
+            self.pinned.store(pins.len(), Relaxed);
+            lock(&self.table).load_token()
+        };
+        self.stats.loads.fetch_add(1, Relaxed);
+        let mut held = HELD_PINS.try_with(Clone::clone).unwrap_or_default();
+        held.push(pin_id(&pin));
+        let loaded = HELD_PINS.scope(held, loader()).await;
+        let value = match loaded {
+            Ok(v) => v,
+            Err(e) => {
+                self.stats.load_failures.fetch_add(1, Relaxed);
+                return Err(Arc::new(e));
+            }
+        };
+        {
+            let _stripe = self.write_locks[self.stripe(key)].lock().await;
+            // Nothing but the loader itself can have written the key
+            // meanwhile; if it did, its write stands and the value is
+            // returned uncached.
+            if lock(&self.table).superseded(key, token) {
+                self.stats.loads_superseded.fetch_add(1, Relaxed);
+            } else {
+                self.cache.insert(key.clone(), value.clone()).await;
+            }
+            // Unpin before the stripe goes, so the next write sees no pin.
+            drop(pinned);
+        }
+        Ok(value)
+    }
+}

@@ -1,0 +1,96 @@
+//! The cache's counters, and the status snapshot made of them.
+
+use std::hash::Hash;
+use std::sync::atomic::{AtomicU64, Ordering::Acquire, Ordering::Relaxed};
+
+use super::Inner;
+use crate::status::CacheStatus;
+use crate::util::lock;
+
+#[derive(Default)]
+pub(super) struct Stats {
+    pub(super) hits: StripedCounter,
+    pub(super) misses: StripedCounter,
+    pub(super) loads: AtomicU64,
+    pub(super) load_failures: AtomicU64,
+    pub(super) loads_superseded: AtomicU64,
+    pub(super) invalidations: AtomicU64,
+    pub(super) refreshes: AtomicU64,
+    pub(super) stale_ignored: AtomicU64,
+    pub(super) refresh_fallbacks: AtomicU64,
+    pub(super) refreshes_quarantined: AtomicU64,
+    pub(super) clears: AtomicU64,
+    pub(super) loss_resyncs: AtomicU64,
+    pub(super) rejected_events: AtomicU64,
+    pub(super) events_applied: AtomicU64,
+    /// Highest version applied; 0 while none.
+    pub(super) version: AtomicU64,
+    pub(super) last_applied_us: AtomicU64,
+    pub(super) last_latency_us: AtomicU64,
+}
+
+/// A counter for the read path: one shared atomic would bounce its cache
+/// line between every core that reads the cache.
+#[derive(Default)]
+pub(super) struct StripedCounter {
+    pub(super) stripes: [Stripe; STRIPES],
+}
+
+pub(super) const STRIPES: usize = 16;
+
+#[derive(Default)]
+#[repr(align(128))]
+pub(super) struct Stripe(AtomicU64);
+
+impl StripedCounter {
+    pub(super) fn add_one(&self) {
+        thread_local! {
+            static STRIPE: usize = {
+                static NEXT: AtomicU64 = AtomicU64::new(0);
+                NEXT.fetch_add(1, Relaxed) as usize % STRIPES
+            };
+        }
+        let i = STRIPE.with(|s| *s);
+        self.stripes[i].0.fetch_add(1, Relaxed);
+    }
+
+    pub(super) fn sum(&self) -> u64 {
+        self.stripes.iter().map(|s| s.0.load(Relaxed)).sum()
+    }
+}
+
+impl<K, V> Inner<K, V>
+where
+    K: Hash + Eq + Clone + Send + Sync + 'static,
+    V: Clone + Send + Sync + 'static,
+{
+    pub(super) fn snapshot(&self) -> CacheStatus {
+        let s = &self.stats;
+        // First: see the apply path's Release store.
+        let events_applied = s.events_applied.load(Acquire);
+        let version = s.version.load(Relaxed);
+        let last = s.last_applied_us.load(Relaxed);
+        CacheStatus {
+            name: self.name.clone(),
+            version: (version > 0).then_some(version),
+            entries: self.cache.entry_count(),
+            tracked_keys: lock(&self.table).len() as u64,
+            hits: s.hits.sum(),
+            misses: s.misses.sum(),
+            loads: s.loads.load(Relaxed),
+            load_failures: s.load_failures.load(Relaxed),
+            loads_superseded: s.loads_superseded.load(Relaxed),
+            events_applied,
+            invalidations: s.invalidations.load(Relaxed),
+            refreshes: s.refreshes.load(Relaxed),
+            stale_ignored: s.stale_ignored.load(Relaxed),
+            refresh_fallbacks: s.refresh_fallbacks.load(Relaxed),
+            refreshes_quarantined: s.refreshes_quarantined.load(Relaxed),
+            clears: s.clears.load(Relaxed),
+            loss_resyncs: s.loss_resyncs.load(Relaxed),
+            rejected_events: s.rejected_events.load(Relaxed),
+            last_applied_at_us: (last > 0).then_some(last),
+            last_latency_us: (last > 0).then(|| s.last_latency_us.load(Relaxed)),
+        }
+    }
+}

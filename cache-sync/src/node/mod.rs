@@ -1,0 +1,430 @@
+//! The broadcasting consumer: one per node, applying every event on its topic
+//! to the caches the node registered.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::Hash;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinHandle;
+
+use crate::cache::{CacheHandle, SyncedCache};
+use crate::error::{Error, Result};
+use crate::publish::Publisher;
+use crate::status::NodeStatus;
+use crate::transport::{
+    LossReason, Position, StartFrom, SubscribeOptions, Subscription, Transport,
+};
+use crate::util::lock;
+use crate::util::now_us;
+use crate::wire::DEFAULT_MAX_EVENT_BYTES;
+use crate::wire::Keyring;
+
+mod builder;
+mod consume;
+mod http;
+mod maintenance;
+mod offsets;
+mod route;
+mod seqs;
+
+pub use builder::NodeBuilder;
+pub use http::StatusServer;
+pub use offsets::{FileOffsetStore, MemoryOffsetStore, OffsetStore};
+#[cfg(any(test, feature = "_fuzz"))]
+pub(crate) use route::fuzz_records;
+
+/// The `offsets` fuzz target: `offsets.json` parsing.
+#[cfg(any(test, feature = "_fuzz"))]
+pub(crate) fn fuzz_offsets(data: &[u8]) {
+    offsets::fuzz(data);
+}
+
+/// The topic used when none is set.
+pub(crate) const DEFAULT_TOPIC: &str = "cache-sync";
+
+/// See [`NodeBuilder::reorder_window`].
+pub(crate) const DEFAULT_REORDER_WINDOW: Duration = Duration::from_secs(10);
+
+/// The shortest wait between re-subscription attempts.
+const MIN_BACKOFF: Duration = Duration::from_millis(1);
+
+/// Hands each node a token of its own, so a cache knows which node holds it.
+static NEXT_NODE_TOKEN: AtomicU64 = AtomicU64::new(1);
+
+/// One application node: a broadcasting consumer plus the caches it keeps in
+/// step, and the source of its status.
+///
+/// Cheap to clone; clones share the consumer. The consumer stops when
+/// [`shutdown`](Self::shutdown) is called, or when the last clone is dropped
+/// (without persisting its position).
+#[derive(Clone)]
+pub struct Node {
+    handle: Arc<Handle>,
+}
+
+impl fmt::Debug for Node {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Node")
+            .field("id", &self.handle.shared.id)
+            .field("topic", &self.handle.shared.topic)
+            .field("transport", &self.handle.shared.transport.kind())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Owned by the `Node` clones only; the tasks hold `Shared`, so dropping the
+/// last `Node` can stop them.
+struct Handle {
+    shared: Arc<Shared>,
+    stop: watch::Sender<bool>,
+    tasks: tokio::sync::Mutex<Option<(JoinHandle<()>, JoinHandle<()>)>>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.stop.send_replace(true);
+    }
+}
+
+/// A node that failed to start, or whose last task and handle are gone,
+/// lets its caches be registered on another node.
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.release_caches();
+    }
+}
+
+struct Shared {
+    /// This node's claim on its caches; see `CacheHandle::claim`.
+    token: u64,
+    id: String,
+    topic: String,
+    transport: Arc<dyn Transport>,
+    offsets: Arc<dyn OffsetStore>,
+    config: Config,
+    keyring: Option<Keyring>,
+    /// Copied on write (registrations are rare), so the consumer takes one
+    /// snapshot per batch instead of a lock and an `Arc` clone per event.
+    caches: RwLock<Arc<CacheMap>>,
+    /// Bumped on every registration, so the consumer can re-subscribe with
+    /// the new tag set.
+    registrations: watch::Sender<u64>,
+    position: Mutex<Position>,
+    /// The position moved since it was last saved.
+    dirty: AtomicBool,
+    /// Signalled after each applied batch; see `maintenance_loop`.
+    applied: Notify,
+    consuming: AtomicBool,
+    stats: NodeStats,
+}
+
+#[derive(Debug, Clone)]
+struct Config {
+    start_from: StartFrom,
+    max_batch: usize,
+    max_event_bytes: usize,
+    persist_interval: Duration,
+    min_backoff: Duration,
+    max_backoff: Duration,
+    reorder_window: Duration,
+}
+
+type CacheMap = HashMap<String, Arc<dyn CacheHandle>>;
+
+#[derive(Default)]
+struct NodeStats {
+    received: AtomicU64,
+    skipped: AtomicU64,
+    rejected: AtomicU64,
+    losses: AtomicU64,
+    publisher_gaps: AtomicU64,
+    transport_errors: AtomicU64,
+    last_loss: Mutex<Option<(String, u64)>>,
+}
+
+impl Node {
+    /// Configures a node with this id on this transport.
+    pub fn builder(id: impl Into<String>, transport: impl Transport) -> NodeBuilder {
+        NodeBuilder {
+            id: id.into(),
+            topic: DEFAULT_TOPIC.into(),
+            transport: Arc::new(transport),
+            offsets: Arc::new(MemoryOffsetStore::new()),
+            keyring: None,
+            config: Config {
+                start_from: StartFrom::Latest,
+                max_batch: 256,
+                max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
+                persist_interval: Duration::from_secs(5),
+                min_backoff: Duration::from_millis(100),
+                max_backoff: Duration::from_secs(5),
+                reorder_window: DEFAULT_REORDER_WINDOW,
+            },
+            caches: Vec::new(),
+        }
+    }
+
+    /// Starts a node with default settings.
+    pub async fn start(id: impl Into<String>, transport: impl Transport) -> Result<Node> {
+        Self::builder(id, transport).start().await
+    }
+
+    /// The node's id.
+    pub fn id(&self) -> &str {
+        &self.handle.shared.id
+    }
+
+    /// The topic it consumes.
+    pub fn topic(&self) -> &str {
+        &self.handle.shared.topic
+    }
+
+    /// Registers a cache, so events naming it are applied to it.
+    ///
+    /// The cache is emptied first: nothing it held was kept in step before
+    /// now, so register caches before warming them. Prefer
+    /// [`NodeBuilder::register`]: a cache registered after start is
+    /// quarantined for the [reorder window](NodeBuilder::reorder_window).
+    ///
+    /// Fails with [`Error::DuplicateCache`] if the name is taken on this
+    /// node, [`Error::Config`] if another node holds the cache or the
+    /// transport cannot carry its name, and [`Error::Shutdown`] once the node
+    /// has shut down. A node gives its caches up when it shuts down, or when
+    /// its start fails, so they can be registered on another.
+    ///
+    /// Emptying the cache waits for writes in progress, and for a
+    /// [`get_with`](SyncedCache::get_with) loader that holds a key. A call
+    /// dropped before it returns (a timeout) leaves the cache unregistered.
+    pub async fn register<K, V>(&self, cache: &SyncedCache<K, V>) -> Result<()>
+    where
+        K: Hash + Eq + Clone + Send + Sync + Serialize + DeserializeOwned + 'static,
+        V: Clone + Send + Sync + DeserializeOwned + 'static,
+    {
+        let handle = cache.handle();
+        let shared = &self.handle.shared;
+        if self.is_stopped() {
+            return Err(Error::Shutdown);
+        }
+        shared.transport.check_tag(handle.name())?;
+        shared.register(handle.clone()).await?;
+        // A shutdown that ran meanwhile may have released its caches before
+        // this one was in the map: undo, rather than hold a claim nobody
+        // will release.
+        if self.is_stopped() {
+            shared.unregister(&handle);
+            return Err(Error::Shutdown);
+        }
+        // It joins mid-stream: recent events for it were not kept for it.
+        handle.quarantine();
+        Ok(())
+    }
+
+    fn is_stopped(&self) -> bool {
+        *self.handle.stop.borrow()
+    }
+
+    /// A publisher on this node's transport and topic, with the node id as
+    /// its origin; it signs if the node verifies signatures.
+    pub fn publisher(&self) -> Publisher {
+        let s = &self.handle.shared;
+        let builder = Publisher::builder(s.transport.clone())
+            .topic(s.topic.clone())
+            .origin(s.id.clone())
+            .max_event_bytes(s.config.max_event_bytes);
+        match &s.keyring {
+            Some(ring) => builder.signing(ring.clone()).build_checked(),
+            None => builder.build_checked(),
+        }
+    }
+
+    /// Whether the consumer is running and its transport healthy.
+    pub fn is_consuming(&self) -> bool {
+        self.handle.shared.consuming.load(Relaxed) && !*self.handle.stop.borrow()
+    }
+
+    /// What the status endpoint reports.
+    pub fn status(&self) -> NodeStatus {
+        let s = &self.handle.shared;
+        let mut caches: Vec<_> = s.caches().values().map(|c| c.status()).collect();
+        caches.sort_by(|a, b| a.name.cmp(&b.name));
+        let last_loss = lock(&s.stats.last_loss).clone();
+        NodeStatus {
+            node_id: s.id.clone(),
+            transport: s.transport.kind().to_owned(),
+            topic: s.topic.clone(),
+            consuming: self.is_consuming(),
+            position: lock(&s.position).clone(),
+            events_received: s.stats.received.load(Relaxed),
+            events_skipped: s.stats.skipped.load(Relaxed),
+            events_rejected: s.stats.rejected.load(Relaxed),
+            losses: s.stats.losses.load(Relaxed),
+            publisher_gaps: s.stats.publisher_gaps.load(Relaxed),
+            transport_errors: s.stats.transport_errors.load(Relaxed),
+            last_loss_reason: last_loss.as_ref().map(|(r, _)| r.clone()),
+            last_loss_at_us: last_loss.map(|(_, at)| at),
+            caches,
+        }
+    }
+
+    /// Like [`status`](Self::status), after letting each cache finish
+    /// moka's pending bookkeeping, so entry counts are current.
+    pub async fn status_settled(&self) -> NodeStatus {
+        let caches: Vec<_> = self.handle.shared.caches().values().cloned().collect();
+        for cache in caches {
+            cache.settle().await;
+        }
+        self.status()
+    }
+
+    /// An axum router serving `GET /cache-sync/status`,
+    /// `GET /cache-sync/caches/{name}` and `GET /healthz`, to mount in the
+    /// application's own server. No keys or values are shown.
+    pub fn status_router(&self) -> axum::Router {
+        http::router(self.clone())
+    }
+
+    /// Serves [`status_router`](Self::status_router) on its own listener.
+    /// Pass a loopback address (such as `127.0.0.1:9464`, the port the
+    /// examples use) unless the endpoint is meant to be reachable from
+    /// other hosts.
+    pub async fn serve_status(&self, addr: impl tokio::net::ToSocketAddrs) -> Result<StatusServer> {
+        StatusServer::bind(self.clone(), addr).await
+    }
+
+    /// Stops fetching, applies what was already fetched, saves the position,
+    /// and waits for the consumer to finish.
+    ///
+    /// Afterwards the node takes no more work ([`register`](Self::register)
+    /// fails with [`Error::Shutdown`]) and its caches can be registered on
+    /// another node. Calling it again does nothing more.
+    pub async fn shutdown(&self) -> Result<()> {
+        self.handle.stop.send_replace(true);
+        let tasks = self.handle.tasks.lock().await.take();
+        if let Some((consumer, maintenance)) = tasks {
+            let _ = consumer.await;
+            let _ = maintenance.await;
+        }
+        let shared = &self.handle.shared;
+        shared.consuming.store(false, Relaxed);
+        let saved = shared.persist().await;
+        shared.release_caches();
+        saved
+    }
+}
+
+impl Shared {
+    fn caches(&self) -> Arc<CacheMap> {
+        self.caches
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn cache(&self, name: &str) -> Option<Arc<dyn CacheHandle>> {
+        self.caches().get(name).cloned()
+    }
+
+    async fn register(&self, cache: Arc<dyn CacheHandle>) -> Result<()> {
+        let name = cache.name().to_owned();
+        {
+            let mut guard = self.caches.write().unwrap_or_else(|p| p.into_inner());
+            let caches = Arc::make_mut(&mut guard);
+            if caches.contains_key(&name) {
+                return Err(Error::DuplicateCache(name));
+            }
+            if !cache.claim(self.token, self.config.reorder_window) {
+                return Err(Error::Config(format!(
+                    "cache {name:?} is already registered on a node"
+                )));
+            }
+            caches.insert(name.clone(), cache.clone());
+        }
+        // The reset below can wait (for a write, or a loader holding a key):
+        // a caller that gives up meanwhile (a timeout) must not leave the
+        // cache in the map without the re-subscription that brings its
+        // events, so the registration is undone unless it completes.
+        let mut undo = UndoRegister {
+            shared: self,
+            cache: Some(cache.clone()),
+        };
+        // After the insert: events applied meanwhile are wiped too, which is
+        // safe; the other order could drop one that arrived in between.
+        cache.reset().await;
+        self.registrations.send_modify(|n| *n = n.wrapping_add(1));
+        undo.cache = None;
+        tracing::debug!(node = %self.id, cache = %name, "cache registered");
+        Ok(())
+    }
+
+    /// Takes a cache out of the map again, and releases it.
+    fn unregister(&self, cache: &Arc<dyn CacheHandle>) {
+        {
+            let mut guard = self.caches.write().unwrap_or_else(|p| p.into_inner());
+            Arc::make_mut(&mut guard).remove(cache.name());
+        }
+        cache.release(self.token);
+    }
+
+    fn release_caches(&self) {
+        for cache in self.caches().values() {
+            cache.release(self.token);
+        }
+    }
+
+    async fn subscribe(&self, from: StartFrom) -> Result<Box<dyn Subscription>> {
+        let mut options = SubscribeOptions::new(from);
+        if self.transport.filters_by_tag() {
+            options = options.with_tags(self.caches().keys().cloned());
+        }
+        self.transport.subscribe(&self.topic, options).await
+    }
+
+    async fn persist(&self) -> Result<()> {
+        let position = lock(&self.position).clone();
+        if position.is_empty() {
+            return Ok(());
+        }
+        self.offsets.save(&self.topic, &position).await
+    }
+
+    /// Counts a loss and remembers its reason for the status.
+    fn record_loss(&self, reason: LossReason) {
+        self.stats.losses.fetch_add(1, Relaxed);
+        *lock(&self.stats.last_loss) = Some((reason.label().to_owned(), now_us()));
+    }
+
+    async fn resync_all(&self, reason: LossReason, missed: Option<u64>) {
+        self.record_loss(reason);
+        let caches: Vec<_> = self.caches().values().cloned().collect();
+        tracing::warn!(
+            node = %self.id, topic = %self.topic, reason = reason.label(), ?missed, caches = caches.len(),
+            "events may have been lost; invalidating every cache on the topic"
+        );
+        for cache in caches {
+            cache.resync().await;
+        }
+    }
+}
+
+/// Takes a cache out again if its registration is dropped half-way.
+struct UndoRegister<'a> {
+    shared: &'a Shared,
+    cache: Option<Arc<dyn CacheHandle>>,
+}
+
+impl Drop for UndoRegister<'_> {
+    fn drop(&mut self) {
+        if let Some(cache) = self.cache.take() {
+            self.shared.unregister(&cache);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
