@@ -71,9 +71,9 @@ pub fn offsets(data: &[u8]) {
 }
 
 /// The consumer's record handling, fed raw records (tags and payloads as a
-/// transport would hand them over). See `consumer::fuzz_records`.
+/// transport would hand them over). See `node::fuzz_records`.
 pub fn records(data: &[u8]) {
-    crate::node::fuzz_records(data);
+    crate::node::fuzz_records(data, &ring());
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::publish::Publisher;
 use crate::status::NodeStatus;
 use crate::transport::{
-    LossReason, Position, StartFrom, SubscribeOptions, Subscription, Transport,
+    DEFAULT_TOPIC, LossReason, Position, StartFrom, SubscribeOptions, Subscription, Transport,
 };
 use crate::util::lock;
 use crate::util::now_us;
@@ -44,9 +44,6 @@ pub(crate) use route::fuzz_records;
 pub(crate) fn fuzz_offsets(data: &[u8]) {
     offsets::fuzz(data);
 }
-
-/// The topic used when none is set.
-pub(crate) const DEFAULT_TOPIC: &str = "cache-sync";
 
 /// See [`NodeBuilder::reorder_window`].
 pub(crate) const DEFAULT_REORDER_WINDOW: Duration = Duration::from_secs(10);

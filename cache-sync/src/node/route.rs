@@ -143,7 +143,7 @@ pub(super) fn reject(shared: &Shared, record: &Record, reason: &str, label: &str
 /// and on a verifying node, where no input can carry a valid signature,
 /// nothing changes a cache: warm entries stay, and nothing is resynced.
 #[cfg(any(test, feature = "_fuzz"))]
-pub(crate) fn fuzz_records(data: &[u8]) {
+pub(crate) fn fuzz_records(data: &[u8], ring: &crate::wire::Keyring) {
     use super::Node;
     use crate::cache::SyncedCache;
     use crate::transport::Position;
@@ -196,7 +196,7 @@ pub(crate) fn fuzz_records(data: &[u8]) {
                 .register(&a)
                 .register(&b);
             if verify {
-                builder = builder.verify_signatures(crate::fuzz::ring());
+                builder = builder.verify_signatures(ring.clone());
             }
             let (shared, caches) = builder.into_shared();
             for cache in caches {
@@ -211,7 +211,6 @@ pub(crate) fn fuzz_records(data: &[u8]) {
             // The seeds hold records signed with the target's key, so that
             // the fuzzer reaches what comes after the check too; the promise
             // is checked on inputs where no record is authentic.
-            let ring = crate::fuzz::ring();
             let forged_only = records.iter().all(|r| ring.open(&r.payload).is_err());
             apply_records(&shared, &mut PublisherSeqs::default(), records).await;
             let s = &shared.stats;

@@ -11,8 +11,7 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::node::DEFAULT_TOPIC;
-use crate::transport::{Position, Transport};
+use crate::transport::{DEFAULT_TOPIC, Position, Transport};
 use crate::util::lock;
 use crate::util::now_us;
 use crate::wire::Keyring;
@@ -139,7 +138,7 @@ pub struct Published {
 }
 
 impl Publisher {
-    /// A publisher on `transport` with the default topic, [`DEFAULT_TOPIC`], a
+    /// A publisher on `transport` with the default topic, `cache-sync`, a
     /// name every transport accepts.
     pub fn new(transport: impl Transport) -> Self {
         Self::builder(transport).build_checked()

@@ -10,6 +10,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
 
+/// The topic nodes and publishers use when none is set: a name every
+/// transport accepts.
+pub(crate) const DEFAULT_TOPIC: &str = "cache-sync";
+
 pub(crate) mod embedded;
 pub(crate) mod names;
 #[cfg(feature = "nats")]
