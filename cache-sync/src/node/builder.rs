@@ -18,7 +18,7 @@ use crate::cache::{CacheHandle, SyncedCache};
 use crate::error::{Error, Result};
 use crate::transport::{StartFrom, Transport};
 use crate::util::lock;
-use crate::wire::{Keyring, MAX_EVENT_BYTES_CEILING};
+use crate::wire::{Codec, Keyring, MAX_EVENT_BYTES_CEILING};
 
 /// Configures and starts a [`Node`].
 pub struct NodeBuilder {
@@ -253,8 +253,8 @@ impl NodeBuilder {
             topic: self.topic,
             transport: self.transport,
             offsets: self.offsets,
+            codec: Codec::new(self.config.max_event_bytes, self.keyring),
             config: self.config,
-            keyring: self.keyring,
             caches: RwLock::default(),
             registrations: watch::Sender::new(0),
             position: Mutex::default(),

@@ -22,8 +22,8 @@ use crate::transport::{
 };
 use crate::util::lock;
 use crate::util::now_us;
+use crate::wire::Codec;
 use crate::wire::DEFAULT_MAX_EVENT_BYTES;
-use crate::wire::Keyring;
 
 mod builder;
 mod consume;
@@ -105,7 +105,9 @@ struct Shared {
     transport: Arc<dyn Transport>,
     offsets: Arc<dyn OffsetStore>,
     config: Config,
-    keyring: Option<Keyring>,
+    /// Opens what the transport delivers: the size limit and, when the node
+    /// verifies signatures, the keyring.
+    codec: Codec,
     /// Copied on write (registrations are rare), so the consumer takes one
     /// snapshot per batch instead of a lock and an `Arc` clone per event.
     caches: RwLock<Arc<CacheMap>>,
@@ -230,14 +232,12 @@ impl Node {
     /// its origin; it signs if the node verifies signatures.
     pub fn publisher(&self) -> Publisher {
         let s = &self.handle.shared;
-        let builder = Publisher::builder(s.transport.clone())
-            .topic(s.topic.clone())
-            .origin(s.id.clone())
-            .max_event_bytes(s.config.max_event_bytes);
-        match &s.keyring {
-            Some(ring) => builder.signing(ring.clone()).build_checked(),
-            None => builder.build_checked(),
-        }
+        Publisher::with_codec(
+            s.transport.clone(),
+            s.topic.clone(),
+            s.id.clone(),
+            s.codec.clone(),
+        )
     }
 
     /// Whether the consumer is running and its transport healthy.

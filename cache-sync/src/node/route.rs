@@ -7,12 +7,10 @@ use std::sync::atomic::Ordering::Relaxed;
 use super::seqs::PublisherSeqs;
 use super::{CacheMap, Shared};
 use crate::cache::CacheHandle;
-use crate::error::{DecodeError, DecodeErrorKind};
 use crate::transport::{LossReason, Record};
-use crate::wire::{decode_change, decode_header, strip_unverified};
+use crate::wire::{Header, Refused};
 
 pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, records: Vec<Record>) {
-    let limit = shared.config.max_event_bytes;
     // Every record here was published before this snapshot, so a cache
     // registered after it has nothing in this batch that its own reset and
     // first loads would not already reflect.
@@ -34,35 +32,22 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
         // Authentication comes before anything that could change state,
         // the size check and the tag's cache included: what fails it may
         // only bump a counter, or forgeries could flush caches at will.
-        let payload = match &shared.keyring {
-            Some(ring) => match ring.open(&record.payload) {
-                Ok(inner) => inner,
-                Err(e) => {
-                    reject(shared, &record, &e.to_string(), e.kind().label());
-                    continue;
-                }
-            },
-            None => strip_unverified(&record.payload),
-        };
-        // From here the bytes are authentic, or the node does not ask: an
-        // unreadable event may have carried a change.
-        if record.payload.len() > limit {
-            let e = DecodeError::new(DecodeErrorKind::TooLarge {
-                size: record.payload.len(),
-                limit,
-            });
-            reject(shared, &record, &e.to_string(), e.kind().label());
-            unreadable(shared, seqs, &caches, tagged, payload, &e.to_string()).await;
-            continue;
-        }
-        let (header, offset) = match decode_header(payload, limit) {
-            Ok(h) => h,
-            Err(e) => {
+        let opened = match shared.codec.open(&record.payload) {
+            Ok(opened) => opened,
+            Err(Refused::Unauthentic(e)) => {
                 reject(shared, &record, &e.to_string(), e.kind().label());
-                unreadable(shared, seqs, &caches, tagged, payload, &e.to_string()).await;
+                continue;
+            }
+            // Authentic, or the node does not ask: an unreadable event may
+            // have carried a change.
+            Err(Refused::Unreadable { error, event }) => {
+                reject(shared, &record, &error.to_string(), error.kind().label());
+                let header = shared.codec.salvage_header(event);
+                unreadable(shared, seqs, &caches, tagged, header, &error.to_string()).await;
                 continue;
             }
         };
+        let header = &opened.header;
         let Some(cache) = caches.get(&header.cache) else {
             shared.stats.skipped.fetch_add(1, Relaxed);
             continue;
@@ -78,8 +63,8 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
             cache.resync().await;
             seqs.resynced(&header.cache);
         }
-        match decode_change(payload, offset) {
-            Ok(change) => cache.apply(&header, change).await,
+        match opened.change() {
+            Ok(change) => cache.apply(header, change).await,
             Err(e) => {
                 reject(shared, &record, &e.to_string(), e.kind().label());
                 cache.reject(&e.to_string()).await;
@@ -101,13 +86,9 @@ pub(super) async fn unreadable(
     seqs: &mut PublisherSeqs,
     caches: &CacheMap,
     tagged: Option<&Arc<dyn CacheHandle>>,
-    payload: &[u8],
+    header: Option<Header>,
     reason: &str,
 ) {
-    let limit = shared.config.max_event_bytes;
-    let header = decode_header(payload.get(..limit).unwrap_or(payload), limit)
-        .ok()
-        .map(|(h, _)| h);
     if let Some(h) = &header
         && let Some(cache) = caches.get(&h.cache)
     {

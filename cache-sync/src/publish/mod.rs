@@ -12,12 +12,10 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::transport::{DEFAULT_TOPIC, Position, Transport};
-use crate::util::lock;
-use crate::util::now_us;
-use crate::wire::Keyring;
+use crate::util::{lock, now_us};
 use crate::wire::{
-    Change, DEFAULT_MAX_EVENT_BYTES, EntryVersion, Header, KeyVersion, MAX_EVENT_BYTES_CEILING,
-    encode, encode_part, framed_len,
+    Change, Codec, DEFAULT_MAX_EVENT_BYTES, EntryVersion, Header, KeyVersion, Keyring,
+    MAX_EVENT_BYTES_CEILING, encode_part, framed_len,
 };
 
 /// Publishes change events for named caches.
@@ -42,8 +40,7 @@ struct PublisherInner {
     topic: String,
     origin: String,
     id: u64,
-    max_event_bytes: usize,
-    keyring: Option<Keyring>,
+    codec: Codec,
     seqs: Mutex<HashMap<String, Arc<tokio::sync::Mutex<u64>>>>,
 }
 
@@ -88,11 +85,11 @@ impl PublisherBuilder {
         self
     }
 
-    /// Largest event sent; larger batches are split. Keep it at or below the
-    /// nodes' limit. Default 1 MiB, clamped to
-    /// [`MAX_EVENT_BYTES_CEILING`](crate::MAX_EVENT_BYTES_CEILING).
+    /// Largest event sent, signature included; larger batches are split.
+    /// Keep it at or below the nodes' limit. Default 1 MiB; 1 byte to
+    /// 64 MiB, and [`build`](Self::build) refuses anything else.
     pub fn max_event_bytes(mut self, n: usize) -> Self {
-        self.max_event_bytes = n.clamp(256, MAX_EVENT_BYTES_CEILING);
+        self.max_event_bytes = n;
         self
     }
 
@@ -103,24 +100,44 @@ impl PublisherBuilder {
     }
 
     /// The publisher, once the transport has accepted the topic's name
-    /// ([`Transport::check_topic`]); otherwise [`Error::Config`] naming the
-    /// rule the name broke.
+    /// ([`check_topic`](crate::transport::Transport::check_topic)) and the
+    /// settings are in range; otherwise [`Error::Config`] naming the rule
+    /// broken.
     pub fn build(self) -> Result<Publisher> {
         self.transport.check_topic(&self.topic)?;
-        Ok(self.build_checked())
+        if self.max_event_bytes == 0 || self.max_event_bytes > MAX_EVENT_BYTES_CEILING {
+            return Err(Error::Config(format!(
+                "max_event_bytes must be between 1 and {MAX_EVENT_BYTES_CEILING}, not {}",
+                self.max_event_bytes
+            )));
+        }
+        let codec = Codec::new(self.max_event_bytes, self.keyring);
+        Ok(Publisher::with_codec(
+            self.transport,
+            self.topic,
+            self.origin,
+            codec,
+        ))
     }
+}
 
-    /// The publisher, for a topic already checked (a node's own).
-    pub(crate) fn build_checked(self) -> Publisher {
+impl Publisher {
+    /// A publisher with settings already checked (a node's own: its topic
+    /// and its codec, so that what this one seals the node can open).
+    pub(crate) fn with_codec(
+        transport: Arc<dyn Transport>,
+        topic: String,
+        origin: String,
+        codec: Codec,
+    ) -> Self {
         Publisher {
             inner: Arc::new(PublisherInner {
-                transport: self.transport,
-                topic: self.topic,
-                origin: self.origin,
+                transport,
+                topic,
+                origin,
                 // Random: a restarted publisher must not continue an old numbering.
                 id: RandomState::new().hash_one((std::process::id(), now_us())),
-                max_event_bytes: self.max_event_bytes,
-                keyring: self.keyring,
+                codec,
                 seqs: Mutex::default(),
             }),
         }
@@ -141,7 +158,12 @@ impl Publisher {
     /// A publisher on `transport` with the default topic, `cache-sync`, a
     /// name every transport accepts.
     pub fn new(transport: impl Transport) -> Self {
-        Self::builder(transport).build_checked()
+        Self::with_codec(
+            Arc::new(transport),
+            DEFAULT_TOPIC.into(),
+            "publisher".into(),
+            Codec::new(DEFAULT_MAX_EVENT_BYTES, None),
+        )
     }
 
     /// Configures a publisher on `transport`.
@@ -285,20 +307,7 @@ impl Publisher {
         size: impl Fn(&T) -> usize,
         make: impl Fn(Vec<T>) -> Change,
     ) -> Result<Vec<Change>> {
-        // Room for the header (the cache name, up to 255 bytes, the origin,
-        // and 64 bytes for the numbers and length prefixes) and the format
-        // byte. A signature adds its format byte, key id and 32-byte tag.
-        const HEADER: usize = 64 + 255;
-        const SIGNED: usize = HEADER + 2 + 255 + 32;
-        let overhead = if self.inner.keyring.is_some() {
-            SIGNED
-        } else {
-            HEADER
-        };
-        let budget = self
-            .inner
-            .max_event_bytes
-            .saturating_sub(self.inner.origin.len().saturating_add(overhead));
+        let budget = self.inner.codec.entry_budget(&self.inner.origin);
         let mut changes = Vec::new();
         let mut batch = Vec::new();
         let mut used = 0usize;
@@ -360,17 +369,7 @@ impl Publisher {
                 seq: *seq,
                 published_at_us: now_us(),
             };
-            let mut payload = encode(&header, &change)?;
-            if let Some(ring) = &self.inner.keyring {
-                payload = ring.sign(&payload);
-            }
-            if payload.len() > self.inner.max_event_bytes {
-                return Err(Error::TooLarge {
-                    what: "event",
-                    size: payload.len(),
-                    limit: self.inner.max_event_bytes,
-                });
-            }
+            let payload = self.inner.codec.seal(&header, &change)?;
             let position = self
                 .inner
                 .transport

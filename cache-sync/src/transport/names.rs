@@ -13,9 +13,7 @@ use std::borrow::Cow;
 use std::fmt::Write as _;
 
 use crate::error::{Error, Result};
-
-/// The longest topic or cache name, in bytes.
-pub(crate) const MAX_NAME_BYTES: usize = 255;
+pub(crate) use crate::wire::MAX_NAME_BYTES;
 
 /// What a name is, for error messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

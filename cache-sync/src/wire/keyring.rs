@@ -20,6 +20,10 @@ const DOMAIN: &[u8] = b"cache-sync/event/v1";
 const TAG_LEN: usize = 32;
 const MIN_SECRET: usize = 16;
 
+/// The most a signature adds to an event: the format byte, the key id's
+/// length byte, the key id (at most 255 bytes) and the tag.
+pub(crate) const SIGNED_OVERHEAD: usize = 2 + 255 + TAG_LEN;
+
 /// Keys for signing and verifying events.
 ///
 /// Publishers sign with the primary key; nodes accept any key in the ring.
@@ -91,7 +95,7 @@ impl Keyring {
     pub(crate) fn sign(&self, event: &[u8]) -> Vec<u8> {
         let id = &*self.primary;
         let tag = self.mac(id, event).map(|m| m.finalize().into_bytes());
-        let mut out = Vec::with_capacity(event.len().saturating_add(2 + 255 + TAG_LEN));
+        let mut out = Vec::with_capacity(event.len().saturating_add(SIGNED_OVERHEAD));
         out.push(FORMAT_SIGNED);
         out.push(id.len() as u8);
         out.extend_from_slice(id.as_bytes());

@@ -13,12 +13,19 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
 
+mod codec;
 mod keyring;
+
+pub(crate) use codec::{Codec, Refused};
 
 #[cfg(test)]
 pub(crate) use keyring::FORMAT_SIGNED;
 pub use keyring::Keyring;
 pub(crate) use keyring::strip_unverified;
+
+/// The longest topic or cache name, in bytes: short enough for every
+/// transport's resource names, and a bound on the header's size.
+pub(crate) const MAX_NAME_BYTES: usize = 255;
 
 /// The only wire format this build reads and writes.
 pub(crate) const FORMAT_V1: u8 = 1;

@@ -1,0 +1,229 @@
+//! The envelope, sealed and opened in one place: the format byte, the header,
+//! the change, the optional signed frame, and the size limit over all of them.
+
+use super::keyring::SIGNED_OVERHEAD;
+use super::{
+    Change, Header, Keyring, MAX_NAME_BYTES, decode_change, decode_header, encode, strip_unverified,
+};
+use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
+
+/// Room the header takes besides the origin: the cache name (at most
+/// `MAX_NAME_BYTES`), the three numbers as varints (at most 10 bytes each),
+/// the two length prefixes, the format byte and the change's variant tag,
+/// rounded up.
+const HEADER_OVERHEAD: usize = MAX_NAME_BYTES + 64;
+
+/// How a publisher seals and a node opens events: the size limit and, when
+/// signing or verifying, the keyring. A publisher made by a node shares the
+/// node's codec, so what one seals the other opens.
+#[derive(Debug, Clone)]
+pub(crate) struct Codec {
+    max_bytes: usize,
+    keyring: Option<Keyring>,
+}
+
+/// An event whose envelope is authentic (or not checked, on a node that does
+/// not verify) and whose header decoded.
+#[derive(Debug)]
+pub(crate) struct Opened<'a> {
+    pub(crate) header: Header,
+    event: &'a [u8],
+    body: usize,
+}
+
+impl Opened<'_> {
+    /// Decodes the change that follows the header.
+    pub(crate) fn change(&self) -> Result<Change, DecodeError> {
+        decode_change(self.event, self.body)
+    }
+}
+
+/// Why a payload could not be opened.
+#[derive(Debug)]
+pub(crate) enum Refused<'a> {
+    /// Unsigned, forged, tampered or signed with an unknown key, on a node
+    /// that verifies: it must change nothing, or forgeries could flush
+    /// caches at will.
+    Unauthentic(DecodeError),
+    /// Authentic (or not checked) but unreadable: over the size limit, or a
+    /// header that does not decode. It may have carried a change; `event`
+    /// is what is left once the signature is off, to salvage the header from
+    /// (see [`Codec::salvage_header`]).
+    Unreadable { error: DecodeError, event: &'a [u8] },
+}
+
+impl Codec {
+    pub(crate) fn new(max_bytes: usize, keyring: Option<Keyring>) -> Self {
+        Self { max_bytes, keyring }
+    }
+
+    /// How many bytes of keys and values (as `framed_len` counts them) one
+    /// event from a publisher called `origin` can carry, so that a batch is
+    /// split before its events outgrow the limit.
+    pub(crate) fn entry_budget(&self, origin: &str) -> usize {
+        let signed = if self.keyring.is_some() {
+            SIGNED_OVERHEAD
+        } else {
+            0
+        };
+        self.max_bytes
+            .saturating_sub(origin.len())
+            .saturating_sub(HEADER_OVERHEAD)
+            .saturating_sub(signed)
+    }
+
+    /// The bytes to publish: encoded, signed when there is a keyring, and
+    /// refused with [`Error::TooLarge`] over the limit.
+    pub(crate) fn seal(&self, header: &Header, change: &Change) -> Result<Vec<u8>> {
+        let mut payload = encode(header, change)?;
+        if let Some(ring) = &self.keyring {
+            payload = ring.sign(&payload);
+        }
+        if payload.len() > self.max_bytes {
+            return Err(Error::TooLarge {
+                what: "event",
+                size: payload.len(),
+                limit: self.max_bytes,
+            });
+        }
+        Ok(payload)
+    }
+
+    /// Authenticates a delivered payload first (before its size, and before
+    /// anything in it is parsed), then checks the limit and reads the header.
+    pub(crate) fn open<'a>(&self, payload: &'a [u8]) -> Result<Opened<'a>, Refused<'a>> {
+        let event = match &self.keyring {
+            Some(ring) => ring.open(payload).map_err(Refused::Unauthentic)?,
+            // A publisher may sign before its nodes verify.
+            None => strip_unverified(payload),
+        };
+        if payload.len() > self.max_bytes {
+            let error = DecodeError::new(DecodeErrorKind::TooLarge {
+                size: payload.len(),
+                limit: self.max_bytes,
+            });
+            return Err(Refused::Unreadable { error, event });
+        }
+        match decode_header(event, self.max_bytes) {
+            Ok((header, body)) => Ok(Opened {
+                header,
+                event,
+                body,
+            }),
+            Err(error) => Err(Refused::Unreadable { error, event }),
+        }
+    }
+
+    /// The header of an event that could not be opened, read from its front
+    /// (an oversized event's header is still small), if it decodes.
+    pub(crate) fn salvage_header(&self, event: &[u8]) -> Option<Header> {
+        let front = event.get(..self.max_bytes).unwrap_or(event);
+        decode_header(front, self.max_bytes).ok().map(|(h, _)| h)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use super::*;
+    use crate::wire::{EntryVersion, framed_len};
+
+    fn header(cache: &str, origin: &str) -> Header {
+        Header {
+            cache: cache.into(),
+            origin: origin.into(),
+            publisher: u64::MAX,
+            seq: u64::MAX,
+            published_at_us: u64::MAX,
+        }
+    }
+
+    fn ring(id_len: usize) -> Keyring {
+        Keyring::new("k".repeat(id_len), b"sixteen byte key".to_vec()).unwrap()
+    }
+
+    /// The budget is what the publisher splits batches by: an event filled
+    /// to it, with the longest names and numbers, must still seal.
+    #[test]
+    fn an_event_filled_to_the_budget_seals_under_the_limit() {
+        for signed in [false, true] {
+            for max in [600usize, 1000, 4096, 1 << 20] {
+                let codec = Codec::new(max, signed.then(|| ring(255)));
+                let origin = "o".repeat(255);
+                let budget = codec.entry_budget(&origin);
+                // One entry whose framed size is exactly the budget.
+                let key = Bytes::from_static(b"k");
+                let Some(room) = budget.checked_sub(framed_len(&[&key, &Bytes::new()])) else {
+                    continue;
+                };
+                let value = Bytes::from(vec![7u8; room]);
+                assert_eq!(framed_len(&[&key, &value]), budget);
+                let change = Change::Refresh {
+                    entries: vec![EntryVersion {
+                        key,
+                        value,
+                        version: Some(u64::MAX),
+                    }],
+                };
+                let sealed = codec
+                    .seal(&header(&"c".repeat(255), &origin), &change)
+                    .unwrap_or_else(|e| panic!("signed {signed}, limit {max}: {e}"));
+                assert!(sealed.len() <= max);
+            }
+        }
+    }
+
+    #[test]
+    fn what_one_codec_seals_the_same_codec_opens() {
+        for keyring in [None, Some(ring(3))] {
+            let codec = Codec::new(1 << 10, keyring);
+            let change = Change::Clear { version: Some(9) };
+            let sealed = codec.seal(&header("countries", "admin"), &change).unwrap();
+            let opened = codec.open(&sealed).unwrap();
+            assert_eq!(opened.header, header("countries", "admin"));
+            assert_eq!(opened.change().unwrap(), change);
+        }
+    }
+
+    #[test]
+    fn a_verifying_codec_refuses_unsigned_events_as_unauthentic() {
+        let plain = Codec::new(1 << 10, None);
+        let verifying = Codec::new(1 << 10, Some(ring(3)));
+        let sealed = plain
+            .seal(&header("t", "o"), &Change::Clear { version: None })
+            .unwrap();
+        assert!(matches!(
+            verifying.open(&sealed),
+            Err(Refused::Unauthentic(_))
+        ));
+        // A node that does not verify reads signed events too.
+        let signed = verifying
+            .seal(&header("t", "o"), &Change::Clear { version: None })
+            .unwrap();
+        assert!(plain.open(&signed).is_ok());
+    }
+
+    #[test]
+    fn oversized_events_are_unreadable_but_their_header_is_salvaged() {
+        let big = Codec::new(1 << 16, None);
+        let small = Codec::new(64, None);
+        let change = Change::Refresh {
+            entries: vec![EntryVersion {
+                key: Bytes::from_static(b"k"),
+                value: Bytes::from(vec![0u8; 1000]),
+                version: None,
+            }],
+        };
+        let sealed = big.seal(&header("t", "o"), &change).unwrap();
+        let Err(Refused::Unreadable { error, event }) = small.open(&sealed) else {
+            panic!("an oversized event opened");
+        };
+        assert!(matches!(error.kind(), DecodeErrorKind::TooLarge { .. }));
+        assert_eq!(small.salvage_header(event), Some(header("t", "o")));
+        assert!(matches!(
+            small.seal(&header("t", "o"), &change),
+            Err(Error::TooLarge { what: "event", .. })
+        ));
+    }
+}
