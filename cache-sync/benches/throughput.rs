@@ -393,7 +393,8 @@ async fn apply_round(s: Sizes, events: u64, per_event: u64, backlog: bool) -> (D
     let transport = EmbeddedTransport::builder()
         .max_records(events as usize + 1_024)
         .max_bytes(1 << 30)
-        .build();
+        .build()
+        .expect("valid settings");
     let cache = synced();
     let publisher = Publisher::new(transport.clone());
     let publish_all = || async {
@@ -484,7 +485,8 @@ struct Latency {
 async fn propagation(s: Sizes, nodes: usize) -> (Vec<u64>, u64) {
     let transport = EmbeddedTransport::builder()
         .max_records(s.warmup + s.latency_events + 1_024)
-        .build();
+        .build()
+        .expect("valid settings");
     let mut caches = Vec::new();
     let mut handles = Vec::new();
     for n in 0..nodes {

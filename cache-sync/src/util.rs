@@ -1,6 +1,9 @@
 //! Small helpers shared by every layer.
 
+use std::fmt;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::error::{Error, Result};
 
 /// Locks a std mutex, taking it over if a panic poisoned it. No state behind
 /// these locks is left half-written across a panic point (a caller's `Hash`
@@ -21,12 +24,68 @@ pub(crate) fn now_us() -> u64 {
 /// clock: about 30 years, as tokio's own "far future".
 const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
 
-/// Bounds a transport's timeout or interval setting: at least 1 ms (a
-/// zero would spin), at most an hour (longer means nothing a broker
-/// connection can use, and sums of two such settings must not overflow).
-#[cfg_attr(not(feature = "redis"), allow(dead_code))]
-pub(crate) fn clamp_timeout(d: Duration) -> Duration {
-    d.clamp(Duration::from_millis(1), Duration::from_secs(3600))
+/// The longest timeout or interval a transport takes: an hour. Longer
+/// means nothing a broker connection can use, and sums of two such
+/// settings must not overflow.
+#[cfg_attr(not(any(feature = "redis", feature = "nats")), allow(dead_code))]
+pub(crate) const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// Refuses a capacity below `min`, naming the setting: a builder stores
+/// what it is given, and `build` or `connect` calls this before doing
+/// anything else.
+pub(crate) fn check_at_least<T: PartialOrd + fmt::Display>(
+    setting: &str,
+    value: T,
+    min: T,
+) -> Result<()> {
+    if value >= min {
+        return Ok(());
+    }
+    Err(Error::Config(format!(
+        "{setting} must be at least {min}, not {value}"
+    )))
+}
+
+/// Refuses a duration outside `min..=max`, naming the setting and the
+/// range in words (`1ms`, `1h`).
+#[cfg_attr(not(any(feature = "redis", feature = "nats")), allow(dead_code))]
+pub(crate) fn check_duration(
+    setting: &str,
+    value: Duration,
+    min: Duration,
+    max: Duration,
+) -> Result<()> {
+    if (min..=max).contains(&value) {
+        return Ok(());
+    }
+    Err(Error::Config(format!(
+        "{setting} must be between {} and {}, not {}",
+        Readable(min),
+        Readable(max),
+        Readable(value)
+    )))
+}
+
+/// A duration as a person would write it: `1h`, `5min`, `2s`, `100ms`.
+struct Readable(Duration);
+
+impl fmt::Display for Readable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let d = self.0;
+        if d == Duration::MAX {
+            return f.write_str("Duration::MAX");
+        }
+        let secs = d.as_secs();
+        if d.subsec_nanos() == 0 && secs > 0 {
+            for (unit, name) in [(3600, "h"), (60, "min"), (1, "s")] {
+                if let Some(n) = secs.checked_div(unit).filter(|_| secs.is_multiple_of(unit)) {
+                    return write!(f, "{n}{name}");
+                }
+            }
+        }
+        // Below a second, or not whole: `100ms`, `1ns`, `1.5s`.
+        write!(f, "{d:?}")
+    }
 }
 
 /// `now + d`, or the far future when that does not fit the clock. Every
@@ -47,5 +106,46 @@ mod tests {
         assert!(deadline_after(Duration::ZERO) >= now);
         assert!(deadline_after(Duration::from_nanos(1)) >= now);
         assert!(deadline_after(Duration::MAX) > now + Duration::from_secs(86_400 * 365));
+    }
+
+    #[test]
+    fn capacities_below_the_minimum_are_refused_by_name() {
+        assert!(check_at_least("max_len", 1usize, 1).is_ok());
+        assert!(check_at_least("max_len", usize::MAX, 1).is_ok());
+        let e = check_at_least("max_len", 0usize, 1).unwrap_err();
+        assert!(e.is_config());
+        assert_eq!(
+            e.to_string(),
+            "invalid configuration: max_len must be at least 1, not 0"
+        );
+        assert!(
+            check_at_least("max_messages", -1i64, 1)
+                .unwrap_err()
+                .is_config()
+        );
+    }
+
+    #[test]
+    fn durations_outside_the_range_are_refused_in_words() {
+        let (min, max) = (Duration::from_millis(1), MAX_TIMEOUT);
+        assert!(check_duration("block", min, min, max).is_ok());
+        assert!(check_duration("block", max, min, max).is_ok());
+        for (value, shown) in [
+            (Duration::ZERO, "0ns"),
+            (Duration::from_nanos(999_999), "999.999µs"),
+            (max + Duration::from_nanos(1), "3600.000000001s"),
+            (Duration::from_secs(7200), "2h"),
+            (Duration::MAX, "Duration::MAX"),
+        ] {
+            let e = check_duration("block", value, min, max).unwrap_err();
+            assert!(e.is_config());
+            assert_eq!(
+                e.to_string(),
+                format!("invalid configuration: block must be between 1ms and 1h, not {shown}")
+            );
+        }
+        assert_eq!(Readable(Duration::from_secs(300)).to_string(), "5min");
+        assert_eq!(Readable(Duration::from_secs(2)).to_string(), "2s");
+        assert_eq!(Readable(Duration::from_millis(100)).to_string(), "100ms");
     }
 }

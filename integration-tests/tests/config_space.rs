@@ -4,6 +4,12 @@
 //! every transport in the suite. Each combination must either fail with an
 //! error that says why, or work: the node starts, sees the event published
 //! to it (or says it cannot), and shuts down. None may panic or hang.
+//!
+//! Transport settings have one rule: a value outside the range its builder
+//! documents is refused with a config error ([`cache_sync::Error::is_config`])
+//! when the transport is built or connects, and a value inside it never is.
+//! Nothing is clamped, so each combination knows beforehand which of the
+//! two it must get.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,18 +25,42 @@ use integration_tests::rocketmq_server::RocketMqServer;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
+/// The ranges the transport builders document.
+const MS: Duration = Duration::from_millis(1);
+const HOUR: Duration = Duration::from_secs(3600);
+/// NATS's shortest pull expiry and ping interval.
+const NATS_MIN_INTERVAL: Duration = Duration::from_millis(100);
+/// The largest event size a publisher takes (64 MiB, as documented).
+const MAX_EVENT_BYTES_CEILING: usize = 64 << 20;
+/// Redis Pub/Sub's smallest backlog limit.
+const MIN_BACKLOG_BYTES: usize = 64 << 10;
+/// The capacity setting, 0 to 8, as a Pub/Sub backlog limit: 0, one byte
+/// below the smallest limit, the smallest limit, then doubling from there.
+fn backlog_bytes(capacity: usize) -> usize {
+    match capacity.checked_sub(2) {
+        None if capacity == 0 => 0,
+        None => MIN_BACKLOG_BYTES - 1,
+        Some(doublings) => MIN_BACKLOG_BYTES << doublings,
+    }
+}
+
+fn in_range(d: Duration, min: Duration, max: Duration) -> bool {
+    (min..=max).contains(&d)
+}
+
 /// How long one combination may take, start to shutdown, before it counts
 /// as a hang.
 const CASE_LIMIT: Duration = Duration::from_secs(60);
 
 /// The edges, and often enough an ordinary value that whole combinations
-/// get past validation.
+/// get past validation: 100 ms is in every transport's range (1 ms is not
+/// in NATS's), and the others are outside every one of them.
 fn duration() -> impl Strategy<Value = Duration> {
     prop_oneof![
         1 => Just(Duration::ZERO),
         1 => Just(Duration::from_nanos(1)),
         3 => Just(Duration::from_millis(1)),
-        3 => Just(Duration::from_millis(100)),
+        6 => Just(Duration::from_millis(100)),
         2 => Just(Duration::MAX),
     ]
 }
@@ -196,21 +226,51 @@ enum Outcome {
 }
 
 /// Runs one combination on a transport made by `connect`; `Err` describes how it
-/// failed the contract.
+/// failed the contract. `valid` says whether every transport setting is in
+/// the range its builder documents, so whether `connect` must refuse them.
 async fn one(
     settings: Settings,
+    valid: impl FnOnce(&Settings) -> bool,
     connect: impl AsyncFnOnce(&Settings) -> cache_sync::Result<Arc<dyn Transport>>,
 ) -> Result<Outcome, String> {
+    let valid = valid(&settings);
     let transport = match connect(&settings).await {
+        Ok(_) if !valid => {
+            return Err("a transport setting outside its range was accepted".into());
+        }
         Ok(transport) => transport,
+        Err(e) if e.is_config() && e.to_string().is_empty() => {
+            return Err(format!("an error that says nothing: {e:?}"));
+        }
+        Err(e) if e.is_config() && valid => {
+            return Err(format!("transport settings in range were refused: {e}"));
+        }
+        Err(e) if e.is_config() => return Ok(Outcome::Refused),
+        Err(e) if !valid => {
+            return Err(format!(
+                "a transport setting outside its range gave another error than a config \
+                 error (was the broker asked?): {e:?}"
+            ));
+        }
+        // Valid settings against a live broker may still fail (a 1 ms
+        // response timeout can run out), with an error that says so.
         Err(e) if !e.to_string().is_empty() => return Ok(Outcome::Refused),
         Err(e) => return Err(format!("an error that says nothing: {e:?}")),
     };
-    let cache: SyncedCache<String, String> =
-        SyncedCache::builder(settings.cache.clone(), moka::future::Cache::new(16))
-            .max_tracked_keys(settings.max_tracked_keys)
-            .max_load_retries(settings.max_load_retries)
-            .build();
+    let built = SyncedCache::builder(settings.cache.clone(), moka::future::Cache::new(16))
+        .max_tracked_keys(settings.max_tracked_keys)
+        .max_load_retries(settings.max_load_retries)
+        .build();
+    let cache: SyncedCache<String, String> = match built {
+        Ok(_) if settings.max_tracked_keys == 0 => {
+            return Err("a cache tracking 0 keys was accepted".into());
+        }
+        Ok(cache) => cache,
+        Err(e) if settings.max_tracked_keys == 0 && e.is_config() => {
+            return Ok(Outcome::Refused);
+        }
+        Err(e) => return Err(format!("valid cache settings refused: {e}")),
+    };
     let started = Node::builder("config-space", transport.clone())
         .topic(settings.topic.clone())
         .max_batch(settings.max_batch)
@@ -236,11 +296,29 @@ async fn one(
     if name_is_bad(&settings.topic) || name_is_bad(&settings.cache) {
         return Err("a node started with a name no transport accepts".into());
     }
-    let publisher = Publisher::builder(transport)
+    let publisher_valid =
+        (1..=MAX_EVENT_BYTES_CEILING).contains(&settings.publisher_max_event_bytes);
+    let built = Publisher::builder(transport)
         .topic(settings.topic.clone())
         .max_event_bytes(settings.publisher_max_event_bytes)
-        .build()
-        .map_err(|e| format!("the node's own topic was refused to a publisher: {e}"))?;
+        .build();
+    let publisher = match built {
+        Ok(_) if !publisher_valid => {
+            return Err("a publisher's max_event_bytes outside its range was accepted".into());
+        }
+        Ok(publisher) => publisher,
+        Err(e) if e.is_config() && !publisher_valid => {
+            node.shutdown()
+                .await
+                .map_err(|e| format!("shutdown failed: {e}"))?;
+            return Ok(Outcome::Refused);
+        }
+        Err(e) => {
+            return Err(format!(
+                "a publisher for the node's own topic was refused: {e}"
+            ));
+        }
+    };
     let published = publisher.refresh(&settings.cache, [("k", "v")]).await;
     let outcome = if published.is_ok() {
         Outcome::Worked
@@ -327,13 +405,17 @@ where
 #[test]
 fn embedded() {
     explore(256, |s| {
-        Box::pin(one(s, async |s: &Settings| {
-            let transport = EmbeddedTransport::builder()
-                .max_records(s.capacity)
-                .max_bytes(s.capacity)
-                .build();
-            Ok(Arc::new(transport) as Arc<dyn Transport>)
-        }))
+        Box::pin(one(
+            s,
+            |s: &Settings| s.capacity >= 1,
+            async |s: &Settings| {
+                let transport = EmbeddedTransport::builder()
+                    .max_records(s.capacity)
+                    .max_bytes(s.capacity)
+                    .build()?;
+                Ok(Arc::new(transport) as Arc<dyn Transport>)
+            },
+        ))
     });
 }
 
@@ -343,15 +425,19 @@ fn redis_streams() {
     let url = server.url();
     explore(64, move |s| {
         let url = url.clone();
-        Box::pin(one(s, async move |s: &Settings| {
-            let transport = RedisStreamsTransport::builder(url)
-                .block(s.t1)
-                .response_timeout(s.t2)
-                .max_len(s.capacity)
-                .connect()
-                .await?;
-            Ok(Arc::new(transport) as Arc<dyn Transport>)
-        }))
+        Box::pin(one(
+            s,
+            |s: &Settings| in_range(s.t1, MS, HOUR) && in_range(s.t2, MS, HOUR) && s.capacity >= 1,
+            async move |s: &Settings| {
+                let transport = RedisStreamsTransport::builder(url)
+                    .block(s.t1)
+                    .response_timeout(s.t2)
+                    .max_len(s.capacity)
+                    .connect()
+                    .await?;
+                Ok(Arc::new(transport) as Arc<dyn Transport>)
+            },
+        ))
     });
 }
 
@@ -361,15 +447,23 @@ fn redis_pubsub() {
     let url = server.url();
     explore(48, move |s| {
         let url = url.clone();
-        Box::pin(one(s, async move |s: &Settings| {
-            let transport = RedisPubSubTransport::builder(url)
-                .ping_interval(s.t1)
-                .ping_timeout(s.t2)
-                .max_backlog_bytes(s.capacity)
-                .connect()
-                .await?;
-            Ok(Arc::new(transport) as Arc<dyn Transport>)
-        }))
+        Box::pin(one(
+            s,
+            |s: &Settings| {
+                in_range(s.t1, MS, HOUR)
+                    && in_range(s.t2, MS, HOUR)
+                    && backlog_bytes(s.capacity) >= MIN_BACKLOG_BYTES
+            },
+            async move |s: &Settings| {
+                let transport = RedisPubSubTransport::builder(url)
+                    .ping_interval(s.t1)
+                    .ping_timeout(s.t2)
+                    .max_backlog_bytes(backlog_bytes(s.capacity))
+                    .connect()
+                    .await?;
+                Ok(Arc::new(transport) as Arc<dyn Transport>)
+            },
+        ))
     });
 }
 
@@ -379,15 +473,23 @@ fn nats_jetstream() {
     let url = server.url();
     explore(48, move |s| {
         let url = url.clone();
-        Box::pin(one(s, async move |s: &Settings| {
-            let transport = NatsJetStreamTransport::builder(url)
-                .pull_expiry(s.t1)
-                .ping_interval(s.t2)
-                .max_messages(i64::try_from(s.capacity).unwrap_or(i64::MAX))
-                .connect()
-                .await?;
-            Ok(Arc::new(transport) as Arc<dyn Transport>)
-        }))
+        Box::pin(one(
+            s,
+            |s: &Settings| {
+                in_range(s.t1, NATS_MIN_INTERVAL, HOUR)
+                    && in_range(s.t2, NATS_MIN_INTERVAL, HOUR)
+                    && s.capacity >= 1
+            },
+            async move |s: &Settings| {
+                let transport = NatsJetStreamTransport::builder(url)
+                    .pull_expiry(s.t1)
+                    .ping_interval(s.t2)
+                    .max_messages(i64::try_from(s.capacity).unwrap_or(i64::MAX))
+                    .connect()
+                    .await?;
+                Ok(Arc::new(transport) as Arc<dyn Transport>)
+            },
+        ))
     });
 }
 
@@ -399,12 +501,16 @@ fn rocketmq() {
     // second each), so fewer of them.
     explore(16, move |s| {
         let addr = addr.clone();
-        Box::pin(one(s, async move |s: &Settings| {
-            let transport = RocketMqTransport::builder(addr)
-                .queues_per_topic(u32::try_from(s.capacity).unwrap_or(u32::MAX))
-                .connect()
-                .await?;
-            Ok(Arc::new(transport) as Arc<dyn Transport>)
-        }))
+        Box::pin(one(
+            s,
+            |s: &Settings| s.capacity >= 1,
+            async move |s: &Settings| {
+                let transport = RocketMqTransport::builder(addr)
+                    .queues_per_topic(u32::try_from(s.capacity).unwrap_or(u32::MAX))
+                    .connect()
+                    .await?;
+                Ok(Arc::new(transport) as Arc<dyn Transport>)
+            },
+        ))
     });
 }

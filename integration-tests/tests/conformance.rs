@@ -26,7 +26,10 @@ struct Embedded {
 impl Embedded {
     fn new() -> Self {
         Self {
-            transport: EmbeddedTransport::builder().max_records(4096).build(),
+            transport: EmbeddedTransport::builder()
+                .max_records(4096)
+                .build()
+                .expect("valid settings"),
         }
     }
 }

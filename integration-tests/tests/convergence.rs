@@ -50,7 +50,10 @@ fn key(i: usize) -> String {
 /// nodes fall behind and exercise the loss path. `window` is the nodes'
 /// reorder window: zero makes every refresh go through version ordering.
 async fn run(ops: Vec<Op>, history: usize, window: Duration) {
-    let transport = EmbeddedTransport::builder().max_records(history).build();
+    let transport = EmbeddedTransport::builder()
+        .max_records(history)
+        .build()
+        .expect("valid settings");
     let db = Arc::new(Db::default());
     let mut nodes = Vec::new();
     for i in 0..NODES {
@@ -178,7 +181,10 @@ proptest! {
 #[test]
 fn a_short_history_does_cause_losses() {
     runtime().block_on(async {
-        let transport = EmbeddedTransport::builder().max_records(3).build();
+        let transport = EmbeddedTransport::builder()
+            .max_records(3)
+            .build()
+            .expect("valid settings");
         let node = TestNode::start("slow", transport.clone(), |b| b.max_batch(1))
             .await
             .unwrap();

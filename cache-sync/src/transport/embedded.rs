@@ -14,7 +14,7 @@ use super::{
     Subscription, Transport,
 };
 use crate::error::{Error, Result};
-use crate::util::lock;
+use crate::util::{check_at_least, lock};
 
 const KIND: &str = "embedded";
 
@@ -92,20 +92,29 @@ impl Default for EmbeddedBuilder {
 }
 
 impl EmbeddedBuilder {
-    /// Records kept per topic for replay and slow subscribers. Default 10 000.
+    /// Records kept per topic for replay and slow subscribers. Default
+    /// 10 000; at least 1, or [`build`](Self::build) refuses it.
     pub fn max_records(mut self, n: usize) -> Self {
-        self.max_records = n.max(1);
+        self.max_records = n;
         self
     }
 
-    /// Payload bytes kept per topic. Default 64 MiB.
+    /// Payload bytes kept per topic. Default 64 MiB; at least 1, or
+    /// [`build`](Self::build) refuses it. The newest record is kept
+    /// whatever its size.
     pub fn max_bytes(mut self, n: usize) -> Self {
-        self.max_bytes = n.max(1);
+        self.max_bytes = n;
         self
     }
 
-    /// The transport.
-    pub fn build(self) -> EmbeddedTransport {
+    /// The transport, or [`Error::Config`] naming a setting out of its range.
+    pub fn build(self) -> Result<EmbeddedTransport> {
+        check_at_least("embedded max_records", self.max_records, 1)?;
+        check_at_least("embedded max_bytes", self.max_bytes, 1)?;
+        Ok(self.build_checked())
+    }
+
+    fn build_checked(self) -> EmbeddedTransport {
         // A random instance id: positions from another instance must not alias.
         let id = RandomState::new().hash_one(std::process::id());
         EmbeddedTransport {
@@ -128,7 +137,8 @@ impl Default for EmbeddedTransport {
 impl EmbeddedTransport {
     /// A transport with the default history (10 000 records or 64 MiB per topic).
     pub fn new() -> Self {
-        Self::builder().build()
+        // The defaults are in range.
+        Self::builder().build_checked()
     }
 
     /// Configures history bounds.
@@ -381,7 +391,7 @@ mod tests {
 
     #[tokio::test]
     async fn falling_behind_history_is_a_loss_never_a_skip() {
-        let transport = EmbeddedTransport::builder().max_records(4).build();
+        let transport = EmbeddedTransport::builder().max_records(4).build().unwrap();
         let mut s = transport
             .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
             .await
@@ -402,7 +412,7 @@ mod tests {
 
     #[tokio::test]
     async fn byte_bound_trims_too() {
-        let transport = EmbeddedTransport::builder().max_bytes(8).build();
+        let transport = EmbeddedTransport::builder().max_bytes(8).build().unwrap();
         let mut s = transport
             .subscribe("t", SubscribeOptions::new(StartFrom::Earliest))
             .await
@@ -410,6 +420,34 @@ mod tests {
         publish_n(&transport, "t", "x", 3).await; // 3 bytes each
         assert!(matches!(s.next(10).await.unwrap(), Delivery::Lost(_)));
         assert_eq!(payloads(s.next(10).await.unwrap()), ["x-1", "x-2"]);
+    }
+
+    #[test]
+    fn build_refuses_zero_capacities() {
+        for (builder, setting) in [
+            (EmbeddedTransport::builder().max_records(0), "max_records"),
+            (EmbeddedTransport::builder().max_bytes(0), "max_bytes"),
+        ] {
+            let e = builder.build().unwrap_err();
+            assert!(e.is_config(), "{e:?}");
+            assert!(e.to_string().contains(setting), "{e}");
+        }
+    }
+
+    #[tokio::test]
+    async fn the_smallest_capacities_keep_the_newest_record() {
+        let transport = EmbeddedTransport::builder()
+            .max_records(1)
+            .max_bytes(1)
+            .build()
+            .unwrap();
+        let mut s = transport
+            .subscribe("t", SubscribeOptions::new(StartFrom::Earliest))
+            .await
+            .unwrap();
+        publish_n(&transport, "t", "x", 2).await;
+        assert!(matches!(s.next(10).await.unwrap(), Delivery::Lost(_)));
+        assert_eq!(payloads(s.next(10).await.unwrap()), ["x-1"]);
     }
 
     #[tokio::test]

@@ -18,7 +18,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::transport::names::{self, NameKind};
-use crate::util::lock;
+use crate::util::{MAX_TIMEOUT, check_at_least, check_duration, lock};
 
 const KIND: &str = "nats-jetstream";
 /// The partitions of a NATS position: the last stream sequence read, and
@@ -92,22 +92,27 @@ pub struct NatsJetStreamBuilder {
     config: NatsConfig,
 }
 
+/// The shortest [`pull_expiry`](NatsJetStreamBuilder::pull_expiry) and
+/// [`ping_interval`](NatsJetStreamBuilder::ping_interval): far below it the
+/// client polls or pings continuously.
+const MIN_INTERVAL: Duration = Duration::from_millis(100);
+
 impl NatsJetStreamBuilder {
-    /// Messages kept per topic. Default 100 000.
+    /// Messages kept per topic. Default 100 000; at least 1, or
+    /// [`connect`](Self::connect) refuses it.
     pub fn max_messages(mut self, n: i64) -> Self {
-        self.config.max_messages = n.max(1);
+        self.config.max_messages = n;
         self
     }
 
     /// How long one pull request may wait on the server (long poll). The
     /// client's idle heartbeat follows it, and a dead consumer is recreated
     /// after two missed heartbeats, so this bounds how long a node stalls
-    /// after a broker restart. Default 2 s; far below a second the client
-    /// polls continuously.
+    /// after a broker restart. Default 2 s; between 100 ms and an hour (the
+    /// server refuses longer pull requests), or [`connect`](Self::connect)
+    /// refuses it.
     pub fn pull_expiry(mut self, expiry: Duration) -> Self {
-        // Above an hour the server refuses the pull request.
-        self.config.pull_expiry =
-            expiry.clamp(Duration::from_millis(100), Duration::from_secs(3600));
+        self.config.pull_expiry = expiry;
         self
     }
 
@@ -115,10 +120,9 @@ impl NatsJetStreamBuilder {
     /// count as a lost connection, so a server that stops answering (but
     /// keeps its socket open) shows as a disconnect, and `consuming: false`,
     /// within about twice this. A killed server shows at once. Default 5 s;
-    /// between 100 ms and an hour.
+    /// between 100 ms and an hour, or [`connect`](Self::connect) refuses it.
     pub fn ping_interval(mut self, every: Duration) -> Self {
-        self.config.ping_interval =
-            every.clamp(Duration::from_millis(100), Duration::from_secs(3600));
+        self.config.ping_interval = every;
         self
     }
 
@@ -139,8 +143,11 @@ impl NatsJetStreamBuilder {
     }
 
     /// Connects. The client reconnects by itself after a disconnect.
+    ///
+    /// A setting out of its range, or a subject prefix that is not a literal
+    /// subject, is refused with [`Error::Config`] before anything is sent.
     pub async fn connect(self) -> Result<NatsJetStreamTransport> {
-        check_prefix(&self.config.subject_prefix)?;
+        self.check()?;
         let link = Arc::new(watch::Sender::new(Link::default()));
         let on_event = Arc::downgrade(&link);
         let client = async_nats::ConnectOptions::new()
@@ -174,6 +181,25 @@ impl NatsJetStreamBuilder {
             link,
             known_streams: Arc::default(),
         })
+    }
+
+    /// Everything `connect` refuses, checked without touching the network.
+    fn check(&self) -> Result<()> {
+        let c = &self.config;
+        check_at_least("nats-jetstream max_messages", c.max_messages, 1)?;
+        check_duration(
+            "nats-jetstream pull_expiry",
+            c.pull_expiry,
+            MIN_INTERVAL,
+            MAX_TIMEOUT,
+        )?;
+        check_duration(
+            "nats-jetstream ping_interval",
+            c.ping_interval,
+            MIN_INTERVAL,
+            MAX_TIMEOUT,
+        )?;
+        check_prefix(&c.subject_prefix)
     }
 }
 
@@ -649,4 +675,61 @@ fn record(message: &jetstream::Message, position: Position) -> Record {
         .and_then(|h| h.get(TAG_HEADER))
         .and_then(|v| names::unescape_with(v.as_str(), MARKER).map(|t| t.into_owned()));
     Record::new(position, tag, message.payload.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Nothing listens there: an attempt to connect would fail or hang.
+    const NOWHERE: &str = "nats://127.0.0.1:1";
+
+    /// `connect` fails at once with a config error naming the setting. The
+    /// client retries its first connection in the background, so a
+    /// connection attempt would instead give `Ok` (or hang).
+    async fn assert_refused(builder: NatsJetStreamBuilder, setting: &str) {
+        let connected = tokio::time::timeout(Duration::from_secs(5), builder.connect())
+            .await
+            .expect("refused at once, without connecting");
+        let e = connected.expect_err(setting);
+        assert!(e.is_config(), "{setting}: {e:?}");
+        assert!(e.to_string().contains(setting), "{e}");
+    }
+
+    #[tokio::test]
+    async fn connect_refuses_out_of_range_settings_before_any_io() {
+        let builder = || NatsJetStreamTransport::builder(NOWHERE);
+        for n in [0, -1, i64::MIN] {
+            assert_refused(builder().max_messages(n), "max_messages").await;
+        }
+        let below = MIN_INTERVAL - Duration::from_nanos(1);
+        let above = MAX_TIMEOUT + Duration::from_nanos(1);
+        type Set = fn(NatsJetStreamBuilder, Duration) -> NatsJetStreamBuilder;
+        let durations: [(&str, Set); 2] = [
+            ("pull_expiry", NatsJetStreamBuilder::pull_expiry),
+            ("ping_interval", NatsJetStreamBuilder::ping_interval),
+        ];
+        for (setting, set) in durations {
+            for d in [Duration::ZERO, below, above, Duration::MAX] {
+                assert_refused(set(builder(), d), setting).await;
+            }
+        }
+    }
+
+    #[test]
+    fn the_ends_of_each_range_are_accepted() {
+        for builder in [
+            NatsJetStreamTransport::builder(NOWHERE),
+            NatsJetStreamTransport::builder(NOWHERE)
+                .max_messages(1)
+                .pull_expiry(MIN_INTERVAL)
+                .ping_interval(MIN_INTERVAL),
+            NatsJetStreamTransport::builder(NOWHERE)
+                .max_messages(i64::MAX)
+                .pull_expiry(MAX_TIMEOUT)
+                .ping_interval(MAX_TIMEOUT),
+        ] {
+            builder.check().unwrap();
+        }
+    }
 }

@@ -19,7 +19,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::transport::names;
-use crate::util::{clamp_timeout, deadline_after};
+use crate::util::{MAX_TIMEOUT, check_at_least, check_duration, deadline_after};
 
 const STREAMS: &str = "redis-streams";
 const PUBSUB: &str = "redis-pubsub";
@@ -50,6 +50,19 @@ fn bad_reply(transport: &'static str, what: &str) -> Error {
         source: format!("unexpected reply: {what}").into(),
     }
 }
+
+/// The shortest timeout or interval a Redis transport takes: a zero would
+/// spin, or fail every call.
+const MIN_TIMEOUT: Duration = Duration::from_millis(1);
+
+/// Refuses a timeout or interval outside [`MIN_TIMEOUT`]`..=`[`MAX_TIMEOUT`].
+fn check_timeout(setting: &str, value: Duration) -> Result<()> {
+    check_duration(setting, value, MIN_TIMEOUT, MAX_TIMEOUT)
+}
+
+/// The smallest Pub/Sub backlog limit: a smaller one would drop ordinary
+/// events one by one, each as a loss.
+const MIN_BACKLOG_BYTES: usize = 64 << 10;
 
 async fn publisher_connection(
     client: &Client,
@@ -169,26 +182,28 @@ pub struct RedisStreamsBuilder {
 }
 
 impl RedisStreamsBuilder {
-    /// Approximate number of entries kept per topic (`MAXLEN ~`). Default 100 000.
+    /// Approximate number of entries kept per topic (`MAXLEN ~`). Default
+    /// 100 000; at least 1, or [`connect`](Self::connect) refuses it.
     pub fn max_len(mut self, n: usize) -> Self {
-        self.config.max_len = n.max(1);
+        self.config.max_len = n;
         self
     }
 
     /// How long one `XREAD BLOCK` waits before asking again. Default 5 s;
-    /// between 1 ms and an hour.
+    /// between 1 ms and an hour, or [`connect`](Self::connect) refuses it.
     /// The reader's response timeout is this plus
     /// [`response_timeout`](Self::response_timeout); the `redis` crate's
     /// default of 500 ms would fail every blocking read.
     pub fn block(mut self, block: Duration) -> Self {
-        self.config.block = clamp_timeout(block);
+        self.config.block = block;
         self
     }
 
     /// How long to wait for a connection or an answer before treating the
-    /// server as unreachable. Default 5 s; between 1 ms and an hour.
+    /// server as unreachable. Default 5 s; between 1 ms and an hour, or
+    /// [`connect`](Self::connect) refuses it.
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
-        self.config.response_timeout = clamp_timeout(timeout);
+        self.config.response_timeout = timeout;
         self
     }
 
@@ -199,7 +214,11 @@ impl RedisStreamsBuilder {
     }
 
     /// Connects and checks the server version.
+    ///
+    /// A setting out of its range is refused with [`Error::Config`] before
+    /// anything is sent.
     pub async fn connect(self) -> Result<RedisStreamsTransport> {
+        self.check()?;
         let client = Client::open(self.url.as_str()).map_err(|e| Error::Config(e.to_string()))?;
         let mut publisher =
             publisher_connection(&client, STREAMS, self.config.response_timeout).await?;
@@ -224,6 +243,14 @@ impl RedisStreamsBuilder {
             script: redis::Script::new(XADD_SCRIPT),
             config: self.config,
         })
+    }
+
+    /// Everything `connect` refuses, checked without touching the network.
+    fn check(&self) -> Result<()> {
+        let c = &self.config;
+        check_at_least("redis-streams max_len", c.max_len, 1)?;
+        check_timeout("redis-streams block", c.block)?;
+        check_timeout("redis-streams response_timeout", c.response_timeout)
     }
 }
 
@@ -721,31 +748,33 @@ impl RedisPubSubBuilder {
     /// unbounded queue, so a node that applies slower than events arrive
     /// would never trip the server's limit and would grow without bound.
     /// Past this limit the queued messages are dropped and the loss is
-    /// signalled as [`LossReason::Overflow`]. At least 64 KiB: a smaller
-    /// limit would drop ordinary events one by one, each as a loss.
+    /// signalled as [`LossReason::Overflow`]. At least 64 KiB, or
+    /// [`connect`](Self::connect) refuses it: a smaller limit would drop
+    /// ordinary events one by one, each as a loss.
     pub fn max_backlog_bytes(mut self, bytes: usize) -> Self {
-        self.config.max_backlog_bytes = bytes.max(64 << 10);
+        self.config.max_backlog_bytes = bytes;
         self
     }
 
     /// How often an idle subscription PINGs the server. Default 1 s; between
-    /// 1 ms and an hour.
+    /// 1 ms and an hour, or [`connect`](Self::connect) refuses it.
     pub fn ping_interval(mut self, every: Duration) -> Self {
-        self.config.ping_interval = clamp_timeout(every);
+        self.config.ping_interval = every;
         self
     }
 
     /// How long a PING may go unanswered before the link counts as dead.
-    /// Default 1 s; between 1 ms and an hour.
+    /// Default 1 s; between 1 ms and an hour, or [`connect`](Self::connect)
+    /// refuses it.
     pub fn ping_timeout(mut self, timeout: Duration) -> Self {
-        self.config.ping_timeout = clamp_timeout(timeout);
+        self.config.ping_timeout = timeout;
         self
     }
 
     /// How long to wait for a connection or a `PUBLISH` answer. Default 5 s;
-    /// between 1 ms and an hour.
+    /// between 1 ms and an hour, or [`connect`](Self::connect) refuses it.
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
-        self.config.response_timeout = clamp_timeout(timeout);
+        self.config.response_timeout = timeout;
         self
     }
 
@@ -756,7 +785,11 @@ impl RedisPubSubBuilder {
     }
 
     /// Connects.
+    ///
+    /// A setting out of its range is refused with [`Error::Config`] before
+    /// anything is sent.
     pub async fn connect(self) -> Result<RedisPubSubTransport> {
+        self.check()?;
         let client = Client::open(self.url.as_str()).map_err(|e| Error::Config(e.to_string()))?;
         let publisher = publisher_connection(&client, PUBSUB, self.config.response_timeout).await?;
         Ok(RedisPubSubTransport {
@@ -764,6 +797,19 @@ impl RedisPubSubBuilder {
             publisher,
             config: self.config,
         })
+    }
+
+    /// Everything `connect` refuses, checked without touching the network.
+    fn check(&self) -> Result<()> {
+        let c = &self.config;
+        check_at_least(
+            "redis-pubsub max_backlog_bytes",
+            c.max_backlog_bytes,
+            MIN_BACKLOG_BYTES,
+        )?;
+        check_timeout("redis-pubsub ping_interval", c.ping_interval)?;
+        check_timeout("redis-pubsub ping_timeout", c.ping_timeout)?;
+        check_timeout("redis-pubsub response_timeout", c.response_timeout)
     }
 }
 
@@ -986,4 +1032,88 @@ fn record(msg: &redis::Msg) -> Record {
         None,
         Bytes::copy_from_slice(msg.get_payload_bytes()),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Nothing listens there: an attempt to connect fails with a disconnect.
+    const NOWHERE: &str = "redis://127.0.0.1:1/";
+
+    const BELOW: Duration = Duration::from_nanos(999_999);
+    const ABOVE: Duration = Duration::from_nanos(3_600_000_000_001);
+
+    /// `connect` fails with a config error naming the setting, not with the
+    /// disconnect a connection attempt to [`NOWHERE`] would give.
+    fn assert_refused(result: Result<impl fmt::Debug>, setting: &str) {
+        let e = result.expect_err(setting);
+        assert!(e.is_config(), "{setting}: {e:?}");
+        assert!(e.to_string().contains(setting), "{e}");
+    }
+
+    /// Just outside every timeout's range, and the far edges.
+    const BAD_TIMEOUTS: [Duration; 4] = [Duration::ZERO, BELOW, ABOVE, Duration::MAX];
+
+    #[tokio::test]
+    async fn streams_connect_refuses_out_of_range_settings_before_any_io() {
+        let builder = || RedisStreamsTransport::builder(NOWHERE);
+        assert_refused(builder().max_len(0).connect().await, "max_len");
+        type Set = fn(RedisStreamsBuilder, Duration) -> RedisStreamsBuilder;
+        let timeouts: [(&str, Set); 2] = [
+            ("block", RedisStreamsBuilder::block),
+            ("response_timeout", RedisStreamsBuilder::response_timeout),
+        ];
+        for (setting, set) in timeouts {
+            for d in BAD_TIMEOUTS {
+                assert_refused(set(builder(), d).connect().await, setting);
+            }
+        }
+        // The same URL with valid settings does try to connect.
+        let e = builder().connect().await.unwrap_err();
+        assert!(e.is_disconnected(), "{e:?}");
+    }
+
+    #[tokio::test]
+    async fn pubsub_connect_refuses_out_of_range_settings_before_any_io() {
+        let builder = || RedisPubSubTransport::builder(NOWHERE);
+        for bytes in [0, MIN_BACKLOG_BYTES - 1] {
+            let refused = builder().max_backlog_bytes(bytes).connect().await;
+            assert_refused(refused, "max_backlog_bytes");
+        }
+        type Set = fn(RedisPubSubBuilder, Duration) -> RedisPubSubBuilder;
+        let timeouts: [(&str, Set); 3] = [
+            ("ping_interval", RedisPubSubBuilder::ping_interval),
+            ("ping_timeout", RedisPubSubBuilder::ping_timeout),
+            ("response_timeout", RedisPubSubBuilder::response_timeout),
+        ];
+        for (setting, set) in timeouts {
+            for d in BAD_TIMEOUTS {
+                assert_refused(set(builder(), d).connect().await, setting);
+            }
+        }
+        let e = builder().connect().await.unwrap_err();
+        assert!(e.is_disconnected(), "{e:?}");
+    }
+
+    #[test]
+    fn the_ends_of_each_range_are_accepted() {
+        for (len, timeout) in [(1, MIN_TIMEOUT), (usize::MAX, MAX_TIMEOUT)] {
+            RedisStreamsTransport::builder(NOWHERE)
+                .max_len(len)
+                .block(timeout)
+                .response_timeout(timeout)
+                .check()
+                .unwrap();
+        }
+        for (bytes, timeout) in [(MIN_BACKLOG_BYTES, MIN_TIMEOUT), (usize::MAX, MAX_TIMEOUT)] {
+            RedisPubSubTransport::builder(NOWHERE)
+                .max_backlog_bytes(bytes)
+                .ping_interval(timeout)
+                .ping_timeout(timeout)
+                .response_timeout(timeout)
+                .check()
+                .unwrap();
+        }
+    }
 }

@@ -31,7 +31,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::transport::names::{self, NameKind};
-use crate::util::lock;
+use crate::util::{check_at_least, lock};
 
 const KIND: &str = "rocketmq";
 /// The client id is `<client_ip>@<instance>` and names the offsets
@@ -158,11 +158,11 @@ pub struct RocketMqBuilder {
 }
 
 impl RocketMqBuilder {
-    /// Message queues of a topic the transport creates. Default 4. More queues
-    /// spread caches over more brokers' queues; order holds per cache either
-    /// way.
+    /// Message queues of a topic the transport creates. Default 4; at least
+    /// 1, or [`connect`](Self::connect) refuses it. More queues spread
+    /// caches over more brokers' queues; order holds per cache either way.
     pub fn queues_per_topic(mut self, n: u32) -> Self {
-        self.config.queues = n.max(1);
+        self.config.queues = n;
         self
     }
 
@@ -183,7 +183,11 @@ impl RocketMqBuilder {
     }
 
     /// Starts the client runtime and the producer.
+    ///
+    /// A setting out of its range is refused with [`Error::Config`] before
+    /// the runtime starts or anything is sent.
     pub async fn connect(self) -> Result<RocketMqTransport> {
+        check_at_least("rocketmq queues_per_topic", self.config.queues, 1)?;
         // Boxed as `dyn Send`: the client's futures nest so deeply that
         // every crate awaiting them would need a higher recursion limit.
         let connecting: BoxFuture<'static, Result<RocketMqTransport>> = Box::pin(self.start());
@@ -1470,6 +1474,18 @@ mod tests {
         assert_eq!(java_hash(""), 0);
         assert_eq!(java_hash("a"), 97);
         assert_eq!(java_hash("users"), 111_578_632);
+    }
+
+    #[tokio::test]
+    async fn connect_refuses_zero_queues_before_any_io() {
+        // Nothing listens there; a connection attempt would fail otherwise.
+        let e = RocketMqTransport::builder("127.0.0.1:1")
+            .queues_per_topic(0)
+            .connect()
+            .await
+            .unwrap_err();
+        assert!(e.is_config(), "{e:?}");
+        assert!(e.to_string().contains("queues_per_topic"), "{e}");
     }
 
     #[test]
