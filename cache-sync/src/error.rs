@@ -46,11 +46,16 @@ pub enum Error {
         message: String,
     },
 
-    /// One key or value alone encodes to more than the event size limit, so no
-    /// batch split can make it fit.
+    /// An entry or an event is over the event size limit. Nothing of the
+    /// call was published from the event that failed on.
     #[error("encoded {what} is {size} bytes, over the {limit}-byte event limit")]
     TooLarge {
-        /// `"key"`, `"value"` or `"event"`.
+        /// `"entry"`: one key, or one key and its value, needs more room than
+        /// an event has after the header and signature (`size` and `limit`
+        /// count that room), so no batch split can make it fit; nothing of
+        /// the call was published. `"event"`: the encoded event, signature
+        /// included, is over `max_event_bytes`; that event was not
+        /// published (earlier events of a split batch were).
         what: &'static str,
         /// Its encoded size.
         size: usize,

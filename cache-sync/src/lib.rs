@@ -6,25 +6,28 @@
 //! hold and which version they are at.
 //!
 //! The path of an event, module by module: [`Publisher`] (and
-//! [`DictionaryPublisher`]) encode it → a [`Transport`] carries it
+//! [`DictionaryPublisher`]) encode it → a [`Transport`](transport::Transport) carries it
 //! ([`EmbeddedTransport`] in-process by default) → the [`Node`]'s consumer decodes
 //! and applies it → [`SyncedCache`] → [`Node::status_router`].
 //!
 //! ```no_run
-//! use cache_sync::{EmbeddedTransport, Node, Publisher, SyncedCache};
+//! use cache_sync::{EmbeddedTransport, Node, Publisher, SyncedCache, Table};
+//!
+//! // Shared by both sides: the cache's name and its key and value types.
+//! const COUNTRIES: Table<String, String> = Table::new("countries");
 //!
 //! # async fn run() -> cache_sync::Result<()> {
 //! let transport = EmbeddedTransport::new();
 //!
 //! // On every application node:
-//! let countries = SyncedCache::new("countries", moka::future::Cache::<String, String>::new(10_000));
+//! let countries = SyncedCache::new(COUNTRIES, moka::future::Cache::new(10_000));
 //! let node = Node::builder("node-1", transport.clone()).register(&countries).start().await?;
 //! let name = countries.get_with("de".to_string(), || async { "Germany".to_string() }).await;
 //! let status = node.serve_status("127.0.0.1:9464").await?; // GET /cache-sync/status
 //!
 //! // In the admin service:
-//! let table = Publisher::new(transport).dictionary::<String, String>("countries");
-//! table.upsert(&"de".to_string(), &"Deutschland".to_string()).await?;
+//! let table = Publisher::new(transport).dictionary(COUNTRIES);
+//! table.upsert(&"de".into(), &"Deutschland".into()).await?;
 //! # Ok(()) }
 //! ```
 //!
@@ -47,6 +50,11 @@
 //!   than its version. [`DictionaryPublisher::replace_all`] sends one, then
 //!   the new rows at the same version.
 //! - Unversioned events are applied in delivery order.
+//! - A value a load installs ([`SyncedCache::get_with`], or a local
+//!   [`SyncedCache::insert`]) carries no version: a later refresh replaces
+//!   it whenever that refresh's version is newer than every version the node
+//!   has seen for the key, even if it is older than the row the loader read
+//!   (a refresh delayed in transit past a load of a newer row).
 //!
 //! Per-key versions live in a bounded table ([`SyncedCacheBuilder::max_tracked_keys`],
 //! default 100 000 keys per cache). When a record is evicted, its version is
@@ -78,7 +86,7 @@
 //!
 //! ## What happens on loss
 //! Zero tolerance: one possibly missed event is enough to act.
-//! - The transport signals a loss ([`Delivery::Lost`]): history trimmed past
+//! - The transport signals a loss ([`Delivery::Lost`](transport::Delivery::Lost)): history trimmed past
 //!   the node, a stored position from a history that no longer exists, a
 //!   reconnect on a lossy transport, a full local buffer. Every position
 //!   names the history it belongs to (the embedded transport's instance, a Redis
@@ -123,8 +131,10 @@
 //! ## Signed events
 //! With [`PublisherBuilder::signing`] and [`NodeBuilder::verify_signatures`],
 //! every event carries an HMAC-SHA256 over its bytes and a key id, checked in
-//! constant time before anything else: before the size limit, and before the
-//! transport's tag is used to pick a cache. Unsigned, forged, tampered,
+//! constant time before anything that can change a cache: before the size
+//! limit, and before the transport's tag is used to pick a cache (a record
+//! whose tag names no cache the node holds is skipped unread, which changes
+//! nothing). Unsigned, forged, tampered,
 //! oversized-and-unsigned and unknown-key events are rejected, counted and
 //! logged, and change nothing (not even an invalidation, or forgeries could
 //! flush caches at will). A
@@ -142,10 +152,12 @@
 //! Topic and cache names are 1 to 255 bytes of UTF-8 without control
 //! characters; each transport maps them one-to-one onto its own resources
 //! (see `docs/transports.md`), and refuses, when a node starts or a
-//! publisher is built, a name it cannot map ([`Transport::check_topic`]).
+//! publisher is built, a name it cannot map ([`Transport::check_topic`](transport::Transport::check_topic)).
 //! Numbers from the wire and from configuration never wrap or panic:
 //! `Duration::MAX` means "as long as the process runs" where a duration is
-//! a window, and transport timeouts are clamped to an hour. An automatic row
+//! a window; settings out of range (a zero capacity, a transport timeout
+//! over an hour) are refused with [`Error::Config`] when the builder
+//! finishes, never silently clamped. An automatic row
 //! version after `u64::MAX` is [`Error::VersionExhausted`].
 //!
 //! ## Lifecycle
@@ -168,6 +180,9 @@
 //! | `redis` | `RedisStreamsTransport` (durable, replayable; recommended) and `RedisPubSubTransport` (lowest latency, lossy) |
 //! | `nats` | `NatsJetStreamTransport` (durable, replayable) |
 //! | `rocketmq` | `RocketMqTransport` (durable, replayable; broker-side tag filtering, per-cache order) |
+//!
+//! The crate builds on its declared `rust-version` (1.89) with every feature
+//! but `rocketmq`: the RocketMQ client 1.0 needs Rust 1.95.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 // The RocketMQ client's futures nest deeper than the default limit allows
 // when the compiler proves them `Send`.
@@ -187,6 +202,7 @@ pub mod fuzz;
 mod node;
 mod publish;
 mod status;
+mod table;
 pub mod transport;
 mod util;
 mod wire;
@@ -201,6 +217,8 @@ pub use node::{FileOffsetStore, MemoryOffsetStore, Node, NodeBuilder, OffsetStor
 pub use publish::{DictionaryPublisher, Published, Publisher, PublisherBuilder};
 #[doc(inline)]
 pub use status::{CacheStatus, NodeStatus};
+#[doc(inline)]
+pub use table::Table;
 #[doc(inline)]
 pub use transport::embedded::{EmbeddedBuilder, EmbeddedTransport};
 #[cfg(feature = "nats")]

@@ -25,16 +25,25 @@ pub struct NodeStatus {
     pub events_received: u64,
     /// Records for caches this node does not hold.
     pub events_skipped: u64,
-    /// Records that could not be read at all (garbage, unknown format, over
-    /// the size limit). Each was logged with its reason.
+    /// Records refused: unauthentic on a verifying node (unsigned, forged or
+    /// tampered, or signed with an unknown key; these change nothing), or
+    /// unreadable (over the size limit, empty, of an unknown format,
+    /// malformed, or with trailing bytes; each answered by resyncing the
+    /// cache it names, or every cache if it names none). Each was logged with
+    /// its reason. Keys and values that do not decode into a cache's types
+    /// count in that cache's `rejected_events` instead.
     pub events_rejected: u64,
-    /// Loss signals from the transport.
+    /// Losses answered by a resync: loss signals from the transport, a
+    /// re-subscription with no position to resume from, gaps in a
+    /// publisher's sequence numbers (also counted in `publisher_gaps`; each
+    /// resyncs one cache), and unreadable events that name no cache.
     pub losses: u64,
     /// Gaps found in a publisher's sequence numbers.
     pub publisher_gaps: u64,
     /// Errors from the transport (each followed by a re-subscription).
     pub transport_errors: u64,
-    /// The last reason caches were invalidated for loss, if any.
+    /// The label of the latest loss's reason (`trimmed`, `history_reset`,
+    /// `reconnected`, `overflow`, `publisher_gap`, `unreadable`), if any.
     pub last_loss_reason: Option<String>,
     /// Microseconds since the Unix epoch of that loss.
     pub last_loss_at_us: Option<u64>,
@@ -83,9 +92,15 @@ pub struct CacheStatus {
     pub refreshes_quarantined: u64,
     /// Clear events applied.
     pub clears: u64,
-    /// Times the whole cache was invalidated because events may have been lost.
+    /// Times the whole cache was invalidated because a change may have been
+    /// missed: a loss, a publisher gap, or an unreadable event or key meant
+    /// for it.
     pub loss_resyncs: u64,
-    /// Events for this cache that were rejected (a key or value did not decode).
+    /// Events meant for this cache that could not be applied in full:
+    /// unreadable ones (over the size limit, a malformed header or change;
+    /// the cache was resynced), ones whose key does not decode into the
+    /// cache's type (resynced), and, counted per value, refresh values that
+    /// do not decode (that key invalidated; also in `refresh_fallbacks`).
     pub rejected_events: u64,
     /// Microseconds since the Unix epoch when the last event was applied.
     pub last_applied_at_us: Option<u64>,

@@ -501,7 +501,7 @@ async fn order_and_filtering(fixture: &dyn Fixture) {
     retry(|| p.refresh("fence", [("fence", 99u64)])).await;
     fence_only(std::slice::from_ref(&only_table), 99).await;
     assert_eq!(
-        only_table.table.peek(&"ordered".to_owned()).await,
+        only_table.table.peek("ordered").await,
         Some(Some("199".to_owned())),
         "{}: the last refresh published must be the one that sticks",
         fixture.name()
@@ -892,7 +892,7 @@ pub async fn names_map_one_to_one(fixture: &mut dyn Fixture) {
         }
         for (topic, node, cache) in &nodes {
             crate::eventually(&format!("{topic:?} applies its own event"), async || {
-                cache.peek(&"k".to_owned()).await.as_deref() == Some(*topic)
+                cache.peek("k").await.as_deref() == Some(*topic)
             })
             .await;
             let s = node.status();
@@ -941,7 +941,7 @@ pub async fn names_map_one_to_one(fixture: &mut dyn Fixture) {
     for c in &caches {
         crate::eventually(
             &format!("cache {:?} applies its event", c.name()),
-            async || c.peek(&"k".to_owned()).await.as_deref() == Some(c.name()),
+            async || c.peek("k").await.as_deref() == Some(c.name()),
         )
         .await;
     }

@@ -25,7 +25,7 @@ async fn node_with_a_applied(
         .await
         .expect("publish a");
     eventually("a applied", async || {
-        cache.peek(&"a".into()).await.as_deref() == Some("1")
+        cache.peek("a").await.as_deref() == Some("1")
     })
     .await;
     (cache, node)
@@ -44,7 +44,7 @@ async fn streams_round_trip_and_resume_after_a_broker_restart() {
     let p = Publisher::new(RedisStreamsTransport::connect(server.url()).await.unwrap());
     p.refresh("t", [("b", "2")]).await.unwrap();
     eventually("b applied after restart", async || {
-        cache.peek(&"b".into()).await.as_deref() == Some("2")
+        cache.peek("b").await.as_deref() == Some("2")
     })
     .await;
     let s = node.status();
@@ -64,12 +64,12 @@ async fn pubsub_round_trip_and_a_dropped_connection_is_a_loss() {
     let p = Publisher::new(transport);
     assert!(server.kill_clients("pubsub") >= 1);
     eventually("loss signalled", async || node.status().losses >= 1).await;
-    assert_eq!(cache.peek(&"a".into()).await, None);
+    assert_eq!(cache.peek("a").await, None);
     eprintln!("status after loss: {:?}", node.status());
     // The node subscribes again and hears what comes next.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let mut i = 0;
-    while cache.peek(&"b".into()).await.is_none() {
+    while cache.peek("b").await.is_none() {
         assert!(
             std::time::Instant::now() < deadline,
             "never resubscribed: {:?}",

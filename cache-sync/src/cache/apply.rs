@@ -20,6 +20,8 @@ use crate::wire::{Change, Header, decode_part};
 #[async_trait]
 pub(crate) trait CacheHandle: Send + Sync {
     fn name(&self) -> &str;
+    /// The topic its table is pinned to, if any.
+    fn topic(&self) -> Option<&'static str>;
     /// Claims the cache for the node with token `owner` (never 0), whose
     /// reorder window sets how long each quarantine lasts. False if another
     /// node holds it.
@@ -54,6 +56,10 @@ where
 {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn topic(&self) -> Option<&'static str> {
+        self.topic
     }
 
     fn claim(&self, owner: u64, reorder_window: Duration) -> bool {

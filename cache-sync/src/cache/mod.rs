@@ -1,5 +1,6 @@
 //! The cache: a moka cache that events keep in step.
 
+use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
@@ -11,7 +12,8 @@ use std::time::Duration;
 use tokio::sync::{Mutex as AsyncMutex, watch};
 
 use crate::status::CacheStatus;
-use crate::util::lock;
+use crate::table::Table;
+use crate::util::{check_at_least, lock};
 
 mod apply;
 mod load;
@@ -85,6 +87,7 @@ impl<K, V> fmt::Debug for SyncedCache<K, V> {
 /// Builds a [`SyncedCache`] with non-default settings.
 pub struct SyncedCacheBuilder<K, V> {
     name: String,
+    topic: Option<&'static str>,
     cache: moka::future::Cache<K, V>,
     max_tracked_keys: usize,
     max_load_retries: u32,
@@ -110,9 +113,10 @@ where
     /// to two more key clones in the eviction queue. Once full, the least
     /// recently written record is dropped and its version folded into a floor
     /// for untracked keys: a refresh at or below the floor becomes an
-    /// invalidation, so eviction never lets an older value in.
+    /// invalidation, so eviction never lets an older value in. At least 1:
+    /// [`build`](Self::build) refuses 0.
     pub fn max_tracked_keys(mut self, n: usize) -> Self {
-        self.max_tracked_keys = n.max(1);
+        self.max_tracked_keys = n;
         self
     }
 
@@ -125,11 +129,18 @@ where
         self
     }
 
-    /// The cache.
-    pub fn build(self) -> SyncedCache<K, V> {
+    /// The cache, or [`Error::Config`](crate::Error::Config) for a setting
+    /// out of range.
+    pub fn build(self) -> crate::Result<SyncedCache<K, V>> {
+        check_at_least("max_tracked_keys", self.max_tracked_keys, 1)?;
+        Ok(self.build_checked())
+    }
+
+    fn build_checked(self) -> SyncedCache<K, V> {
         SyncedCache {
             inner: Arc::new(Inner {
                 name: self.name,
+                topic: self.topic,
                 cache: self.cache,
                 table: Mutex::new(VersionTable::new(self.max_tracked_keys)),
                 write_locks: (0..WRITE_STRIPES).map(|_| AsyncMutex::new(())).collect(),
@@ -149,6 +160,8 @@ where
 
 pub(crate) struct Inner<K, V> {
     name: String,
+    /// The topic its [`Table`] is pinned to, if any.
+    topic: Option<&'static str>,
     cache: moka::future::Cache<K, V>,
     table: Mutex<VersionTable<K>>,
     /// Per-key write serialisation, striped by key hash: a write holds its
@@ -190,18 +203,23 @@ where
     K: Hash + Eq + Clone + Send + Sync + 'static,
     V: Clone + Send + Sync + 'static,
 {
-    /// Wraps `cache` under `name`, the name publishers use for it.
-    pub fn new(name: impl Into<String>, cache: moka::future::Cache<K, V>) -> Self {
-        Self::builder(name, cache).build()
+    /// Wraps `cache` as the table `table`: a [`Table`] shared with the
+    /// publishers, or a plain name (`"countries"`), which publishers must
+    /// then spell the same way.
+    pub fn new(table: impl Into<Table<K, V>>, cache: moka::future::Cache<K, V>) -> Self {
+        // The defaults are in range.
+        Self::builder(table, cache).build_checked()
     }
 
     /// Wraps `cache` with non-default settings.
     pub fn builder(
-        name: impl Into<String>,
+        table: impl Into<Table<K, V>>,
         cache: moka::future::Cache<K, V>,
     ) -> SyncedCacheBuilder<K, V> {
+        let (name, topic) = table.into().into_parts();
         SyncedCacheBuilder {
-            name: name.into(),
+            name,
+            topic,
             cache,
             max_tracked_keys: DEFAULT_MAX_TRACKED_KEYS,
             max_load_retries: 3,
@@ -213,8 +231,13 @@ where
         &self.inner.name
     }
 
-    /// The cached value, if any. Counts a hit or a miss.
-    pub async fn get(&self, key: &K) -> Option<V> {
+    /// The cached value, if any. Counts a hit or a miss. Takes any borrowed
+    /// form of the key, as moka does (`&str` for a `String` key).
+    pub async fn get<Q>(&self, key: &Q) -> Option<V>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
         let v = self.inner.cache.get(key).await;
         let counter = if v.is_some() {
             &self.inner.stats.hits
@@ -227,8 +250,27 @@ where
 
     /// The cached value, without counting a hit or miss (for diagnostics
     /// and tests that poll).
-    pub async fn peek(&self, key: &K) -> Option<V> {
+    pub async fn peek<Q>(&self, key: &Q) -> Option<V>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
         self.inner.cache.get(key).await
+    }
+
+    /// Whether the cache holds `key`, without counting a hit or miss.
+    pub fn contains_key<Q>(&self, key: &Q) -> bool
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.inner.cache.contains_key(key)
+    }
+
+    /// The entries, as moka's `iter` gives them: a snapshot-free walk that
+    /// may or may not see writes made while it runs. Counts no hits.
+    pub fn iter(&self) -> impl Iterator<Item = (Arc<K>, V)> + '_ {
+        self.inner.cache.iter()
     }
 
     /// Inserts locally. Not published; other nodes are unaffected.
@@ -244,8 +286,12 @@ where
 
     /// Removes locally. Not published. A load of `key` already in flight will
     /// not install its result.
-    pub async fn invalidate(&self, key: &K) {
-        self.inner.invalidate(key.clone(), None).await;
+    pub async fn invalidate<Q>(&self, key: &Q)
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
+    {
+        self.inner.invalidate(key.to_owned(), None).await;
     }
 
     /// Removes everything locally. Not published. No load already in flight
@@ -265,6 +311,10 @@ where
     }
 
     /// Returns the cached value, or runs `loader` and caches its result.
+    ///
+    /// Unlike moka's `get_with`, which takes a future, this takes a closure
+    /// that makes one: a load overtaken by a write is thrown away and run
+    /// again, so it must be possible to start it more than once.
     ///
     /// Concurrent calls for one key share a single load. If the key is
     /// written (by an event or locally) or the cache cleared while the load

@@ -97,7 +97,8 @@ async fn load_with_retries_racing_with(
 ) -> (Cache, String) {
     let c = SyncedCache::builder("t", moka::future::Cache::new(1000))
         .max_load_retries(retries)
-        .build();
+        .build()
+        .expect("valid settings");
     let db = SlowDb::new("old");
     let load = {
         let (c, db) = (c.clone(), db.clone());
@@ -118,7 +119,7 @@ async fn an_invalidation_during_a_load_wins() {
         got, "new",
         "the load must be retried, not return what it read before"
     );
-    assert_eq!(c.get(&"k".into()).await.as_deref(), Some("new"));
+    assert_eq!(c.get("k").await.as_deref(), Some("new"));
     assert_eq!(c.status().loads_superseded, 1);
 }
 
@@ -126,7 +127,7 @@ async fn an_invalidation_during_a_load_wins() {
 async fn a_refresh_during_a_load_wins() {
     let (c, got) = load_racing_with(async |c| refresh(c, "k", "new", Some(2)).await).await;
     assert_eq!(got, "new");
-    assert_eq!(c.get(&"k".into()).await.as_deref(), Some("new"));
+    assert_eq!(c.get("k").await.as_deref(), Some("new"));
     assert_eq!(c.status().loads_superseded, 1);
 }
 
@@ -134,21 +135,21 @@ async fn a_refresh_during_a_load_wins() {
 async fn a_clear_during_a_load_wins() {
     let (c, got) = load_racing_with(async |c| clear(c).await).await;
     assert_eq!(got, "new");
-    assert_eq!(c.get(&"k".into()).await.as_deref(), Some("new"));
+    assert_eq!(c.get("k").await.as_deref(), Some("new"));
 }
 
 #[tokio::test]
 async fn a_loss_resync_during_a_load_wins() {
     let (c, got) = load_racing_with(async |c| c.inner.resync().await).await;
     assert_eq!(got, "new");
-    assert_eq!(c.get(&"k".into()).await.as_deref(), Some("new"));
+    assert_eq!(c.get("k").await.as_deref(), Some("new"));
 }
 
 #[tokio::test]
 async fn a_local_insert_during_a_load_wins() {
     let (c, got) = load_racing_with(async |c| c.insert("k".into(), "mine".into()).await).await;
     assert_eq!(got, "mine");
-    assert_eq!(c.get(&"k".into()).await.as_deref(), Some("mine"));
+    assert_eq!(c.get("k").await.as_deref(), Some("mine"));
 }
 
 #[tokio::test]
@@ -183,12 +184,13 @@ async fn without_retries_a_superseded_load_is_still_never_returned() {
 async fn a_loader_that_writes_its_own_key_is_returned_uncached_after_the_retries() {
     let c = SyncedCache::builder("t", moka::future::Cache::new(10))
         .max_load_retries(2)
-        .build();
+        .build()
+        .expect("valid settings");
     let loads = AtomicUsize::new(0);
     let got = c
         .get_with("k".to_string(), || async {
             loads.fetch_add(1, Relaxed);
-            c.invalidate(&"k".into()).await; // a write lands during every load
+            c.invalidate("k").await; // a write lands during every load
             "v".to_string()
         })
         .await;
@@ -197,7 +199,7 @@ async fn a_loader_that_writes_its_own_key_is_returned_uncached_after_the_retries
     // loader still writes the key itself (it does not wait on itself).
     assert_eq!(loads.load(Relaxed), 4);
     assert_eq!(
-        c.get(&"k".into()).await,
+        c.get("k").await,
         None,
         "a superseded result is never cached"
     );
@@ -298,7 +300,7 @@ async fn an_error_is_shared_with_waiters_and_not_cached() {
     release.send(()).unwrap();
     assert_eq!(*leader.await.unwrap().unwrap_err(), "db down");
     assert_eq!(*follower.await.unwrap().unwrap_err(), "db down");
-    assert_eq!(c.get(&"k".into()).await, None);
+    assert_eq!(c.get("k").await, None);
     assert_eq!(c.status().load_failures, 1);
 }
 
@@ -328,12 +330,12 @@ async fn older_refreshes_never_overwrite_newer_ones() {
     c.insert("k".into(), "loaded".into()).await;
     refresh(&c, "k", "v2", Some(2)).await;
     refresh(&c, "k", "v1", Some(1)).await;
-    assert_eq!(c.get(&"k".into()).await.as_deref(), Some("v2"));
+    assert_eq!(c.get("k").await.as_deref(), Some("v2"));
     invalidate(&c, "k", Some(5)).await;
     refresh(&c, "k", "v4", Some(4)).await;
-    assert_eq!(c.get(&"k".into()).await, None, "the tombstone keeps v4 out");
+    assert_eq!(c.get("k").await, None, "the tombstone keeps v4 out");
     refresh(&c, "k", "v6", Some(6)).await;
-    assert_eq!(c.get(&"k".into()).await.as_deref(), Some("v6"));
+    assert_eq!(c.get("k").await.as_deref(), Some("v6"));
     let s = c.status();
     assert_eq!(
         (s.refreshes, s.stale_ignored, s.invalidations, s.version),
@@ -361,13 +363,9 @@ async fn a_refresh_that_does_not_decode_becomes_an_invalidation() {
         ],
     };
     c.inner.apply(&header(), change).await;
+    assert_eq!(c.get("k").await, None, "the old value must not survive");
     assert_eq!(
-        c.get(&"k".into()).await,
-        None,
-        "the old value must not survive"
-    );
-    assert_eq!(
-        c.get(&"j".into()).await.as_deref(),
+        c.get("j").await.as_deref(),
         Some("fine"),
         "the rest of the batch applies"
     );
@@ -386,7 +384,7 @@ async fn a_key_that_does_not_decode_invalidates_the_whole_cache() {
         }],
     };
     c.inner.apply(&header(), change).await;
-    assert_eq!(c.get(&"a".into()).await, None);
+    assert_eq!(c.get("a").await, None);
     assert_eq!(c.status().rejected_events, 1);
 }
 
@@ -399,17 +397,17 @@ async fn a_versioned_clear_keeps_older_refreshes_out() {
         .await;
     refresh(&c, "b", "old", Some(9)).await;
     refresh(&c, "c", "same", Some(10)).await;
-    assert_eq!(c.get(&"a".into()).await, None);
-    assert_eq!(c.get(&"b".into()).await, None);
-    assert_eq!(c.get(&"c".into()).await.as_deref(), Some("same"));
+    assert_eq!(c.get("a").await, None);
+    assert_eq!(c.get("b").await, None);
+    assert_eq!(c.get("c").await.as_deref(), Some("same"));
 }
 
 #[tokio::test]
 async fn reads_count_hits_and_misses() {
     let c = cache();
-    assert_eq!(c.get(&"k".into()).await, None);
+    assert_eq!(c.get("k").await, None);
     c.get_with("k".into(), || async { "v".to_string() }).await;
-    c.get(&"k".into()).await;
+    c.get("k").await;
     let s = c.status();
     assert_eq!((s.hits, s.misses, s.loads), (1, 2, 1));
 }
@@ -420,19 +418,16 @@ async fn after_a_resync_versioned_refreshes_are_quarantined() {
     assert!(c.inner.claim(1, Duration::from_secs(10)));
     c.inner.resync().await;
     refresh(&c, "k", "maybe older than what was lost", Some(10)).await;
-    assert_eq!(c.get(&"k".into()).await, None, "applied as an invalidation");
+    assert_eq!(c.get("k").await, None, "applied as an invalidation");
     refresh(&c, "u", "unversioned", None).await;
     assert_eq!(
-        c.get(&"u".into()).await.as_deref(),
+        c.get("u").await.as_deref(),
         Some("unversioned"),
         "delivery order still holds"
     );
     tokio::time::advance(Duration::from_secs(11)).await;
     refresh(&c, "k", "after the window", Some(11)).await;
-    assert_eq!(
-        c.get(&"k".into()).await.as_deref(),
-        Some("after the window")
-    );
+    assert_eq!(c.get("k").await.as_deref(), Some("after the window"));
     let s = c.status();
     assert_eq!((s.refreshes_quarantined, s.loss_resyncs), (1, 1));
 }
@@ -444,6 +439,7 @@ pub(crate) fn locking_cache() -> Cache {
     SyncedCache::builder("t", moka::future::Cache::new(1000))
         .max_load_retries(0)
         .build()
+        .expect("valid settings")
 }
 
 /// Spawns `c.get_with(key)` with a loader that waits for a signal, and
@@ -529,7 +525,7 @@ async fn a_locked_load_holds_up_only_its_own_key() {
     go_tx.send(()).unwrap();
     assert_eq!(load.await.unwrap(), "locked");
     event.await.unwrap();
-    assert_eq!(c.get(&"k".into()).await, None, "the invalidation came last");
+    assert_eq!(c.get("k").await, None, "the invalidation came last");
     assert_eq!(c.status().loads, 2);
 }
 
@@ -549,7 +545,7 @@ async fn a_locked_loader_may_wait_for_another_load_in_its_stripe() {
         let (c, release, calls, k2) = (c2.clone(), release.clone(), calls.clone(), k2.clone());
         async move {
             if calls.fetch_add(1, Relaxed) == 0 {
-                c.invalidate(&"k".into()).await;
+                c.invalidate("k").await;
                 return "first".to_string();
             }
             // Locked: let the other load finish, and wait for its value.
@@ -576,14 +572,14 @@ async fn nested_locked_loads_do_not_wait_on_their_own_task() {
         let (c, calls) = (c2.clone(), calls.clone());
         async move {
             if calls.fetch_add(1, Relaxed) == 0 {
-                c.invalidate(&"k1".into()).await;
+                c.invalidate("k1").await;
                 return "first".to_string();
             }
             let inner_calls = AtomicUsize::new(0);
             let inner = c
                 .get_with("k2".to_string(), || async {
                     if inner_calls.fetch_add(1, Relaxed) == 0 {
-                        c.invalidate(&"k2".into()).await;
+                        c.invalidate("k2").await;
                         return "first".to_string();
                     }
                     c.insert("k1".into(), "from the inner loader".into()).await;
@@ -600,6 +596,31 @@ async fn nested_locked_loads_do_not_wait_on_their_own_task() {
     assert_eq!(got, "outer(inner)");
     // Both loads were overtaken by the inner loader's own writes: returned,
     // never cached.
-    assert_eq!(c.get(&"k1".into()).await, None);
-    assert_eq!(c.get(&"k2".into()).await, None);
+    assert_eq!(c.get("k1").await, None);
+    assert_eq!(c.get("k2").await, None);
+}
+
+#[tokio::test]
+async fn reads_take_borrowed_keys_and_iterate_as_moka_does() {
+    let c = cache();
+    c.insert("de".into(), "Germany".into()).await;
+    c.insert("fr".into(), "France".into()).await;
+    assert_eq!(c.get("de").await.as_deref(), Some("Germany"));
+    assert_eq!(c.peek("fr").await.as_deref(), Some("France"));
+    assert!(c.contains_key("de"));
+    assert!(!c.contains_key("it"));
+    let mut all: Vec<_> = c.iter().map(|(k, v)| ((*k).clone(), v)).collect();
+    all.sort();
+    assert_eq!(
+        all,
+        [
+            ("de".into(), "Germany".into()),
+            ("fr".into(), "France".into())
+        ]
+    );
+    c.invalidate("de").await;
+    assert!(!c.contains_key("de"));
+    // get counts; peek, contains_key and iter do not.
+    let s = c.status();
+    assert_eq!((s.hits, s.misses), (1, 0));
 }

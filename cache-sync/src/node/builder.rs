@@ -57,7 +57,7 @@ impl NodeBuilder {
         self
     }
 
-    /// Where the position is kept. Default: a [`MemoryOffsetStore`].
+    /// Where the position is kept. Default: a [`MemoryOffsetStore`](crate::MemoryOffsetStore).
     pub fn offset_store(mut self, store: impl OffsetStore) -> Self {
         self.offsets = Arc::new(store);
         self
@@ -69,8 +69,8 @@ impl NodeBuilder {
         self
     }
 
-    /// Events larger than this are rejected unread. Default 1 MiB; at most
-    /// [`MAX_EVENT_BYTES_CEILING`](crate::MAX_EVENT_BYTES_CEILING).
+    /// Events larger than this are rejected unread. Default 1 MiB; 1 byte to
+    /// 64 MiB, or [`start`](Self::start) refuses it.
     pub fn max_event_bytes(mut self, n: usize) -> Self {
         self.config.max_event_bytes = n;
         self
@@ -100,7 +100,7 @@ impl NodeBuilder {
     /// - **At start**, the newer event may have been published just before
     ///   the node subscribed. So a node starting from the latest position
     ///   first replays this much history, where the transport can start from
-    ///   a timestamp (embedded transport, Redis Streams).
+    ///   a timestamp (every transport but Redis Pub/Sub).
     /// - **After a loss**, or at start on a transport without history (Redis
     ///   Pub/Sub), or for a cache registered after start, that is not
     ///   possible: for this long, versioned refreshes are applied as

@@ -324,7 +324,7 @@ mod tests {
         cache
             .insert("secret-key-123".into(), "secret-value-456".into())
             .await;
-        cache.get(&"secret-key-123".into()).await;
+        cache.get("secret-key-123").await;
         (node, cache)
     }
 

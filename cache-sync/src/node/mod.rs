@@ -17,6 +17,7 @@ use crate::cache::{CacheHandle, SyncedCache};
 use crate::error::{Error, Result};
 use crate::publish::Publisher;
 use crate::status::NodeStatus;
+use crate::table::check_topic;
 use crate::transport::{
     DEFAULT_TOPIC, LossReason, Position, StartFrom, SubscribeOptions, Subscription, Transport,
 };
@@ -282,6 +283,13 @@ impl Node {
     /// An axum router serving `GET /cache-sync/status`,
     /// `GET /cache-sync/caches/{name}` and `GET /healthz`, to mount in the
     /// application's own server. No keys or values are shown.
+    ///
+    /// Mounted in the application's server, it is served with that server's
+    /// limits: [`serve_status`](Self::serve_status) also bounds the time to
+    /// read a request head, idle connections and the number of connections,
+    /// which `axum::serve` does not. `Router::merge` panics on a route the
+    /// application already has (say its own `/healthz`); `nest` it under a
+    /// prefix then.
     pub fn status_router(&self) -> axum::Router {
         http::router(self.clone())
     }
@@ -329,6 +337,7 @@ impl Shared {
 
     async fn register(&self, cache: Arc<dyn CacheHandle>) -> Result<()> {
         let name = cache.name().to_owned();
+        check_topic(&name, cache.topic(), &self.topic)?;
         {
             let mut guard = self.caches.write().unwrap_or_else(|p| p.into_inner());
             let caches = Arc::make_mut(&mut guard);

@@ -139,7 +139,7 @@ async fn garbage_is_rejected_counted_and_survived() {
     assert!(s.consuming);
     // Each might have been a change to "t", so "t" was invalidated each time.
     assert_eq!(s.caches[0].rejected_events, 4);
-    assert_eq!(c.get(&"k".into()).await, None);
+    assert_eq!(c.get("k").await, None);
 }
 
 /// Regression (in part): sequence numbers run per (publisher, cache), yet a
@@ -176,12 +176,12 @@ async fn a_gap_in_a_publishers_sequence_invalidates_that_cache_only() {
         .unwrap();
     eventually("seq 4", async || holds(&a, "z", Some("4")).await).await;
     assert_eq!(
-        a.get(&"x".into()).await,
+        a.get("x").await,
         None,
         "stale entries before the gap are gone"
     );
     assert_eq!(
-        b.get(&"y".into()).await.as_deref(),
+        b.get("y").await.as_deref(),
         Some("untouched by a's gap"),
         "another cache's sequence did not jump"
     );
@@ -258,7 +258,7 @@ async fn after_a_resume_an_unknown_publishers_first_event_is_not_trusted() {
     publish("b", 3, 17, "b1").await; // unknown, after a resume: a gap in b
     eventually("b1 applied", async || holds(&b, "b1", Some("v")).await).await;
     assert!(holds(&a, "a1", Some("v")).await, "a was not resynced");
-    assert_eq!(b.peek(&"warm".into()).await, None, "b was resynced");
+    assert_eq!(b.peek("warm").await, None, "b was resynced");
     let s = node.status();
     assert_eq!((s.publisher_gaps, s.losses), (1, 1), "{s:?}");
     publish("b", 3, 18, "b2").await; // now known
@@ -270,7 +270,10 @@ async fn after_a_resume_an_unknown_publishers_first_event_is_not_trusted() {
 async fn falling_behind_the_history_is_answered_by_invalidating() {
     // History of 4 records, and the consumer cannot run while we publish 50
     // (the current-thread runtime only switches tasks at an await that blocks).
-    let transport = EmbeddedTransport::builder().max_records(4).build();
+    let transport = EmbeddedTransport::builder()
+        .max_records(4)
+        .build()
+        .expect("valid settings");
     let c = cache("t");
     let node = Node::builder("n1", transport.clone())
         .max_batch(1)
@@ -291,7 +294,7 @@ async fn falling_behind_the_history_is_answered_by_invalidating() {
     assert!(s.losses >= 1, "{s:?}");
     assert_eq!(s.last_loss_reason.as_deref(), Some("trimmed"));
     assert!(s.caches[0].loss_resyncs >= 1);
-    assert_eq!(c.get(&"stale".into()).await, None);
+    assert_eq!(c.get("stale").await, None);
 }
 
 /// Wraps the embedded transport; the first subscription fails after one batch.
@@ -410,7 +413,7 @@ async fn shutdown_saves_the_position_and_a_restart_replays_from_it() {
     assert_eq!(node.status().position, saved);
     eventually("replayed", async || holds(&c, "b", Some("2")).await).await;
     assert_eq!(
-        c.get(&"a".into()).await,
+        c.get("a").await,
         None,
         "only what came after the saved position is replayed"
     );
@@ -448,11 +451,7 @@ async fn caches_can_be_registered_after_start() {
     let c = cache("late");
     c.insert("warm".into(), "from before".into()).await;
     node.register(&c).await.unwrap();
-    assert_eq!(
-        c.get(&"warm".into()).await,
-        None,
-        "registration empties the cache"
-    );
+    assert_eq!(c.get("warm").await, None, "registration empties the cache");
     node.publisher()
         .refresh("late", [("k", "v")])
         .await
@@ -596,7 +595,7 @@ async fn with_signatures_on_only_authentic_events_change_anything() {
     })
     .await;
     assert_eq!(
-        c.peek(&"k".into()).await.as_deref(),
+        c.peek("k").await.as_deref(),
         Some("cached"),
         "no rejected event touched the cache"
     );
@@ -668,7 +667,7 @@ async fn a_fresh_node_replays_the_reorder_window_so_older_refreshes_are_refused(
     })
     .await;
     assert_eq!(
-        c.peek(&"k".into()).await,
+        c.peek("k").await,
         None,
         "the replayed tombstone keeps version 10 out"
     );
@@ -729,7 +728,7 @@ async fn without_history_a_fresh_node_quarantines_instead() {
         holds(&c, "fence", Some("x")).await
     })
     .await;
-    assert_eq!(c.peek(&"k".into()).await, None);
+    assert_eq!(c.peek("k").await, None);
     assert_eq!(node.status().caches[0].refreshes_quarantined, 1);
 }
 
@@ -829,7 +828,7 @@ async fn unauthenticated_input_changes_nothing_whatever_its_size_or_tag() {
         holds(&c, "fence", Some("signed")).await
     })
     .await;
-    assert_eq!(c.peek(&"k".into()).await.as_deref(), Some("cached"));
+    assert_eq!(c.peek("k").await.as_deref(), Some("cached"));
     let s = node.status();
     assert_eq!(s.events_rejected, 5, "{s:?}");
     assert_eq!((s.losses, s.caches[0].loss_resyncs), (0, 0), "{s:?}");
@@ -912,8 +911,8 @@ async fn an_unreadable_event_without_a_tag_invalidates_what_it_may_have_changed(
         holds(&t, "after", Some("big")).await
     })
     .await;
-    assert_eq!(t.get(&"k".into()).await, None, "t may have missed a change");
-    assert_eq!(u.peek(&"k".into()).await.as_deref(), Some("cached"));
+    assert_eq!(t.get("k").await, None, "t may have missed a change");
+    assert_eq!(u.peek("k").await.as_deref(), Some("cached"));
     let s = node.status();
     assert_eq!(
         (s.events_rejected, s.publisher_gaps, s.losses),
@@ -939,7 +938,7 @@ async fn an_unreadable_event_without_a_tag_invalidates_what_it_may_have_changed(
         node.status().losses == 1
     })
     .await;
-    assert_eq!(u.get(&"k".into()).await, None);
+    assert_eq!(u.get("k").await, None);
     let s = node.status();
     assert_eq!(s.last_loss_reason.as_deref(), Some("unreadable"));
     assert_eq!(s.events_rejected, 2);
@@ -981,8 +980,8 @@ async fn an_oversized_event_resyncs_the_cache_its_header_names_not_its_tag() {
         (1, 0),
         "{s:?}"
     );
-    assert_eq!(t.get(&"k".into()).await, None);
-    assert_eq!(u.peek(&"k".into()).await.as_deref(), Some("cached"));
+    assert_eq!(t.get("k").await, None);
+    assert_eq!(u.peek("k").await.as_deref(), Some("cached"));
     node.shutdown().await.unwrap();
 }
 

@@ -26,16 +26,22 @@ pub(crate) mod rocketmq;
 /// Where a subscriber stands in a topic: one offset per partition.
 ///
 /// Opaque to applications; meaningful only to the transport that produced it.
-/// A single-log transport (the embedded transport, a Redis stream, a NATS stream)
-/// uses one partition; RocketMQ uses one per message queue. It serializes to
-/// JSON as a map from partition name to offset, like RocketMQ's
+/// It serializes to JSON as a map from key to offset, like RocketMQ's
 /// `offsets.json`:
 ///
 /// ```json
 /// {"broker-a:0": 1042, "broker-a:1": 977}
 /// ```
 ///
-/// Each offset is the *next* one to read, as in RocketMQ's consumer offsets.
+/// The keys are the transport's own, and each names the history it belongs
+/// to as well as a place in it, so a position from a lost history is caught
+/// rather than resumed into: the embedded transport keeps one entry, named
+/// after the transport instance (`embedded-<id>`); a Redis
+/// stream the last entry id read, its ordinal and the stream's epoch (`id`,
+/// `n`, `e`); a NATS stream the last sequence read and the stream's creation
+/// time (`seq`, `created`); RocketMQ, per message queue, the *next* offset
+/// to read (as in its consumer offsets) and an anchor naming the message
+/// before it (`<broker>:<queue>@`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct Position(BTreeMap<String, Offset>);
@@ -225,8 +231,6 @@ pub enum LossReason {
     /// The stored position belongs to a history that no longer exists (the
     /// stream was deleted or the broker lost its data).
     HistoryReset,
-    /// The transport saw a gap in its own offsets.
-    Gap,
     /// The consumer saw a gap in a publisher's sequence numbers.
     PublisherGap,
     /// A local buffer between the transport and the consumer overflowed.
@@ -244,7 +248,6 @@ impl LossReason {
             LossReason::Trimmed => "trimmed",
             LossReason::Reconnected => "reconnected",
             LossReason::HistoryReset => "history_reset",
-            LossReason::Gap => "gap",
             LossReason::PublisherGap => "publisher_gap",
             LossReason::Overflow => "overflow",
             LossReason::Unreadable => "unreadable",
