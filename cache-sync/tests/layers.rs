@@ -1,0 +1,187 @@
+//! The crate's layers, bottom up, and the rule that each imports only those
+//! below it (so no import cycle can form). Run it alone with
+//! `cargo test -p cache-sync --test layers`.
+//!
+//! A module's layer is its top-level folder or file under `src/`. Every
+//! `crate::…` path in non-test code counts as an import, and so do names
+//! the crate root re-exports (`crate::Node` is the `node` layer). Test code
+//! (`tests.rs` files and `#[cfg(test)] mod tests` blocks) may reach up, as
+//! tests of a lower layer sometimes need a node.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// Bottom first. Modules on one line form one layer and may not import
+/// each other either.
+const LAYERS: &[&[&str]] = &[
+    &["error"],
+    &["util"],
+    &["wire"],
+    &["transport"],
+    &["status", "table"],
+    &["cache"],
+    &["publish"],
+    &["node"],
+    &["fuzz"],
+];
+
+fn rank(module: &str) -> Option<usize> {
+    LAYERS.iter().position(|layer| layer.contains(&module))
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in fs::read_dir(dir).expect("src/ is readable") {
+        let path = entry.expect("a directory entry").path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The file's code without its test module and comments.
+fn production_code(text: &str) -> String {
+    let text = match text.find("#[cfg(test)]\nmod tests") {
+        Some(i) => &text[..i],
+        None => text,
+    };
+    text.lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Which module each name the root re-exports comes from, read from
+/// `lib.rs`'s `pub use module::…` lines.
+fn root_exports(lib: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut rest = lib;
+    while let Some(i) = rest.find("pub use ") {
+        rest = &rest[i + "pub use ".len()..];
+        let end = rest.find(';').expect("a use ends with ;");
+        let item = &rest[..end];
+        let module = item.split("::").next().unwrap_or_default().trim().to_owned();
+        let names = item[module.len()..].trim_start_matches("::");
+        let names = names.rsplit("::").next().unwrap_or_default();
+        for name in names
+            .trim_matches(|c| c == '{' || c == '}' || char::is_whitespace(c))
+            .split(',')
+        {
+            let name = name.trim();
+            if !name.is_empty() {
+                out.push((name.to_owned(), module.clone()));
+            }
+        }
+        rest = &rest[end..];
+    }
+    out
+}
+
+/// Every module a file's code names through `crate::`.
+fn imports(code: &str, exports: &[(String, String)]) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut rest = code;
+    while let Some(i) = rest.find("crate::") {
+        rest = &rest[i + "crate::".len()..];
+        let groups: Vec<&str> = if let Some(inner) = rest.strip_prefix('{') {
+            let end = inner.find('}').expect("a use group closes");
+            inner[..end].split(',').collect()
+        } else {
+            vec![rest]
+        };
+        for g in groups {
+            let name: String = g
+                .trim()
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            if name.is_empty() || name == "Result" || name == "Error" {
+                // `crate::Result`/`crate::Error` are the error layer.
+                out.insert("error".to_owned());
+            } else if let Some((_, module)) = exports.iter().find(|(n, _)| *n == name) {
+                out.insert(module.clone());
+            } else {
+                out.insert(name);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn each_layer_imports_only_the_layers_below_it() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let exports = root_exports(&fs::read_to_string(src.join("lib.rs")).expect("lib.rs is readable"));
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut seen = BTreeSet::new();
+    let mut broken = Vec::new();
+    for file in files {
+        let rel = file.strip_prefix(&src).unwrap();
+        let module = rel
+            .components()
+            .next()
+            .unwrap()
+            .as_os_str()
+            .to_string_lossy()
+            .trim_end_matches(".rs")
+            .to_owned();
+        if module == "lib" || rel.file_name().is_some_and(|f| f == "tests.rs") {
+            continue;
+        }
+        let own = rank(&module).unwrap_or_else(|| {
+            panic!(
+                "{module} (src/{}) is in no layer; add it to LAYERS",
+                rel.display()
+            )
+        });
+        seen.insert(module.clone());
+        let code = production_code(&fs::read_to_string(&file).unwrap());
+        for import in imports(&code, &exports) {
+            if import == module {
+                continue;
+            }
+            let theirs = rank(&import).unwrap_or_else(|| {
+                panic!(
+                    "src/{} imports {import}, which is in no layer",
+                    rel.display()
+                )
+            });
+            if theirs >= own {
+                broken.push(format!("src/{} ({module}) imports {import}", rel.display()));
+            }
+        }
+    }
+    assert!(
+        broken.is_empty(),
+        "imports that reach up or sideways:\n{}",
+        broken.join("\n")
+    );
+    for layer in LAYERS.iter().flat_map(|l| l.iter()) {
+        assert!(
+            seen.contains(*layer),
+            "LAYERS names {layer}, which has no source"
+        );
+    }
+}
+
+/// The checker itself: an upward import must be caught, through a path or
+/// through a root re-export.
+#[test]
+fn the_checker_sees_imports_through_paths_groups_and_root_names() {
+    let exports = root_exports("pub use node::{Node, NodeBuilder};\npub use cache::SyncedCache;\n");
+    let found = imports(
+        "use crate::wire::Codec;\nuse crate::{Node, SyncedCache};\nfn f() -> crate::Result<()> { crate::util::lock(m); }",
+        &exports,
+    );
+    let want: BTreeSet<String> = ["wire", "node", "cache", "error", "util"]
+        .map(String::from)
+        .into();
+    assert_eq!(found, want);
+    assert_eq!(
+        production_code("use crate::a;\n// crate::b\n#[cfg(test)]\nmod tests {\n use crate::c;\n}"),
+        "use crate::a;"
+    );
+}
