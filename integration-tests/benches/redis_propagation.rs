@@ -124,8 +124,8 @@ const SMOKE: Sizes = Sizes {
 /// includes, to run `redis-benchmark` on it. The bench still checks with
 /// `SCRIPT EXISTS` that cache-sync loaded this very text (same SHA-1).
 const PUBLISH_SCRIPT: &str = concat!(
-    include_str!("../../cache-sync/src/transport/redis_epoch.lua"),
-    include_str!("../../cache-sync/src/transport/redis_publish.lua")
+    include_str!("../../cache-sync/src/transport/redis/redis_epoch.lua"),
+    include_str!("../../cache-sync/src/transport/redis/redis_publish.lua")
 );
 
 /// Throughput publishers stop early after this, so a slow disk (the

@@ -1,0 +1,361 @@
+//! Redis Pub/Sub: the lowest latency, and lossy, so every reconnect is a
+//! loss.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::pin::Pin;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use redis::aio::ConnectionManager;
+use redis::{Client, Value};
+
+use super::super::{
+    Delivery, Loss, LossReason, Position, Record, StartFrom, SubscribeOptions, Subscription,
+    Transport,
+};
+use super::{MIN_BACKLOG_BYTES, PUBSUB, check_timeout, key_part, map_err, publisher_connection};
+use crate::error::{Error, Result};
+use crate::util::{check_at_least, deadline_after};
+
+/// The Redis Pub/Sub transport: `PUBLISH` to one channel per topic.
+///
+/// The lowest latency, and lossy: Redis keeps nothing for a subscriber that
+/// is not connected, and disconnects a subscriber whose output buffer passes
+/// `client-output-buffer-limit pubsub` (default 32 MiB hard, or 8 MiB for
+/// 60 s), dropping what was queued. So every subscription starts with no
+/// history, and any disconnect, re-subscription or unanswered PING is
+/// signalled as [`LossReason::Reconnected`]: the node clears its caches, as
+/// Redis client-side caching does when its invalidation link drops.
+///
+/// Start positions: only [`StartFrom::Latest`]; resuming from a position
+/// always reports a loss first.
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+#[derive(Clone)]
+pub struct RedisPubSubTransport {
+    client: Client,
+    publisher: ConnectionManager,
+    config: PubSubConfig,
+}
+
+impl fmt::Debug for RedisPubSubTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisPubSubTransport")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct PubSubConfig {
+    max_backlog_bytes: usize,
+    ping_interval: Duration,
+    ping_timeout: Duration,
+    response_timeout: Duration,
+    channel_prefix: String,
+}
+
+/// Configures a [`RedisPubSubTransport`].
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+#[derive(Debug, Clone)]
+pub struct RedisPubSubBuilder {
+    url: String,
+    config: PubSubConfig,
+}
+
+impl RedisPubSubBuilder {
+    /// Most bytes of messages a subscription holds that its node has not
+    /// taken yet. Default 32 MiB, Redis's own hard `pubsub` output-buffer
+    /// limit.
+    ///
+    /// The `redis` crate reads Pub/Sub messages off the socket into an
+    /// unbounded queue, so a node that applies slower than events arrive
+    /// would never trip the server's limit and would grow without bound.
+    /// Past this limit the queued messages are dropped and the loss is
+    /// signalled as [`LossReason::Overflow`]. At least 64 KiB, or
+    /// [`connect`](Self::connect) refuses it: a smaller limit would drop
+    /// ordinary events one by one, each as a loss.
+    pub fn max_backlog_bytes(mut self, bytes: usize) -> Self {
+        self.config.max_backlog_bytes = bytes;
+        self
+    }
+
+    /// How often an idle subscription PINGs the server. Default 1 s; between
+    /// 1 ms and an hour, or [`connect`](Self::connect) refuses it.
+    pub fn ping_interval(mut self, every: Duration) -> Self {
+        self.config.ping_interval = every;
+        self
+    }
+
+    /// How long a PING may go unanswered before the link counts as dead.
+    /// Default 1 s; between 1 ms and an hour, or [`connect`](Self::connect)
+    /// refuses it.
+    pub fn ping_timeout(mut self, timeout: Duration) -> Self {
+        self.config.ping_timeout = timeout;
+        self
+    }
+
+    /// How long to wait for a connection or a `PUBLISH` answer. Default 5 s;
+    /// between 1 ms and an hour, or [`connect`](Self::connect) refuses it.
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.config.response_timeout = timeout;
+        self
+    }
+
+    /// Prefix of the channel name; the topic follows. Default `"cache-sync:"`.
+    pub fn channel_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.config.channel_prefix = prefix.into();
+        self
+    }
+
+    /// Connects.
+    ///
+    /// A setting out of its range is refused with [`Error::Config`] before
+    /// anything is sent.
+    pub async fn connect(self) -> Result<RedisPubSubTransport> {
+        self.check()?;
+        let client = Client::open(self.url.as_str()).map_err(|e| Error::Config(e.to_string()))?;
+        let publisher = publisher_connection(&client, PUBSUB, self.config.response_timeout).await?;
+        Ok(RedisPubSubTransport {
+            client,
+            publisher,
+            config: self.config,
+        })
+    }
+
+    /// Everything `connect` refuses, checked without touching the network.
+    pub(super) fn check(&self) -> Result<()> {
+        let c = &self.config;
+        check_at_least(
+            "redis-pubsub max_backlog_bytes",
+            c.max_backlog_bytes,
+            MIN_BACKLOG_BYTES,
+        )?;
+        check_timeout("redis-pubsub ping_interval", c.ping_interval)?;
+        check_timeout("redis-pubsub ping_timeout", c.ping_timeout)?;
+        check_timeout("redis-pubsub response_timeout", c.response_timeout)
+    }
+}
+
+impl RedisPubSubTransport {
+    /// Configures a transport for the server at `url`.
+    pub fn builder(url: impl Into<String>) -> RedisPubSubBuilder {
+        RedisPubSubBuilder {
+            url: url.into(),
+            config: PubSubConfig {
+                max_backlog_bytes: 32 << 20,
+                ping_interval: Duration::from_secs(1),
+                ping_timeout: Duration::from_secs(1),
+                response_timeout: Duration::from_secs(5),
+                channel_prefix: "cache-sync:".into(),
+            },
+        }
+    }
+
+    /// Connects with default settings.
+    pub async fn connect(url: impl Into<String>) -> Result<Self> {
+        Self::builder(url).connect().await
+    }
+}
+
+#[async_trait]
+impl Transport for RedisPubSubTransport {
+    fn kind(&self) -> &'static str {
+        PUBSUB
+    }
+
+    async fn publish(&self, topic: &str, _tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        let mut conn = self.publisher.clone();
+        self.check_topic(topic)?;
+        let channel = format!("{}{}", self.config.channel_prefix, key_part(topic));
+        redis::cmd("PUBLISH")
+            .arg(channel)
+            .arg(payload.as_ref())
+            .query_async::<i64>(&mut conn)
+            .await
+            .map_err(|e| map_err(PUBSUB, e))?;
+        Ok(None)
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        let pending = match options.from {
+            StartFrom::Latest => None,
+            StartFrom::Position(_) => Some(Loss::new(LossReason::Reconnected, None, None)),
+            StartFrom::Earliest => {
+                return Err(Error::Unsupported {
+                    transport: PUBSUB,
+                    what: "starting from the earliest event",
+                });
+            }
+            StartFrom::Timestamp(_) => {
+                return Err(Error::Unsupported {
+                    transport: PUBSUB,
+                    what: "starting from a timestamp",
+                });
+            }
+        };
+        let connect = self.client.get_async_pubsub();
+        let pubsub = tokio::time::timeout(self.config.response_timeout, connect)
+            .await
+            .map_err(|_| Error::disconnected(PUBSUB, "connect timed out"))?
+            .map_err(|e| map_err(PUBSUB, e))?;
+        let (mut sink, stream) = pubsub.split();
+        self.check_topic(topic)?;
+        let channel = format!("{}{}", self.config.channel_prefix, key_part(topic));
+        tokio::time::timeout(self.config.response_timeout, sink.subscribe(&channel))
+            .await
+            .map_err(|_| Error::disconnected(PUBSUB, "SUBSCRIBE timed out"))?
+            .map_err(|e| map_err(PUBSUB, e))?;
+        Ok(Box::new(PubSubSubscription {
+            sink,
+            stream,
+            backlog: VecDeque::new(),
+            backlog_bytes: 0,
+            max_backlog_bytes: self.config.max_backlog_bytes,
+            pending,
+            ping: Box::pin(tokio::time::sleep(self.config.ping_interval)),
+            heard_at: tokio::time::Instant::now(),
+            ping_interval: self.config.ping_interval,
+            ping_timeout: self.config.ping_timeout,
+        }))
+    }
+}
+
+struct PubSubSubscription {
+    sink: redis::aio::PubSubSink,
+    stream: redis::aio::PubSubStream,
+    /// Messages taken off the client's queue, not yet delivered.
+    backlog: VecDeque<Record>,
+    backlog_bytes: usize,
+    max_backlog_bytes: usize,
+    pending: Option<Loss>,
+    /// Fires at the earliest when the link has been quiet for `ping_interval`.
+    /// Only moved when it fires (to `heard_at + ping_interval`), not on every
+    /// message: re-arming a tokio timer per event takes the timer driver's lock.
+    ping: Pin<Box<tokio::time::Sleep>>,
+    /// When a message last arrived.
+    heard_at: tokio::time::Instant,
+    ping_interval: Duration,
+    ping_timeout: Duration,
+}
+
+impl fmt::Debug for PubSubSubscription {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PubSubSubscription").finish_non_exhaustive()
+    }
+}
+
+/// What a queued record is taken to cost, beyond its payload.
+const RECORD_OVERHEAD: usize = 64;
+
+impl PubSubSubscription {
+    /// Moves everything the client has queued into the backlog; false if
+    /// the connection closed.
+    fn drain(&mut self) -> bool {
+        while self.backlog_bytes <= self.max_backlog_bytes {
+            match futures_util::FutureExt::now_or_never(self.stream.next()) {
+                Some(Some(msg)) => self.push(&msg),
+                Some(None) => return false,
+                None => break,
+            }
+        }
+        true
+    }
+
+    fn push(&mut self, msg: &redis::Msg) {
+        let record = record(msg);
+        self.backlog_bytes = self
+            .backlog_bytes
+            .saturating_add(record.payload.len().saturating_add(RECORD_OVERHEAD));
+        self.backlog.push_back(record);
+    }
+
+    fn take(&mut self, max: usize) -> Result<Delivery> {
+        if self.backlog_bytes > self.max_backlog_bytes {
+            let missed = self.backlog.len() as u64;
+            tracing::warn!(
+                messages = missed,
+                bytes = self.backlog_bytes,
+                limit = self.max_backlog_bytes,
+                "Pub/Sub backlog over its limit; dropping it"
+            );
+            self.backlog.clear();
+            self.backlog_bytes = 0;
+            return Ok(Delivery::Lost(Loss::new(
+                LossReason::Overflow,
+                Some(missed),
+                None,
+            )));
+        }
+        let n = max.max(1).min(self.backlog.len());
+        let records: Vec<Record> = self.backlog.drain(..n).collect();
+        let taken = records.iter().fold(0usize, |sum, r| {
+            sum.saturating_add(r.payload.len().saturating_add(RECORD_OVERHEAD))
+        });
+        self.backlog_bytes = self.backlog_bytes.saturating_sub(taken);
+        Ok(Delivery::Batch {
+            records,
+            position: Position::default(),
+        })
+    }
+}
+
+#[async_trait]
+impl Subscription for PubSubSubscription {
+    async fn next(&mut self, max: usize) -> Result<Delivery> {
+        if let Some(loss) = self.pending.take() {
+            return Ok(Delivery::Lost(loss));
+        }
+        loop {
+            // Everything queued, not just one batch: the size of the client's
+            // queue is only known by emptying it.
+            let open = self.drain();
+            if !self.backlog.is_empty() {
+                self.heard_at = tokio::time::Instant::now();
+                return self.take(max);
+            }
+            if !open {
+                return Err(Error::disconnected(
+                    PUBSUB,
+                    "the subscription connection closed",
+                ));
+            }
+            tokio::select! {
+                msg = self.stream.next() => {
+                    let Some(msg) = msg else {
+                        return Err(Error::disconnected(PUBSUB, "the subscription connection closed"));
+                    };
+                    self.push(&msg);
+                }
+                () = self.ping.as_mut() => {
+                    let due = self.heard_at.checked_add(self.ping_interval);
+                    let now = tokio::time::Instant::now();
+                    if let Some(due) = due.filter(|&due| now < due) {
+                        self.ping.as_mut().reset(due);
+                        continue;
+                    }
+                    self.ping.as_mut().reset(deadline_after(self.ping_interval));
+                    match tokio::time::timeout(self.ping_timeout, self.sink.ping::<Value>()).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => return Err(map_err(PUBSUB, e)),
+                        Err(_) => return Err(Error::disconnected(PUBSUB, "PING went unanswered")),
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn record(msg: &redis::Msg) -> Record {
+    Record::new(
+        Position::default(),
+        None,
+        Bytes::copy_from_slice(msg.get_payload_bytes()),
+    )
+}

@@ -1,0 +1,164 @@
+//! The push consumer behind a subscription, and the records it hands over.
+
+use std::collections::{HashSet, VecDeque};
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use rocketmq_client_rust::{DefaultMQPushConsumer, MessageQueueListener};
+use rocketmq_model::common::message::message_ext::MessageExt;
+use rocketmq_model::common::message::message_queue::MessageQueue;
+use tokio::sync::{mpsc, watch};
+
+use super::super::{Delivery, Loss, Position, Record, Subscription};
+use super::*;
+use crate::error::{Error, Result};
+use crate::transport::names::{self};
+
+/// Reports the queues the rebalance assigned (it runs about 1 s after start).
+pub(super) struct AssignWatch {
+    pub(super) topic: String,
+    pub(super) tx: watch::Sender<HashSet<MessageQueue>>,
+}
+
+impl MessageQueueListener for AssignWatch {
+    fn message_queue_changed(
+        &self,
+        topic: &str,
+        _all: &HashSet<MessageQueue>,
+        assigned: &HashSet<MessageQueue>,
+    ) {
+        if topic == self.topic {
+            self.tx.send_replace(assigned.clone());
+        }
+    }
+}
+
+pub(super) fn record(m: &MessageExt) -> Record {
+    // A tag that no escape produced came from another producer: left out,
+    // the consumer routes the event by its header instead.
+    let tag = m
+        .get_tags()
+        .and_then(|t| names::unescape(t.as_str()).map(|c| c.into_owned()));
+    Record::new(
+        Position::single(
+            partition(m.broker_name(), m.queue_id()),
+            next_offset(m.queue_offset()),
+        ),
+        tag,
+        m.body().unwrap_or_default(),
+    )
+}
+
+/// A started consumer, shut down and its scratch offsets removed when the
+/// subscription ends.
+pub(super) struct Consumer {
+    pub(super) consumer: Option<DefaultMQPushConsumer>,
+    pub(super) dir: PathBuf,
+    /// Keeps the client runtime alive until this consumer is shut down.
+    pub(super) _runtime: Arc<dyn Shared>,
+}
+
+impl Consumer {
+    pub(super) async fn shutdown(&mut self) {
+        if let Some(mut c) = self.consumer.take() {
+            c.shutdown().await;
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+pub(super) struct RocketMqSubscription {
+    pub(super) rx: mpsc::Receiver<Vec<(Record, Anchor)>>,
+    /// Records received but not yet handed out; kept so a cancelled or short
+    /// `next` loses nothing.
+    pub(super) buffered: VecDeque<(Record, Anchor)>,
+    pub(super) position: Position,
+    pub(super) pending: Option<Loss>,
+    pub(super) brokers: watch::Receiver<Brokers>,
+    pub(super) watchdog: tokio::task::JoinHandle<()>,
+    pub(super) consumer: Option<Consumer>,
+}
+
+impl fmt::Debug for RocketMqSubscription {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RocketMqSubscription")
+            .field("position", &self.position)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for RocketMqSubscription {
+    fn drop(&mut self) {
+        self.watchdog.abort();
+        let Some(mut consumer) = self.consumer.take() else {
+            return;
+        };
+        // Shutting a consumer down is async; without a runtime it is left to
+        // the transport's own shutdown.
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move { consumer.shutdown().await });
+        }
+    }
+}
+
+#[async_trait]
+impl Subscription for RocketMqSubscription {
+    async fn next(&mut self, max: usize) -> Result<Delivery> {
+        if let Some(loss) = self.pending.take() {
+            return Ok(Delivery::Lost(loss));
+        }
+        if self.buffered.is_empty() {
+            tokio::select! {
+                batch = self.rx.recv() => match batch {
+                    Some(b) => self.buffered.extend(b),
+                    None => return Err(Error::disconnected(KIND, "the consumer stopped")),
+                },
+                Ok(state) = self.brokers.wait_for(|b| *b != Brokers::Up) => {
+                    // Ending here shows the outage at once (the node stops
+                    // reporting itself healthy), and a fresh consumer does
+                    // not wait out the client's 30 s pull timeout.
+                    let why = match *state {
+                        Brokers::Down => "a broker went down",
+                        _ => "a broker closed its connection; the consumer starts afresh",
+                    };
+                    return Err(Error::disconnected(KIND, why));
+                }
+            }
+        }
+        while self.buffered.len() < max {
+            match self.rx.try_recv() {
+                Ok(b) => self.buffered.extend(b),
+                Err(_) => break,
+            }
+        }
+        let n = self.buffered.len().min(max.max(1));
+        let mut records = Vec::with_capacity(n);
+        // The newest anchor per queue, written into the position once per
+        // batch rather than once per record.
+        let mut anchors: Vec<(String, Anchor)> = Vec::new();
+        for (r, anchor) in self.buffered.drain(..n) {
+            self.position.advance(&r.position);
+            if let Some((queue, _)) = r.position.iter().next() {
+                match anchors.iter_mut().find(|(q, _)| q == queue) {
+                    Some((_, a)) => *a = anchor,
+                    None => anchors.push((queue.to_owned(), anchor)),
+                }
+            }
+            records.push(r);
+        }
+        for (queue, anchor) in anchors {
+            self.position
+                .set(anchor_partition(&queue), anchor.to_offset());
+        }
+        Ok(Delivery::Batch {
+            records,
+            position: self.position.clone(),
+        })
+    }
+
+    fn position(&self) -> Option<Position> {
+        Some(self.position.clone())
+    }
+}
