@@ -62,7 +62,12 @@ fn root_exports(lib: &str) -> Vec<(String, String)> {
         rest = &rest[i + "pub use ".len()..];
         let end = rest.find(';').expect("a use ends with ;");
         let item = &rest[..end];
-        let module = item.split("::").next().unwrap_or_default().trim().to_owned();
+        let module = item
+            .split("::")
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_owned();
         let names = item[module.len()..].trim_start_matches("::");
         let names = names.rsplit("::").next().unwrap_or_default();
         for name in names
@@ -113,7 +118,8 @@ fn imports(code: &str, exports: &[(String, String)]) -> BTreeSet<String> {
 #[test]
 fn each_layer_imports_only_the_layers_below_it() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let exports = root_exports(&fs::read_to_string(src.join("lib.rs")).expect("lib.rs is readable"));
+    let exports =
+        root_exports(&fs::read_to_string(src.join("lib.rs")).expect("lib.rs is readable"));
     let mut files = Vec::new();
     rust_files(&src, &mut files);
     let mut seen = BTreeSet::new();
