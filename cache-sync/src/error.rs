@@ -77,8 +77,10 @@ pub enum Error {
     },
 
     /// A setting or a name is out of range or inconsistent. Raised when a
-    /// node starts, a cache is registered, a transport connects or a publisher is
-    /// built; a publish raises it only for a cache name it was given.
+    /// node starts, a cache is registered, a cache, transport or publisher is
+    /// built (or a transport connects); a publish raises it only for a cache
+    /// name it was given, or a [`Table`](crate::Table) pinned to another
+    /// topic.
     #[error("invalid configuration: {0}")]
     Config(String),
 

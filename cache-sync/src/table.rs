@@ -207,6 +207,34 @@ mod tests {
         node.shutdown().await.unwrap();
     }
 
+    /// Refused before anything is claimed or emptied: a cache registered
+    /// with it keeps what it held, and is free for another node.
+    #[tokio::test]
+    async fn a_start_refused_for_a_pinned_topic_changes_no_cache() {
+        let transport = EmbeddedTransport::new();
+        let plain = SyncedCache::new(COUNTRIES, moka::future::Cache::new(16));
+        plain.insert("de".into(), "kept".into()).await;
+        let pinned = SyncedCache::new(PINNED_OTHER, moka::future::Cache::new(16));
+        let err = Node::builder("n", transport.clone())
+            .register(&plain)
+            .register(&pinned)
+            .start()
+            .await
+            .unwrap_err();
+        assert!(err.is_config(), "{err}");
+        assert_eq!(plain.peek("de").await.as_deref(), Some("kept"));
+        Node::builder("m", transport)
+            .register(&plain)
+            .start()
+            .await
+            .expect("the plain cache was not left claimed")
+            .shutdown()
+            .await
+            .unwrap();
+    }
+
+    const PINNED_OTHER: Table<u64, u64> = Table::with_topic("ids", "elsewhere");
+
     #[test]
     fn plain_names_convert_and_debug_names_the_types() {
         let a: Table<u64, Vec<u8>> = "rows".into();

@@ -41,16 +41,42 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// The file's code without its test module and comments.
+/// The file's code without comments and without its inline
+/// `#[cfg(test)] mod … { … }` blocks (the code after them is kept).
 fn production_code(text: &str) -> String {
-    let text = match text.find("#[cfg(test)]\nmod tests") {
-        Some(i) => &text[..i],
-        None => text,
-    };
-    text.lines()
+    let code: String = text
+        .lines()
         .filter(|l| !l.trim_start().starts_with("//"))
         .collect::<Vec<_>>()
-        .join("\n")
+        .join("\n");
+    // `#[cfg(test)] mod name {`, not `mod name;` (a file, skipped whole).
+    let Some(start) = code.match_indices("#[cfg(test)]\nmod ").find_map(|(i, _)| {
+        let line = code[i..].lines().nth(1)?;
+        line.trim_end().ends_with('{').then_some(i)
+    }) else {
+        return code;
+    };
+    let mut depth = 0usize;
+    for (i, c) in code[start..].char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    let end = start + i + 1;
+                    return format!("{}{}", &code[..start], production_code(&code[end..]));
+                }
+            }
+            _ => {}
+        }
+    }
+    code[..start].to_owned()
+}
+
+/// `super::` chains that climb to the crate root, rewritten as `crate::`,
+/// for a file whose module path is `depth` modules deep.
+fn root_paths(code: &str, depth: usize) -> String {
+    code.replace(&"super::".repeat(depth), "crate::")
 }
 
 /// Which module each name the root re-exports comes from, read from
@@ -91,8 +117,26 @@ fn imports(code: &str, exports: &[(String, String)]) -> BTreeSet<String> {
     while let Some(i) = rest.find("crate::") {
         rest = &rest[i + "crate::".len()..];
         let groups: Vec<&str> = if let Some(inner) = rest.strip_prefix('{') {
-            let end = inner.find('}').expect("a use group closes");
-            inner[..end].split(',').collect()
+            // The group's top-level items; nested groups stay whole, and
+            // only their first segment (the module) matters.
+            let mut items = Vec::new();
+            let (mut depth, mut from) = (0usize, 0usize);
+            for (i, c) in inner.char_indices() {
+                match c {
+                    '{' => depth += 1,
+                    '}' if depth == 0 => {
+                        items.push(&inner[from..i]);
+                        break;
+                    }
+                    '}' => depth -= 1,
+                    ',' if depth == 0 => {
+                        items.push(&inner[from..i]);
+                        from = i + 1;
+                    }
+                    _ => {}
+                }
+            }
+            items
         } else {
             vec![rest]
         };
@@ -102,7 +146,15 @@ fn imports(code: &str, exports: &[(String, String)]) -> BTreeSet<String> {
                 .chars()
                 .take_while(|c| c.is_alphanumeric() || *c == '_')
                 .collect();
-            if name.is_empty() || name == "Result" || name == "Error" {
+            if g.trim().is_empty() {
+                // A trailing comma in a group.
+                continue;
+            }
+            assert!(
+                !name.is_empty(),
+                "a glob import from the crate root hides its layers"
+            );
+            if name == "Result" || name == "Error" {
                 // `crate::Result`/`crate::Error` are the error layer.
                 out.insert("error".to_owned());
             } else if let Some((_, module)) = exports.iter().find(|(n, _)| *n == name) {
@@ -144,7 +196,13 @@ fn each_layer_imports_only_the_layers_below_it() {
             )
         });
         seen.insert(module.clone());
-        let code = production_code(&fs::read_to_string(&file).unwrap());
+        // The module path's length: `a.rs` and `a/mod.rs` are one deep,
+        // `a/b.rs` two; that many `super::` reach the crate root.
+        let depth = rel
+            .components()
+            .filter(|c| c.as_os_str() != "mod.rs")
+            .count();
+        let code = root_paths(&production_code(&fs::read_to_string(&file).unwrap()), depth);
         for import in imports(&code, &exports) {
             if import == module {
                 continue;
@@ -179,15 +237,25 @@ fn each_layer_imports_only_the_layers_below_it() {
 fn the_checker_sees_imports_through_paths_groups_and_root_names() {
     let exports = root_exports("pub use node::{Node, NodeBuilder};\npub use cache::SyncedCache;\n");
     let found = imports(
-        "use crate::wire::Codec;\nuse crate::{Node, SyncedCache};\nfn f() -> crate::Result<()> { crate::util::lock(m); }",
+        "use crate::wire::Codec;\nuse crate::{Node, SyncedCache};\n\
+         fn f() -> crate::Result<()> { crate::util::lock(m); }\n\
+         use crate::{status::{A, B}, publish::P,};",
         &exports,
     );
-    let want: BTreeSet<String> = ["wire", "node", "cache", "error", "util"]
-        .map(String::from)
-        .into();
+    let want: BTreeSet<String> = [
+        "wire", "node", "cache", "error", "util", "status", "publish",
+    ]
+    .map(String::from)
+    .into();
     assert_eq!(found, want);
     assert_eq!(
-        production_code("use crate::a;\n// crate::b\n#[cfg(test)]\nmod tests {\n use crate::c;\n}"),
-        "use crate::a;"
+        root_paths("use super::super::node::Node;", 2),
+        "use crate::node::Node;"
+    );
+    assert_eq!(
+        production_code(
+            "use crate::a;\n// crate::b\n#[cfg(test)]\nmod tests {\n use crate::c;\n fn f() {}\n}\nuse crate::d;"
+        ),
+        "use crate::a;\n\nuse crate::d;"
     );
 }

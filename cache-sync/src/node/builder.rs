@@ -16,6 +16,7 @@ use super::maintenance::maintenance_loop;
 use super::{Config, Handle, MIN_BACKOFF, NEXT_NODE_TOKEN, Node, NodeStats, OffsetStore, Shared};
 use crate::cache::{CacheHandle, SyncedCache};
 use crate::error::{Error, Result};
+use crate::table::check_topic;
 use crate::transport::{StartFrom, Transport};
 use crate::util::lock;
 use crate::wire::{Codec, Keyring, MAX_EVENT_BYTES_CEILING};
@@ -164,6 +165,7 @@ impl NodeBuilder {
         self.transport.check_topic(&self.topic)?;
         for cache in &self.caches {
             self.transport.check_tag(cache.name())?;
+            check_topic(cache.name(), cache.topic(), &self.topic)?;
         }
         // Everything that can be refused without side effects is refused
         // above; from here a failure drops `shared`, whose `Drop` releases

@@ -21,7 +21,7 @@ pub(super) struct Subscribed {
     pub(super) names: HashSet<String>,
 }
 
-/// Whichever task ends first, by shutdown or by a panic in user code (a
+/// When the consume task ends, by shutdown or by a panic in user code (a
 /// key's `Deserialize` or `Hash`), the node stops reporting itself healthy.
 pub(super) struct MarkDownOnExit<'a>(&'a Shared);
 

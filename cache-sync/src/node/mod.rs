@@ -21,10 +21,8 @@ use crate::table::check_topic;
 use crate::transport::{
     DEFAULT_TOPIC, LossReason, Position, StartFrom, SubscribeOptions, Subscription, Transport,
 };
-use crate::util::lock;
-use crate::util::now_us;
-use crate::wire::Codec;
-use crate::wire::DEFAULT_MAX_EVENT_BYTES;
+use crate::util::{lock, now_us};
+use crate::wire::{Codec, DEFAULT_MAX_EVENT_BYTES};
 
 mod builder;
 mod consume;
@@ -194,7 +192,8 @@ impl Node {
     ///
     /// Fails with [`Error::DuplicateCache`] if the name is taken on this
     /// node, [`Error::Config`] if another node holds the cache or the
-    /// transport cannot carry its name, and [`Error::Shutdown`] once the node
+    /// transport cannot carry its name or its [`Table`](crate::Table) is pinned
+    /// to another topic, and [`Error::Shutdown`] once the node
     /// has shut down. A node gives its caches up when it shuts down, or when
     /// its start fails, so they can be registered on another.
     ///

@@ -175,7 +175,7 @@ fn parse(bytes: &[u8], path: &Path) -> Result<OffsetsFile> {
     })
 }
 
-/// See `consumer::fuzz_offsets`: what parses is written back (as the store
+/// See `node::fuzz_offsets`: what parses is written back (as the store
 /// writes it) and parses to the same positions.
 #[cfg(any(test, feature = "_fuzz"))]
 pub(super) fn fuzz(data: &[u8]) {

@@ -2,6 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+/// Last sequence number seen per (publisher, cache), to detect gaps.
 /// Keyed by publisher first, so a lookup by `&str` allocates nothing.
 #[derive(Default)]
 pub(super) struct PublisherSeqs {

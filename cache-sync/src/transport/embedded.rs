@@ -384,8 +384,8 @@ mod tests {
                 .await
                 .is_err()
         );
-        let bus2 = transport.clone();
-        tokio::spawn(async move { publish_n(&bus2, "t", "x", 1).await });
+        let transport2 = transport.clone();
+        tokio::spawn(async move { publish_n(&transport2, "t", "x", 1).await });
         assert_eq!(payloads(s.next(10).await.unwrap()), ["x-0"]);
     }
 
