@@ -1,6 +1,6 @@
 //! One application node of the multi-process demo: it caches the `countries`
 //! table and keeps it in step with the changes the `admin` example publishes
-//! over Redis or NATS. Run two or more, each in its own terminal:
+//! over Redis, NATS or RocketMQ. Run two or more, each in its own terminal:
 //!
 //! ```text
 //! cargo run -p cache-sync-examples --features brokers --example node -- --redis redis://127.0.0.1:6379/ --http 127.0.0.1:9465 --node-id node-a
@@ -10,7 +10,7 @@
 //! ```
 //!
 //! For NATS JetStream, give every process `--nats nats://127.0.0.1:4222`
-//! instead of `--redis URL`.
+//! instead of `--redis URL`; for RocketMQ, `--rocketmq 127.0.0.1:9876`.
 //!
 //! Every 2 s the node prints its cache's version, its entry count and what it
 //! holds for a few codes. Ctrl-C stops it cleanly: it saves its position and
@@ -26,16 +26,18 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use cache_sync::{FileOffsetStore, Node, SyncedCache};
+use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
 
+#[path = "shared/tables.rs"]
+mod tables;
 #[path = "shared/transport.rs"]
 mod transport;
-use transport::{Choice, TransportFlags};
+use tables::COUNTRIES;
+use transport::TransportArgs;
 
 type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
 
-/// The name the nodes register their cache under and the admin publishes to.
-const CACHE: &str = "countries";
 /// Read through the loader at start-up and shown on every status line. `cz`
 /// and `xx` are not in the seed, so they start out cached as missing rows;
 /// `cz` is one the admin's `demo` creates.
@@ -55,61 +57,57 @@ const SEED: [(&str, &str); 8] = [
     ("se", "Sweden"),
 ];
 
-fn usage() -> String {
-    format!(
-        "\
-usage: node (--redis URL [--pubsub] | --nats URL) [--http ADDR] [--node-id ID]
-            [--data-dir DIR]
-
-Runs one application node: it caches the `countries` table and keeps it in
-step with what the `admin` example publishes. Prints a status line every 2 s;
-Ctrl-C stops it cleanly.
-
-{}
-options:
-  --http ADDR     where to serve the status endpoint. Default 127.0.0.1:0:
-                  loopback only, on a free port (the address is printed).
-                  An address such as 0.0.0.0:9465 makes it reachable from
-                  other hosts
-  --node-id ID    the node's name in status and logs (default HOSTNAME-PID)
-  --data-dir DIR  keep the node's position in DIR/offsets.json, so a restarted
-                  node resumes where it stopped (not with --pubsub; default:
-                  in memory, so a restarted node starts from the newest event)
-  -h, --help      show this message
-
-RUST_LOG=cache_sync=debug shows the library's logs (on stderr); the default
-shows warnings only.
-",
-        transport::USAGE
-    )
-}
-
-#[derive(Debug)]
+/// Runs one application node: it caches the `countries` table and keeps it in
+/// step with what the `admin` example publishes. Prints a status line every
+/// 2 s; Ctrl-C stops it cleanly.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "node",
+    verbatim_doc_comment,
+    after_help = "RUST_LOG=cache_sync=debug shows the library's logs (on stderr); the default\n\
+                  shows warnings only."
+)]
 struct Args {
-    transport: Choice,
+    #[command(flatten)]
+    transport: TransportArgs,
+    /// Where to serve the status endpoint. Default 127.0.0.1:0:
+    /// loopback only, on a free port (the address is printed). An
+    /// address such as 0.0.0.0:9465 makes it reachable from other hosts
+    // Loopback unless asked otherwise: the status endpoint has no
+    // authentication.
+    #[arg(
+        long,
+        value_name = "ADDR",
+        default_value = "127.0.0.1:0",
+        hide_default_value = true,
+        value_parser = socket_addr,
+        verbatim_doc_comment
+    )]
     http: SocketAddr,
+    /// The node's name in status and logs (default HOSTNAME-PID)
+    #[arg(
+        long,
+        value_name = "ID",
+        default_value_t = default_node_id(),
+        hide_default_value = true,
+        value_parser = clap::builder::NonEmptyStringValueParser::new()
+    )]
     node_id: String,
+    /// Keep the node's position in DIR/offsets.json, so a restarted
+    /// node resumes where it stopped (not with --pubsub; default: in
+    /// memory, so a restarted node starts from the newest event)
+    #[arg(long, value_name = "DIR", verbatim_doc_comment)]
     data_dir: Option<PathBuf>,
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    let args = Args::parse();
     // The library logs losses and rejected events at `warn`; show them.
     tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
-    let args = match parse_args(std::env::args().skip(1)) {
-        Ok(Some(args)) => args,
-        Ok(None) => {
-            print!("{}", usage());
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("node: {e}\n\n{}", usage());
-            return ExitCode::from(2);
-        }
-    };
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -119,54 +117,9 @@ async fn main() -> ExitCode {
     }
 }
 
-/// `Ok(None)`: help was asked for.
-fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
-    let mut transport = TransportFlags::default();
-    let mut http = None;
-    let mut node_id = None;
-    let mut data_dir = None;
-    while let Some(arg) = argv.next() {
-        // Both `--flag value` and `--flag=value`.
-        let (flag, inline) = match arg.split_once('=') {
-            Some((flag, value)) if flag.starts_with("--") => (flag.to_owned(), Some(value)),
-            _ => (arg.clone(), None),
-        };
-        let mut value = |name: &str| match inline {
-            Some(v) => Ok(v.to_owned()),
-            None => argv.next().ok_or_else(|| format!("{name} needs a value")),
-        };
-        if transport.take(&flag, inline.is_some(), || value(&flag))? {
-            continue;
-        }
-        match flag.as_str() {
-            "-h" | "--help" => return Ok(None),
-            "--http" => {
-                let v = value("--http")?;
-                let addr = v.parse().map_err(|_| {
-                    format!("--http {v:?} is not an address such as 127.0.0.1:9465")
-                })?;
-                http = Some(addr);
-            }
-            "--node-id" => {
-                let v = value("--node-id")?;
-                if v.is_empty() {
-                    return Err("--node-id must not be empty".into());
-                }
-                node_id = Some(v);
-            }
-            "--data-dir" => data_dir = Some(PathBuf::from(value("--data-dir")?)),
-            _ if arg.starts_with('-') => return Err(format!("unknown option {arg:?}")),
-            _ => return Err(format!("unexpected argument {arg:?}")),
-        }
-    }
-    Ok(Some(Args {
-        transport: transport.finish()?,
-        // Loopback unless asked otherwise: the status endpoint has no
-        // authentication.
-        http: http.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0))),
-        node_id: node_id.unwrap_or_else(default_node_id),
-        data_dir,
-    }))
+fn socket_addr(arg: &str) -> Result<SocketAddr, String> {
+    arg.parse()
+        .map_err(|_| "not an address such as 127.0.0.1:9465".into())
 }
 
 /// `HOSTNAME-PID`: unique per process on a host, and readable in the status.
@@ -186,7 +139,7 @@ fn default_node_id() -> String {
 async fn run(args: Args) -> Result<()> {
     let transport = args.transport.connect().await?;
     // Pub/Sub keeps no history, so there is no position worth saving.
-    let pubsub = matches!(args.transport, Choice::Redis { pubsub: true, .. });
+    let pubsub = args.transport.pubsub;
     let offsets = match &args.data_dir {
         Some(_) if pubsub => {
             eprintln!("node: --data-dir has no effect with --pubsub");
@@ -198,7 +151,7 @@ async fn run(args: Args) -> Result<()> {
     // `None` caches a missing row, so repeated reads of a code that does not
     // exist stay off the database too.
     let countries: SyncedCache<String, Option<String>> =
-        SyncedCache::new(CACHE, moka::future::Cache::new(10_000));
+        SyncedCache::new(COUNTRIES, moka::future::Cache::new(10_000));
     let mut builder = Node::builder(args.node_id.as_str(), transport)
         // Registration empties the cache, so it comes before the first read.
         .register(&countries);
@@ -218,13 +171,17 @@ async fn run(args: Args) -> Result<()> {
 
     let addr = status.local_addr();
     println!(
-        "{}: caching {CACHE:?} over {} (topic {:?})",
+        "{}: caching {:?} over {} (topic {:?})",
         node.id(),
+        COUNTRIES.name(),
         node.status().transport,
         node.topic()
     );
     println!("  status endpoint on {addr}:");
-    println!("    curl -s http://{addr}/cache-sync/caches/{CACHE}");
+    println!(
+        "    curl -s http://{addr}/cache-sync/caches/{}",
+        COUNTRIES.name()
+    );
     println!("    curl -s http://{addr}/cache-sync/status");
     match (&offsets, pubsub) {
         (Some(store), _) => println!("  position kept in {}", store.path().display()),
@@ -289,7 +246,7 @@ async fn load(code: &str) -> Option<String> {
 /// count as hits and misses in the status endpoint.
 async fn report(node: &Node, countries: &SyncedCache<String, Option<String>>) {
     let status = node.status_settled().await;
-    let cache = status.caches.iter().find(|c| c.name == CACHE);
+    let cache = status.caches.iter().find(|c| c.name == COUNTRIES.name());
     let version = cache
         .and_then(|c| c.version)
         .map_or_else(|| "none".to_owned(), |v| v.to_string());

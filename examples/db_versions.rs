@@ -1,0 +1,100 @@
+//! Row versions taken from the database, for tables that several services
+//! write.
+//!
+//! A node installs a change only if its version is newer than what it has
+//! seen for that key. With one writer, the dictionary helper's automatic
+//! versions (publish-time clocks) are enough. With two, publish order is not
+//! commit order: a writer that commits first may publish last (a slow network,
+//! a retry), and its publish-time version would then win over the newer row.
+//! The database's own row version orders the commits, whoever publishes first.
+//!
+//! ```text
+//! cargo run -p cache-sync-examples --example db_versions
+//! ```
+#![allow(clippy::print_stdout)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cache_sync::{DictionaryPublisher, EmbeddedTransport, Node, Publisher, SyncedCache, Table};
+
+const COUNTRIES: Table<String, String> = Table::new("countries");
+
+/// Stands in for a SQL table `countries (code, name, version)`: code -> (name, version).
+type Database = Arc<Mutex<HashMap<String, (String, u64)>>>;
+
+/// One admin service: writes the shared database, then publishes the row
+/// with the version the database gave it.
+struct Admin {
+    db: Database,
+    table: DictionaryPublisher<String, String>,
+}
+
+impl Admin {
+    /// `UPDATE countries SET name = $1, version = version + 1
+    ///  WHERE code = $2 RETURNING version`
+    fn update(&self, code: &str, name: &str) -> u64 {
+        let mut db = self.db.lock().expect("database lock");
+        let row = db.entry(code.into()).or_insert((String::new(), 0));
+        *row = (name.into(), row.1 + 1);
+        row.1
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let transport = EmbeddedTransport::new();
+    let countries = SyncedCache::new(COUNTRIES, moka::future::Cache::new(100));
+    let node = Node::builder("node-1", transport.clone())
+        .register(&countries)
+        .start()
+        .await?;
+
+    let db = Database::default();
+    let seed = ("Germany".to_string(), 1);
+    db.lock().expect("database lock").insert("de".into(), seed);
+    let admin = |origin: &str| -> cache_sync::Result<Admin> {
+        let publisher = Publisher::builder(transport.clone())
+            .origin(origin)
+            .build()?;
+        Ok(Admin {
+            db: db.clone(),
+            table: publisher.dictionary(COUNTRIES),
+        })
+    };
+    let (a, b) = (admin("admin-a")?, admin("admin-b")?);
+
+    // admin-a commits first, admin-b second: the database orders them.
+    let v_a = a.update("de", "Deutschland");
+    let v_b = b.update("de", "Allemagne");
+    println!("database: admin-a wrote version {v_a}, admin-b version {v_b}");
+    // But admin-b publishes first and admin-a's event arrives late.
+    let de = "de".to_string();
+    b.table
+        .upsert_with_version(&de, &"Allemagne".into(), v_b)
+        .await?;
+    a.table
+        .upsert_with_version(&de, &"Deutschland".into(), v_a)
+        .await?;
+
+    let settled = async || node.status_settled().await.caches[0].clone();
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while settled().await.stale_ignored == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await?;
+    let cache = settled().await;
+    let held = countries.peek("de").await;
+    let in_db = db.lock().expect("database lock")["de"].clone();
+    println!(
+        "node-1 holds de = {held:?} at version {:?} ({} stale ignored); the database: {in_db:?}",
+        cache.version, cache.stale_ignored
+    );
+    // The newer row wins, as in the database; the late, older one is ignored.
+    assert_eq!(held.as_deref(), Some(in_db.0.as_str()));
+    assert_eq!((cache.version, cache.stale_ignored), (Some(v_b), 1));
+    node.shutdown().await?;
+    Ok(())
+}
