@@ -89,8 +89,8 @@ fn err(e: ClientError) -> Error {
 ///   contiguous (the broker skips other caches' messages), so gaps in them
 ///   mean nothing. Instead, a subscription from a stored position compares
 ///   each queue's offset with the oldest offset the broker still holds and
-///   yields [`LossReason::Trimmed`] first if history is gone (or
-///   [`LossReason::HistoryReset`] if the position is past the queue's end).
+///   yields [`LossReason::Trimmed`](super::LossReason::Trimmed) first if history is gone (or
+///   [`LossReason::HistoryReset`](super::LossReason::HistoryReset) if the position is past the queue's end).
 ///   Anything else is caught by the node's per-publisher sequence check.
 /// - **Start positions:** latest, earliest, a stored position, a timestamp
 ///   (millisecond precision, resolved per queue by the broker). Every start
