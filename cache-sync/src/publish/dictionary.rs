@@ -195,7 +195,7 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
     }
 }
 
-pub(super) fn replace_changes<'a, K: Serialize + 'a, V: Serialize + 'a>(
+fn replace_changes<'a, K: Serialize + 'a, V: Serialize + 'a>(
     p: &Publisher,
     rows: impl IntoIterator<Item = (&'a K, &'a V)>,
     version: u64,

@@ -13,7 +13,7 @@ use std::borrow::Cow;
 use std::fmt::Write as _;
 
 use crate::error::{Error, Result};
-pub(crate) use crate::wire::MAX_NAME_BYTES;
+use crate::wire::MAX_NAME_BYTES;
 
 /// What a name is, for error messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
