@@ -5,6 +5,18 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::error::{Error, Result};
 
+/// The hasher of every internal map: keys come off the wire (cache names,
+/// publisher ids, cache keys), so it is seeded at random, as std's is; but
+/// foldhash costs a fraction of std's SipHash-1-3, and hashing is a good part
+/// of applying an event. hashbrown uses it by default.
+pub(crate) type Hasher = foldhash::fast::RandomState;
+
+/// A `HashMap` with [`Hasher`].
+pub(crate) type HashMap<K, V> = std::collections::HashMap<K, V, Hasher>;
+
+/// A `HashSet` with [`Hasher`].
+pub(crate) type HashSet<T> = std::collections::HashSet<T, Hasher>;
+
 /// Locks a std mutex, taking it over if a panic poisoned it. No state behind
 /// these locks is left half-written across a panic point (a caller's `Hash`
 /// or `Eq` is the only code that could panic under one), so serving on beats

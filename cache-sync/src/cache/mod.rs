@@ -1,10 +1,9 @@
 //! The cache: a moka cache that events keep in step.
 
 use std::borrow::Borrow;
-use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
-use std::hash::{Hash, RandomState};
+use std::hash::Hash;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,7 +12,7 @@ use tokio::sync::{Mutex as AsyncMutex, watch};
 
 use crate::status::CacheStatus;
 use crate::table::Table;
-use crate::util::{check_at_least, lock};
+use crate::util::{HashMap, Hasher, check_at_least, lock};
 
 mod apply;
 mod load;
@@ -137,14 +136,15 @@ where
     }
 
     fn build_checked(self) -> SyncedCache<K, V> {
+        let hasher = Hasher::default();
         SyncedCache {
             inner: Arc::new(Inner {
                 name: self.name,
                 topic: self.topic,
                 cache: self.cache,
-                table: Mutex::new(VersionTable::new(self.max_tracked_keys)),
+                table: Mutex::new(VersionTable::new(self.max_tracked_keys, hasher.clone())),
                 write_locks: (0..WRITE_STRIPES).map(|_| AsyncMutex::new(())).collect(),
-                stripe_hasher: RandomState::new(),
+                hasher,
                 pins: Mutex::default(),
                 pinned: AtomicUsize::new(0),
                 flights: Mutex::default(),
@@ -175,7 +175,8 @@ pub(crate) struct Inner<K, V> {
     /// several lookups and a waiter-map insertion per call; applying an
     /// event spent about three quarters of its time there.
     write_locks: Box<[AsyncMutex<()>]>,
-    stripe_hasher: RandomState,
+    /// The version table's hasher, which also picks the stripe.
+    hasher: Hasher,
     /// Keys under a locked last load (see `load_locked`): writes to them
     /// from other tasks wait until the load has installed its value.
     /// Entries are added under the key's stripe, so a write that holds the

@@ -6,8 +6,11 @@
 //! cache mutation it leads to are one step as far as any other write to the
 //! same key is concerned.
 
-use std::collections::{HashMap, VecDeque};
-use std::hash::Hash;
+use std::hash::{BuildHasher, Hash};
+
+use hashbrown::HashTable;
+
+use crate::util::Hasher;
 
 /// What to do with a refresh.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,31 +24,89 @@ pub(crate) enum RefreshDecision {
     Invalidate,
 }
 
-#[derive(Debug, Clone)]
-struct KeyMeta {
-    /// The newest version known for the key; when `exact` is false, only an
-    /// upper bound on what was forgotten (the evicted floor at creation).
-    version: Option<u64>,
-    exact: bool,
-    /// Stamp of the last write to the key; loads that began before it lose.
-    touched: u64,
-    /// Position in the eviction queue; older queue entries for the key are stale.
-    tick: u64,
+/// No slot: the end of the recency list.
+const NIL: u32 = u32::MAX;
+
+/// The most records one table holds: slots are numbered by `u32`, and
+/// `NIL` is taken.
+pub(crate) const MAX_RECORDS: usize = (u32::MAX - 1) as usize;
+
+/// Stamps count writes; two bits of the word that holds them are flags. At a
+/// billion writes a second they would last 146 years.
+const STAMP_MASK: u64 = (1 << 62) - 1;
+const HAS_VERSION: u64 = 1 << 62;
+const EXACT: u64 = 1 << 63;
+
+/// One key's record, in the slab. 24 bytes besides the key: the version, the
+/// stamp with two flags, and the two links of the recency list.
+#[derive(Debug)]
+struct Slot<K> {
+    key: K,
+    /// The newest version known for the key (when `HAS_VERSION`); unless
+    /// `EXACT`, only an upper bound on what was forgotten (the evicted floor
+    /// when the record was made).
+    version: u64,
+    /// The stamp of the last write to the key (loads that began before it
+    /// lose), and the flags.
+    meta: u64,
+    /// Neighbours in the recency list: towards the least recently written,
+    /// and towards the most.
+    older: u32,
+    newer: u32,
+}
+
+impl<K> Slot<K> {
+    fn version(&self) -> Option<u64> {
+        (self.meta & HAS_VERSION != 0).then_some(self.version)
+    }
+
+    fn exact(&self) -> bool {
+        self.meta & EXACT != 0
+    }
+
+    fn touched(&self) -> u64 {
+        self.meta & STAMP_MASK
+    }
+
+    fn set_version(&mut self, version: Option<u64>, exact: bool) {
+        self.meta &= STAMP_MASK;
+        if let Some(v) = version {
+            self.version = v;
+            self.meta |= HAS_VERSION;
+        }
+        if exact {
+            self.meta |= EXACT;
+        }
+    }
+
+    fn set_touched(&mut self, stamp: u64) {
+        self.meta = (self.meta & !STAMP_MASK) | (stamp & STAMP_MASK);
+    }
 }
 
 /// A bounded map from key to version and last-write stamp.
 ///
-/// Memory: at most `capacity` records (each one key clone plus 40 bytes),
-/// plus an eviction queue of at most `2 * capacity + 64` key clones.
+/// Memory, measured in `docs/benchmarks.md`: one slot per record (one key
+/// clone and 24 bytes, so 32 for a `u64` key), in a slab that never grows
+/// past `capacity`, plus a hash index of 5 bytes per bucket (a `u32` slot
+/// number and hashbrown's control byte; from 1.14 to 2.3 buckets per record).
+/// Records are never removed but by eviction, which reuses the slot at once,
+/// so churn leaves no holes in the slab; the index's tombstones are cleared
+/// by a rebuild whenever they would double it.
+///
 /// When full, the least recently written record is evicted, and its version
 /// and stamp are folded into floors that apply to every untracked key, so
 /// eviction can only make decisions more conservative, never less.
 #[derive(Debug)]
 pub(crate) struct VersionTable<K> {
-    map: HashMap<K, KeyMeta>,
-    queue: VecDeque<(K, u64)>,
+    /// Slot numbers, by the hash of their key.
+    index: HashTable<u32>,
+    slots: Vec<Slot<K>>,
+    hasher: Hasher,
+    /// Least and most recently written slots; `NIL` when empty.
+    oldest: u32,
+    newest: u32,
     capacity: usize,
-    next_tick: u64,
     /// Monotonic write counter.
     stamp: u64,
     /// Highest version among evicted records.
@@ -59,12 +120,16 @@ pub(crate) struct VersionTable<K> {
 }
 
 impl<K: Hash + Eq + Clone> VersionTable<K> {
-    pub(crate) fn new(capacity: usize) -> Self {
+    /// A table of at most `capacity` records (at least 1, at most
+    /// [`MAX_RECORDS`]), hashing keys with `hasher`.
+    pub(crate) fn new(capacity: usize, hasher: Hasher) -> Self {
         Self {
-            map: HashMap::new(),
-            queue: VecDeque::new(),
-            capacity: capacity.max(1),
-            next_tick: 0,
+            index: HashTable::new(),
+            slots: Vec::new(),
+            hasher,
+            oldest: NIL,
+            newest: NIL,
+            capacity: capacity.clamp(1, MAX_RECORDS),
             stamp: 0,
             evicted_version: None,
             evicted_touch: 0,
@@ -74,7 +139,7 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.map.len()
+        self.slots.len()
     }
 
     /// The stamp a load records when it starts.
@@ -87,24 +152,16 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
         if self.cleared_at > token {
             return true;
         }
-        match self.map.get(key) {
-            Some(m) => m.touched > token,
+        match self.find(key) {
+            Some(i) => self.slots[i].touched() > token,
             None => self.evicted_touch > token,
         }
     }
 
     /// A local write (insert or invalidate) with no version.
     pub(crate) fn touch(&mut self, key: &K) {
-        self.written(key);
-    }
-
-    /// Stamps a write to `key` and returns its record.
-    fn written(&mut self, key: &K) -> &mut KeyMeta {
-        self.stamp = self.stamp.saturating_add(1);
-        let stamp = self.stamp;
-        let m = self.record(key);
-        m.touched = stamp;
-        m
+        let i = self.record(key);
+        self.written(i);
     }
 
     pub(crate) fn refresh(&mut self, key: &K, version: Option<u64>) -> RefreshDecision {
@@ -115,98 +172,166 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
         if self.clear_floor.is_some_and(|floor| v < floor) {
             return RefreshDecision::Stale;
         }
-        let (known, exact) = match self.map.get(key) {
-            Some(m) => (m.version, m.exact),
-            None => (self.evicted_version, false),
-        };
-        if known.is_some_and(|k| v <= k) {
-            if exact {
+        // One lookup: a missing key gets its record here, carrying the
+        // evicted floor as an inexact version, exactly what it is checked
+        // against below.
+        let i = self.record(key);
+        let slot = &self.slots[i];
+        if slot.version().is_some_and(|known| v <= known) {
+            if slot.exact() {
                 return RefreshDecision::Stale;
             }
-            self.touch(key);
+            self.written(i);
             return RefreshDecision::Invalidate;
         }
-        let m = self.written(key);
-        m.version = Some(v);
-        m.exact = true;
+        self.slots[i].set_version(Some(v), true);
+        self.written(i);
         RefreshDecision::Apply
     }
 
     /// An invalidation always removes the entry; with a version it also
     /// leaves a tombstone that older refreshes cannot pass.
     pub(crate) fn invalidate(&mut self, key: &K, version: Option<u64>) {
-        let m = self.written(key);
+        let i = self.record(key);
+        let slot = &mut self.slots[i];
         if let Some(v) = version
-            && m.version.is_none_or(|k| v > k)
+            && slot.version().is_none_or(|k| v > k)
         {
-            m.version = Some(v);
-            m.exact = true;
+            slot.set_version(Some(v), true);
         }
+        self.written(i);
     }
 
     pub(crate) fn clear(&mut self, version: Option<u64>) {
-        self.stamp = self.stamp.saturating_add(1);
-        self.cleared_at = self.stamp;
+        self.cleared_at = self.next_stamp();
         if let Some(v) = version {
             self.clear_floor = Some(self.clear_floor.map_or(v, |f| f.max(v)));
         }
     }
 
-    /// The key's record, created if missing, and made the most recently
-    /// written. Keeps at most `capacity` records.
-    ///
-    /// The queue holds one live entry per record (the one whose tick matches
-    /// the record's) plus superseded entries that compaction drops. Room is
-    /// made before the key is inserted and its entry pushed, so eviction can
-    /// never meet the key being recorded. An earlier version compacted after
-    /// pushing the new entry but before moving the record's tick: compaction
-    /// dropped the new entry and kept a stale one, and eviction then spun
-    /// forever, under the table's lock, skipping the one record it must keep.
-    fn record(&mut self, key: &K) -> &mut KeyMeta {
-        self.compact_queue();
-        if !self.map.contains_key(key) {
-            self.evict_to(self.capacity.saturating_sub(1));
-            let meta = KeyMeta {
-                version: self.evicted_version,
-                exact: false,
-                touched: 0,
-                tick: 0,
-            };
-            self.map.insert(key.clone(), meta);
-        }
-        self.next_tick = self.next_tick.saturating_add(1);
-        let tick = self.next_tick;
-        self.queue.push_back((key.clone(), tick));
-        let m = self.map.get_mut(key).expect("inserted above if missing");
-        m.tick = tick;
-        m
+    fn next_stamp(&mut self) -> u64 {
+        self.stamp = self.stamp.saturating_add(1).min(STAMP_MASK);
+        self.stamp
     }
 
-    /// Evicts the least recently written records until at most `keep`
-    /// remain. Each pass pops one queue entry, so it ends within one pass
-    /// over the queue: every record has a live entry in it.
-    fn evict_to(&mut self, keep: usize) {
-        while self.map.len() > keep {
-            let Some((k, tick)) = self.queue.pop_front() else {
-                break;
-            };
-            if self.map.get(&k).is_some_and(|m| m.tick == tick)
-                && let Some(m) = self.map.remove(&k)
-            {
-                self.evicted_version = self.evicted_version.max(m.version);
-                self.evicted_touch = self.evicted_touch.max(m.touched);
+    fn find(&self, key: &K) -> Option<usize> {
+        let hash = self.hasher.hash_one(key);
+        let slots = &self.slots;
+        self.index
+            .find(hash, |&i| slots[i as usize].key == *key)
+            .map(|&i| i as usize)
+    }
+
+    /// Stamps a write to slot `i` and makes it the most recently written.
+    fn written(&mut self, i: usize) {
+        let stamp = self.next_stamp();
+        self.slots[i].set_touched(stamp);
+        self.unlink(i);
+        self.push_newest(i);
+    }
+
+    /// The slot of `key`'s record, made if missing (evicting the least
+    /// recently written record when full, whose slot it then takes).
+    fn record(&mut self, key: &K) -> usize {
+        let hash = self.hasher.hash_one(key);
+        let slots = &self.slots;
+        if let Some(&i) = self.index.find(hash, |&i| slots[i as usize].key == *key) {
+            return i as usize;
+        }
+        // Every version of `key` that was forgotten is at most the floor as
+        // it stands now; the record evicted below to make room is another
+        // key's, so its version is no bound on this one's.
+        let floor = self.evicted_version;
+        let i = if self.slots.len() < self.capacity {
+            // Grow towards the limit, never past it: the slab is most of
+            // the table's memory, and doubling would leave up to half of it
+            // unused for good.
+            if self.slots.len() == self.slots.capacity() {
+                let room = self.capacity.saturating_sub(self.slots.len());
+                self.slots.reserve_exact(self.slots.len().max(8).min(room));
             }
+            self.slots.len()
+        } else {
+            let i = self.oldest as usize;
+            self.evict(i);
+            i
+        };
+        let mut fresh = Slot {
+            key: key.clone(),
+            version: 0,
+            meta: 0,
+            older: NIL,
+            newer: NIL,
+        };
+        fresh.set_version(floor, false);
+        match self.slots.get_mut(i) {
+            Some(slot) => *slot = fresh,
+            None => self.slots.push(fresh),
+        }
+        // `i` fits: there are at most MAX_RECORDS slots.
+        let number = u32::try_from(i).unwrap_or(NIL);
+        let (slots, hasher) = (&self.slots, &self.hasher);
+        self.index
+            .insert_unique(hash, number, |&j| hasher.hash_one(&slots[j as usize].key));
+        self.push_newest(i);
+        self.clear_tombstones();
+        i
+    }
+
+    /// Drops slot `i`'s record from the index and the recency list, folding
+    /// its version and stamp into the floors. The caller reuses the slot.
+    fn evict(&mut self, i: usize) {
+        let slot = &self.slots[i];
+        self.evicted_version = self.evicted_version.max(slot.version());
+        self.evicted_touch = self.evicted_touch.max(slot.touched());
+        let hash = self.hasher.hash_one(&slot.key);
+        let number = u32::try_from(i).unwrap_or(NIL);
+        if let Ok(entry) = self.index.find_entry(hash, |&j| j == number) {
+            entry.remove();
+        }
+        self.unlink(i);
+    }
+
+    /// hashbrown marks some removed buckets as tombstones, and when they use
+    /// up its spare room it doubles the table rather than rehash in place
+    /// (it rehashes in place only below half full). Under steady eviction
+    /// that would double the index for good; rebuild it at its right size
+    /// instead. Tombstones are rare at this load (a removal leaves one only
+    /// where a whole probe group is full), so this runs once in hundreds of
+    /// thousands of evictions.
+    fn clear_tombstones(&mut self) {
+        if self.index.capacity() >= self.capacity.max(8).saturating_mul(2) {
+            let slots = &self.slots;
+            let hasher = &self.hasher;
+            self.index
+                .shrink_to(self.capacity, |&j| hasher.hash_one(&slots[j as usize].key));
         }
     }
 
-    /// Drops queue entries superseded by later writes to the same key.
-    fn compact_queue(&mut self) {
-        if self.queue.len() <= self.capacity.saturating_mul(2).saturating_add(64) {
-            return;
+    fn unlink(&mut self, i: usize) {
+        let (older, newer) = (self.slots[i].older, self.slots[i].newer);
+        match older {
+            NIL if self.oldest as usize == i => self.oldest = newer,
+            NIL => return, // not in the list
+            o => self.slots[o as usize].newer = newer,
         }
-        let map = &self.map;
-        self.queue
-            .retain(|(k, tick)| map.get(k).is_some_and(|m| m.tick == *tick));
+        match newer {
+            NIL => self.newest = older,
+            n => self.slots[n as usize].older = older,
+        }
+        self.slots[i].older = NIL;
+        self.slots[i].newer = NIL;
+    }
+
+    fn push_newest(&mut self, i: usize) {
+        let number = u32::try_from(i).unwrap_or(NIL);
+        self.slots[i].older = self.newest;
+        self.slots[i].newer = NIL;
+        match self.newest {
+            NIL => self.oldest = number,
+            n => self.slots[n as usize].newer = number,
+        }
+        self.newest = number;
     }
 }
 
@@ -215,10 +340,67 @@ mod tests {
     use super::RefreshDecision::*;
     use super::*;
     use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    fn table<K: Hash + Eq + Clone>(capacity: usize) -> VersionTable<K> {
+        VersionTable::new(capacity, Hasher::default())
+    }
+
+    impl<K: Hash + Eq + Clone + std::fmt::Debug> VersionTable<K> {
+        /// The structure's invariants: every slot is indexed once, under its
+        /// own key, and linked once, oldest to newest; the slab never grows
+        /// past the limit, and the index never to twice its right size.
+        fn check_structure(&self) -> Result<(), String> {
+            if self.index.len() != self.slots.len() || self.slots.len() > self.capacity {
+                return Err(format!(
+                    "{} indexed, {} slots, capacity {}",
+                    self.index.len(),
+                    self.slots.len(),
+                    self.capacity
+                ));
+            }
+            if self.slots.capacity() > self.capacity.max(8) {
+                return Err(format!(
+                    "slab of {} for {}",
+                    self.slots.capacity(),
+                    self.capacity
+                ));
+            }
+            if self.index.capacity() >= self.capacity.max(8) * 2 {
+                return Err(format!(
+                    "index of {} for {}",
+                    self.index.capacity(),
+                    self.capacity
+                ));
+            }
+            for (i, slot) in self.slots.iter().enumerate() {
+                if self.find(&slot.key) != Some(i) {
+                    return Err(format!(
+                        "slot {i} ({:?}) is not indexed under its key",
+                        slot.key
+                    ));
+                }
+            }
+            let (mut seen, mut at, mut prev) = (0usize, self.oldest, NIL);
+            while at != NIL {
+                let slot = &self.slots[at as usize];
+                if slot.older != prev || seen > self.slots.len() {
+                    return Err(format!("recency list broken at slot {at}"));
+                }
+                seen += 1;
+                prev = at;
+                at = slot.newer;
+            }
+            if seen != self.slots.len() || self.newest != prev {
+                return Err(format!("{seen} linked of {} slots", self.slots.len()));
+            }
+            Ok(())
+        }
+    }
 
     #[test]
     fn older_refresh_never_overwrites_newer() {
-        let mut t = VersionTable::new(16);
+        let mut t = table(16);
         assert_eq!(t.refresh(&"k", Some(5)), Apply);
         assert_eq!(t.refresh(&"k", Some(4)), Stale);
         assert_eq!(
@@ -231,7 +413,7 @@ mod tests {
 
     #[test]
     fn invalidation_leaves_a_tombstone() {
-        let mut t = VersionTable::new(16);
+        let mut t = table(16);
         t.invalidate(&"k", Some(10));
         assert_eq!(t.refresh(&"k", Some(9)), Stale);
         assert_eq!(t.refresh(&"k", Some(10)), Stale);
@@ -243,7 +425,7 @@ mod tests {
 
     #[test]
     fn versioned_clear_is_a_floor_for_every_key() {
-        let mut t = VersionTable::new(16);
+        let mut t = table(16);
         t.clear(Some(100));
         assert_eq!(t.refresh(&"a", Some(99)), Stale);
         assert_eq!(
@@ -255,7 +437,7 @@ mod tests {
 
     #[test]
     fn eviction_makes_decisions_conservative_not_wrong() {
-        let mut t = VersionTable::new(2);
+        let mut t = table(2);
         t.invalidate(&"a", Some(50));
         t.refresh(&"b", Some(10));
         t.refresh(&"c", Some(20)); // evicts "a" and its tombstone
@@ -269,18 +451,38 @@ mod tests {
 
     #[test]
     fn memory_stays_bounded_under_churn() {
-        let mut t = VersionTable::new(100);
+        let mut t = table(100);
         for i in 0..100_000u64 {
             t.refresh(&(i % 1000), Some(i));
             t.touch(&(i % 7));
         }
         assert!(t.len() <= 100);
-        assert!(t.queue.len() <= 2 * 100 + 64 + 1);
+        t.check_structure().unwrap();
+    }
+
+    /// Steady eviction at the limit: hashbrown's tombstones used to double
+    /// the map (and, before the slab, every record with it).
+    #[test]
+    fn churn_does_not_grow_the_index_or_the_slab() {
+        let capacity = 10_000;
+        let mut t = table(capacity);
+        for i in 0..capacity as u64 {
+            t.refresh(&i, Some(i));
+        }
+        let (index, slab) = (t.index.allocation_size(), t.slots.capacity());
+        assert_eq!(slab, capacity, "the slab stops at the limit");
+        for i in capacity as u64..(capacity as u64 * 100) {
+            t.refresh(&i, Some(i));
+            t.invalidate(&(i - 7), Some(i));
+        }
+        t.check_structure().unwrap();
+        assert_eq!(t.index.allocation_size(), index);
+        assert_eq!(t.slots.capacity(), slab);
     }
 
     #[test]
     fn loads_are_superseded_by_writes_to_their_key_or_a_clear() {
-        let mut t = VersionTable::new(16);
+        let mut t = table(16);
         let token = t.load_token();
         t.touch(&"other");
         assert!(!t.superseded(&"k", token));
@@ -320,7 +522,7 @@ mod tests {
         let run = terminates(30, || {
             for capacity in 1..=3 {
                 for writes in 1..=300 {
-                    let mut t = VersionTable::new(capacity);
+                    let mut t = table(capacity);
                     for v in 0..writes {
                         t.refresh(&"a", Some(v));
                     }
@@ -328,7 +530,7 @@ mod tests {
                     t.touch(&"c");
                     t.invalidate(&"d", None);
                     assert_eq!(t.len(), capacity);
-                    assert!(t.queue.len() <= 2 * capacity + 64 + 1, "{}", t.queue.len());
+                    t.check_structure().unwrap();
                 }
             }
         });
@@ -337,7 +539,7 @@ mod tests {
 
     #[test]
     fn evicted_stamps_supersede_loads_of_untracked_keys() {
-        let mut t = VersionTable::new(1);
+        let mut t = table(1);
         let token = t.load_token();
         t.touch(&"a");
         t.touch(&"b"); // evicts "a", whose write happened after the token
@@ -406,7 +608,7 @@ mod tests {
     }
 
     fn check(capacity: usize, ops: &[Op]) -> Result<(), String> {
-        let mut t = VersionTable::new(capacity);
+        let mut t = table(capacity);
         let mut m = Model::default();
         for (i, op) in ops.iter().enumerate() {
             match *op {
@@ -458,9 +660,7 @@ mod tests {
                     t.len()
                 ));
             }
-            if t.queue.len() > 2 * capacity.max(1) + 64 + 1 {
-                return Err(format!("step {i}: queue of {} entries", t.queue.len()));
-            }
+            t.check_structure().map_err(|e| format!("step {i}: {e}"))?;
         }
         Ok(())
     }

@@ -70,7 +70,7 @@ where
     }
 
     pub(super) fn stripe(&self, key: &K) -> usize {
-        self.stripe_hasher.hash_one(key) as usize % WRITE_STRIPES
+        self.hasher.hash_one(key) as usize % WRITE_STRIPES
     }
 
     /// Takes `key`'s stripe, once no other task's locked load pins the key.

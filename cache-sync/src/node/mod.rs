@@ -1,7 +1,6 @@
 //! The broadcasting consumer: one per node, applying every event on its topic
 //! to the caches the node registered.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::hash::Hash;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -21,7 +20,7 @@ use crate::table::check_topic;
 use crate::transport::{
     DEFAULT_TOPIC, LossReason, Position, StartFrom, SubscribeOptions, Subscription, Transport,
 };
-use crate::util::{lock, now_us};
+use crate::util::{HashMap, lock, now_us};
 use crate::wire::{Codec, DEFAULT_MAX_EVENT_BYTES};
 
 mod builder;

@@ -1,6 +1,6 @@
 //! Gap tracking: the last sequence number seen per publisher and cache.
 
-use std::collections::{HashMap, HashSet};
+use crate::util::{HashMap, HashSet};
 
 /// Last sequence number seen per (publisher, cache), to detect gaps.
 /// Keyed by publisher first, so a lookup by `&str` allocates nothing.
