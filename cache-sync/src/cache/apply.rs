@@ -14,7 +14,14 @@ use super::Inner;
 use super::versions::RefreshDecision;
 use crate::status::CacheStatus;
 use crate::util::{lock, now_us};
-use crate::wire::{Change, Header, decode_part};
+use crate::wire::{ChangeView, Header, decode_part};
+
+/// One event for a cache: its header, and its change, read and checked.
+#[derive(Debug)]
+pub(crate) struct Event<'a> {
+    pub(crate) header: Header<'a>,
+    pub(crate) change: ChangeView<'a>,
+}
 
 /// What the consumer needs from a registered cache, without its types.
 #[async_trait]
@@ -28,9 +35,11 @@ pub(crate) trait CacheHandle: Send + Sync {
     fn claim(&self, owner: u64, reorder_window: Duration) -> bool;
     /// Gives the cache up, if `owner` holds it, so another node may claim it.
     fn release(&self, owner: u64);
-    /// Applies one decoded event. Undecodable keys or values are answered
-    /// here (invalidation or a resync), counted, and logged.
-    async fn apply(&self, header: &Header, change: Change);
+    /// Applies events, in order. Undecodable keys or values are answered
+    /// here (invalidation or a resync), counted, and logged. One call per
+    /// run of events for the cache, so the boxed future that a dynamic
+    /// async call costs is paid per run, not per event.
+    async fn apply(&self, events: &[Event<'_>]);
     /// Drops everything, because events may have been lost, and quarantines.
     async fn resync(&self);
     /// Drops everything (on registration; not counted as a loss).
@@ -80,74 +89,10 @@ where
         let _ = self.owner.compare_exchange(owner, 0, AcqRel, Acquire);
     }
 
-    async fn apply(&self, header: &Header, change: Change) {
-        let s = &self.stats;
-        // Raised only once the change is in the cache, so a node never reports
-        // a version next to an older value.
-        let version = change.max_version();
-        match change {
-            Change::Clear { version } => {
-                self.clear(version).await;
-                s.clears.fetch_add(1, Relaxed);
-            }
-            Change::Invalidate { keys } => {
-                let mut decoded = Vec::with_capacity(keys.len());
-                for kv in keys {
-                    match decode_part::<K>(&kv.key, "key") {
-                        Ok(k) => decoded.push((k, kv.version)),
-                        Err(e) => return self.reject_and_resync(header, &e.to_string()).await,
-                    }
-                }
-                for (k, version) in decoded {
-                    self.invalidate(k, version).await;
-                    s.invalidations.fetch_add(1, Relaxed);
-                }
-            }
-            Change::Refresh { entries } => {
-                let quarantined = self.quarantined();
-                let mut decoded = Vec::with_capacity(entries.len());
-                for e in &entries {
-                    match decode_part::<K>(&e.key, "key") {
-                        Ok(k) => decoded.push(k),
-                        Err(err) => return self.reject_and_resync(header, &err.to_string()).await,
-                    }
-                }
-                for (k, e) in decoded.into_iter().zip(entries) {
-                    match decode_part::<V>(&e.value, "value") {
-                        Ok(_) if quarantined && e.version.is_some() => {
-                            self.invalidate(k, e.version).await;
-                            s.refreshes_quarantined.fetch_add(1, Relaxed)
-                        }
-                        Ok(v) => match self.refresh(k, v, e.version).await {
-                            RefreshDecision::Apply => s.refreshes.fetch_add(1, Relaxed),
-                            RefreshDecision::Stale => s.stale_ignored.fetch_add(1, Relaxed),
-                            RefreshDecision::Invalidate => s.invalidations.fetch_add(1, Relaxed),
-                        },
-                        Err(err) => {
-                            // Never drop a failed refresh: the old value would stay.
-                            tracing::warn!(
-                                cache = %self.name, origin = %header.origin, seq = header.seq,
-                                reason = %err, "refresh value did not decode; invalidating the key instead"
-                            );
-                            s.rejected_events.fetch_add(1, Relaxed);
-                            s.refresh_fallbacks.fetch_add(1, Relaxed);
-                            self.invalidate(k, e.version).await;
-                            s.invalidations.fetch_add(1, Relaxed)
-                        }
-                    };
-                }
-            }
+    async fn apply(&self, events: &[Event<'_>]) {
+        for event in events {
+            self.apply_one(event).await;
         }
-        if let Some(v) = version {
-            s.version.fetch_max(v, Relaxed);
-        }
-        let now = now_us();
-        s.last_applied_us.store(now, Relaxed);
-        s.last_latency_us
-            .store(now.saturating_sub(header.published_at_us), Relaxed);
-        // Last, and with Release (read with Acquire): a poller that sees the
-        // new count also sees this event's time and latency.
-        s.events_applied.fetch_add(1, Release);
     }
 
     async fn resync(&self) {
@@ -187,7 +132,79 @@ where
     K: Hash + Eq + Clone + Send + Sync + Serialize + DeserializeOwned + 'static,
     V: Clone + Send + Sync + DeserializeOwned + 'static,
 {
-    async fn reject_and_resync(&self, header: &Header, reason: &str) {
+    async fn apply_one(&self, event: &Event<'_>) {
+        let s = &self.stats;
+        let header = &event.header;
+        // Raised only once the change is in the cache, so a node never reports
+        // a version next to an older value.
+        let mut version = None;
+        match &event.change {
+            ChangeView::Clear { version: v } => {
+                self.clear(*v).await;
+                s.clears.fetch_add(1, Relaxed);
+                version = *v;
+            }
+            // Keys are decoded and applied one at a time, with nothing
+            // collected. A key that does not decode means the event cannot
+            // say which entries it meant: the whole cache is resynced, which
+            // also drops whatever the event's earlier items changed.
+            ChangeView::Invalidate(items) => {
+                for item in items.clone() {
+                    let k = match decode_part::<K>(item.key, "key") {
+                        Ok(k) => k,
+                        Err(e) => return self.reject_and_resync(header, &e.to_string()).await,
+                    };
+                    self.invalidate(k, item.version).await;
+                    s.invalidations.fetch_add(1, Relaxed);
+                    version = version.max(item.version);
+                }
+            }
+            ChangeView::Refresh(items) => {
+                let quarantined = self.quarantined();
+                for item in items.clone() {
+                    let k = match decode_part::<K>(item.key, "key") {
+                        Ok(k) => k,
+                        Err(e) => return self.reject_and_resync(header, &e.to_string()).await,
+                    };
+                    match decode_part::<V>(item.value, "value") {
+                        Ok(_) if quarantined && item.version.is_some() => {
+                            self.invalidate(k, item.version).await;
+                            s.refreshes_quarantined.fetch_add(1, Relaxed)
+                        }
+                        Ok(v) => match self.refresh(k, v, item.version).await {
+                            RefreshDecision::Apply => s.refreshes.fetch_add(1, Relaxed),
+                            RefreshDecision::Stale => s.stale_ignored.fetch_add(1, Relaxed),
+                            RefreshDecision::Invalidate => s.invalidations.fetch_add(1, Relaxed),
+                        },
+                        Err(err) => {
+                            // Never drop a failed refresh: the old value would stay.
+                            tracing::warn!(
+                                cache = %self.name, origin = %header.origin, seq = header.seq,
+                                reason = %err, "refresh value did not decode; invalidating the key instead"
+                            );
+                            s.rejected_events.fetch_add(1, Relaxed);
+                            s.refresh_fallbacks.fetch_add(1, Relaxed);
+                            self.invalidate(k, item.version).await;
+                            s.invalidations.fetch_add(1, Relaxed)
+                        }
+                    };
+                    version = version.max(item.version);
+                }
+            }
+        }
+        if let Some(v) = version {
+            s.version.fetch_max(v, Relaxed);
+        }
+        let now = now_us();
+        s.last_applied_us.store(now, Relaxed);
+        s.last_latency_us
+            .store(now.saturating_sub(header.published_at_us), Relaxed);
+        // Last, and with Release (read with Acquire): a poller that sees the
+        // new count also sees this event's time and latency.
+        s.events_applied.fetch_add(1, Release);
+    }
+
+    async fn reject_and_resync(&self, header: &Header<'_>, reason: &str) {
         tracing::warn!(cache = %self.name, origin = %header.origin, seq = header.seq, %reason,
             "event key did not decode; cannot tell which entries it meant");
         self.stats.rejected_events.fetch_add(1, Relaxed);

@@ -6,8 +6,9 @@ use tokio::sync::{Barrier, oneshot};
 use serde::Serialize;
 
 use super::*;
+use crate::cache::Event;
 use crate::util::now_us;
-use crate::wire::{Change, EntryVersion, Header, KeyVersion, encode_part};
+use crate::wire::{Change, EntryVersion, Header, KeyVersion, encode, encode_part};
 
 type Cache = SyncedCache<String, String>;
 
@@ -15,10 +16,10 @@ fn cache() -> Cache {
     SyncedCache::new("t", moka::future::Cache::new(1000))
 }
 
-fn header() -> Header {
+fn header() -> Header<'static> {
     Header {
-        cache: "t".into(),
-        origin: "test".into(),
+        cache: "t",
+        origin: "test",
         publisher: 1,
         seq: 1,
         published_at_us: now_us(),
@@ -37,20 +38,26 @@ async fn refresh(c: &Cache, k: &str, v: &str, version: Option<u64>) {
             version,
         }],
     };
-    c.inner.apply(&header(), change).await;
+    apply(c, &change).await;
+}
+
+/// Applies a change the way a node does: encoded, read back, checked.
+async fn apply(c: &Cache, change: &Change) {
+    let bytes = encode(&header(), change).unwrap();
+    let (header, offset) = crate::wire::decode_header(&bytes, 1 << 20).unwrap();
+    let change = crate::wire::decode_change(&bytes, offset).unwrap();
+    c.inner.apply(&[Event { header, change }]).await;
 }
 
 async fn invalidate(c: &Cache, k: &str, version: Option<u64>) {
     let change = Change::Invalidate {
         keys: vec![KeyVersion { key: b(k), version }],
     };
-    c.inner.apply(&header(), change).await;
+    apply(c, &change).await;
 }
 
 async fn clear(c: &Cache) {
-    c.inner
-        .apply(&header(), Change::Clear { version: None })
-        .await;
+    apply(c, &Change::Clear { version: None }).await;
 }
 
 /// A "database" with one row, whose loader reads the row and then parks on a
@@ -362,7 +369,7 @@ async fn a_refresh_that_does_not_decode_becomes_an_invalidation() {
             },
         ],
     };
-    c.inner.apply(&header(), change).await;
+    apply(&c, &change).await;
     assert_eq!(c.get("k").await, None, "the old value must not survive");
     assert_eq!(
         c.get("j").await.as_deref(),
@@ -383,7 +390,7 @@ async fn a_key_that_does_not_decode_invalidates_the_whole_cache() {
             version: None,
         }],
     };
-    c.inner.apply(&header(), change).await;
+    apply(&c, &change).await;
     assert_eq!(c.get("a").await, None);
     assert_eq!(c.status().rejected_events, 1);
 }
@@ -392,9 +399,7 @@ async fn a_key_that_does_not_decode_invalidates_the_whole_cache() {
 async fn a_versioned_clear_keeps_older_refreshes_out() {
     let c = cache();
     c.insert("a".into(), "1".into()).await;
-    c.inner
-        .apply(&header(), Change::Clear { version: Some(10) })
-        .await;
+    apply(&c, &Change::Clear { version: Some(10) }).await;
     refresh(&c, "b", "old", Some(9)).await;
     refresh(&c, "c", "same", Some(10)).await;
     assert_eq!(c.get("a").await, None);

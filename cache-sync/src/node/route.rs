@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use super::seqs::PublisherSeqs;
 use super::{CacheMap, Shared};
-use crate::cache::CacheHandle;
+use crate::cache::{CacheHandle, Event};
 use crate::transport::{LossReason, Record};
 use crate::wire::{Header, Refused};
 
@@ -15,7 +15,8 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
     // registered after it has nothing in this batch that its own reset and
     // first loads would not already reflect.
     let caches = shared.caches();
-    for record in records {
+    let mut run = Run::default();
+    for record in &records {
         shared.stats.received.fetch_add(1, Relaxed);
         // Tag filter: skip other caches' events without reading them. The
         // tag is not authenticated, but skipping changes nothing.
@@ -35,42 +36,83 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
         let opened = match shared.codec.open(&record.payload) {
             Ok(opened) => opened,
             Err(Refused::Unauthentic(e)) => {
-                reject(shared, &record, &e.to_string(), e.kind().label());
+                reject(shared, record, &e.to_string(), e.kind().label());
                 continue;
             }
             // Authentic, or the node does not ask: an unreadable event may
             // have carried a change.
             Err(Refused::Unreadable { error, event }) => {
-                reject(shared, &record, &error.to_string(), error.kind().label());
+                reject(shared, record, &error.to_string(), error.kind().label());
+                run.flush().await;
                 let header = shared.codec.salvage_header(event);
                 unreadable(shared, seqs, &caches, tagged, header, &error.to_string()).await;
                 continue;
             }
         };
-        let header = &opened.header;
-        let Some(cache) = caches.get(&header.cache) else {
-            shared.stats.skipped.fetch_add(1, Relaxed);
-            continue;
+        let header = opened.header.clone();
+        // The tag nearly always names the header's cache: a comparison
+        // then saves hashing the name again.
+        let cache = match tagged {
+            Some(c) if c.name() == header.cache => c,
+            _ => match caches.get(header.cache) {
+                Some(c) => c,
+                None => {
+                    shared.stats.skipped.fetch_add(1, Relaxed);
+                    continue;
+                }
+            },
         };
-        if let Some(missed) = seqs.observe(header.publisher, &header.cache, header.seq) {
+        if let Some(missed) = seqs.observe(header.publisher, header.cache, header.seq) {
             shared.stats.publisher_gaps.fetch_add(1, Relaxed);
             shared.record_loss(LossReason::PublisherGap);
             tracing::warn!(node = %shared.id, cache = %header.cache, origin = %header.origin,
                 publisher = header.publisher, seq = header.seq, missed,
                 "gap in a publisher's sequence; invalidating that cache");
             // Sequence numbers run per (publisher, cache): only this cache
-            // can have missed anything.
+            // can have missed anything. What came before the gap goes first.
+            run.flush().await;
             cache.resync().await;
-            seqs.resynced(&header.cache);
+            seqs.resynced(header.cache);
         }
         match opened.change() {
-            Ok(change) => cache.apply(header, change).await,
+            Ok(change) => run.push(cache, Event { header, change }).await,
             Err(e) => {
-                reject(shared, &record, &e.to_string(), e.kind().label());
+                reject(shared, record, &e.to_string(), e.kind().label());
+                run.flush().await;
                 cache.reject(&e.to_string()).await;
-                seqs.resynced(&header.cache);
+                seqs.resynced(header.cache);
             }
         }
+    }
+    run.flush().await;
+}
+
+/// Consecutive events for one cache, applied with one call: a node's
+/// batch is usually one cache's events, and each call to a cache costs a
+/// boxed future. Anything else that changes a cache (a resync, a reject)
+/// flushes the run first, so effects keep the records' order.
+#[derive(Default)]
+struct Run<'c, 'e> {
+    cache: Option<&'c Arc<dyn CacheHandle>>,
+    events: Vec<Event<'e>>,
+}
+
+impl<'c, 'e> Run<'c, 'e> {
+    async fn push(&mut self, cache: &'c Arc<dyn CacheHandle>, event: Event<'e>) {
+        if self.cache.is_some_and(|c| !Arc::ptr_eq(c, cache)) {
+            self.flush().await;
+        }
+        self.cache = Some(cache);
+        self.events.push(event);
+    }
+
+    async fn flush(&mut self) {
+        if let Some(cache) = self.cache.take()
+            && !self.events.is_empty()
+        {
+            cache.apply(&self.events).await;
+        }
+        self.events.clear();
     }
 }
 
@@ -86,16 +128,16 @@ pub(super) async fn unreadable(
     seqs: &mut PublisherSeqs,
     caches: &CacheMap,
     tagged: Option<&Arc<dyn CacheHandle>>,
-    header: Option<Header>,
+    header: Option<Header<'_>>,
     reason: &str,
 ) {
     if let Some(h) = &header
-        && let Some(cache) = caches.get(&h.cache)
+        && let Some(cache) = caches.get(h.cache)
     {
         // Its number is used up: the next one is no gap.
-        let _ = seqs.observe(h.publisher, &h.cache, h.seq);
+        let _ = seqs.observe(h.publisher, h.cache, h.seq);
         cache.reject(reason).await;
-        seqs.resynced(&h.cache);
+        seqs.resynced(h.cache);
     } else if let Some(cache) = tagged {
         cache.reject(reason).await;
         seqs.resynced(cache.name());
@@ -109,7 +151,7 @@ pub(super) async fn unreadable(
 
 pub(super) fn reject(shared: &Shared, record: &Record, reason: &str, label: &str) {
     shared.stats.rejected.fetch_add(1, Relaxed);
-    tracing::warn!(node = %shared.id, tag = ?record.tag, position = %record.position, bytes = record.payload.len(),
+    tracing::warn!(node = %shared.id, tag = ?record.tag, offset = ?record.offset, bytes = record.payload.len(),
         kind = label, %reason, "rejected an event");
 }
 
@@ -127,7 +169,6 @@ pub(super) fn reject(shared: &Shared, record: &Record, reason: &str, label: &str
 pub(crate) fn fuzz_records(data: &[u8], ring: &crate::wire::Keyring) {
     use super::Node;
     use crate::cache::SyncedCache;
-    use crate::transport::Position;
 
     thread_local! {
         static RUNTIME: tokio::runtime::Runtime = tokio::runtime::Builder::new_current_thread()
@@ -149,7 +190,10 @@ pub(crate) fn fuzz_records(data: &[u8], ring: &crate::wire::Keyring) {
             n => {
                 let n = usize::from(n).min(tail.len());
                 let (tag, tail) = tail.split_at(n);
-                (Some(String::from_utf8_lossy(tag).into_owned()), tail)
+                (
+                    Some(std::sync::Arc::from(String::from_utf8_lossy(tag))),
+                    tail,
+                )
             }
         };
         let (len, tail) = match tail {
@@ -157,11 +201,7 @@ pub(crate) fn fuzz_records(data: &[u8], ring: &crate::wire::Keyring) {
             _ => (0, &[][..]),
         };
         let (payload, tail) = tail.split_at(len.min(tail.len()));
-        records.push(Record::new(
-            Position::default(),
-            tag,
-            bytes::Bytes::copy_from_slice(payload),
-        ));
+        records.push(Record::new(tag, bytes::Bytes::copy_from_slice(payload)));
         rest = tail;
     }
     let verify = mode & 1 == 1;

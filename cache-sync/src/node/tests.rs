@@ -34,8 +34,8 @@ async fn holds(c: &Cache, k: &str, v: Option<&str>) -> bool {
 
 fn raw_event(cache: &str, publisher: u64, seq: u64, change: &Change) -> Bytes {
     let header = Header {
-        cache: cache.into(),
-        origin: "forger".into(),
+        cache,
+        origin: "forger",
         publisher,
         seq,
         published_at_us: now_us(),

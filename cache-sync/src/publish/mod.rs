@@ -359,8 +359,8 @@ impl Publisher {
             // saturating keeps the numbers from ever going back regardless.
             *seq = seq.saturating_add(1);
             let header = Header {
-                cache: cache.to_owned(),
-                origin: self.inner.origin.clone(),
+                cache,
+                origin: &self.inner.origin,
                 publisher: self.inner.id,
                 seq: *seq,
                 published_at_us: now_us(),
@@ -389,7 +389,14 @@ mod tests {
     use crate::transport::{Delivery, StartFrom, SubscribeOptions};
     use crate::wire::decode;
 
-    pub(super) async fn drain(transport: &EmbeddedTransport) -> Vec<(Header, Change)> {
+    /// What a test needs of a published event's header.
+    #[derive(Debug)]
+    pub(super) struct Sent {
+        pub(super) cache: String,
+        pub(super) seq: u64,
+    }
+
+    pub(super) async fn drain(transport: &EmbeddedTransport) -> Vec<(Sent, Change)> {
         let mut sub = transport
             .subscribe(DEFAULT_TOPIC, SubscribeOptions::new(StartFrom::Earliest))
             .await
@@ -397,7 +404,14 @@ mod tests {
         match sub.next(10_000).await.unwrap() {
             Delivery::Batch { records, .. } => records
                 .iter()
-                .map(|r| decode(&r.payload, MAX_EVENT_BYTES_CEILING).unwrap())
+                .map(|r| {
+                    let (h, change) = decode(&r.payload, MAX_EVENT_BYTES_CEILING).unwrap();
+                    let sent = Sent {
+                        cache: h.cache.to_owned(),
+                        seq: h.seq,
+                    };
+                    (sent, change)
+                })
                 .collect(),
             Delivery::Lost(l) => panic!("{l:?}"),
         }

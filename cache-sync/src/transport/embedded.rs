@@ -288,14 +288,12 @@ impl EmbeddedSubscription {
         let mut records = Vec::new();
         let mut offset = self.cursor;
         for r in log.records.range(start..).take(max.max(1)) {
-            offset = offset.saturating_add(1);
             if self.tags.as_ref().is_none_or(|t| t.contains(&*r.tag)) {
-                records.push(Record::new(
-                    self.position_at(offset),
-                    Some(r.tag.to_string()),
-                    r.payload.clone(),
-                ));
+                records.push(
+                    Record::new(Some(r.tag.clone()), r.payload.clone()).at(Offset::Seq(offset)),
+                );
             }
+            offset = offset.saturating_add(1);
         }
         let scanned = ahead.min(max.max(1) as u64);
         self.cursor = self.cursor.saturating_add(scanned);

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use async_trait::async_trait;
@@ -158,24 +159,52 @@ impl SubscribeOptions {
 }
 
 /// One event as the transport carries it.
+///
+/// Built once per event per node, so nothing in it should cost an
+/// allocation that the transport did not make anyway: the tag is shared,
+/// and the offset is a number or an id the transport already holds.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct Record {
-    /// The position just after this record (only its own partition).
-    pub position: Position,
     /// The tag it was published with: the cache name.
-    pub tag: Option<String>,
+    pub tag: Option<Arc<str>>,
     /// The encoded event. Untrusted.
     pub payload: Bytes,
+    /// The record's own offset in its partition, for logs, where the
+    /// transport has it at hand. Progress is tracked by the batch's
+    /// [`Position`], never by this.
+    pub offset: Option<Offset>,
 }
 
 impl Record {
     /// A record.
-    pub fn new(position: Position, tag: Option<String>, payload: Bytes) -> Self {
+    pub fn new(tag: Option<Arc<str>>, payload: Bytes) -> Self {
         Self {
-            position,
             tag,
             payload,
+            offset: None,
+        }
+    }
+
+    /// With its offset in its partition.
+    #[must_use]
+    pub fn at(mut self, offset: Offset) -> Self {
+        self.offset = Some(offset);
+        self
+    }
+}
+
+/// The last tag a subscription handed out, reused while the next ones are
+/// the same (a topic is usually one or a few caches' events in runs), so
+/// a record's tag costs no allocation in the common case.
+#[derive(Debug, Default)]
+pub(crate) struct Tags(Option<Arc<str>>);
+
+impl Tags {
+    pub(crate) fn get(&mut self, tag: &str) -> Arc<str> {
+        match &self.0 {
+            Some(last) if **last == *tag => last.clone(),
+            _ => self.0.insert(Arc::from(tag)).clone(),
         }
     }
 }

@@ -14,7 +14,7 @@ use tokio::sync::watch;
 
 use super::{
     Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
-    Subscription, Transport,
+    Subscription, Tags, Transport,
 };
 use crate::error::{Error, Result};
 use crate::transport::names::{self, NameKind};
@@ -514,6 +514,7 @@ impl Transport for NatsJetStreamTransport {
             stashed: None,
             link,
             connects,
+            tags: Tags::default(),
         }))
     }
 }
@@ -542,6 +543,7 @@ struct NatsSubscription {
     link: watch::Receiver<Link>,
     /// Connections made when the subscription began (at least the first).
     connects: u64,
+    tags: Tags,
 }
 
 /// Resolves once the connection drops, or a new one replaces the one the
@@ -653,7 +655,7 @@ impl Subscription for NatsSubscription {
                 break;
             }
             self.last = seq;
-            records.push(record(&message, self.position_at(seq)));
+            records.push(record(&message, &mut self.tags).at(Offset::Seq(seq)));
         }
         Ok(Delivery::Batch {
             records,
@@ -666,15 +668,15 @@ impl Subscription for NatsSubscription {
     }
 }
 
-fn record(message: &jetstream::Message, position: Position) -> Record {
+fn record(message: &jetstream::Message, tags: &mut Tags) -> Record {
     // A tag no escape produced came from another producer: left out, the
     // consumer routes the event by its header instead.
     let tag = message
         .headers
         .as_ref()
         .and_then(|h| h.get(TAG_HEADER))
-        .and_then(|v| names::unescape_with(v.as_str(), MARKER).map(|t| t.into_owned()));
-    Record::new(position, tag, message.payload.clone())
+        .and_then(|v| names::unescape_with(v.as_str(), MARKER).map(|t| tags.get(&t)));
+    Record::new(tag, message.payload.clone())
 }
 
 #[cfg(test)]

@@ -3,7 +3,8 @@
 
 use super::keyring::SIGNED_OVERHEAD;
 use super::{
-    Change, Header, Keyring, MAX_NAME_BYTES, decode_change, decode_header, encode, strip_unverified,
+    Change, ChangeView, Header, Keyring, MAX_NAME_BYTES, decode_change, decode_header, encode,
+    strip_unverified,
 };
 use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
 
@@ -26,14 +27,14 @@ pub(crate) struct Codec {
 /// not verify) and whose header decoded.
 #[derive(Debug)]
 pub(crate) struct Opened<'a> {
-    pub(crate) header: Header,
+    pub(crate) header: Header<'a>,
     event: &'a [u8],
     body: usize,
 }
 
-impl Opened<'_> {
-    /// Decodes the change that follows the header.
-    pub(crate) fn change(&self) -> Result<Change, DecodeError> {
+impl<'a> Opened<'a> {
+    /// Reads and checks the change that follows the header.
+    pub(crate) fn change(&self) -> Result<ChangeView<'a>, DecodeError> {
         decode_change(self.event, self.body)
     }
 }
@@ -74,7 +75,7 @@ impl Codec {
 
     /// The bytes to publish: encoded, signed when there is a keyring, and
     /// refused with [`Error::TooLarge`] over the limit.
-    pub(crate) fn seal(&self, header: &Header, change: &Change) -> Result<Vec<u8>> {
+    pub(crate) fn seal(&self, header: &Header<'_>, change: &Change) -> Result<Vec<u8>> {
         let mut payload = encode(header, change)?;
         if let Some(ring) = &self.keyring {
             payload = ring.sign(&payload);
@@ -116,7 +117,7 @@ impl Codec {
 
     /// The header of an event that could not be opened, read from its front
     /// (an oversized event's header is still small), if it decodes.
-    pub(crate) fn salvage_header(&self, event: &[u8]) -> Option<Header> {
+    pub(crate) fn salvage_header<'a>(&self, event: &'a [u8]) -> Option<Header<'a>> {
         let front = event.get(..self.max_bytes).unwrap_or(event);
         decode_header(front, self.max_bytes).ok().map(|(h, _)| h)
     }
@@ -129,10 +130,10 @@ mod tests {
     use super::*;
     use crate::wire::{EntryVersion, framed_len};
 
-    fn header(cache: &str, origin: &str) -> Header {
+    fn header<'a>(cache: &'a str, origin: &'a str) -> Header<'a> {
         Header {
-            cache: cache.into(),
-            origin: origin.into(),
+            cache,
+            origin,
             publisher: u64::MAX,
             seq: u64::MAX,
             published_at_us: u64::MAX,
@@ -182,7 +183,7 @@ mod tests {
             let sealed = codec.seal(&header("countries", "admin"), &change).unwrap();
             let opened = codec.open(&sealed).unwrap();
             assert_eq!(opened.header, header("countries", "admin"));
-            assert_eq!(opened.change().unwrap(), change);
+            assert_eq!(opened.change().unwrap().to_change(), change);
         }
     }
 

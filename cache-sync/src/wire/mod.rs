@@ -9,7 +9,7 @@
 
 use bincode::config::{self, Configuration, LittleEndian, Varint};
 use bytes::Bytes;
-use serde::{Deserialize, Serialize, de::DeserializeOwned};
+use serde::{Serialize, de::DeserializeOwned};
 
 use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
 
@@ -48,12 +48,13 @@ const fn wire_config() -> WireConfig {
 }
 
 /// Who sent an event and when. Decoded first and on its own, so that skipping
-/// an event for another cache costs only this.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Header {
-    pub(crate) cache: String,
+/// an event for another cache costs only this. Borrowed: the publisher
+/// encodes its own names, and a node reads them in place from the payload.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub(crate) struct Header<'a> {
+    pub(crate) cache: &'a str,
     /// Node id (or admin service name) of the publisher, for logs and status.
-    pub(crate) origin: String,
+    pub(crate) origin: &'a str,
     /// Random per publisher instance; a restarted publisher gets a new one.
     pub(crate) publisher: u64,
     /// Per (publisher, cache), starting at 1 and increasing by exactly 1.
@@ -62,26 +63,31 @@ pub(crate) struct Header {
     pub(crate) published_at_us: u64,
 }
 
-/// What changed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// What changed, as a publisher builds it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(crate) enum Change {
     Invalidate { keys: Vec<KeyVersion> },
     Refresh { entries: Vec<EntryVersion> },
     Clear { version: Option<u64> },
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(crate) struct KeyVersion {
     pub(crate) key: Bytes,
     pub(crate) version: Option<u64>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(crate) struct EntryVersion {
     pub(crate) key: Bytes,
     pub(crate) value: Bytes,
     pub(crate) version: Option<u64>,
 }
+
+/// The variants' indices, as serde numbers `Change`'s variants.
+const INVALIDATE: u32 = 0;
+const REFRESH: u32 = 1;
+const CLEAR: u32 = 2;
 
 impl Change {
     /// How many keys the change names; `Clear` counts as one.
@@ -94,6 +100,7 @@ impl Change {
         }
     }
 
+    #[cfg(test)]
     pub(crate) fn max_version(&self) -> Option<u64> {
         match self {
             Change::Invalidate { keys } => keys.iter().filter_map(|k| k.version).max(),
@@ -103,20 +110,140 @@ impl Change {
     }
 }
 
-pub(crate) fn encode(header: &Header, change: &Change) -> Result<Vec<u8>> {
-    let mut out = vec![FORMAT_V1];
+/// What changed, as a node reads it: checked whole when it is read, then
+/// walked in place, so applying an event copies no key or value bytes and
+/// allocates nothing of its own.
+#[derive(Debug, Clone)]
+pub(crate) enum ChangeView<'a> {
+    Invalidate(Items<'a>),
+    Refresh(Items<'a>),
+    Clear { version: Option<u64> },
+}
+
+/// One key of an invalidation or one entry of a refresh. An invalidation's
+/// items have an empty `value`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Item<'a> {
+    pub(crate) key: &'a [u8],
+    pub(crate) value: &'a [u8],
+    pub(crate) version: Option<u64>,
+}
+
+/// The items of a change, read one at a time from bytes already checked.
+#[derive(Debug, Clone)]
+pub(crate) struct Items<'a> {
+    reader: Reader<'a>,
+    left: u64,
+    values: bool,
+}
+
+impl<'a> Items<'a> {
+    /// Reads the item count and checks every item, leaving the reader
+    /// after the last one.
+    fn check(reader: &mut Reader<'a>, values: bool) -> Result<Self, DecodeError> {
+        let count: u64 = reader.take()?;
+        let items = Self {
+            reader: reader.clone(),
+            left: count,
+            values,
+        };
+        for _ in 0..count {
+            Self::read(reader, values)?;
+        }
+        Ok(items)
+    }
+
+    fn read(reader: &mut Reader<'a>, values: bool) -> Result<Item<'a>, DecodeError> {
+        let key = reader.take()?;
+        let value = if values { reader.take()? } else { &[][..] };
+        let version = reader.take()?;
+        Ok(Item {
+            key,
+            value,
+            version,
+        })
+    }
+}
+
+impl<'a> Iterator for Items<'a> {
+    type Item = Item<'a>;
+
+    fn next(&mut self) -> Option<Item<'a>> {
+        self.left = self.left.checked_sub(1)?;
+        // Checked when the change was read, so this cannot fail; were it to,
+        // the walk would end early, never read out of bounds.
+        Self::read(&mut self.reader, self.values).ok()
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (0, usize::try_from(self.left).ok())
+    }
+}
+
+impl ChangeView<'_> {
+    /// The change as a publisher would have built it.
+    #[cfg(any(test, feature = "_fuzz"))]
+    pub(crate) fn to_change(&self) -> Change {
+        let copy = |b: &[u8]| Bytes::copy_from_slice(b);
+        match self {
+            ChangeView::Invalidate(items) => Change::Invalidate {
+                keys: items
+                    .clone()
+                    .map(|i| KeyVersion {
+                        key: copy(i.key),
+                        version: i.version,
+                    })
+                    .collect(),
+            },
+            ChangeView::Refresh(items) => Change::Refresh {
+                entries: items
+                    .clone()
+                    .map(|i| EntryVersion {
+                        key: copy(i.key),
+                        value: copy(i.value),
+                        version: i.version,
+                    })
+                    .collect(),
+            },
+            ChangeView::Clear { version } => Change::Clear { version: *version },
+        }
+    }
+}
+
+/// Reads bincode values in place, one after another, each under the wire
+/// limit (which bounds what a length prefix may claim).
+#[derive(Debug, Clone)]
+struct Reader<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn take<T: bincode::BorrowDecode<'a, ()>>(&mut self) -> Result<T, DecodeError> {
+        let (value, used) = bincode::borrow_decode_from_slice::<T, _>(self.rest, wire_config())
+            .map_err(malformed)?;
+        self.rest = self.rest.get(used..).unwrap_or_default();
+        Ok(value)
+    }
+}
+
+pub(crate) fn encode(header: &Header<'_>, change: &Change) -> Result<Vec<u8>> {
     let encode_err = |e: bincode::error::EncodeError| Error::Encode {
         what: "event",
         message: e.to_string(),
     };
-    out.extend(bincode::serde::encode_to_vec(header, wire_config()).map_err(encode_err)?);
-    out.extend(bincode::serde::encode_to_vec(change, wire_config()).map_err(encode_err)?);
+    let mut out = Vec::with_capacity(64);
+    out.push(FORMAT_V1);
+    bincode::serde::encode_into_std_write(header, &mut out, wire_config()).map_err(encode_err)?;
+    bincode::serde::encode_into_std_write(change, &mut out, wire_config()).map_err(encode_err)?;
     Ok(out)
 }
 
 /// Checks the format byte and size, and reads the header only.
 /// Returns the header and the offset where the change begins.
-pub(crate) fn decode_header(bytes: &[u8], limit: usize) -> Result<(Header, usize), DecodeError> {
+pub(crate) fn decode_header(
+    bytes: &[u8],
+    limit: usize,
+) -> Result<(Header<'_>, usize), DecodeError> {
     let Some((&format, rest)) = bytes.split_first() else {
         return Err(DecodeError::new(DecodeErrorKind::Empty));
     };
@@ -129,19 +256,36 @@ pub(crate) fn decode_header(bytes: &[u8], limit: usize) -> Result<(Header, usize
     if format != FORMAT_V1 {
         return Err(DecodeError::new(DecodeErrorKind::UnknownFormat(format)));
     }
-    let (header, used) =
-        bincode::serde::decode_from_slice::<Header, _>(rest, wire_config()).map_err(malformed)?;
-    Ok((header, used.saturating_add(1)))
+    let mut r = Reader { rest };
+    let header = Header {
+        cache: r.take()?,
+        origin: r.take()?,
+        publisher: r.take()?,
+        seq: r.take()?,
+        published_at_us: r.take()?,
+    };
+    Ok((header, bytes.len().saturating_sub(r.rest.len())))
 }
 
-/// Reads the change that follows the header, rejecting trailing bytes.
-pub(crate) fn decode_change(bytes: &[u8], offset: usize) -> Result<Change, DecodeError> {
-    let rest = bytes.get(offset..).unwrap_or_default();
-    let (change, used) =
-        bincode::serde::decode_from_slice::<Change, _>(rest, wire_config()).map_err(malformed)?;
-    if used != rest.len() {
+/// Reads (and checks) the change that follows the header, rejecting
+/// trailing bytes.
+pub(crate) fn decode_change(bytes: &[u8], offset: usize) -> Result<ChangeView<'_>, DecodeError> {
+    let mut r = Reader {
+        rest: bytes.get(offset..).unwrap_or_default(),
+    };
+    let change = match r.take::<u32>()? {
+        INVALIDATE => ChangeView::Invalidate(Items::check(&mut r, false)?),
+        REFRESH => ChangeView::Refresh(Items::check(&mut r, true)?),
+        CLEAR => ChangeView::Clear { version: r.take()? },
+        other => {
+            return Err(DecodeError::new(DecodeErrorKind::Malformed(format!(
+                "unknown change variant {other}"
+            ))));
+        }
+    };
+    if !r.rest.is_empty() {
         return Err(DecodeError::new(DecodeErrorKind::TrailingBytes(
-            rest.len().saturating_sub(used),
+            r.rest.len(),
         )));
     }
     Ok(change)
@@ -149,9 +293,9 @@ pub(crate) fn decode_change(bytes: &[u8], offset: usize) -> Result<Change, Decod
 
 /// Decodes a whole event.
 #[cfg(test)]
-pub(crate) fn decode(bytes: &[u8], limit: usize) -> Result<(Header, Change), DecodeError> {
+pub(crate) fn decode(bytes: &[u8], limit: usize) -> Result<(Header<'_>, Change), DecodeError> {
     let (header, offset) = decode_header(bytes, limit)?;
-    Ok((header, decode_change(bytes, offset)?))
+    Ok((header, decode_change(bytes, offset)?.to_change()))
 }
 
 fn malformed(e: bincode::error::DecodeError) -> DecodeError {
@@ -199,10 +343,10 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn header() -> Header {
+    fn header() -> Header<'static> {
         Header {
-            cache: "countries".into(),
-            origin: "node-1".into(),
+            cache: "countries",
+            origin: "node-1",
             publisher: 42,
             seq: 7,
             published_at_us: 1_700_000_000_000_000,

@@ -353,9 +353,5 @@ impl Subscription for PubSubSubscription {
 }
 
 fn record(msg: &redis::Msg) -> Record {
-    Record::new(
-        Position::default(),
-        None,
-        Bytes::copy_from_slice(msg.get_payload_bytes()),
-    )
+    Record::new(None, Bytes::copy_from_slice(msg.get_payload_bytes()))
 }

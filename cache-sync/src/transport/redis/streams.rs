@@ -11,7 +11,7 @@ use redis::{AsyncConnectionConfig, Client, Value};
 
 use super::super::{
     Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
-    Subscription, Transport,
+    Subscription, Tags, Transport,
 };
 use super::{
     EPOCH, ID, ORDINAL, STREAMS, bad_reply, check_timeout, key_part, map_err, publisher_connection,
@@ -488,6 +488,7 @@ impl Transport for RedisStreamsTransport {
                 .unwrap_or(u64::MAX)
                 .max(1),
             pending,
+            tags: Tags::default(),
         }))
     }
 }
@@ -503,6 +504,7 @@ struct StreamsSubscription {
     epoch: u64,
     block_ms: u64,
     pending: Option<Loss>,
+    tags: Tags,
 }
 
 impl fmt::Debug for StreamsSubscription {
@@ -611,7 +613,8 @@ impl Subscription for StreamsSubscription {
                     }
                 }
                 self.id.clone_from(&entry.id);
-                records.push(Record::new(self.position(), entry.tag, entry.payload));
+                let tag = entry.tag.as_deref().map(|t| self.tags.get(t));
+                records.push(Record::new(tag, entry.payload).at(Offset::Id(entry.id)));
             }
             return Ok(Delivery::Batch {
                 records,

@@ -23,7 +23,7 @@ use rocketmq_protocol::protocol::heartbeat::message_model::MessageModel;
 use rocketmq_runtime::{RuntimeConfig, RuntimeOwner};
 use tokio::sync::{RwLock, mpsc, watch};
 
-use super::{Offset, Position, Record, SubscribeOptions, Subscription, Transport};
+use super::{Offset, Position, SubscribeOptions, Subscription, Tags, Transport};
 use crate::error::{Error, Result};
 use crate::transport::names::{self, NameKind};
 use crate::util::{check_at_least, lock};
@@ -754,7 +754,8 @@ impl Transport for RocketMqTransport {
                 .join("||"),
             _ => "*".to_owned(),
         };
-        let (tx, rx) = mpsc::channel::<Vec<(Record, Anchor)>>(BUFFER_BATCHES);
+        let (tx, rx) = mpsc::channel::<Vec<Received>>(BUFFER_BATCHES);
+        let tags = std::sync::Mutex::new(Tags::default());
         let (assigned_tx, mut assigned) = watch::channel(HashSet::new());
         let mut consumer = DefaultMQPushConsumer::builder(inner.rt.clone())
             .client_config(client_config(&inner.config.namesrv, &instance))
@@ -779,8 +780,7 @@ impl Transport for RocketMqTransport {
                 move |msgs: &[&MessageExt],
                       ctx: &mut ConsumeOrderlyContext|
                       -> ClientResult<ConsumeOrderlyStatus> {
-                    let batch: Vec<(Record, Anchor)> =
-                        msgs.iter().map(|m| (record(m), Anchor::of(m))).collect();
+                    let batch = received(msgs, &mut lock(&tags));
                     match tx.try_send(batch) {
                         Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {
                             Ok(ConsumeOrderlyStatus::Success)

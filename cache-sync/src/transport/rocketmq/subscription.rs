@@ -11,7 +11,7 @@ use rocketmq_model::common::message::message_ext::MessageExt;
 use rocketmq_model::common::message::message_queue::MessageQueue;
 use tokio::sync::{mpsc, watch};
 
-use super::super::{Delivery, Loss, Position, Record, Subscription};
+use super::super::{Delivery, Loss, Offset, Position, Record, Subscription, Tags};
 use super::*;
 use crate::error::{Error, Result};
 use crate::transport::names::{self};
@@ -35,20 +35,47 @@ impl MessageQueueListener for AssignWatch {
     }
 }
 
-pub(super) fn record(m: &MessageExt) -> Record {
+/// A message as the listener hands it over: the record, and where it
+/// leaves its queue.
+pub(super) struct Received {
+    record: Record,
+    /// `<broker>:<queue>`, shared by the messages of one queue.
+    queue: Arc<str>,
+    /// The queue's offset after this message.
+    next: Offset,
+    anchor: Anchor,
+}
+
+/// What the listener passes on from one call: a call's messages come from
+/// one queue, so its name is made once.
+pub(super) fn received(msgs: &[&MessageExt], tags: &mut Tags) -> Vec<Received> {
+    let mut queue: Option<Arc<str>> = None;
+    let mut out = Vec::with_capacity(msgs.len());
+    for m in msgs {
+        let name = partition(m.broker_name(), m.queue_id());
+        let queue = match &queue {
+            Some(q) if **q == *name => q.clone(),
+            _ => queue.insert(Arc::from(name)).clone(),
+        };
+        out.push(Received {
+            record: record(m, tags),
+            queue,
+            next: next_offset(m.queue_offset()),
+            anchor: Anchor::of(m),
+        });
+    }
+    out
+}
+
+fn record(m: &MessageExt, tags: &mut Tags) -> Record {
     // A tag that no escape produced came from another producer: left out,
     // the consumer routes the event by its header instead.
     let tag = m
         .get_tags()
-        .and_then(|t| names::unescape(t.as_str()).map(|c| c.into_owned()));
-    Record::new(
-        Position::single(
-            partition(m.broker_name(), m.queue_id()),
-            next_offset(m.queue_offset()),
-        ),
-        tag,
-        m.body().unwrap_or_default(),
-    )
+        .and_then(|t| names::unescape(t.as_str()).map(|c| tags.get(&c)));
+    // Its offset in its queue; the batch's position names the queue.
+    let offset = Offset::Seq(u64::try_from(m.queue_offset()).unwrap_or(0));
+    Record::new(tag, m.body().unwrap_or_default()).at(offset)
 }
 
 /// A started consumer, shut down and its scratch offsets removed when the
@@ -70,10 +97,10 @@ impl Consumer {
 }
 
 pub(super) struct RocketMqSubscription {
-    pub(super) rx: mpsc::Receiver<Vec<(Record, Anchor)>>,
+    pub(super) rx: mpsc::Receiver<Vec<Received>>,
     /// Records received but not yet handed out; kept so a cancelled or short
     /// `next` loses nothing.
-    pub(super) buffered: VecDeque<(Record, Anchor)>,
+    pub(super) buffered: VecDeque<Received>,
     pub(super) position: Position,
     pub(super) pending: Option<Loss>,
     pub(super) brokers: watch::Receiver<Brokers>,
@@ -137,18 +164,19 @@ impl Subscription for RocketMqSubscription {
         let mut records = Vec::with_capacity(n);
         // The newest anchor per queue, written into the position once per
         // batch rather than once per record.
-        let mut anchors: Vec<(String, Anchor)> = Vec::new();
-        for (r, anchor) in self.buffered.drain(..n) {
-            self.position.advance(&r.position);
-            if let Some((queue, _)) = r.position.iter().next() {
-                match anchors.iter_mut().find(|(q, _)| q == queue) {
-                    Some((_, a)) => *a = anchor,
-                    None => anchors.push((queue.to_owned(), anchor)),
-                }
+        let mut last: Vec<(Arc<str>, Offset, Anchor)> = Vec::new();
+        for r in self.buffered.drain(..n) {
+            match last
+                .iter_mut()
+                .find(|(q, ..)| Arc::ptr_eq(q, &r.queue) || *q == r.queue)
+            {
+                Some((_, next, anchor)) => (*next, *anchor) = (r.next, r.anchor),
+                None => last.push((r.queue, r.next, r.anchor)),
             }
-            records.push(r);
+            records.push(r.record);
         }
-        for (queue, anchor) in anchors {
+        for (queue, next, anchor) in last {
+            self.position.set(&*queue, next);
             self.position
                 .set(anchor_partition(&queue), anchor.to_offset());
         }
