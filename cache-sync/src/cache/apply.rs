@@ -90,8 +90,25 @@ where
     }
 
     async fn apply(&self, events: &[Event<'_>]) {
+        let mut applied = 0u64;
+        let mut published_at_us = None;
         for event in events {
-            self.apply_one(event).await;
+            if self.apply_one(event).await {
+                applied = applied.saturating_add(1);
+                published_at_us = Some(event.header.published_at_us);
+            }
+        }
+        // Once per run: the clock read costs more than the rest of the
+        // bookkeeping, and the run's last event is the one a reader waits for.
+        let s = &self.stats;
+        if let Some(published_at_us) = published_at_us {
+            let now = now_us();
+            s.last_applied_us.store(now, Relaxed);
+            s.last_latency_us
+                .store(now.saturating_sub(published_at_us), Relaxed);
+            // Last, and with Release (read with Acquire): a poller that sees
+            // the new count also sees these events' time and latency.
+            s.events_applied.fetch_add(applied, Release);
         }
     }
 
@@ -132,7 +149,8 @@ where
     K: Hash + Eq + Clone + Send + Sync + Serialize + DeserializeOwned + 'static,
     V: Clone + Send + Sync + DeserializeOwned + 'static,
 {
-    async fn apply_one(&self, event: &Event<'_>) {
+    /// Applies one event; false if it was answered by a resync instead.
+    async fn apply_one(&self, event: &Event<'_>) -> bool {
         let s = &self.stats;
         let header = &event.header;
         // Raised only once the change is in the cache, so a node never reports
@@ -152,7 +170,10 @@ where
                 for item in items.clone() {
                     let k = match decode_part::<K>(item.key, "key") {
                         Ok(k) => k,
-                        Err(e) => return self.reject_and_resync(header, &e.to_string()).await,
+                        Err(e) => {
+                            self.reject_and_resync(header, &e.to_string()).await;
+                            return false;
+                        }
                     };
                     self.invalidate(k, item.version).await;
                     s.invalidations.fetch_add(1, Relaxed);
@@ -164,7 +185,10 @@ where
                 for item in items.clone() {
                     let k = match decode_part::<K>(item.key, "key") {
                         Ok(k) => k,
-                        Err(e) => return self.reject_and_resync(header, &e.to_string()).await,
+                        Err(e) => {
+                            self.reject_and_resync(header, &e.to_string()).await;
+                            return false;
+                        }
                     };
                     match decode_part::<V>(item.value, "value") {
                         Ok(_) if quarantined && item.version.is_some() => {
@@ -195,13 +219,7 @@ where
         if let Some(v) = version {
             s.version.fetch_max(v, Relaxed);
         }
-        let now = now_us();
-        s.last_applied_us.store(now, Relaxed);
-        s.last_latency_us
-            .store(now.saturating_sub(header.published_at_us), Relaxed);
-        // Last, and with Release (read with Acquire): a poller that sees the
-        // new count also sees this event's time and latency.
-        s.events_applied.fetch_add(1, Release);
+        true
     }
 
     async fn reject_and_resync(&self, header: &Header<'_>, reason: &str) {

@@ -23,7 +23,7 @@ mod write;
 pub(crate) use apply::{CacheHandle, Event};
 use load::{Flight, FlightGuard, SharedError};
 use stats::Stats;
-use write::{WRITE_STRIPES, Write};
+use write::{Stripe, WRITE_STRIPES, Write};
 
 use versions::VersionTable;
 
@@ -146,7 +146,7 @@ where
                 topic: self.topic,
                 cache: self.cache,
                 table: Mutex::new(VersionTable::new(self.max_tracked_keys, hasher.clone())),
-                write_locks: (0..WRITE_STRIPES).map(|_| AsyncMutex::new(())).collect(),
+                write_locks: (0..WRITE_STRIPES).map(|_| Stripe::default()).collect(),
                 hasher,
                 pins: Mutex::default(),
                 pinned: AtomicUsize::new(0),
@@ -177,7 +177,7 @@ pub(crate) struct Inner<K, V> {
     /// moka's own `and_compute_with` would serialise per key too, but costs
     /// several lookups and a waiter-map insertion per call; applying an
     /// event spent about three quarters of its time there.
-    write_locks: Box<[AsyncMutex<()>]>,
+    write_locks: Box<[Stripe]>,
     /// The version table's hasher, which also picks the stripe.
     hasher: Hasher,
     /// Keys under a locked last load (see `load_locked`): writes to them

@@ -197,9 +197,11 @@ impl Record {
 /// The last tag a subscription handed out, reused while the next ones are
 /// the same (a topic is usually one or a few caches' events in runs), so
 /// a record's tag costs no allocation in the common case.
+#[cfg(any(feature = "redis", feature = "nats", feature = "rocketmq"))]
 #[derive(Debug, Default)]
 pub(crate) struct Tags(Option<Arc<str>>);
 
+#[cfg(any(feature = "redis", feature = "nats", feature = "rocketmq"))]
 impl Tags {
     pub(crate) fn get(&mut self, tag: &str) -> Arc<str> {
         match &self.0 {
