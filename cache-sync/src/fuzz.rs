@@ -85,7 +85,7 @@ mod replay {
     fn event_bytes(cache: &str, publisher: u64, seq: u64, change: &Change) -> Vec<u8> {
         let header = Header {
             cache,
-            origin: "seed",
+            origin: crate::wire::Origin(b"seed"),
             publisher,
             seq,
             published_at_us: 1_796_000_000_000_000,

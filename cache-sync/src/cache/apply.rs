@@ -92,10 +92,15 @@ where
     async fn apply(&self, events: &[Event<'_>]) {
         let mut applied = 0u64;
         let mut published_at_us = None;
+        // Read once per run, and again after a resync within it, which is
+        // the only way a quarantine can start while this cache applies.
+        let mut quarantined = self.quarantined();
         for event in events {
-            if self.apply_one(event).await {
+            if self.apply_one(event, quarantined).await {
                 applied = applied.saturating_add(1);
                 published_at_us = Some(event.header.published_at_us);
+            } else {
+                quarantined = self.quarantined();
             }
         }
         // Once per run: the clock read costs more than the rest of the
@@ -150,7 +155,7 @@ where
     V: Clone + Send + Sync + DeserializeOwned + 'static,
 {
     /// Applies one event; false if it was answered by a resync instead.
-    async fn apply_one(&self, event: &Event<'_>) -> bool {
+    async fn apply_one(&self, event: &Event<'_>, quarantined: bool) -> bool {
         let s = &self.stats;
         let header = &event.header;
         // Raised only once the change is in the cache, so a node never reports
@@ -181,7 +186,6 @@ where
                 }
             }
             ChangeView::Refresh(items) => {
-                let quarantined = self.quarantined();
                 for item in items.clone() {
                     let k = match decode_part::<K>(item.key, "key") {
                         Ok(k) => k,

@@ -19,7 +19,7 @@ fn cache() -> Cache {
 fn header() -> Header<'static> {
     Header {
         cache: "t",
-        origin: "test",
+        origin: crate::wire::Origin(b"test"),
         publisher: 1,
         seq: 1,
         published_at_us: now_us(),

@@ -35,7 +35,7 @@ async fn holds(c: &Cache, k: &str, v: Option<&str>) -> bool {
 fn raw_event(cache: &str, publisher: u64, seq: u64, change: &Change) -> Bytes {
     let header = Header {
         cache,
-        origin: "forger",
+        origin: crate::wire::Origin(b"forger"),
         publisher,
         seq,
         published_at_us: now_us(),

@@ -14,7 +14,7 @@ use crate::transport::{DEFAULT_TOPIC, Position, Transport};
 use crate::util::{lock, now_us};
 use crate::wire::{
     Change, Codec, DEFAULT_MAX_EVENT_BYTES, EntryVersion, Header, KeyVersion, Keyring,
-    MAX_EVENT_BYTES_CEILING, encode_part, framed_len,
+    MAX_EVENT_BYTES_CEILING, Origin, encode_part, framed_len,
 };
 
 /// Publishes change events for named caches.
@@ -360,7 +360,7 @@ impl Publisher {
             *seq = seq.saturating_add(1);
             let header = Header {
                 cache,
-                origin: &self.inner.origin,
+                origin: Origin(self.inner.origin.as_bytes()),
                 publisher: self.inner.id,
                 seq: *seq,
                 published_at_us: now_us(),

@@ -1,6 +1,6 @@
 //! The in-process transport: the default, and the one the demo and most tests use.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -259,7 +259,8 @@ struct EmbeddedSubscription {
     cursor: u64,
     pending_loss: Option<Loss>,
     end_rx: watch::Receiver<u64>,
-    tags: Option<HashSet<String>>,
+    // foldhash, as every internal map: looked up once per record.
+    tags: Option<crate::util::HashSet<String>>,
 }
 
 impl EmbeddedSubscription {
@@ -285,7 +286,8 @@ impl EmbeddedSubscription {
         // Scan at most `max` records, matching or not, so a burst for other
         // caches cannot make one call walk the whole history.
         let start = usize::try_from(self.cursor.saturating_sub(log.first)).unwrap_or(usize::MAX);
-        let mut records = Vec::new();
+        let scan = usize::try_from(ahead).unwrap_or(usize::MAX).min(max.max(1));
+        let mut records = Vec::with_capacity(scan);
         let mut offset = self.cursor;
         for r in log.records.range(start..).take(max.max(1)) {
             if self.tags.as_ref().is_none_or(|t| t.contains(&*r.tag)) {

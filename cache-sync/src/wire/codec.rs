@@ -133,7 +133,7 @@ mod tests {
     fn header<'a>(cache: &'a str, origin: &'a str) -> Header<'a> {
         Header {
             cache,
-            origin,
+            origin: crate::wire::Origin(origin.as_bytes()),
             publisher: u64::MAX,
             seq: u64::MAX,
             published_at_us: u64::MAX,

@@ -7,6 +7,8 @@
 //! after reading only the header, and reject one bad value without losing the
 //! rest of the batch.
 
+use std::fmt;
+
 use bincode::config::{self, Configuration, LittleEndian, Varint};
 use bytes::Bytes;
 use serde::{Serialize, de::DeserializeOwned};
@@ -54,14 +56,34 @@ const fn wire_config() -> WireConfig {
 #[cfg_attr(test, derive(serde::Deserialize))]
 pub(crate) struct Header<'a> {
     pub(crate) cache: &'a str,
-    /// Node id (or admin service name) of the publisher, for logs and status.
-    pub(crate) origin: &'a str,
+    /// Node id (or admin service name) of the publisher, for logs.
+    pub(crate) origin: Origin<'a>,
     /// Random per publisher instance; a restarted publisher gets a new one.
     pub(crate) publisher: u64,
     /// Per (publisher, cache), starting at 1 and increasing by exactly 1.
     pub(crate) seq: u64,
     /// Microseconds since the Unix epoch, publisher's clock. Used for latency only.
     pub(crate) published_at_us: u64,
+}
+
+/// The publisher's name, as it came: only ever written to logs, so it is not
+/// checked for UTF-8 on the apply path (on the wire it is a string, and the
+/// same bytes).
+#[derive(Clone, Copy, PartialEq, Eq, Serialize)]
+#[cfg_attr(test, derive(serde::Deserialize))]
+#[serde(transparent)]
+pub(crate) struct Origin<'a>(pub(crate) &'a [u8]);
+
+impl fmt::Display for Origin<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&String::from_utf8_lossy(self.0))
+    }
+}
+
+impl fmt::Debug for Origin<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&String::from_utf8_lossy(self.0), f)
+    }
 }
 
 /// What changed, as a publisher builds it.
@@ -233,10 +255,12 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
+    #[cold]
     fn malformed(what: &str) -> DecodeError {
         DecodeError::new(DecodeErrorKind::Malformed(what.to_owned()))
     }
 
+    #[inline]
     fn take_n(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
         if n > self.rest.len() {
             return Err(Self::malformed("unexpected end of event"));
@@ -246,6 +270,7 @@ impl<'a> Reader<'a> {
         Ok(head)
     }
 
+    #[inline]
     fn byte(&mut self) -> Result<u8, DecodeError> {
         let (&b, rest) = self
             .rest
@@ -255,24 +280,39 @@ impl<'a> Reader<'a> {
         Ok(b)
     }
 
-    fn fixed<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
-        let mut out = [0u8; N];
-        out.copy_from_slice(self.take_n(N)?);
-        Ok(out)
-    }
-
     /// A varint of at most `widest` bytes (2, 4 or 8).
+    #[inline]
     fn varint(&mut self, widest: usize) -> Result<u64, DecodeError> {
-        let value = match self.byte()? {
-            b @ 0..=250 => u64::from(b),
-            251 => u64::from(u16::from_le_bytes(self.fixed()?)),
-            252 if widest >= 4 => u64::from(u32::from_le_bytes(self.fixed()?)),
-            253 if widest >= 8 => u64::from_le_bytes(self.fixed()?),
-            b => return Err(Self::malformed(&format!("invalid varint marker {b}"))),
+        let Some((&first, tail)) = self.rest.split_first() else {
+            return Err(Self::malformed("unexpected end of event"));
         };
+        // Each arm reads a fixed width, so none becomes a call to memcpy.
+        let (value, used) = match first {
+            0..=250 => (Some(u64::from(first)), 0),
+            251 => (
+                tail.first_chunk()
+                    .map(|b| u64::from(u16::from_le_bytes(*b))),
+                2,
+            ),
+            252 if widest >= 4 => (
+                tail.first_chunk()
+                    .map(|b| u64::from(u32::from_le_bytes(*b))),
+                4,
+            ),
+            253 if widest >= 8 => (tail.first_chunk().map(|b| u64::from_le_bytes(*b)), 8),
+            b => return Err(Self::bad_marker(b)),
+        };
+        let value = value.ok_or_else(|| Self::malformed("unexpected end of event"))?;
+        self.rest = tail.get(used..).unwrap_or_default();
         Ok(value)
     }
 
+    #[cold]
+    fn bad_marker(b: u8) -> DecodeError {
+        Self::malformed(&format!("invalid varint marker {b}"))
+    }
+
+    #[inline]
     fn u64(&mut self) -> Result<u64, DecodeError> {
         self.varint(8)
     }
@@ -282,6 +322,7 @@ impl<'a> Reader<'a> {
         u32::try_from(self.varint(4)?).map_err(|_| Self::malformed("u32 out of range"))
     }
 
+    #[inline]
     fn bytes(&mut self) -> Result<&'a [u8], DecodeError> {
         let len = self.u64()?;
         let len = usize::try_from(len).map_err(|_| Self::malformed("length out of range"))?;
@@ -334,7 +375,7 @@ pub(crate) fn decode_header(
     let mut r = Reader { rest };
     let header = Header {
         cache: r.str()?,
-        origin: r.str()?,
+        origin: Origin(r.bytes()?),
         publisher: r.u64()?,
         seq: r.u64()?,
         published_at_us: r.u64()?,
@@ -419,7 +460,7 @@ mod tests {
     fn header() -> Header<'static> {
         Header {
             cache: "countries",
-            origin: "node-1",
+            origin: Origin(b"node-1"),
             publisher: 42,
             seq: 7,
             published_at_us: 1_700_000_000_000_000,
@@ -554,8 +595,8 @@ mod tests {
                         .collect(),
                 }
             }),
-            proptest::collection::vec((part.clone(), part, version.clone()), 0..4).prop_map(
-                |e| Change::Refresh {
+            proptest::collection::vec((part.clone(), part, version.clone()), 0..4).prop_map(|e| {
+                Change::Refresh {
                     entries: e
                         .into_iter()
                         .map(|(key, value, version)| EntryVersion {
@@ -565,7 +606,7 @@ mod tests {
                         })
                         .collect(),
                 }
-            ),
+            }),
             version.prop_map(|version| Change::Clear { version }),
         ];
         let number = prop_oneof![0u64..300, any::<u64>(), Just(u64::MAX)];
@@ -591,7 +632,9 @@ mod tests {
                     version: Some(70_000),
                 }],
             },
-            Change::Clear { version: Some(u64::MAX) },
+            Change::Clear {
+                version: Some(u64::MAX),
+            },
             Change::Clear { version: None },
         ];
         for change in changes {
@@ -623,7 +666,7 @@ mod tests {
             byte in any::<u8>(),
             how in 0u8..3,
         ) {
-            let header = Header { cache: &cache, origin: &origin, publisher, seq, published_at_us: at };
+            let header = Header { cache: &cache, origin: Origin(origin.as_bytes()), publisher, seq, published_at_us: at };
             let mut bytes = encode(&header, &change).unwrap();
             match how {
                 0 => {}
