@@ -1,12 +1,19 @@
 //! Gap tracking: the last sequence number seen per publisher and cache.
 
-use crate::util::{HashMap, HashSet};
+use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
+
+use crate::util::{HashSet, Hasher};
 
 /// Last sequence number seen per (publisher, cache), to detect gaps.
 /// Keyed by publisher first, so a lookup by `&str` allocates nothing.
 #[derive(Default)]
 pub(super) struct PublisherSeqs {
-    pub(super) last: HashMap<u64, HashMap<String, u64>>,
+    /// (publisher, cache, last seq), found with one hash of both: a
+    /// table keyed by the pair would need an owned key to look up.
+    last: HashTable<(u64, String, u64)>,
+    hasher: Hasher,
     pub(super) tracked: usize,
     /// Caches whose unknown publishers are not taken on trust: every cache
     /// held when the subscription last resumed, until it is resynced.
@@ -41,7 +48,9 @@ impl PublisherSeqs {
     /// Records `seq`; returns how many events may have been missed before
     /// it, if any. Checked arithmetic throughout: `seq` comes off the wire.
     pub(super) fn observe(&mut self, publisher: u64, cache: &str, seq: u64) -> Option<u64> {
-        if let Some(last) = self.last.get_mut(&publisher).and_then(|m| m.get_mut(cache)) {
+        let hash = self.hasher.hash_one((publisher, cache));
+        let same = |e: &(u64, String, u64)| e.0 == publisher && e.1 == cache;
+        if let Some((.., last)) = self.last.find_mut(hash, same) {
             // A redelivery (seq <= last) is applied again but does not move back.
             let missed = seq.checked_sub(*last).and_then(|d| d.checked_sub(1));
             *last = (*last).max(seq);
@@ -53,10 +62,11 @@ impl PublisherSeqs {
             self.last.clear();
             self.tracked = 0;
         }
+        let hasher = &self.hasher;
         self.last
-            .entry(publisher)
-            .or_default()
-            .insert(cache.to_owned(), seq);
+            .insert_unique(hash, (publisher, cache.to_owned(), seq), |e| {
+                hasher.hash_one((e.0, e.1.as_str()))
+            });
         self.tracked = self.tracked.saturating_add(1);
         // A publisher's first event (seq 1) vouches for everything before it.
         (seq > 1 && self.distrusted.contains(cache)).then(|| seq.saturating_sub(1))

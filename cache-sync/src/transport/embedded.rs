@@ -247,8 +247,36 @@ impl Transport for EmbeddedTransport {
             cursor,
             pending_loss,
             end_rx,
-            tags: options.tags.map(|t| t.into_iter().collect()),
+            tags: options.tags.map(TagFilter::new),
         }))
+    }
+}
+
+/// The tags a subscription asked for, checked once per record: a node
+/// usually holds a few caches, and comparing a few names costs less than
+/// hashing one.
+#[derive(Debug)]
+enum TagFilter {
+    Few(Vec<String>),
+    Many(crate::util::HashSet<String>),
+}
+
+impl TagFilter {
+    const FEW: usize = 4;
+
+    fn new(tags: Vec<String>) -> Self {
+        if tags.len() <= Self::FEW {
+            TagFilter::Few(tags)
+        } else {
+            TagFilter::Many(tags.into_iter().collect())
+        }
+    }
+
+    fn admits(&self, tag: &str) -> bool {
+        match self {
+            TagFilter::Few(tags) => tags.iter().any(|t| t == tag),
+            TagFilter::Many(tags) => tags.contains(tag),
+        }
     }
 }
 
@@ -259,8 +287,7 @@ struct EmbeddedSubscription {
     cursor: u64,
     pending_loss: Option<Loss>,
     end_rx: watch::Receiver<u64>,
-    // foldhash, as every internal map: looked up once per record.
-    tags: Option<crate::util::HashSet<String>>,
+    tags: Option<TagFilter>,
 }
 
 impl EmbeddedSubscription {
@@ -290,7 +317,7 @@ impl EmbeddedSubscription {
         let mut records = Vec::with_capacity(scan);
         let mut offset = self.cursor;
         for r in log.records.range(start..).take(max.max(1)) {
-            if self.tags.as_ref().is_none_or(|t| t.contains(&*r.tag)) {
+            if self.tags.as_ref().is_none_or(|t| t.admits(&r.tag)) {
                 records.push(
                     Record::new(Some(r.tag.clone()), r.payload.clone()).at(Offset::Seq(offset)),
                 );
@@ -499,17 +526,23 @@ mod tests {
 
     #[tokio::test]
     async fn tag_filter_skips_other_caches_but_advances() {
-        let transport = EmbeddedTransport::new();
-        let mut s = transport
-            .subscribe(
-                "t",
-                SubscribeOptions::new(StartFrom::Latest).with_tags(["keep"]),
-            )
-            .await
-            .unwrap();
-        publish_n(&transport, "t", "other", 2).await;
-        publish_n(&transport, "t", "keep", 1).await;
-        assert_eq!(payloads(s.next(10).await.unwrap()), ["keep-0"]);
+        // A few tags are compared, more are hashed: both ways.
+        for extra in [0, TagFilter::FEW] {
+            let transport = EmbeddedTransport::new();
+            let tags = (0..extra)
+                .map(|i| format!("also-{i}"))
+                .chain(["keep".into()]);
+            let mut s = transport
+                .subscribe(
+                    "t",
+                    SubscribeOptions::new(StartFrom::Latest).with_tags(tags),
+                )
+                .await
+                .unwrap();
+            publish_n(&transport, "t", "other", 2).await;
+            publish_n(&transport, "t", "keep", 1).await;
+            assert_eq!(payloads(s.next(10).await.unwrap()), ["keep-0"]);
+        }
     }
 
     #[tokio::test]

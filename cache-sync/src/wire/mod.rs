@@ -158,6 +158,10 @@ pub(crate) struct Item<'a> {
 /// The items of a change, read one at a time from bytes already checked.
 #[derive(Debug, Clone)]
 pub(crate) struct Items<'a> {
+    /// Read while checking, so that a one-entry change, the usual kind, is
+    /// not read twice.
+    first: Option<Item<'a>>,
+    /// After `first`.
     reader: Reader<'a>,
     left: u64,
     values: bool,
@@ -168,12 +172,19 @@ impl<'a> Items<'a> {
     /// after the last one.
     fn check(reader: &mut Reader<'a>, values: bool) -> Result<Self, DecodeError> {
         let count = reader.u64()?;
+        let first = match count {
+            0 => None,
+            _ => Some(Self::read(reader, values)?),
+        };
         let items = Self {
+            first,
             reader: reader.clone(),
             left: count,
             values,
         };
-        for _ in 0..count {
+        // Each read takes at least two bytes or fails, so a forged count
+        // ends at the end of the payload.
+        for _ in 1..count {
             Self::read(reader, values)?;
         }
         Ok(items)
@@ -196,6 +207,9 @@ impl<'a> Iterator for Items<'a> {
 
     fn next(&mut self) -> Option<Item<'a>> {
         self.left = self.left.checked_sub(1)?;
+        if let Some(first) = self.first.take() {
+            return Some(first);
+        }
         // Checked when the change was read, so this cannot fail; were it to,
         // the walk would end early, never read out of bounds.
         Self::read(&mut self.reader, self.values).ok()
