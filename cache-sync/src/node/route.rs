@@ -16,24 +16,33 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
     // first loads would not already reflect.
     let caches = shared.caches();
     let mut run = Run::default();
+    let mut last: Option<(&str, &Arc<dyn CacheHandle>)> = None;
     for record in &records {
         shared.stats.received.fetch_add(1, Relaxed);
         // Tag filter: skip other caches' events without reading them. The
         // tag is not authenticated, but skipping changes nothing.
         let tagged = match record.tag.as_deref() {
-            Some(tag) => match caches.get(tag) {
+            // Runs of one cache's events are the rule: compare the tag
+            // with the last one before hashing it.
+            Some(tag) => match last.filter(|(t, _)| *t == tag).map(|(_, c)| c) {
                 Some(c) => Some(c),
-                None => {
-                    shared.stats.skipped.fetch_add(1, Relaxed);
-                    continue;
-                }
+                None => match caches.get(tag) {
+                    Some(c) => {
+                        last = Some((tag, c));
+                        Some(c)
+                    }
+                    None => {
+                        shared.stats.skipped.fetch_add(1, Relaxed);
+                        continue;
+                    }
+                },
             },
             None => None,
         };
         // Authentication comes before anything that could change state,
         // the size check and the tag's cache included: what fails it may
         // only bump a counter, or forgeries could flush caches at will.
-        let opened = match shared.codec.open(&record.payload) {
+        let opened = match shared.codec.open(&record.payload, tagged.map(|c| c.name())) {
             Ok(opened) => opened,
             Err(Refused::Unauthentic(e)) => {
                 reject(shared, record, &e.to_string(), e.kind().label());
@@ -53,7 +62,8 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
         // The tag nearly always names the header's cache: a comparison
         // then saves hashing the name again.
         let cache = match tagged {
-            Some(c) if c.name() == header.cache => c,
+            // The same &str when the tag named the header's cache.
+            Some(c) if std::ptr::eq(c.name(), header.cache) || c.name() == header.cache => c,
             _ => match caches.get(header.cache) {
                 Some(c) => c,
                 None => {

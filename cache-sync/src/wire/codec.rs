@@ -3,8 +3,8 @@
 
 use super::keyring::SIGNED_OVERHEAD;
 use super::{
-    Change, ChangeView, Header, Keyring, MAX_NAME_BYTES, decode_change, decode_header, encode,
-    strip_unverified,
+    Change, ChangeView, Header, Keyring, MAX_NAME_BYTES, decode_change, decode_header,
+    decode_header_expecting, encode, strip_unverified,
 };
 use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
 
@@ -92,7 +92,13 @@ impl Codec {
 
     /// Authenticates a delivered payload first (before its size, and before
     /// anything in it is parsed), then checks the limit and reads the header.
-    pub(crate) fn open<'a>(&self, payload: &'a [u8]) -> Result<Opened<'a>, Refused<'a>> {
+    /// `tag` is the cache name the transport says the event is for, if it
+    /// says: only a hint that saves checking the same name again.
+    pub(crate) fn open<'a>(
+        &self,
+        payload: &'a [u8],
+        tag: Option<&'a str>,
+    ) -> Result<Opened<'a>, Refused<'a>> {
         let event = match &self.keyring {
             Some(ring) => ring.open(payload).map_err(Refused::Unauthentic)?,
             // A publisher may sign before its nodes verify.
@@ -105,7 +111,7 @@ impl Codec {
             });
             return Err(Refused::Unreadable { error, event });
         }
-        match decode_header(event, self.max_bytes) {
+        match decode_header_expecting(event, self.max_bytes, tag) {
             Ok((header, body)) => Ok(Opened {
                 header,
                 event,
@@ -181,7 +187,7 @@ mod tests {
             let codec = Codec::new(1 << 10, keyring);
             let change = Change::Clear { version: Some(9) };
             let sealed = codec.seal(&header("countries", "admin"), &change).unwrap();
-            let opened = codec.open(&sealed).unwrap();
+            let opened = codec.open(&sealed, None).unwrap();
             assert_eq!(opened.header, header("countries", "admin"));
             assert_eq!(opened.change().unwrap().to_change(), change);
         }
@@ -195,14 +201,14 @@ mod tests {
             .seal(&header("t", "o"), &Change::Clear { version: None })
             .unwrap();
         assert!(matches!(
-            verifying.open(&sealed),
+            verifying.open(&sealed, None),
             Err(Refused::Unauthentic(_))
         ));
         // A node that does not verify reads signed events too.
         let signed = verifying
             .seal(&header("t", "o"), &Change::Clear { version: None })
             .unwrap();
-        assert!(plain.open(&signed).is_ok());
+        assert!(plain.open(&signed, None).is_ok());
     }
 
     #[test]
@@ -217,7 +223,7 @@ mod tests {
             }],
         };
         let sealed = big.seal(&header("t", "o"), &change).unwrap();
-        let Err(Refused::Unreadable { error, event }) = small.open(&sealed) else {
+        let Err(Refused::Unreadable { error, event }) = small.open(&sealed, None) else {
             panic!("an oversized event opened");
         };
         assert!(matches!(error.kind(), DecodeErrorKind::TooLarge { .. }));

@@ -343,8 +343,12 @@ impl<'a> Reader<'a> {
         self.take_n(len)
     }
 
-    fn str(&mut self) -> Result<&'a str, DecodeError> {
-        std::str::from_utf8(self.bytes()?).map_err(|e| Self::malformed(&e.to_string()))
+    fn str_expecting(&mut self, expected: Option<&'a str>) -> Result<&'a str, DecodeError> {
+        let bytes = self.bytes()?;
+        match expected {
+            Some(known) if known.as_bytes() == bytes => Ok(known),
+            _ => std::str::from_utf8(bytes).map_err(|e| Self::malformed(&e.to_string())),
+        }
     }
 
     fn option_u64(&mut self) -> Result<Option<u64>, DecodeError> {
@@ -374,6 +378,17 @@ pub(crate) fn decode_header(
     bytes: &[u8],
     limit: usize,
 ) -> Result<(Header<'_>, usize), DecodeError> {
+    decode_header_expecting(bytes, limit, None)
+}
+
+/// [`decode_header`], told the cache name the event most likely carries
+/// (its transport tag's): a name equal to it byte for byte is valid UTF-8
+/// without checking again.
+pub(crate) fn decode_header_expecting<'a>(
+    bytes: &'a [u8],
+    limit: usize,
+    expected: Option<&'a str>,
+) -> Result<(Header<'a>, usize), DecodeError> {
     let Some((&format, rest)) = bytes.split_first() else {
         return Err(DecodeError::new(DecodeErrorKind::Empty));
     };
@@ -388,7 +403,7 @@ pub(crate) fn decode_header(
     }
     let mut r = Reader { rest };
     let header = Header {
-        cache: r.str()?,
+        cache: r.str_expecting(expected)?,
         origin: Origin(r.bytes()?),
         publisher: r.u64()?,
         seq: r.u64()?,
