@@ -52,7 +52,7 @@ const fn wire_config() -> WireConfig {
 /// Who sent an event and when. Decoded first and on its own, so that skipping
 /// an event for another cache costs only this. Borrowed: the publisher
 /// encodes its own names, and a node reads them in place from the payload.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[cfg_attr(test, derive(serde::Deserialize))]
 pub(crate) struct Header<'a> {
     pub(crate) cache: &'a str,
