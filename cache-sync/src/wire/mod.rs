@@ -274,7 +274,7 @@ impl<'a> Reader<'a> {
         DecodeError::new(DecodeErrorKind::Malformed(what.to_owned()))
     }
 
-    #[inline]
+    #[inline(always)]
     fn take_n(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
         if n > self.rest.len() {
             return Err(Self::malformed("unexpected end of event"));
@@ -284,7 +284,7 @@ impl<'a> Reader<'a> {
         Ok(head)
     }
 
-    #[inline]
+    #[inline(always)]
     fn byte(&mut self) -> Result<u8, DecodeError> {
         let (&b, rest) = self
             .rest
@@ -295,7 +295,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A varint of at most `widest` bytes (2, 4 or 8).
-    #[inline]
+    #[inline(always)]
     fn varint(&mut self, widest: usize) -> Result<u64, DecodeError> {
         let Some((&first, tail)) = self.rest.split_first() else {
             return Err(Self::malformed("unexpected end of event"));
@@ -326,7 +326,7 @@ impl<'a> Reader<'a> {
         Self::malformed(&format!("invalid varint marker {b}"))
     }
 
-    #[inline]
+    #[inline(always)]
     fn u64(&mut self) -> Result<u64, DecodeError> {
         self.varint(8)
     }
@@ -336,7 +336,7 @@ impl<'a> Reader<'a> {
         u32::try_from(self.varint(4)?).map_err(|_| Self::malformed("u32 out of range"))
     }
 
-    #[inline]
+    #[inline(always)]
     fn bytes(&mut self) -> Result<&'a [u8], DecodeError> {
         let len = self.u64()?;
         let len = usize::try_from(len).map_err(|_| Self::malformed("length out of range"))?;
