@@ -460,6 +460,20 @@ mod tests {
         t.check_structure().unwrap();
     }
 
+    /// Slots are numbered by u32: a larger limit counts as the largest that
+    /// fits, and memory still grows only with the keys written.
+    #[test]
+    fn limits_past_u32_are_clamped_and_allocate_nothing_up_front() {
+        for limit in [usize::MAX, MAX_RECORDS + 1, MAX_RECORDS] {
+            let mut t = table::<u64>(limit);
+            assert_eq!(t.capacity, MAX_RECORDS);
+            assert_eq!((t.slots.capacity(), t.index.capacity()), (0, 0));
+            assert_eq!(t.refresh(&1, Some(1)), Apply);
+            assert!(t.slots.capacity() <= 8);
+        }
+        assert_eq!(table::<u64>(0).capacity, 1);
+    }
+
     /// Steady eviction at the limit: hashbrown's tombstones used to double
     /// the map (and, before the slab, every record with it).
     #[test]
