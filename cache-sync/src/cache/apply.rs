@@ -171,7 +171,8 @@ where
             // collected. A key that does not decode means the event cannot
             // say which entries it meant: the whole cache is resynced, which
             // also drops whatever the event's earlier items changed.
-            ChangeView::Invalidate(items) => {
+            ChangeView::Invalidate(items) | ChangeView::Refresh(items) => {
+                let refresh = matches!(event.change, ChangeView::Refresh(_));
                 for item in items.clone() {
                     let k = match decode_part::<K>(item.key, "key") {
                         Ok(k) => k,
@@ -180,20 +181,12 @@ where
                             return false;
                         }
                     };
-                    self.invalidate(k, item.version).await;
-                    s.invalidations.fetch_add(1, Relaxed);
                     version = version.max(item.version);
-                }
-            }
-            ChangeView::Refresh(items) => {
-                for item in items.clone() {
-                    let k = match decode_part::<K>(item.key, "key") {
-                        Ok(k) => k,
-                        Err(e) => {
-                            self.reject_and_resync(header, &e.to_string()).await;
-                            return false;
-                        }
-                    };
+                    if !refresh {
+                        self.invalidate(k, item.version).await;
+                        s.invalidations.fetch_add(1, Relaxed);
+                        continue;
+                    }
                     match decode_part::<V>(item.value, "value") {
                         Ok(_) if quarantined && item.version.is_some() => {
                             self.invalidate(k, item.version).await;
@@ -216,7 +209,6 @@ where
                             s.invalidations.fetch_add(1, Relaxed)
                         }
                     };
-                    version = version.max(item.version);
                 }
             }
         }
