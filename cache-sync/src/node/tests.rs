@@ -1339,3 +1339,41 @@ proptest::proptest! {
         result.map_err(proptest::test_runner::TestCaseError::fail)?;
     }
 }
+
+/// A batch applies in runs per cache. A gap's resync must come after the
+/// events before it in the same batch: applied after it, an event that the
+/// missing one superseded would outlive the resync meant to drop it.
+#[tokio::test]
+async fn a_gap_resyncs_after_the_events_before_it_in_the_same_batch() {
+    use super::route::apply_records;
+    use crate::transport::Record;
+
+    let (a, b) = (cache("a"), cache("b"));
+    let (shared, caches) = Node::builder("n", EmbeddedTransport::new())
+        .register(&a)
+        .register(&b)
+        .into_shared();
+    for c in caches {
+        shared.register(c).await.unwrap();
+    }
+    let record = |cache: &str, seq: u64, k: &str, v: &str| {
+        Record::new(
+            Some(cache.into()),
+            raw_event(cache, 7, seq, &refresh_change(k, v)),
+        )
+    };
+    let records = vec![
+        record("a", 1, "x", "1"),
+        // Another cache in between: the runs are a, b, a.
+        record("b", 1, "y", "1"),
+        record("a", 2, "w", "2"),
+        // Sequence 3 is missing.
+        record("a", 4, "z", "4"),
+    ];
+    apply_records(&shared, &mut PublisherSeqs::default(), records).await;
+    assert_eq!(a.peek("x").await, None, "applied after the resync");
+    assert_eq!(a.peek("w").await, None, "applied after the resync");
+    assert_eq!(a.peek("z").await.as_deref(), Some("4"));
+    assert_eq!(b.peek("y").await.as_deref(), Some("1"));
+    assert_eq!(a.status().loss_resyncs, 1);
+}
