@@ -236,6 +236,7 @@ impl Node {
             s.topic.clone(),
             s.id.clone(),
             s.codec.clone(),
+            None,
         )
     }
 

@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use serde::Serialize;
@@ -11,7 +12,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::table::Table;
 use crate::transport::{DEFAULT_TOPIC, Position, Transport};
-use crate::util::{lock, now_us};
+use crate::util::{MAX_TIMEOUT, check_duration, lock, now_us};
 use crate::wire::{
     Change, Codec, DEFAULT_MAX_EVENT_BYTES, EntryVersion, Header, KeyVersion, Keyring,
     MAX_EVENT_BYTES_CEILING, Origin, encode_part, framed_len,
@@ -41,6 +42,8 @@ struct PublisherInner {
     id: u64,
     codec: Codec,
     seqs: Mutex<HashMap<String, Arc<tokio::sync::Mutex<u64>>>>,
+    /// Each change is sent a second time, as an invalidation, this much later.
+    again_after: Option<Duration>,
 }
 
 impl fmt::Debug for Publisher {
@@ -60,6 +63,7 @@ pub struct PublisherBuilder {
     origin: String,
     max_event_bytes: usize,
     keyring: Option<Keyring>,
+    again_after: Option<Duration>,
 }
 
 impl fmt::Debug for PublisherBuilder {
@@ -98,6 +102,35 @@ impl PublisherBuilder {
         self
     }
 
+    /// Sends every change a second time, `delay` after the first, as an
+    /// invalidation of the keys it changed at the same versions (a clear as
+    /// the same clear): the "delayed double delete" for nodes that load from
+    /// a read replica.
+    ///
+    /// Why: a node that receives an invalidation before the replica it loads
+    /// from has caught up reloads the old row and keeps it. The second
+    /// invalidation, sent once the replica's lag has passed, removes that
+    /// copy; the next read loads the new row. Set `delay` above the
+    /// replica's worst lag. Loads that return the row's version
+    /// ([`SyncedCache::get_with_versioned`](crate::SyncedCache::get_with_versioned))
+    /// need no second invalidation for a versioned change: the old row's
+    /// version is older than the tombstone, so it is not cached.
+    ///
+    /// The second send is an ordinary event with its own sequence number, so
+    /// nodes detect its loss like any other. Its timer lives in this process:
+    /// if the process exits first, the second send is lost. The database
+    /// outbox's relay keeps its copy as a row instead, which survives a
+    /// crash. A transport's own delayed delivery (RocketMQ's delay levels)
+    /// is not used: the broker would hand the event over after later ones,
+    /// and nodes would see its sequence number out of order, as a gap.
+    ///
+    /// Off by default; 1 ms to 1 h, and [`build`](Self::build) refuses
+    /// anything else.
+    pub fn again_after(mut self, delay: Duration) -> Self {
+        self.again_after = Some(delay);
+        self
+    }
+
     /// The publisher, once the transport has accepted the topic's name
     /// ([`check_topic`](crate::transport::Transport::check_topic)) and the
     /// settings are in range; otherwise [`Error::Config`] naming the rule
@@ -110,12 +143,16 @@ impl PublisherBuilder {
                 self.max_event_bytes
             )));
         }
+        if let Some(delay) = self.again_after {
+            check_duration("again_after", delay, Duration::from_millis(1), MAX_TIMEOUT)?;
+        }
         let codec = Codec::new(self.max_event_bytes, self.keyring);
         Ok(Publisher::with_codec(
             self.transport,
             self.topic,
             self.origin,
             codec,
+            self.again_after,
         ))
     }
 }
@@ -128,6 +165,7 @@ impl Publisher {
         topic: String,
         origin: String,
         codec: Codec,
+        again_after: Option<Duration>,
     ) -> Self {
         Publisher {
             inner: Arc::new(PublisherInner {
@@ -138,6 +176,7 @@ impl Publisher {
                 id: RandomState::new().hash_one((std::process::id(), now_us())),
                 codec,
                 seqs: Mutex::default(),
+                again_after,
             }),
         }
     }
@@ -162,6 +201,7 @@ impl Publisher {
             DEFAULT_TOPIC.into(),
             "publisher".into(),
             Codec::new(DEFAULT_MAX_EVENT_BYTES, None),
+            None,
         )
     }
 
@@ -173,6 +213,7 @@ impl Publisher {
             origin: "publisher".into(),
             max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
             keyring: None,
+            again_after: None,
         }
     }
 
@@ -343,13 +384,32 @@ impl Publisher {
         build: impl FnOnce() -> Result<(Vec<Change>, T)>,
     ) -> Result<(Published, T)> {
         self.inner.transport.check_tag(cache)?;
-        let seq = {
-            let mut seqs = lock(&self.inner.seqs);
-            seqs.entry(cache.to_owned()).or_default().clone()
-        };
+        let seq = self.seq(cache);
         // Held across the publish so numbers reach the transport in order.
         let mut seq = seq.lock().await;
         let (changes, out) = build()?;
+        let published = self.publish_locked(cache, &mut seq, &changes).await?;
+        // Scheduled only once the first send went through: a failed one
+        // returns its error, and the caller retries the whole change.
+        if let Some(delay) = self.inner.again_after {
+            self.send_again(cache, delay, changes);
+        }
+        Ok((published, out))
+    }
+
+    /// The cache's sequence number, behind its publish lock.
+    fn seq(&self, cache: &str) -> Arc<tokio::sync::Mutex<u64>> {
+        let mut seqs = lock(&self.inner.seqs);
+        seqs.entry(cache.to_owned()).or_default().clone()
+    }
+
+    /// Seals and publishes `changes` in order, each under the next number.
+    async fn publish_locked(
+        &self,
+        cache: &str,
+        seq: &mut u64,
+        changes: &[Change],
+    ) -> Result<Published> {
         let mut published = Published {
             events: 0,
             position: None,
@@ -365,7 +425,7 @@ impl Publisher {
                 seq: *seq,
                 published_at_us: now_us(),
             };
-            let payload = self.inner.codec.seal(&header, &change)?;
+            let payload = self.inner.codec.seal(&header, change)?;
             let position = self
                 .inner
                 .transport
@@ -374,7 +434,27 @@ impl Publisher {
             published.events = published.events.saturating_add(1);
             published.position = position.or(published.position);
         }
-        Ok((published, out))
+        Ok(published)
+    }
+
+    /// The second send of [`PublisherBuilder::again_after`]: a task that
+    /// holds the publisher (it outlives the caller's handle, not the
+    /// runtime) and sends, `delay` from now, an invalidation of what
+    /// `changes` changed.
+    fn send_again(&self, cache: &str, delay: Duration, changes: Vec<Change>) {
+        let again: Vec<Change> = changes.into_iter().map(Change::into_invalidation).collect();
+        let publisher = self.clone();
+        let cache = cache.to_owned();
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let seq = publisher.seq(&cache);
+            let mut seq = seq.lock().await;
+            // A failure used up its number: nodes see the gap and resync
+            // this cache, which is what the second invalidation was for.
+            if let Err(e) = publisher.publish_locked(&cache, &mut seq, &again).await {
+                tracing::warn!(cache = %cache, error = %e, "the delayed second invalidation failed");
+            }
+        });
     }
 }
 
@@ -387,7 +467,7 @@ mod tests {
     use super::*;
     use crate::EmbeddedTransport;
     use crate::transport::{Delivery, StartFrom, SubscribeOptions};
-    use crate::wire::decode;
+    use crate::wire::{decode, encode_part};
 
     /// What a test needs of a published event's header.
     #[derive(Debug)]
@@ -433,6 +513,36 @@ mod tests {
             .map(|(h, _)| (h.cache.clone(), h.seq))
             .collect();
         assert_eq!(seqs, [("a".into(), 1), ("b".into(), 1), ("a".into(), 2)]);
+    }
+
+    /// The second send says "drop" for every key the first changed, at the
+    /// same versions, with the next sequence number, and only after the delay.
+    #[tokio::test(start_paused = true)]
+    async fn again_after_sends_an_invalidation_of_the_same_keys_later() {
+        let transport = EmbeddedTransport::new();
+        let p = Publisher::builder(transport.clone())
+            .again_after(Duration::from_secs(2))
+            .build()
+            .unwrap();
+        p.refresh_versioned("t", [("a", "x", Some(7)), ("b", "y", None)])
+            .await
+            .unwrap();
+        p.clear_versioned("t", 9).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(1999)).await;
+        assert_eq!(drain(&transport).await.len(), 2, "sent again too early");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        let events = drain(&transport).await;
+        let seqs: Vec<_> = events.iter().map(|(h, _)| h.seq).collect();
+        assert_eq!(seqs, [1, 2, 3, 4]);
+        let Change::Invalidate { keys } = &events[2].1 else {
+            panic!("{:?}", events[2].1)
+        };
+        let expect = [("a", Some(7)), ("b", None)].map(|(k, version)| KeyVersion {
+            key: encode_part(&k, "key").unwrap(),
+            version,
+        });
+        assert_eq!(keys, &expect);
+        assert_eq!(events[3].1, Change::Clear { version: Some(9) });
     }
 
     #[tokio::test]

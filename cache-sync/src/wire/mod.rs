@@ -126,6 +126,23 @@ impl Change {
         }
     }
 
+    /// What a second, delayed send of this change says: drop what it
+    /// changed, at the same versions (see `PublisherBuilder::again_after`).
+    pub(crate) fn into_invalidation(self) -> Change {
+        match self {
+            Change::Refresh { entries } => Change::Invalidate {
+                keys: entries
+                    .into_iter()
+                    .map(|e| KeyVersion {
+                        key: e.key,
+                        version: e.version,
+                    })
+                    .collect(),
+            },
+            other => other,
+        }
+    }
+
     #[cfg(test)]
     pub(crate) fn max_version(&self) -> Option<u64> {
         match self {
