@@ -49,6 +49,12 @@ pub(crate) const DEFAULT_MAX_TRACKED_KEYS: usize = 100_000;
 /// pinned, so that load cannot be overtaken: `get_with` never returns a value
 /// older than a change applied while it ran.
 ///
+/// A load that returns its row's version
+/// ([`get_with_versioned`](Self::get_with_versioned)) is held to versions
+/// too: it is cached at that version, so an older refresh that arrives
+/// later cannot replace it, and it is not cached if the node already knows
+/// a newer version of the key.
+///
 /// During that last load the key is pinned: other tasks' writes to that one
 /// key (the node's consumer included) and clears of the cache wait for the
 /// loader, so a loader must not wait for another task that writes that key
