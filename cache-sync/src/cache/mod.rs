@@ -390,8 +390,10 @@ where
     /// Never return a version newer than the row read: a value at
     /// `u64::MAX` is replaced by no refresh, only removed by invalidations
     /// and clears. For a missing row (a cache of `Option<V>`), return the
-    /// version of its deletion if the source keeps one, or 0: the absence is
-    /// then cached until any versioned change to the key.
+    /// version of its deletion if the source keeps one, or else 0: the
+    /// absence is then cached only while no version above 0 applies to the
+    /// key (its record, the evicted floor, a versioned clear), and any
+    /// refresh above 0 replaces it.
     ///
     /// Everything else is as in `get_with`: concurrent calls for one key
     /// share a single load (whichever of these methods started it; a caller
