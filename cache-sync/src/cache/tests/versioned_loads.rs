@@ -310,6 +310,60 @@ async fn a_versioned_load_during_the_quarantine_is_cached_with_its_version() {
     );
 }
 
+/// On several threads at once, a versioned load of a fresh key races
+/// refreshes of it: whichever lands last, the key ends at the newest version
+/// installed, never below the newest refresh (the load's decision and its
+/// install are one step under the key's write lock).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn parallel_versioned_loads_and_refreshes_leave_the_newest_version() {
+    const REFRESHERS: u64 = 3;
+    const ROUNDS: u64 = 1000;
+    let c: Cache = SyncedCache::new("t", moka::future::Cache::new(10 * ROUNDS));
+    let start = Arc::new(Barrier::new(REFRESHERS as usize + 1));
+    let mut tasks: Vec<_> = (0..REFRESHERS)
+        .map(|w| {
+            let (c, start) = (c.clone(), start.clone());
+            tokio::spawn(async move {
+                for round in 0..ROUNDS {
+                    start.wait().await;
+                    let v = round * 10 + w + 1;
+                    refresh(&c, &format!("k{round}"), &v.to_string(), Some(v)).await;
+                }
+            })
+        })
+        .collect();
+    tasks.push({
+        let (c, start) = (c.clone(), start.clone());
+        tokio::spawn(async move {
+            for round in 0..ROUNDS {
+                start.wait().await;
+                // Below, between and above the refreshes' versions.
+                let v = round * 10 + round % 5;
+                load_at(&c, &format!("k{round}"), &v.to_string(), v).await;
+            }
+        })
+    });
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let mut wrong = Vec::new();
+    for round in 0..ROUNDS {
+        let newest_refresh = round * 10 + REFRESHERS;
+        let held = c.peek(&format!("k{round}")).await;
+        if held
+            .as_deref()
+            .and_then(|h| h.parse::<u64>().ok())
+            .is_none_or(|v| v < newest_refresh)
+        {
+            wrong.push((round, held));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "keys below their newest refresh: {wrong:?}"
+    );
+}
+
 /// An operation of the property test, on a handful of keys.
 #[derive(Debug, Clone)]
 enum Op {
