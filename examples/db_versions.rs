@@ -8,6 +8,10 @@
 //! a retry), and its publish-time version would then win over the newer row.
 //! The database's own row version orders the commits, whoever publishes first.
 //!
+//! The same goes for a node's read-through loads: `get_with_versioned` caches
+//! the row with the version the database gave it, so an older event still in
+//! transit cannot replace it afterwards.
+//!
 //! ```text
 //! cargo run -p cache-sync-examples --example db_versions
 //! ```
@@ -79,12 +83,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
 
     let settled = async || node.status_settled().await.caches[0].clone();
-    tokio::time::timeout(Duration::from_secs(5), async {
-        while settled().await.stale_ignored == 0 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await?;
+    let stale_ignored = async |n: u64| {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while settled().await.stale_ignored < n {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+    };
+    stale_ignored(1).await?;
     let cache = settled().await;
     let held = countries.peek("de").await;
     let in_db = db.lock().expect("database lock")["de"].clone();
@@ -95,6 +102,32 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The newer row wins, as in the database; the late, older one is ignored.
     assert_eq!(held.as_deref(), Some(in_db.0.as_str()));
     assert_eq!((cache.version, cache.stale_ignored), (Some(v_b), 1));
+
+    // A read-through load races a late event. admin-a commits "fr", then
+    // admin-b; node-1 misses "fr" and loads admin-b's row from the database
+    // before admin-a's event arrives.
+    let v_a = a.update("fr", "Frankreich");
+    let v_b = b.update("fr", "Francia");
+    let fr = "fr".to_string();
+    let loaded = countries
+        .get_with_versioned(fr.clone(), || {
+            // SELECT name, version FROM countries WHERE code = 'fr'
+            let row = db.lock().expect("database lock")["fr"].clone();
+            async move { row }
+        })
+        .await;
+    println!("node-1 loaded fr = {loaded:?} at version {v_b}");
+    a.table
+        .upsert_with_version(&fr, &"Frankreich".into(), v_a)
+        .await?;
+    stale_ignored(2).await?;
+    let held = countries.peek("fr").await;
+    println!("after admin-a's late event (version {v_a}), node-1 holds fr = {held:?}");
+    // The load was cached at its row's version, so the older event is stale.
+    // Loaded by `get_with`, the value would carry no version, and this
+    // event, newer than anything node-1 had seen for "fr", would replace it.
+    assert_eq!(held.as_deref(), Some("Francia"));
+    assert_eq!(settled().await.loads_stale, 0);
     node.shutdown().await?;
     Ok(())
 }

@@ -50,17 +50,27 @@
 //!   than its version. [`DictionaryPublisher::replace_all`] sends one, then
 //!   the new rows at the same version.
 //! - Unversioned events are applied in delivery order.
-//! - A value a load installs ([`SyncedCache::get_with`], or a local
-//!   [`SyncedCache::insert`]) carries no version: a later refresh replaces
-//!   it whenever that refresh's version is newer than every version the node
-//!   has seen for the key, even if it is older than the row the loader read
-//!   (a refresh delayed in transit past a load of a newer row).
+//! - A value loaded with its row version
+//!   ([`SyncedCache::get_with_versioned`]) is recorded at that version, as a
+//!   refresh at it would be: a later refresh at or below it is ignored
+//!   (`stale_ignored`), a newer one replaces it. If the node already knows a
+//!   newer version of the key (a tombstone, a newer refresh or load, a
+//!   versioned clear), the loaded value is returned to the caller but not
+//!   cached (`loads_stale`); an equal version is cached.
+//! - A value loaded without a version ([`SyncedCache::get_with`]) or
+//!   inserted locally ([`SyncedCache::insert`]) leaves the key's version
+//!   record as it was: a later refresh replaces it whenever that refresh is
+//!   newer than every version the node has seen for the key, whichever row
+//!   the loader read. A refresh delayed in transit past such a load can
+//!   therefore put back an older row, until the newer row's own event
+//!   arrives; `get_with_versioned` is the load that rules this out.
 //!
 //! Per-key versions live in a bounded table ([`SyncedCacheBuilder::max_tracked_keys`],
 //! default 100 000 keys per cache). When a record is evicted, its version is
 //! folded into a floor for every untracked key: a refresh at or below that
-//! floor is applied as an invalidation, which is always safe, so eviction
-//! only costs an extra load, never correctness.
+//! floor is applied as an invalidation, which is always safe, and a
+//! versioned load below it is returned uncached, so eviction only costs an
+//! extra load, never correctness.
 //!
 //! A cache's reported `version` is the highest entry version it has applied.
 //! The node's `position` means every event before it has been applied.
@@ -73,7 +83,8 @@
 //! database's versions.
 //!
 //! ## Loads
-//! A read-through load ([`SyncedCache::get_with`]) never installs a value
+//! A read-through load ([`SyncedCache::get_with`], and its versioned and
+//! fallible forms) never installs a value
 //! read before a change that was applied while it ran: each load holds a
 //! token, every write to its key (or a clear) invalidates the token, and the
 //! install is atomic with the check (every write to a key holds that key's
@@ -103,6 +114,8 @@
 //! refreshes as invalidations, so an older refresh that another writer
 //! published late cannot land on top of a missed newer change. At start, a
 //! node instead replays that window of history where the transport keeps it.
+//! Loads are not quarantined: they read the source of truth, which holds the
+//! missed changes, and a versioned load records the version the node lacked.
 //!
 //! A publish that fails may or may not have reached the transport, so it
 //! still uses up its sequence number: nodes see a gap and resync. That costs

@@ -61,7 +61,8 @@ pub struct CacheStatus {
     /// refreshes, invalidations and clears), or `null` if no versioned event
     /// has arrived. With one publisher per table (the dictionary helper) and
     /// an ordered transport, two nodes reporting the same version and the
-    /// same `position` have applied the same changes.
+    /// same `position` have applied the same changes. Versioned loads do not
+    /// raise it, since they differ from node to node.
     pub version: Option<u64>,
     /// Entries held, as moka counts them (approximate).
     pub entries: u64,
@@ -77,6 +78,12 @@ pub struct CacheStatus {
     pub load_failures: u64,
     /// Load results discarded because the key changed while they ran.
     pub loads_superseded: u64,
+    /// Versioned loads ([`get_with_versioned`](crate::SyncedCache::get_with_versioned))
+    /// returned to the caller but not cached, because their version was
+    /// older than one the node knew for the key (a tombstone, a newer
+    /// refresh or load, a versioned clear) or, the key's record evicted from
+    /// the bounded table, might have been.
+    pub loads_stale: u64,
     /// Events applied.
     pub events_applied: u64,
     /// Keys removed by events.

@@ -10,6 +10,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use tokio::sync::{Mutex as AsyncMutex, watch};
 
 use super::Inner;
+use super::versions::LoadDecision;
 use super::write::Write;
 use crate::util::lock;
 
@@ -89,11 +90,12 @@ where
     V: Clone + Send + Sync + 'static,
 {
     /// Runs the loader until its result can be installed without having
-    /// crossed a write to the key.
+    /// crossed a write to the key. The loader gives the value and, for a
+    /// versioned load, the row version it read (see `VersionTable::loaded`).
     pub(super) async fn load<F, Fut, E>(&self, key: &K, loader: &mut F) -> Result<V, Arc<E>>
     where
         F: FnMut() -> Fut,
-        Fut: Future<Output = Result<V, E>>,
+        Fut: Future<Output = Result<(V, Option<u64>), E>>,
     {
         let mut attempt = 0;
         loop {
@@ -102,24 +104,26 @@ where
             }
             let token = lock(&self.table).load_token();
             self.stats.loads.fetch_add(1, Relaxed);
-            let value = match loader().await {
-                Ok(v) => v,
+            let (value, version) = match loader().await {
+                Ok(loaded) => loaded,
                 Err(e) => {
                     self.stats.load_failures.fetch_add(1, Relaxed);
                     return Err(Arc::new(e));
                 }
             };
-            let installed = self
-                .write(key.clone(), |table, k| {
-                    if table.superseded(k, token) {
-                        Write::Keep
-                    } else {
-                        Write::Put(value.clone())
-                    }
-                })
-                .await;
-            if installed {
-                return Ok(value);
+            let mut decision = LoadDecision::Superseded;
+            self.write(key.clone(), |table, k| {
+                decision = table.loaded(k, token, version);
+                match decision {
+                    LoadDecision::Install => Write::Put(value.clone()),
+                    LoadDecision::Superseded | LoadDecision::Stale => Write::Keep,
+                }
+            })
+            .await;
+            match decision {
+                LoadDecision::Install => return Ok(value),
+                LoadDecision::Stale => return Ok(self.stale_load(value)),
+                LoadDecision::Superseded => {}
             }
             self.stats.loads_superseded.fetch_add(1, Relaxed);
             // A refresh that superseded us may have installed a newer value.
@@ -128,6 +132,15 @@ where
             }
             attempt = attempt.saturating_add(1);
         }
+    }
+
+    /// A versioned load older than what the node knows for its key (the
+    /// loader read a lagging replica, say): the source gave nothing newer,
+    /// so the caller gets it, but caching it could hide the newer change.
+    fn stale_load(&self, value: V) -> V {
+        self.stats.loads_stale.fetch_add(1, Relaxed);
+        tracing::debug!(cache = %self.name, "loaded version older than one known for the key; returned uncached");
+        value
     }
 
     /// The last resort for a key that kept changing during every load: one
@@ -139,7 +152,7 @@ where
     pub(super) async fn load_locked<F, Fut, E>(&self, key: &K, loader: &mut F) -> Result<V, Arc<E>>
     where
         F: FnMut() -> Fut,
-        Fut: Future<Output = Result<V, E>>,
+        Fut: Future<Output = Result<(V, Option<u64>), E>>,
     {
         tracing::debug!(cache = %self.name, "key kept changing during loads; loading it pinned");
         let pin = Arc::new(AsyncMutex::new(()));
@@ -163,8 +176,8 @@ where
         let mut held = HELD_PINS.try_with(Clone::clone).unwrap_or_default();
         held.push(pin_id(&pin));
         let loaded = HELD_PINS.scope(held, loader()).await;
-        let value = match loaded {
-            Ok(v) => v,
+        let (value, version) = match loaded {
+            Ok(loaded) => loaded,
             Err(e) => {
                 self.stats.load_failures.fetch_add(1, Relaxed);
                 return Err(Arc::new(e));
@@ -175,13 +188,19 @@ where
             // Nothing but the loader itself can have written the key
             // meanwhile; if it did, its write stands and the value is
             // returned uncached.
-            if lock(&self.table).superseded(key, token) {
-                self.stats.loads_superseded.fetch_add(1, Relaxed);
-            } else {
-                self.cache.insert(key.clone(), value.clone()).await;
+            let decision = lock(&self.table).loaded(key, token, version);
+            match decision {
+                LoadDecision::Install => self.cache.insert(key.clone(), value.clone()).await,
+                LoadDecision::Superseded => {
+                    self.stats.loads_superseded.fetch_add(1, Relaxed);
+                }
+                LoadDecision::Stale => {}
             }
             // Unpin before the stripe goes, so the next write sees no pin.
             drop(pinned);
+            if decision == LoadDecision::Stale {
+                return Ok(self.stale_load(value));
+            }
         }
         Ok(value)
     }

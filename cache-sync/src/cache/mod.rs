@@ -49,6 +49,12 @@ pub(crate) const DEFAULT_MAX_TRACKED_KEYS: usize = 100_000;
 /// pinned, so that load cannot be overtaken: `get_with` never returns a value
 /// older than a change applied while it ran.
 ///
+/// A load that returns its row's version
+/// ([`get_with_versioned`](Self::get_with_versioned)) is held to versions
+/// too: it is cached at that version, so an older refresh that arrives
+/// later cannot replace it, and it is not cached if the node already knows
+/// a newer version of the key.
+///
 /// During that last load the key is pinned: other tasks' writes to that one
 /// key (the node's consumer included) and clears of the cache wait for the
 /// loader, so a loader must not wait for another task that writes that key
@@ -350,6 +356,93 @@ where
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<V, E>>,
+        E: Send + Sync + 'static,
+    {
+        self.load_through(key, || {
+            let f = loader();
+            async move { f.await.map(|v| (v, None)) }
+        })
+        .await
+    }
+
+    /// Like [`get_with`](Self::get_with), for a loader that also returns the
+    /// version of the row it read, in the versions the table's events carry
+    /// (a row version column, say). The value is cached with that version,
+    /// as a refresh at it would be: afterwards a refresh at that version or
+    /// older is ignored (counted in `stale_ignored`) and a newer one
+    /// replaces the value, so an older event delayed in transit past the
+    /// load cannot overwrite the row the loader read. Returns the value; a
+    /// cache hit knows no version, so none is returned.
+    ///
+    /// If the node already knows a newer version of the key than the one
+    /// returned (a tombstone, a newer refresh or load, a versioned clear;
+    /// the loader read a lagging replica, say), the value is returned, as
+    /// the best the source gave, but not cached, and counted in
+    /// [`loads_stale`](CacheStatus::loads_stale). So is one below the floor
+    /// that evicted version records leave (see
+    /// [`max_tracked_keys`](SyncedCacheBuilder::max_tracked_keys)), since it
+    /// may be older than what was forgotten. A version equal to the known
+    /// one is cached: the source holds that row at that version. Give a
+    /// delete a version of its own, newer than the row it removed (as the
+    /// dictionary helper's automatic versions are), or a replica still
+    /// holding the deleted row at that version could bring it back.
+    ///
+    /// Never return a version newer than the row read: a value at
+    /// `u64::MAX` is replaced by no refresh, only removed by invalidations
+    /// and clears. For a missing row (a cache of `Option<V>`), return the
+    /// version of its deletion if the source keeps one, or else 0: the
+    /// absence is then cached only while no version above 0 applies to the
+    /// key (its record, the evicted floor, a versioned clear), and any
+    /// refresh above 0 replaces it.
+    ///
+    /// Everything else is as in `get_with`: concurrent calls for one key
+    /// share a single load (whichever of these methods started it; a caller
+    /// that joins an unversioned load gets its value); a load whose key is
+    /// written, or whose cache is cleared, while it runs is retried, and
+    /// the last attempt pinned. Loads are not quarantined after a loss, as
+    /// versioned refreshes are: see [`NodeBuilder::reorder_window`](crate::NodeBuilder::reorder_window).
+    pub async fn get_with_versioned<F, Fut>(&self, key: K, mut loader: F) -> V
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = (V, u64)>,
+    {
+        match self
+            .try_get_with_versioned(key, || {
+                let f = loader();
+                async move { Ok::<_, std::convert::Infallible>(f.await) }
+            })
+            .await
+        {
+            Ok(v) => v,
+            Err(never) => match *never {},
+        }
+    }
+
+    /// [`get_with_versioned`](Self::get_with_versioned) for a fallible
+    /// loader, as [`try_get_with`](Self::try_get_with) is to `get_with`.
+    pub async fn try_get_with_versioned<F, Fut, E>(
+        &self,
+        key: K,
+        mut loader: F,
+    ) -> Result<V, Arc<E>>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<(V, u64), E>>,
+        E: Send + Sync + 'static,
+    {
+        self.load_through(key, || {
+            let f = loader();
+            async move { f.await.map(|(v, version)| (v, Some(version))) }
+        })
+        .await
+    }
+
+    /// The read-through path of every `get_with` method: a hit, or a
+    /// coalesced load whose loader gives the value and its version, if any.
+    async fn load_through<F, Fut, E>(&self, key: K, mut loader: F) -> Result<V, Arc<E>>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<(V, Option<u64>), E>>,
         E: Send + Sync + 'static,
     {
         if let Some(v) = self.get(&key).await {

@@ -10,6 +10,8 @@ use crate::cache::Event;
 use crate::util::now_us;
 use crate::wire::{Change, EntryVersion, Header, KeyVersion, encode, encode_part};
 
+mod versioned_loads;
+
 type Cache = SyncedCache<String, String>;
 
 fn cache() -> Cache {

@@ -24,6 +24,19 @@ pub(crate) enum RefreshDecision {
     Invalidate,
 }
 
+/// What to do with a load's result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LoadDecision {
+    /// Cache the value.
+    Install,
+    /// The key was written, or the cache cleared, since the load began: the
+    /// value may predate that write, so discard it and load again.
+    Superseded,
+    /// Its version is older than one the node knows for the key (or, the
+    /// key's record evicted, may be): hand it to the caller, do not cache it.
+    Stale,
+}
+
 /// No slot: the end of the recency list.
 const NIL: u32 = u32::MAX;
 
@@ -156,6 +169,46 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
             Some(i) => self.slots[i].touched() > token,
             None => self.evicted_touch > token,
         }
+    }
+
+    /// Decides whether a load that took `token` when it began may install
+    /// what it read, at row `version` if the loader gave one.
+    ///
+    /// A versioned value installs if nothing wrote the key since the token
+    /// and `version` is at least every version known for the key (the
+    /// record, or the evicted floor for an untracked key, and the clear
+    /// floor), and is then recorded exactly, as a refresh at `version`
+    /// would be, so later refreshes at or below it are stale. Unlike a
+    /// refresh, an equal version installs: the loader read the source of
+    /// truth, and a row there at `version` is that version. The install
+    /// stamps the key, so a load of it still in flight (which may have read
+    /// an older row, possibly unversioned) no longer installs.
+    ///
+    /// An unversioned value leaves the record as it was.
+    pub(crate) fn loaded(&mut self, key: &K, token: u64, version: Option<u64>) -> LoadDecision {
+        if self.superseded(key, token) {
+            return LoadDecision::Superseded;
+        }
+        let Some(v) = version else {
+            return LoadDecision::Install;
+        };
+        if self.clear_floor.is_some_and(|floor| v < floor) {
+            return LoadDecision::Stale;
+        }
+        // An inexact version (the evicted floor) bounds what was forgotten
+        // from above: at or above it, `v` is at least the true version;
+        // below it, it may be older, so it must not be cached.
+        let known = match self.find(key) {
+            Some(i) => self.slots[i].version(),
+            None => self.evicted_version,
+        };
+        if known.is_some_and(|known| v < known) {
+            return LoadDecision::Stale;
+        }
+        let i = self.record(key);
+        self.slots[i].set_version(Some(v), true);
+        self.written(i);
+        LoadDecision::Install
     }
 
     /// A local write (insert or invalidate) with no version.
@@ -447,6 +500,37 @@ mod tests {
         assert_eq!(t.refresh(&"a", Some(40)), Invalidate);
         assert_eq!(t.refresh(&"a", Some(51)), Apply);
         assert_eq!(t.refresh(&"a", Some(45)), Stale);
+    }
+
+    #[test]
+    fn a_versioned_load_is_recorded_exactly_as_a_refresh_is() {
+        let mut t = table(2);
+        let token = t.load_token();
+        assert_eq!(t.loaded(&"k", token, Some(12)), LoadDecision::Install);
+        assert_eq!(t.refresh(&"k", Some(10)), Stale);
+        assert_eq!(t.refresh(&"k", Some(12)), Stale);
+        // The install was a write: a load that began before it lost.
+        assert_eq!(t.loaded(&"k", token, Some(20)), LoadDecision::Superseded);
+        let token = t.load_token();
+        assert_eq!(t.loaded(&"k", token, Some(11)), LoadDecision::Stale);
+        assert_eq!(t.loaded(&"k", token, Some(12)), LoadDecision::Install);
+        // Unversioned: installs, and leaves the record as it was.
+        let token = t.load_token();
+        assert_eq!(t.loaded(&"k", token, None), LoadDecision::Install);
+        assert_eq!(t.refresh(&"k", Some(12)), Stale);
+        assert_eq!(t.refresh(&"k", Some(13)), Apply);
+    }
+
+    #[test]
+    fn a_load_of_an_untracked_key_is_held_to_the_evicted_floor() {
+        let mut t = table(1);
+        t.invalidate(&"a", Some(50));
+        t.touch(&"b"); // evicts a's tombstone into the floor
+        let token = t.load_token();
+        assert_eq!(t.loaded(&"a", token, Some(49)), LoadDecision::Stale);
+        assert_eq!(t.len(), 1, "a stale load records nothing");
+        assert_eq!(t.loaded(&"a", token, Some(50)), LoadDecision::Install);
+        assert_eq!(t.refresh(&"a", Some(50)), Stale, "recorded exactly");
     }
 
     #[test]

@@ -108,6 +108,16 @@ impl NodeBuilder {
     ///   invalidations (counted as `refreshes_quarantined`), so the next read
     ///   goes to the source of truth.
     ///
+    /// Loads are not quarantined. A load reads the source of truth, which
+    /// already holds every change committed before it ran, the missed ones
+    /// included, so installing what it read is as safe after a loss as at
+    /// any time. A versioned load
+    /// ([`get_with_versioned`](crate::SyncedCache::get_with_versioned))
+    /// also records the row's version, exactly the knowledge the loss took:
+    /// a refresh older than it is stale from then on. Within the window such
+    /// a refresh is still applied as an invalidation, which drops the loaded
+    /// value: a reload, never an older value.
+    ///
     /// A single publisher per table using automatic versions never publishes
     /// out of version order; zero is then safe.
     pub fn reorder_window(mut self, window: Duration) -> Self {
