@@ -57,9 +57,10 @@ pub struct NodeStatus {
 pub struct CacheStatus {
     /// The cache name.
     pub name: String,
-    /// The highest entry version this node has applied for this cache (from
-    /// refreshes, invalidations and clears), or `null` if no versioned event
-    /// has arrived. With one publisher per table (the dictionary helper) and
+    /// The highest entry version in the events this node has taken in for
+    /// this cache (refreshes, invalidations and clears, including refreshes
+    /// it ignored as stale), raised once each event is done, or `null` if no
+    /// versioned event has arrived. With one publisher per table (the dictionary helper) and
     /// an ordered transport, two nodes reporting the same version and the
     /// same `position` have applied the same changes. Versioned loads do not
     /// raise it, since they differ from node to node.
