@@ -173,11 +173,13 @@ impl PublisherBuilder {
             )?;
         }
         let codec = Codec::new(self.max_event_bytes, self.keyring);
-        let mut publisher = Publisher::with_codec(self.transport, self.topic, self.origin, codec);
-        if let Some(inner) = Arc::get_mut(&mut publisher.inner) {
-            inner.announce_interval = self.announce_interval;
-        }
-        Ok(publisher)
+        Ok(Publisher::with_codec(
+            self.transport,
+            self.topic,
+            self.origin,
+            codec,
+            self.announce_interval,
+        ))
     }
 }
 
@@ -189,6 +191,7 @@ impl Publisher {
         topic: String,
         origin: String,
         codec: Codec,
+        announce_interval: Duration,
     ) -> Self {
         Publisher {
             inner: Arc::new(PublisherInner {
@@ -199,7 +202,7 @@ impl Publisher {
                 id: RandomState::new().hash_one((std::process::id(), now_us())),
                 codec,
                 seqs: Mutex::default(),
-                announce_interval: DEFAULT_ANNOUNCE_INTERVAL,
+                announce_interval,
                 announcing: AtomicBool::new(false),
             }),
         }
@@ -225,6 +228,7 @@ impl Publisher {
             DEFAULT_TOPIC.into(),
             "publisher".into(),
             Codec::new(DEFAULT_MAX_EVENT_BYTES, None),
+            DEFAULT_ANNOUNCE_INTERVAL,
         )
     }
 
