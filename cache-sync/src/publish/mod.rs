@@ -38,8 +38,9 @@ use crate::wire::{
 /// announced three times at an unchanged number, then no more until it is
 /// published to again: one announcement after the last event is what a node
 /// needs, the repeats cover lost announcements, and an idle publisher sends
-/// nothing. Announcements run in a task spawned on the
-/// tokio runtime of the first publish; it ends with the last clone.
+/// nothing. Announcements run in a task spawned on the tokio runtime of the
+/// first publish (again by a later publish, should that runtime shut down);
+/// it ends with the last clone.
 ///
 /// Cheap to clone; clones share the sequence numbers.
 #[derive(Clone)]
@@ -458,7 +459,7 @@ impl Publisher {
         }
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                runtime.spawn(announce_loop(Arc::downgrade(&self.inner), every));
+                runtime.spawn(announce_loop(Respawn(Arc::downgrade(&self.inner)), every));
             }
             Err(e) => {
                 // Tried again at the next publish.
@@ -473,7 +474,10 @@ impl Publisher {
 /// Announces each cache's last sequence number every `every`, until it has
 /// been announced `QUIET_ANNOUNCEMENTS` times unchanged; ends once the last
 /// `Publisher` is gone (it holds only a `Weak`).
-async fn announce_loop(inner: Weak<PublisherInner>, every: Duration) {
+async fn announce_loop(respawn: Respawn, every: Duration) {
+    // An argument, so that it is dropped with the task even if the task
+    // never ran.
+    let inner = &respawn.0;
     let mut ticks = tokio::time::interval_at(deadline_after(every), every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Per cache: the number last announced and how often it was sent.
@@ -517,6 +521,19 @@ async fn announce_loop(inner: Weak<PublisherInner>, every: Duration) {
                 Err(e) => tracing::debug!(topic = %inner.topic, %cache, seq = n, error = %e,
                     "announcing a sequence number failed; retrying at the next interval"),
             }
+        }
+    }
+}
+
+/// Lets the next publish spawn the announcing task again if this one is
+/// dropped while the publisher lives: its runtime shut down (a publisher
+/// can outlive the runtime it first published on).
+struct Respawn(Weak<PublisherInner>);
+
+impl Drop for Respawn {
+    fn drop(&mut self) {
+        if let Some(inner) = self.0.upgrade() {
+            inner.announcing.store(false, Relaxed);
         }
     }
 }

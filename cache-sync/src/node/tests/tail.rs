@@ -517,3 +517,30 @@ async fn announcements_can_be_turned_off() {
     tokio::time::sleep(Duration::from_secs(3600)).await;
     assert_eq!(transport.publishes.load(Relaxed), 1);
 }
+
+/// A publisher can outlive the runtime it first published on: the next
+/// publish, on another runtime, starts announcing there.
+#[test]
+fn a_publisher_that_outlives_its_runtime_announces_from_the_next() {
+    let transport = Lossy::default();
+    let p = Publisher::builder(transport.clone())
+        .announce_interval(INTERVAL)
+        .build()
+        .unwrap();
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap()
+    };
+    // Its announcing task is dropped with it, before it ever ran.
+    runtime().block_on(async { p.refresh("t", [("k", "v")]).await.unwrap() });
+    runtime().block_on(async {
+        p.refresh("t", [("k", "w")]).await.unwrap();
+        wait_for("announcements on the second runtime", || {
+            transport.announcements() == 3
+        })
+        .await;
+    });
+}
