@@ -311,15 +311,20 @@ async fn forged_announcements_change_nothing_on_a_verifying_node() {
         "{s:?}"
     );
     assert!(holds(&c, "k", Some("v")).await);
+    // Had the forged announcement set publisher 8's baseline at 50, its
+    // real numbers below it would pass as redeliveries, gaps unseen.
     send(ring.sign(&raw_event("t", 8, 1, &refresh_change("k8", "v")))).await;
-    eventually("publisher 8 is known from its own event", async || {
-        holds(&c, "k8", Some("v")).await
+    send(ring.sign(&raw_event("t", 8, 3, &refresh_change("k8", "w")))).await;
+    eventually("publisher 8's third event", async || {
+        holds(&c, "k8", Some("w")).await
     })
     .await;
-    assert_eq!(node.status().publisher_gaps, 0, "no forged baseline for 8");
+    assert_eq!(node.status().publisher_gaps, 1, "8's gap was seen");
+    c.insert("k".into(), "v".into()).await;
     send(ring.sign(&raw_event("t", 7, 50, &Change::ANNOUNCE))).await;
     tokio::time::sleep(3 * window).await;
-    assert_eq!(node.status().publisher_gaps, 1, "the signed one counts");
+    assert_eq!(node.status().publisher_gaps, 2, "the signed one counts");
+    assert_eq!(c.peek("k").await, None);
 }
 
 /// After a resume, an announcement from a publisher the node has not heard
