@@ -106,6 +106,10 @@ impl PublisherSeqs {
             from,
             to: seq,
         };
+        if seq == 0 {
+            // No publisher numbers an event 0: it vouches for nothing.
+            return None;
+        }
         let Some(last) = self.last(publisher, cache) else {
             let distrusted = self.distrusted.contains(cache);
             let _ = self.observe(publisher, cache, seq);

@@ -423,6 +423,11 @@ fn checks_fall_due_in_order_once_and_only_while_behind() {
         })
     );
     assert_eq!(seqs.observe(5, "b", 5), None, "and 4 is its baseline");
+    assert_eq!(
+        seqs.announced(8, "b", 0, at(1)),
+        None,
+        "0 vouches for nothing"
+    );
     // A loss clears the checks.
     assert_eq!(seqs.announced(5, "b", 9, at(1)), None);
     seqs.clear();
