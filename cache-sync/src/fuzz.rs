@@ -31,7 +31,7 @@ pub fn event(data: &[u8]) {
     let parts: Vec<&[u8]> = match view {
         ChangeView::Invalidate(items) => items.map(|i| i.key).collect(),
         ChangeView::Refresh(items) => items.flat_map(|i| [i.key, i.value]).collect(),
-        ChangeView::Clear { .. } => Vec::new(),
+        ChangeView::Clear { .. } | ChangeView::Announce => Vec::new(),
     };
     for part in parts {
         let _ = decode_part::<String>(part, "key");

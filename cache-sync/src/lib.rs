@@ -107,6 +107,18 @@
 //! - The consumer sees a gap in a publisher's sequence numbers. After a
 //!   re-subscription, a publisher the node has not heard from yet whose
 //!   first event is not its first counts as a gap too.
+//! - A publisher announces the last sequence number it used (see
+//!   [`PublisherBuilder::announce_interval`]), and the events up to it have
+//!   not arrived within the node's [reorder
+//!   window](NodeBuilder::reorder_window). This finds a loss of the last
+//!   events before a quiet period, which no later event would reveal: the
+//!   node resyncs that cache within the announce interval (1 s by default)
+//!   plus its reorder window (10 s by default), plus the transport's
+//!   latency. That bound holds while the publisher's process lives long
+//!   enough to send an announcement after the lost events and the
+//!   transport delivers one of the three it sends; with announcements off
+//!   (`Duration::MAX`) there is no bound, and the loss is found at the
+//!   publisher's next event for that cache.
 //! - The consumer cannot re-subscribe from a known position.
 //!
 //! After a loss, the node cannot know the versions it missed. For one

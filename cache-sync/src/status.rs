@@ -38,7 +38,9 @@ pub struct NodeStatus {
     /// publisher's sequence numbers (also counted in `publisher_gaps`; each
     /// resyncs one cache), and unreadable events that name no cache.
     pub losses: u64,
-    /// Gaps found in a publisher's sequence numbers.
+    /// Gaps found in a publisher's sequence numbers: at a later event, or
+    /// when the events up to a number the publisher announced did not arrive
+    /// within the reorder window.
     pub publisher_gaps: u64,
     /// Errors from the transport (each followed by a re-subscription).
     pub transport_errors: u64,

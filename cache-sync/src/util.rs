@@ -39,7 +39,6 @@ const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
 /// The longest timeout or interval a transport takes: an hour. Longer
 /// means nothing a broker connection can use, and sums of two such
 /// settings must not overflow.
-#[cfg_attr(not(any(feature = "redis", feature = "nats")), allow(dead_code))]
 pub(crate) const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// Refuses a capacity below `min`, naming the setting: a builder stores
@@ -60,7 +59,6 @@ pub(crate) fn check_at_least<T: PartialOrd + fmt::Display>(
 
 /// Refuses a duration outside `min..=max`, naming the setting and the
 /// range in words (`1ms`, `1h`).
-#[cfg_attr(not(any(feature = "redis", feature = "nats")), allow(dead_code))]
 pub(crate) fn check_duration(
     setting: &str,
     value: Duration,

@@ -685,6 +685,107 @@ pub async fn health_follows_the_broker(fixture: &mut dyn Fixture) {
     cluster.shutdown().await;
 }
 
+/// The last event before a quiet period cut before the broker got it: no
+/// later event shows the gap, the publisher's announcement of its last
+/// number does. Every node resyncs that cache, and no other, once the
+/// reorder window has passed since the announcement arrived. (The bound,
+/// announce interval + reorder window, is asserted on tokio's paused clock
+/// in the library's node tests; here, brokers add their own latency.)
+pub async fn publish_cut_at_the_tail(fixture: &mut dyn Fixture) {
+    const EVERY: Duration = Duration::from_millis(200);
+    const WINDOW: Duration = Duration::from_millis(500);
+    let mut nodes = Vec::new();
+    let mut dirs = Vec::new();
+    for i in 0..2 {
+        let dir = tempfile::tempdir().expect("node dir");
+        let store = FileOffsetStore::new(dir.path());
+        let node = TestNode::start(&format!("tail-{i}"), fixture.transport().await, |b| {
+            fixture
+                .configure(b)
+                .offset_store(store)
+                .reorder_window(WINDOW)
+        })
+        .await
+        .expect("start node");
+        nodes.push(node);
+        dirs.push(dir);
+    }
+    let transport = Arc::new(CutTransport {
+        inner: fixture.transport().await,
+        cut: std::sync::Mutex::new(None),
+    });
+    let admin = Publisher::builder(transport.clone())
+        .origin("tail-admin")
+        .announce_interval(EVERY)
+        .build()
+        .expect("publisher");
+    retry(|| admin.refresh(TABLE, [("t0", Some("v0".to_owned()))])).await;
+    for node in &nodes {
+        crate::eventually(&format!("{} applies t0", node.node.id()), async || {
+            node.table.peek("t0").await.is_some()
+        })
+        .await;
+    }
+    // Until the announcements of t0 are over, one could take the cut
+    // armed below (they stop after three).
+    tokio::time::sleep(10 * EVERY).await;
+    for node in &nodes {
+        let s = node.node.status();
+        assert_eq!(
+            (
+                s.publisher_gaps,
+                s.caches.iter().map(|c| c.loss_resyncs).sum::<u64>()
+            ),
+            (0, 0),
+            "{}: announcements of what arrived resynced: {s:?}",
+            fixture.name()
+        );
+    }
+    *transport.cut.lock().expect("cut") = Some(Cut::BeforeTheBroker);
+    assert!(
+        admin
+            .refresh(TABLE, [("t1", Some("v1".to_owned()))])
+            .await
+            .is_err()
+    );
+    let cut_at = tokio::time::Instant::now();
+    for node in &nodes {
+        crate::eventually(
+            &format!("{} resyncs the table after the tail", node.node.id()),
+            async || {
+                let s = node.node.status();
+                s.caches
+                    .iter()
+                    .any(|c| c.name == TABLE && c.loss_resyncs == 1)
+            },
+        )
+        .await;
+        let s = node.node.status();
+        assert!(
+            cut_at.elapsed() >= WINDOW,
+            "{}: {} resynced before its reorder window",
+            fixture.name(),
+            node.node.id()
+        );
+        assert_eq!(
+            s.caches.iter().map(|c| c.loss_resyncs).sum::<u64>(),
+            1,
+            "{}: only the table is resynced: {s:?}",
+            fixture.name()
+        );
+        assert_eq!(s.publisher_gaps, 1, "{}: {s:?}", fixture.name());
+        assert_eq!(node.table.peek("t0").await, None, "{}", fixture.name());
+    }
+    eprintln!(
+        "{}: tail loss answered {:?} after the cut (announce every {EVERY:?}, window {WINDOW:?})",
+        fixture.name(),
+        cut_at.elapsed()
+    );
+    for node in nodes {
+        let _ = node.node.shutdown().await;
+    }
+}
+
 /// A transport whose publishes fail on request: either before the event reaches
 /// the broker (a connection cut on the way), or after (an acknowledgement
 /// lost on the way back).
@@ -780,6 +881,10 @@ pub async fn publish_cut_mid_flight(fixture: &mut dyn Fixture) {
     });
     let admin = Publisher::builder(transport.clone())
         .origin("cut-admin")
+        // An announcement could take the cut armed for the next publish
+        // (announcements run in their own task). `publish_cut_at_the_tail`
+        // tests them.
+        .announce_interval(Duration::MAX)
         .build()
         .expect("publisher");
     let publish = async |i: u32| {
@@ -886,6 +991,9 @@ pub async fn names_map_one_to_one(fixture: &mut dyn Fixture) {
         for (topic, _, _) in &nodes {
             let p = Publisher::builder(fixture.transport().await)
                 .topic(*topic)
+                // Announcements are records too: the count below is of
+                // this one event.
+                .announce_interval(Duration::MAX)
                 .build()
                 .unwrap_or_else(|e| panic!("{}: topic {topic:?}: {e}", fixture.name()));
             retry(|| p.refresh("c", [("k", topic.to_string())])).await;

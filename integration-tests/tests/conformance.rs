@@ -13,7 +13,8 @@ use cache_sync::{
 };
 use integration_tests::conformance::{
     Expect, Fault, Fixture, a_refusal_is_no_disconnect, health_follows_the_broker,
-    names_map_one_to_one, normal_path, publish_cut_mid_flight, regrow, retry, survives,
+    names_map_one_to_one, normal_path, publish_cut_at_the_tail, publish_cut_mid_flight, regrow,
+    retry, survives,
 };
 use integration_tests::nats_server::NatsServer;
 use integration_tests::redis_server::RedisServer;
@@ -433,6 +434,11 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn publish_cut_mid_flight_resyncs_only_that_cache() {
                 publish_cut_mid_flight(&mut $fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn publish_cut_at_the_tail_is_found_by_the_announcement() {
+                publish_cut_at_the_tail(&mut $fixture).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -167,6 +167,9 @@ where
                 s.clears.fetch_add(1, Relaxed);
                 version = *v;
             }
+            // The node answers announcements itself; one reaching a cache
+            // would name no entry.
+            ChangeView::Announce => {}
             // Keys are decoded and applied one at a time, with nothing
             // collected. A key that does not decode means the event cannot
             // say which entries it meant: the whole cache is resynced, which

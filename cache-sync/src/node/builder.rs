@@ -120,6 +120,15 @@ impl NodeBuilder {
     ///
     /// A single publisher per table using automatic versions never publishes
     /// out of version order; zero is then safe.
+    ///
+    /// It is also how long the node waits for events a publisher's
+    /// announcement says it sent (see
+    /// [`PublisherBuilder::announce_interval`](crate::PublisherBuilder::announce_interval))
+    /// before it takes them as lost and resyncs the cache: a node that
+    /// missed the last events before a quiet period resyncs within the
+    /// publisher's announce interval plus this window, plus the transport's
+    /// latency. Zero resyncs as soon as the announcement arrives;
+    /// `Duration::MAX` never does (as long as the process runs).
     pub fn reorder_window(mut self, window: Duration) -> Self {
         self.config.reorder_window = window;
         self

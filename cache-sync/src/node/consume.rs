@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::route::apply_records;
+use super::route::{apply_records, expire_checks};
 use super::seqs::PublisherSeqs;
 use super::{Config, Shared};
 use crate::transport::{Delivery, Loss, LossReason, Position, StartFrom, Subscription};
@@ -122,6 +122,12 @@ pub(super) async fn consume_loop(
                 sub = None;
                 continue;
             }
+            // The checks must fall due in a quiet period too: waiting for
+            // the silence to end is what they are there to avoid.
+            () = check_due(seqs.next_deadline()) => {
+                expire_checks(&shared, &mut seqs).await;
+                continue;
+            }
             next = s.next(cfg.max_batch) => next,
         };
         match next {
@@ -149,6 +155,14 @@ pub(super) async fn consume_loop(
                 sub = None;
             }
         }
+    }
+}
+
+/// Sleeps until `deadline`; with none, forever.
+async fn check_due(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

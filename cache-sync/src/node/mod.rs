@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 
 use crate::cache::{CacheHandle, SyncedCache};
 use crate::error::{Error, Result};
-use crate::publish::Publisher;
+use crate::publish::{DEFAULT_ANNOUNCE_INTERVAL, Publisher};
 use crate::status::NodeStatus;
 use crate::table::check_topic;
 use crate::transport::{
@@ -228,7 +228,8 @@ impl Node {
     }
 
     /// A publisher on this node's transport and topic, with the node id as
-    /// its origin; it signs if the node verifies signatures.
+    /// its origin; it signs if the node verifies signatures, and announces
+    /// at the default interval (1 s).
     pub fn publisher(&self) -> Publisher {
         let s = &self.handle.shared;
         Publisher::with_codec(
@@ -236,6 +237,7 @@ impl Node {
             s.topic.clone(),
             s.id.clone(),
             s.codec.clone(),
+            DEFAULT_ANNOUNCE_INTERVAL,
             None,
         )
     }

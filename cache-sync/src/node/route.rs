@@ -4,11 +4,12 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
-use super::seqs::PublisherSeqs;
+use super::seqs::{Missing, PublisherSeqs};
 use super::{CacheMap, Shared};
 use crate::cache::{CacheHandle, Event};
 use crate::transport::{LossReason, Record};
-use crate::wire::{Header, Refused};
+use crate::util::deadline_after;
+use crate::wire::{ChangeView, Header, Refused};
 
 pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, records: Vec<Record>) {
     // Every record here was published before this snapshot, so a cache
@@ -72,6 +73,19 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
                 }
             },
         };
+        let change = opened.change();
+        if let Ok(ChangeView::Announce) = change {
+            // Authentic (or the node does not verify), like every event:
+            // a forged announcement is refused above and changes nothing.
+            let deadline = deadline_after(shared.config.reorder_window);
+            if let Some(missing) =
+                seqs.announced(header.publisher, header.cache, header.seq, deadline)
+            {
+                run.flush().await;
+                tail_lost(shared, seqs, cache, &missing).await;
+            }
+            continue;
+        }
         if let Some(missed) = seqs.observe(header.publisher, header.cache, header.seq) {
             shared.stats.publisher_gaps.fetch_add(1, Relaxed);
             shared.record_loss(LossReason::PublisherGap);
@@ -84,7 +98,7 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
             cache.resync().await;
             seqs.resynced(header.cache);
         }
-        match opened.change() {
+        match change {
             Ok(change) => {
                 if run.switches_from(cache) {
                     run.flush().await;
@@ -103,6 +117,34 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
         }
     }
     run.flush().await;
+}
+
+/// Answers the announcement checks that fell due: their events did not
+/// arrive within the reorder window.
+pub(super) async fn expire_checks(shared: &Shared, seqs: &mut PublisherSeqs) {
+    let now = tokio::time::Instant::now();
+    while let Some(missing) = seqs.due(now) {
+        if let Some(cache) = shared.cache(&missing.cache) {
+            tail_lost(shared, seqs, &cache, &missing).await;
+        }
+    }
+}
+
+/// A publisher announced numbers this node never saw: the events are lost,
+/// and only this cache can have missed them. Counted as a publisher gap.
+async fn tail_lost(
+    shared: &Shared,
+    seqs: &mut PublisherSeqs,
+    cache: &Arc<dyn CacheHandle>,
+    missing: &Missing,
+) {
+    shared.stats.publisher_gaps.fetch_add(1, Relaxed);
+    shared.record_loss(LossReason::PublisherGap);
+    tracing::warn!(node = %shared.id, cache = %missing.cache, publisher = missing.publisher,
+        from = missing.from, to = missing.to,
+        "a publisher announced sequence numbers this node never received; invalidating that cache");
+    cache.resync().await;
+    seqs.resynced(&missing.cache);
 }
 
 /// Consecutive events for one cache, applied with one call: a node's

@@ -10,6 +10,8 @@ use crate::transport::Delivery;
 use crate::wire::{Change, EntryVersion, Header, encode, encode_part};
 use crate::{EmbeddedTransport, Keyring};
 
+mod tail;
+
 type Cache = SyncedCache<String, String>;
 
 fn cache(name: &str) -> Cache {

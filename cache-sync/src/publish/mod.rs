@@ -3,7 +3,8 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,7 +13,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::table::Table;
 use crate::transport::{DEFAULT_TOPIC, Position, Transport};
-use crate::util::{MAX_TIMEOUT, check_duration, lock, now_us};
+use crate::util::{MAX_TIMEOUT, check_duration, deadline_after, lock, now_us};
 use crate::wire::{
     Change, Codec, DEFAULT_MAX_EVENT_BYTES, EntryVersion, Header, KeyVersion, Keyring,
     MAX_EVENT_BYTES_CEILING, Origin, encode_part, framed_len,
@@ -29,6 +30,18 @@ use crate::wire::{
 /// if the event did reach some nodes, the next one must not reuse the number,
 /// and if it did not, nodes see a gap and invalidate, which is safe.
 ///
+/// Every [`announce_interval`](PublisherBuilder::announce_interval) (1 s
+/// by default) it also announces, per cache it has published to lately, the
+/// last number it used, so that a node that missed the last events before a
+/// quiet period notices (see the crate docs, "What happens on loss"). After
+/// a publish, a cache is announced at each interval until it has been
+/// announced three times at an unchanged number, then no more until it is
+/// published to again: one announcement after the last event is what a node
+/// needs, the repeats cover lost announcements, and an idle publisher sends
+/// nothing. Announcements run in a task spawned on the tokio runtime of the
+/// first publish (again by a later publish, should that runtime shut down);
+/// it ends with the last clone.
+///
 /// Cheap to clone; clones share the sequence numbers.
 #[derive(Clone)]
 pub struct Publisher {
@@ -42,9 +55,32 @@ struct PublisherInner {
     id: u64,
     codec: Codec,
     seqs: Mutex<HashMap<String, Arc<tokio::sync::Mutex<u64>>>>,
+    /// `Duration::MAX`: no announcements.
+    announce_interval: Duration,
+    /// Whether the announcing task was spawned.
+    announcing: AtomicBool,
     /// Each change is sent a second time, as an invalidation, this much later.
     again_after: Option<Duration>,
 }
+
+/// How often a publisher announces its last sequence numbers by default.
+pub(crate) const DEFAULT_ANNOUNCE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The shortest announce interval: shorter would make announcements
+/// traffic of their own, and gain nothing against a reorder window that is
+/// seconds long.
+const MIN_ANNOUNCE_INTERVAL: Duration = Duration::from_millis(10);
+
+/// How many times a cache is announced at an unchanged sequence number
+/// before its announcements stop (until it is published to again).
+///
+/// A node that missed the last events needs one announcement sent after
+/// them; the repeats cover lost announcements (a lossy transport loses them
+/// as it loses events); and stopping means an idle publisher sends nothing
+/// rather than one message per cache it ever published to, forever. A node
+/// that misses every one of them (it was down meanwhile) finds the gap at
+/// the next event, as before.
+pub(crate) const QUIET_ANNOUNCEMENTS: u8 = 3;
 
 impl fmt::Debug for Publisher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -63,6 +99,7 @@ pub struct PublisherBuilder {
     origin: String,
     max_event_bytes: usize,
     keyring: Option<Keyring>,
+    announce_interval: Duration,
     again_after: Option<Duration>,
 }
 
@@ -99,6 +136,23 @@ impl PublisherBuilder {
     /// Signs every event with the ring's primary key (HMAC-SHA256).
     pub fn signing(mut self, keyring: Keyring) -> Self {
         self.keyring = Some(keyring);
+        self
+    }
+
+    /// How often the publisher announces, per cache it published to lately,
+    /// the last sequence number it used (see [`Publisher`]). A node that
+    /// missed the last events before a quiet period resyncs that cache
+    /// within this interval plus its
+    /// [reorder window](crate::NodeBuilder::reorder_window), plus the
+    /// transport's latency, provided this process lives long enough to send
+    /// an announcement after them. Announcements are signed like events.
+    ///
+    /// Default 1 s; 10 ms to 1 h, or `Duration::MAX` for no announcements
+    /// (and then no such bound: a lost last event is found at the next
+    /// event, or by a transport's own loss detection).
+    /// [`build`](Self::build) refuses anything else.
+    pub fn announce_interval(mut self, every: Duration) -> Self {
+        self.announce_interval = every;
         self
     }
 
@@ -146,12 +200,21 @@ impl PublisherBuilder {
         if let Some(delay) = self.again_after {
             check_duration("again_after", delay, Duration::from_millis(1), MAX_TIMEOUT)?;
         }
+        if self.announce_interval != Duration::MAX {
+            check_duration(
+                "announce_interval (or Duration::MAX for none)",
+                self.announce_interval,
+                MIN_ANNOUNCE_INTERVAL,
+                MAX_TIMEOUT,
+            )?;
+        }
         let codec = Codec::new(self.max_event_bytes, self.keyring);
         Ok(Publisher::with_codec(
             self.transport,
             self.topic,
             self.origin,
             codec,
+            self.announce_interval,
             self.again_after,
         ))
     }
@@ -165,6 +228,7 @@ impl Publisher {
         topic: String,
         origin: String,
         codec: Codec,
+        announce_interval: Duration,
         again_after: Option<Duration>,
     ) -> Self {
         Publisher {
@@ -176,6 +240,8 @@ impl Publisher {
                 id: RandomState::new().hash_one((std::process::id(), now_us())),
                 codec,
                 seqs: Mutex::default(),
+                announce_interval,
+                announcing: AtomicBool::new(false),
                 again_after,
             }),
         }
@@ -201,6 +267,7 @@ impl Publisher {
             DEFAULT_TOPIC.into(),
             "publisher".into(),
             Codec::new(DEFAULT_MAX_EVENT_BYTES, None),
+            DEFAULT_ANNOUNCE_INTERVAL,
             None,
         )
     }
@@ -213,6 +280,7 @@ impl Publisher {
             origin: "publisher".into(),
             max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
             keyring: None,
+            announce_interval: DEFAULT_ANNOUNCE_INTERVAL,
             again_after: None,
         }
     }
@@ -384,6 +452,9 @@ impl Publisher {
         build: impl FnOnce() -> Result<(Vec<Change>, T)>,
     ) -> Result<(Published, T)> {
         self.inner.transport.check_tag(cache)?;
+        if !self.inner.announcing.load(Relaxed) {
+            self.start_announcing();
+        }
         let seq = self.seq(cache);
         // Held across the publish so numbers reach the transport in order.
         let mut seq = seq.lock().await;
@@ -456,6 +527,113 @@ impl Publisher {
             }
         });
     }
+
+    /// Spawns the announcing task, once, on the runtime of the publish
+    /// that calls this: `new` and `build` may run outside any runtime.
+    #[cold]
+    fn start_announcing(&self) {
+        let every = self.inner.announce_interval;
+        if every == Duration::MAX || self.inner.announcing.swap(true, Relaxed) {
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(announce_loop(Respawn(Arc::downgrade(&self.inner)), every));
+            }
+            Err(e) => {
+                // Tried again at the next publish.
+                self.inner.announcing.store(false, Relaxed);
+                tracing::debug!(topic = %self.inner.topic, error = %e,
+                    "no tokio runtime to announce sequence numbers from");
+            }
+        }
+    }
+}
+
+/// Announces each cache's last sequence number every `every`, until it has
+/// been announced `QUIET_ANNOUNCEMENTS` times unchanged; ends once the last
+/// `Publisher` is gone (it holds only a `Weak`).
+async fn announce_loop(respawn: Respawn, every: Duration) {
+    // An argument, so that it is dropped with the task even if the task
+    // never ran.
+    let inner = &respawn.0;
+    let mut ticks = tokio::time::interval_at(deadline_after(every), every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Per cache: the number last announced and how often it was sent.
+    let mut sent: HashMap<String, (u64, u8)> = HashMap::new();
+    loop {
+        ticks.tick().await;
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        let due: Vec<(String, Arc<tokio::sync::Mutex<u64>>)> = lock(&inner.seqs)
+            .iter()
+            .filter(|(cache, seq)| {
+                // A cache being published to now will need announcing.
+                let Ok(seq) = seq.try_lock() else {
+                    return true;
+                };
+                *seq > 0
+                    && sent
+                        .get(cache.as_str())
+                        .is_none_or(|&(n, times)| n != *seq || times < QUIET_ANNOUNCEMENTS)
+            })
+            .map(|(cache, seq)| (cache.clone(), seq.clone()))
+            .collect();
+        for (cache, seq) in due {
+            // The publish lock: the announcement reaches the transport after
+            // every event it vouches for, and it takes no number.
+            let seq = seq.lock().await;
+            let n = *seq;
+            let times = match sent.get(cache.as_str()) {
+                Some(&(m, times)) if m == n => times,
+                _ => 0,
+            };
+            if n == 0 || times >= QUIET_ANNOUNCEMENTS {
+                continue;
+            }
+            match inner.announce(&cache, n).await {
+                Ok(()) => {
+                    sent.insert(cache, (n, times.saturating_add(1)));
+                }
+                // Nothing is used up: the next tick tries again.
+                Err(e) => tracing::debug!(topic = %inner.topic, %cache, seq = n, error = %e,
+                    "announcing a sequence number failed; retrying at the next interval"),
+            }
+        }
+    }
+}
+
+/// Lets the next publish spawn the announcing task again if this one is
+/// dropped while the publisher lives: its runtime shut down (a publisher
+/// can outlive the runtime it first published on).
+struct Respawn(Weak<PublisherInner>);
+
+impl Drop for Respawn {
+    fn drop(&mut self) {
+        if let Some(inner) = self.0.upgrade() {
+            inner.announcing.store(false, Relaxed);
+        }
+    }
+}
+
+impl PublisherInner {
+    /// Sends `seq` again for `cache`, as an announcement (see `wire`),
+    /// sealed like an event.
+    async fn announce(&self, cache: &str, seq: u64) -> Result<()> {
+        let header = Header {
+            cache,
+            origin: Origin(self.origin.as_bytes()),
+            publisher: self.id,
+            seq,
+            published_at_us: now_us(),
+        };
+        let payload = self.codec.seal(&header, &Change::ANNOUNCE)?;
+        self.transport
+            .publish(&self.topic, cache, Bytes::from(payload))
+            .await?;
+        Ok(())
+    }
 }
 
 mod dictionary;
@@ -522,6 +700,7 @@ mod tests {
         let transport = EmbeddedTransport::new();
         let p = Publisher::builder(transport.clone())
             .again_after(Duration::from_secs(2))
+            .announce_interval(Duration::MAX)
             .build()
             .unwrap();
         p.refresh_versioned("t", [("a", "x", Some(7)), ("b", "y", None)])

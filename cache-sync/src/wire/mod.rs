@@ -6,6 +6,15 @@
 //! without knowing any cache's types, skip events for caches it does not hold
 //! after reading only the header, and reject one bad value without losing the
 //! rest of the batch.
+//!
+//! A publisher's announcement of the last sequence number it used for a
+//! cache is an empty invalidation (`Change::Invalidate` with no keys)
+//! carrying that number again: a publisher never sends an empty
+//! invalidation otherwise (an empty batch publishes nothing). Nodes read it
+//! as [`ChangeView::Announce`]. No new variant goes on the wire, so a node
+//! built before announcements existed reads one as a change that changes
+//! nothing, with a repeated number: a redelivery, or, if it is behind, a
+//! gap in the numbers. Either answer is right.
 
 use std::fmt;
 
@@ -95,6 +104,11 @@ pub(crate) enum Change {
     Clear { version: Option<u64> },
 }
 
+impl Change {
+    /// An announcement: see the module docs.
+    pub(crate) const ANNOUNCE: Change = Change::Invalidate { keys: Vec::new() };
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[cfg_attr(test, derive(serde::Deserialize))]
 pub(crate) struct KeyVersion {
@@ -160,7 +174,12 @@ impl Change {
 pub(crate) enum ChangeView<'a> {
     Invalidate(Items<'a>),
     Refresh(Items<'a>),
-    Clear { version: Option<u64> },
+    Clear {
+        version: Option<u64>,
+    },
+    /// An empty invalidation: the publisher's last sequence number for the
+    /// cache, repeated (see the module docs). It changes no entry.
+    Announce,
 }
 
 /// One key of an invalidation or one entry of a refresh. An invalidation's
@@ -263,6 +282,7 @@ impl ChangeView<'_> {
                     .collect(),
             },
             ChangeView::Clear { version } => Change::Clear { version: *version },
+            ChangeView::Announce => Change::ANNOUNCE,
         }
     }
 }
@@ -436,7 +456,10 @@ pub(crate) fn decode_change(bytes: &[u8], offset: usize) -> Result<ChangeView<'_
         rest: bytes.get(offset..).unwrap_or_default(),
     };
     let change = match r.u32()? {
-        INVALIDATE => ChangeView::Invalidate(Items::check(&mut r, false)?),
+        INVALIDATE => match Items::check(&mut r, false)? {
+            Items { left: 0, .. } => ChangeView::Announce,
+            items => ChangeView::Invalidate(items),
+        },
         REFRESH => ChangeView::Refresh(Items::check(&mut r, true)?),
         CLEAR => ChangeView::Clear {
             version: r.option_u64()?,
@@ -541,6 +564,30 @@ mod tests {
                 (header(), change)
             );
         }
+    }
+
+    /// An announcement is an empty invalidation on the wire, so a node
+    /// built before announcements reads it as a change of nothing; this
+    /// build reads it as `Announce`, and a non-empty one as before.
+    #[test]
+    fn an_announcement_is_an_empty_invalidation() {
+        let bytes = encode(&header(), &Change::ANNOUNCE).unwrap();
+        let empty = encode(&header(), &Change::Invalidate { keys: Vec::new() }).unwrap();
+        assert_eq!(bytes, empty);
+        let (h, body) = decode_header(&bytes, DEFAULT_MAX_EVENT_BYTES).unwrap();
+        assert_eq!(h, header());
+        let view = decode_change(&bytes, body).unwrap();
+        assert!(matches!(view, ChangeView::Announce), "{view:?}");
+        assert_eq!(view.to_change(), Change::ANNOUNCE);
+        let one = Change::Invalidate {
+            keys: vec![KeyVersion {
+                key: encode_part(&1u32, "key").unwrap(),
+                version: None,
+            }],
+        };
+        let bytes = encode(&header(), &one).unwrap();
+        let view = decode_change(&bytes, body).unwrap();
+        assert!(matches!(view, ChangeView::Invalidate(_)), "{view:?}");
     }
 
     fn kind(bytes: &[u8], limit: usize) -> DecodeErrorKind {

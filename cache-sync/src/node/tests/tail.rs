@@ -1,0 +1,556 @@
+//! Tail loss: the last events before a quiet period, found by the
+//! publishers' announcements of their last sequence numbers.
+
+use std::sync::atomic::AtomicUsize;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::time::Instant;
+
+use super::super::consume::apply_loss;
+use super::super::seqs::{MAX_PENDING_CHECKS, Missing, PublisherSeqs};
+use super::*;
+use crate::transport::Loss;
+use crate::wire::{ChangeView, decode_change, decode_header};
+
+const INTERVAL: Duration = Duration::from_secs(1);
+
+/// Wraps the embedded transport: counts publishes, and announcements among
+/// them, and drops the publishes whose 1-based number is in `drop`.
+#[derive(Debug, Clone, Default)]
+struct Lossy {
+    inner: EmbeddedTransport,
+    publishes: Arc<AtomicUsize>,
+    announcements: Arc<AtomicUsize>,
+    drop: Arc<Mutex<Vec<usize>>>,
+}
+
+impl Lossy {
+    fn dropping(n: usize) -> Self {
+        let t = Self::default();
+        t.drop.lock().unwrap().push(n);
+        t
+    }
+
+    fn announcements(&self) -> usize {
+        self.announcements.load(Relaxed)
+    }
+}
+
+#[async_trait]
+impl Transport for Lossy {
+    fn kind(&self) -> &'static str {
+        "lossy"
+    }
+
+    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        let n = self.publishes.fetch_add(1, Relaxed) + 1;
+        let event = crate::wire::strip_unverified(&payload);
+        if let Ok((_, body)) = decode_header(event, usize::MAX)
+            && let Ok(ChangeView::Announce) = decode_change(event, body)
+        {
+            self.announcements.fetch_add(1, Relaxed);
+        }
+        if self.drop.lock().unwrap().contains(&n) {
+            // Accepted, never delivered: lost between publisher and broker.
+            return Ok(None);
+        }
+        self.inner.publish(topic, tag, payload).await
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        self.inner.subscribe(topic, options).await
+    }
+}
+
+/// Waits for `f`, on tokio's clock (paused in these tests, so the wait
+/// costs no real time), and returns when it held.
+async fn wait_for(what: &str, mut f: impl FnMut() -> bool) -> Instant {
+    let give_up = Instant::now() + Duration::from_secs(600);
+    while !f() {
+        assert!(Instant::now() < give_up, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Instant::now()
+}
+
+async fn nodes(transport: &Lossy, window: Duration, n: usize) -> Vec<(Node, Cache)> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let c = cache("t");
+        let node = Node::builder(format!("n{i}"), transport.clone())
+            .reorder_window(window)
+            .register(&c)
+            .start()
+            .await
+            .unwrap();
+        out.push((node, c));
+    }
+    out
+}
+
+fn resyncs(node: &Node) -> u64 {
+    node.status().caches[0].loss_resyncs
+}
+
+/// The last of five events is lost and nothing follows it: every node
+/// resyncs the cache within the announce interval plus its reorder window,
+/// and not before the window has passed.
+async fn a_lost_last_event_is_found_within_the_bound(window: Duration) {
+    let transport = Lossy::dropping(5);
+    let nodes = nodes(&transport, window, 3).await;
+    let p = Publisher::builder(transport.clone())
+        .announce_interval(INTERVAL)
+        .build()
+        .unwrap();
+    for i in 1..=4 {
+        p.refresh("t", [(format!("k{i}"), "v")]).await.unwrap();
+    }
+    for (_, c) in &nodes {
+        eventually("events 1 to 4 applied", async || {
+            holds(c, "k4", Some("v")).await
+        })
+        .await;
+    }
+    let lost_at = Instant::now();
+    p.refresh("t", [("k5", "v")]).await.unwrap();
+    assert_eq!(transport.publishes.load(Relaxed), 5);
+    let bound = INTERVAL + window;
+    for (node, c) in &nodes {
+        let at = wait_for("the tail loss is answered", || resyncs(node) == 1).await;
+        let took = at - lost_at;
+        // The wait polls every millisecond of tokio's clock.
+        assert!(
+            took <= bound + Duration::from_millis(2),
+            "{} resynced after {took:?}, over the bound {bound:?}",
+            node.id()
+        );
+        assert!(
+            took >= window,
+            "{} resynced after {took:?}, before its reorder window",
+            node.id()
+        );
+        let s = node.status();
+        assert_eq!(
+            (s.publisher_gaps, s.losses, s.caches[0].events_applied),
+            (1, 1, 4),
+            "{s:?}"
+        );
+        assert_eq!(s.last_loss_reason.as_deref(), Some("publisher_gap"));
+        assert_eq!(c.peek("k1").await, None, "the cache was emptied");
+    }
+    // The loss is answered once, whatever the repeats say.
+    wait_for("the repeats", || transport.announcements() == 3).await;
+    tokio::time::sleep(window + INTERVAL).await;
+    for (node, _) in &nodes {
+        assert_eq!(resyncs(node), 1);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_last_event_is_found_by_the_announcement() {
+    a_lost_last_event_is_found_within_the_bound(Duration::from_secs(10)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_no_reorder_window_a_lost_last_event_is_answered_at_the_announcement() {
+    a_lost_last_event_is_found_within_the_bound(Duration::ZERO).await;
+}
+
+/// Nothing lost: announcements repeat the nodes' own last number, which is
+/// no gap, apply nothing, and take no number from the next event. They stop
+/// after three at an unchanged number, and start again after a publish.
+#[tokio::test(start_paused = true)]
+async fn announcements_of_what_arrived_change_nothing_and_stop_when_quiet() {
+    let transport = Lossy::default();
+    let window = Duration::from_secs(2);
+    let nodes = nodes(&transport, window, 2).await;
+    let p = Publisher::builder(transport.clone())
+        .announce_interval(INTERVAL)
+        .build()
+        .unwrap();
+    for i in 1..=5 {
+        p.refresh("t", [(format!("k{i}"), "v")]).await.unwrap();
+    }
+    wait_for("three announcements", || transport.announcements() == 3).await;
+    tokio::time::sleep(window + 10 * INTERVAL).await;
+    assert_eq!(
+        transport.announcements(),
+        3,
+        "announcements stop when quiet"
+    );
+    for (node, c) in &nodes {
+        assert!(holds(c, "k5", Some("v")).await);
+        let s = node.status();
+        assert_eq!(
+            (
+                s.events_received,
+                s.publisher_gaps,
+                s.losses,
+                s.caches[0].loss_resyncs,
+                s.caches[0].events_applied
+            ),
+            (8, 0, 0, 0, 5),
+            "{s:?}"
+        );
+    }
+    p.refresh("t", [("k6", "v")]).await.unwrap();
+    wait_for("three more", || transport.announcements() == 6).await;
+    tokio::time::sleep(window + 10 * INTERVAL).await;
+    assert_eq!(transport.announcements(), 6);
+    assert_eq!(transport.publishes.load(Relaxed), 12);
+    for (node, c) in &nodes {
+        assert!(holds(c, "k6", Some("v")).await);
+        assert_eq!((node.status().publisher_gaps, resyncs(node)), (0, 0));
+    }
+    // The task holds the publisher weakly: once it is gone, so are they.
+    let after = transport.publishes.load(Relaxed);
+    p.refresh("t", [("k7", "v")]).await.unwrap();
+    drop(p);
+    tokio::time::sleep(10 * INTERVAL).await;
+    assert_eq!(transport.publishes.load(Relaxed), after + 1);
+}
+
+/// Events that arrive late, but within the reorder window, clear the
+/// check their announcement started.
+#[tokio::test(start_paused = true)]
+async fn late_events_within_the_window_clear_the_check() {
+    let transport = EmbeddedTransport::new();
+    let window = Duration::from_secs(5);
+    let c = cache("t");
+    let node = Node::builder("n1", transport.clone())
+        .reorder_window(window)
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    let send = |seq, change: Change| {
+        let t = transport.clone();
+        async move {
+            t.publish(DEFAULT_TOPIC, "t", raw_event("t", 7, seq, &change))
+                .await
+                .unwrap();
+        }
+    };
+    send(1, refresh_change("k1", "v")).await;
+    send(4, Change::ANNOUNCE).await;
+    eventually("the announcement is read", async || {
+        node.status().events_received == 2
+    })
+    .await;
+    tokio::time::sleep(window / 2).await;
+    send(2, refresh_change("k2", "v")).await;
+    send(3, refresh_change("k3", "v")).await;
+    send(4, refresh_change("k4", "v")).await;
+    eventually("late events applied", async || {
+        holds(&c, "k4", Some("v")).await
+    })
+    .await;
+    tokio::time::sleep(2 * window).await;
+    let s = node.status();
+    assert_eq!(
+        (s.publisher_gaps, s.caches[0].loss_resyncs),
+        (0, 0),
+        "{s:?}"
+    );
+    assert!(holds(&c, "k1", Some("v")).await);
+    // The control: an announcement whose events never come.
+    send(9, Change::ANNOUNCE).await;
+    tokio::time::sleep(2 * window).await;
+    assert_eq!(node.status().publisher_gaps, 1);
+    assert_eq!(c.peek("k1").await, None);
+}
+
+/// On a verifying node an announcement is authenticated like any event:
+/// unsigned or forged ones change nothing, a signed one is acted on.
+#[tokio::test(start_paused = true)]
+async fn forged_announcements_change_nothing_on_a_verifying_node() {
+    let ring = Keyring::new("k1", b"node-and-admin-shared-secret".to_vec()).unwrap();
+    let forger = Keyring::new("k1", b"a-guessed-secret-000000000000".to_vec()).unwrap();
+    let transport = EmbeddedTransport::new();
+    let window = Duration::from_secs(2);
+    let c = cache("t");
+    let node = Node::builder("n1", transport.clone())
+        .verify_signatures(ring.clone())
+        .reorder_window(window)
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    let send = |payload: Vec<u8>| {
+        let t = transport.clone();
+        async move {
+            t.publish(DEFAULT_TOPIC, "t", Bytes::from(payload))
+                .await
+                .unwrap();
+        }
+    };
+    send(ring.sign(&raw_event("t", 7, 1, &refresh_change("k", "v")))).await;
+    eventually("the signed event applies", async || {
+        holds(&c, "k", Some("v")).await
+    })
+    .await;
+    send(raw_event("t", 7, 50, &Change::ANNOUNCE).to_vec()).await;
+    send(forger.sign(&raw_event("t", 7, 50, &Change::ANNOUNCE))).await;
+    // From an unknown publisher too: it would set a baseline.
+    send(forger.sign(&raw_event("t", 8, 50, &Change::ANNOUNCE))).await;
+    tokio::time::sleep(3 * window).await;
+    let s = node.status();
+    assert_eq!(
+        (
+            s.events_rejected,
+            s.publisher_gaps,
+            s.caches[0].loss_resyncs
+        ),
+        (3, 0, 0),
+        "{s:?}"
+    );
+    assert!(holds(&c, "k", Some("v")).await);
+    // Had the forged announcement set publisher 8's baseline at 50, its
+    // real numbers below it would pass as redeliveries, gaps unseen.
+    send(ring.sign(&raw_event("t", 8, 1, &refresh_change("k8", "v")))).await;
+    send(ring.sign(&raw_event("t", 8, 3, &refresh_change("k8", "w")))).await;
+    eventually("publisher 8's third event", async || {
+        holds(&c, "k8", Some("w")).await
+    })
+    .await;
+    assert_eq!(node.status().publisher_gaps, 1, "8's gap was seen");
+    c.insert("k".into(), "v".into()).await;
+    send(ring.sign(&raw_event("t", 7, 50, &Change::ANNOUNCE))).await;
+    tokio::time::sleep(3 * window).await;
+    assert_eq!(node.status().publisher_gaps, 2, "the signed one counts");
+    assert_eq!(c.peek("k").await, None);
+}
+
+/// After a resume, an announcement from a publisher the node has not heard
+/// from cannot be a baseline: the events it vouches for may be gone.
+#[tokio::test(start_paused = true)]
+async fn after_a_resume_an_unknown_publishers_announcement_resyncs() {
+    let flaky = FlakyTransport {
+        inner: EmbeddedTransport::new(),
+        subscribes: Arc::default(),
+    };
+    let (a, b) = (cache("a"), cache("b"));
+    let node = Node::builder("n1", flaky.clone())
+        .reconnect_backoff(Duration::from_millis(1), Duration::from_millis(10))
+        .register(&a)
+        .register(&b)
+        .start()
+        .await
+        .unwrap();
+    let send = |cache: &'static str, publisher, seq, change: Change| {
+        let t = flaky.inner.clone();
+        async move {
+            t.publish(
+                DEFAULT_TOPIC,
+                cache,
+                raw_event(cache, publisher, seq, &change),
+            )
+            .await
+            .unwrap();
+        }
+    };
+    send("a", 1, 1, refresh_change("a1", "v")).await;
+    eventually("resumed", async || flaky.subscribes.load(Relaxed) == 2).await;
+    a.insert("warm".into(), "kept".into()).await;
+    b.insert("warm".into(), "kept".into()).await;
+    send("b", 3, 17, Change::ANNOUNCE).await;
+    send("a", 1, 1, Change::ANNOUNCE).await;
+    eventually("b resynced", async || {
+        node.status().caches[1].loss_resyncs == 1
+    })
+    .await;
+    assert_eq!(b.peek("warm").await, None);
+    assert!(
+        holds(&a, "warm", Some("kept")).await,
+        "a's publisher is known"
+    );
+    assert_eq!(node.status().publisher_gaps, 1);
+}
+
+#[test]
+fn checks_fall_due_in_order_once_and_only_while_behind() {
+    let now = Instant::now();
+    let at = |s| now + Duration::from_secs(s);
+    let mut seqs = PublisherSeqs::default();
+    // Unknown publisher, trusted cache: a baseline.
+    assert_eq!(seqs.announced(1, "a", 5, at(1)), None);
+    assert_eq!(seqs.observe(1, "a", 6), None);
+    assert_eq!(seqs.next_deadline(), None);
+    // At or behind the node's last: nothing.
+    assert_eq!(seqs.announced(1, "a", 6, at(1)), None);
+    assert_eq!(seqs.announced(1, "a", 2, at(1)), None);
+    assert_eq!(seqs.next_deadline(), None);
+    // Ahead: a check, one per (publisher, cache).
+    assert_eq!(seqs.announced(1, "a", 8, at(1)), None);
+    assert_eq!(seqs.announced(1, "a", 9, at(2)), None);
+    assert_eq!(seqs.announced(2, "a", 3, at(2)), None);
+    assert_eq!(seqs.observe(2, "a", 1), None);
+    assert_eq!(seqs.announced(2, "a", 3, at(3)), None);
+    assert_eq!(seqs.next_deadline(), Some(at(1)));
+    assert_eq!(seqs.due(now), None, "not yet");
+    assert_eq!(
+        seqs.due(at(1)),
+        Some(Missing {
+            publisher: 1,
+            cache: "a".into(),
+            from: 7,
+            to: 8
+        })
+    );
+    assert_eq!(seqs.due(at(1)), None);
+    // Answered: the next event is no gap.
+    assert_eq!(seqs.observe(1, "a", 9), None);
+    // Publisher 2's events arrived in time.
+    assert_eq!(seqs.observe(2, "a", 2), None);
+    assert_eq!(seqs.observe(2, "a", 3), None);
+    assert_eq!(seqs.due(at(3)), None);
+    assert_eq!(seqs.next_deadline(), None);
+    // After a resume, an unknown publisher's announcement is a gap now.
+    seqs.resumed(["b".to_owned()]);
+    assert_eq!(
+        seqs.announced(5, "b", 4, at(1)),
+        Some(Missing {
+            publisher: 5,
+            cache: "b".into(),
+            from: 1,
+            to: 4
+        })
+    );
+    assert_eq!(seqs.observe(5, "b", 5), None, "and 4 is its baseline");
+    assert_eq!(
+        seqs.announced(8, "b", 0, at(1)),
+        None,
+        "0 vouches for nothing"
+    );
+    // A loss clears the checks.
+    assert_eq!(seqs.announced(5, "b", 9, at(1)), None);
+    seqs.clear();
+    assert_eq!((seqs.next_deadline(), seqs.due(at(9))), (None, None));
+    // Unbounded numbers and windows are numbers like any other.
+    assert_eq!(seqs.announced(6, "c", u64::MAX, at(1)), None);
+    assert_eq!(seqs.observe(6, "c", 0), None);
+}
+
+#[test]
+fn at_the_bound_a_check_is_answered_at_once_not_dropped() {
+    let now = Instant::now();
+    let mut seqs = PublisherSeqs::default();
+    for p in 0..MAX_PENDING_CHECKS as u64 {
+        assert_eq!(seqs.observe(p, "a", 1), None);
+        assert_eq!(seqs.announced(p, "a", 2, now), None);
+    }
+    let p = MAX_PENDING_CHECKS as u64;
+    assert_eq!(seqs.observe(p, "a", 1), None);
+    assert_eq!(
+        seqs.announced(p, "a", 3, now),
+        Some(Missing {
+            publisher: p,
+            cache: "a".into(),
+            from: 2,
+            to: 3
+        })
+    );
+    let mut due = 0;
+    while seqs.due(now).is_some() {
+        due += 1;
+    }
+    assert_eq!(due, MAX_PENDING_CHECKS);
+}
+
+/// A loss that resyncs every cache makes the pending checks moot.
+#[tokio::test]
+async fn a_full_loss_clears_the_pending_checks() {
+    let c = cache("t");
+    let (shared, caches) = Node::builder("n1", EmbeddedTransport::new())
+        .register(&c)
+        .into_shared();
+    for cache in caches {
+        shared.register(cache).await.unwrap();
+    }
+    let mut seqs = PublisherSeqs::default();
+    assert_eq!(seqs.observe(1, "t", 1), None);
+    assert_eq!(seqs.announced(1, "t", 5, Instant::now()), None);
+    assert!(seqs.next_deadline().is_some());
+    apply_loss(
+        &shared,
+        &mut seqs,
+        Loss::new(crate::transport::LossReason::Trimmed, Some(3), None),
+    )
+    .await;
+    assert_eq!(seqs.next_deadline(), None);
+    assert_eq!(seqs.due(Instant::now()), None);
+    assert_eq!(c.status().loss_resyncs, 1, "the loss itself resynced");
+}
+
+#[test]
+fn announce_interval_is_checked_by_build() {
+    let build = |every| {
+        Publisher::builder(EmbeddedTransport::new())
+            .announce_interval(every)
+            .build()
+    };
+    for ok in [
+        Duration::from_millis(10),
+        Duration::from_secs(1),
+        Duration::from_secs(3600),
+        Duration::MAX,
+    ] {
+        assert!(build(ok).is_ok(), "{ok:?}");
+    }
+    for refused in [
+        Duration::ZERO,
+        Duration::from_nanos(1),
+        Duration::from_millis(9),
+        Duration::from_secs(3600) + Duration::from_nanos(1),
+        Duration::MAX - Duration::from_nanos(1),
+    ] {
+        let e = build(refused).unwrap_err();
+        assert!(e.is_config(), "{refused:?}: {e}");
+    }
+}
+
+/// `Duration::MAX`: no announcements, ever.
+#[tokio::test(start_paused = true)]
+async fn announcements_can_be_turned_off() {
+    let transport = Lossy::default();
+    let p = Publisher::builder(transport.clone())
+        .announce_interval(Duration::MAX)
+        .build()
+        .unwrap();
+    p.refresh("t", [("k", "v")]).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3600)).await;
+    assert_eq!(transport.publishes.load(Relaxed), 1);
+}
+
+/// A publisher can outlive the runtime it first published on: the next
+/// publish, on another runtime, starts announcing there.
+#[test]
+fn a_publisher_that_outlives_its_runtime_announces_from_the_next() {
+    let transport = Lossy::default();
+    let p = Publisher::builder(transport.clone())
+        .announce_interval(INTERVAL)
+        .build()
+        .unwrap();
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap()
+    };
+    // Its announcing task is dropped with it, before it ever ran.
+    runtime().block_on(async { p.refresh("t", [("k", "v")]).await.unwrap() });
+    runtime().block_on(async {
+        p.refresh("t", [("k", "w")]).await.unwrap();
+        wait_for("announcements on the second runtime", || {
+            transport.announcements() == 3
+        })
+        .await;
+    });
+}
