@@ -95,6 +95,13 @@
 //! loads, one more runs with the key pinned (other tasks' writes to that key
 //! wait for it), so nothing can overtake it.
 //!
+//! A loader that reads a lagging replica can still read the row as it was
+//! before a change the node has already applied. A versioned load then
+//! returns that row uncached (its version is older than the key's record).
+//! For unversioned loads, [`PublisherBuilder::again_after`] sends each
+//! change again, as an invalidation, once the replica's lag has passed; it
+//! removes a row reloaded in between.
+//!
 //! ## What happens on loss
 //! Zero tolerance: one possibly missed event is enough to act.
 //! - The transport signals a loss ([`Delivery::Lost`](transport::Delivery::Lost)): history trimmed past
