@@ -274,8 +274,12 @@ impl Outbox {
             .execute(&mut *tx)
             .await
             .map_err(db)?;
-        sqlx::raw_sql(&self.migration_sql())
-            .execute(&mut *tx)
+        // A plain string runs as one simple query, several statements in
+        // it. (Not `raw_sql`: its future is not `Send` for every lifetime,
+        // so a migrate could not be spawned.)
+        let sql = self.migration_sql();
+        let conn: &mut PgConnection = &mut tx;
+        sqlx::Executor::execute(conn, sql.as_str())
             .await
             .map_err(db)?;
         tx.commit().await.map_err(db)
