@@ -11,6 +11,9 @@
 //! Events are recognised by a marker, `~NNNNNNN~`, in the key or value each
 //! enqueue carries: one marker per event, read straight out of the payload.
 #![cfg(feature = "postgres")]
+// Test code throughout, helpers included: a failed step fails the test
+// with its error.
+#![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
@@ -23,6 +26,7 @@ use cache_sync::transport::{Position, SubscribeOptions, Subscription, Transport}
 use cache_sync::{
     EmbeddedTransport, Error, Node, Outbox, OutboxRelay, OutboxRelayStats, Publisher, SyncedCache,
 };
+use futures_util::future::BoxFuture;
 use integration_tests::eventually;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -335,39 +339,34 @@ async fn a_rolled_back_transaction_publishes_nothing() {
     db.drop_schema().await;
 }
 
+/// One enqueue in a transaction; returns the version it used (0 for none).
+type Enqueue = Box<dyn for<'c> Fn(&'c mut sqlx::PgConnection) -> BoxFuture<'c, u64> + Send + Sync>;
+
 /// Two transactions on one cache: A enqueues first, then B enqueues and
-/// tries to commit at once, and only then A commits. The enqueue lock makes
-/// B wait for A, so A commits first and B, committed later, carries the
-/// higher version and is published after A. Without the lock B commits
-/// first with the higher id, and the relay, in id order, publishes A (the
-/// later commit, with the lower version) last.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ids_and_versions_follow_commit_order_per_cache() {
-    let db = TestDb::new("commit_order").await;
-    let outbox = db.outbox();
-    let table = outbox.dictionary::<String, String>("c");
+/// tries to commit at once, and only then A commits. Returns the commit
+/// order (1 for A, 2 for B), the order the relay published them in, and
+/// their versions.
+async fn race(db: &TestDb, a: Enqueue, b: Enqueue) -> (Vec<u32>, Vec<u32>, u64, u64) {
     let committed = Arc::new(Mutex::new(Vec::new()));
-
-    let mut a = db.pool.begin().await.unwrap();
-    let va = table.upsert(&mut a, &"k".into(), &marker(1)).await.unwrap();
-
+    let mut tx_a = db.pool.begin().await.unwrap();
+    let va = a(&mut tx_a).await;
     let (pid_tx, pid_rx) = tokio::sync::oneshot::channel();
-    let b = {
-        let (pool, table, committed) = (db.pool.clone(), table.clone(), committed.clone());
+    let task_b = {
+        let (pool, committed) = (db.pool.clone(), committed.clone());
         tokio::spawn(async move {
-            let mut b = pool.begin().await.unwrap();
+            let mut tx_b = pool.begin().await.unwrap();
             let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-                .fetch_one(&mut *b)
+                .fetch_one(&mut *tx_b)
                 .await
                 .unwrap();
             pid_tx.send(pid).unwrap();
-            let vb = table.upsert(&mut b, &"k".into(), &marker(2)).await.unwrap();
-            b.commit().await.unwrap();
+            let vb = b(&mut tx_b).await;
+            tx_b.commit().await.unwrap();
             committed.lock().unwrap().push(2);
             vb
         })
     };
-    // A commits once B has either committed or is waiting for a lock.
+    // A commits once B has either committed or waits for a lock.
     let pid = pid_rx.await.unwrap();
     eventually("B committed or waits for a lock", async || {
         let waiting: bool = sqlx::query_scalar(
@@ -377,25 +376,82 @@ async fn ids_and_versions_follow_commit_order_per_cache() {
         .fetch_one(&db.pool)
         .await
         .unwrap();
-        waiting || b.is_finished()
+        waiting || task_b.is_finished()
     })
     .await;
-    a.commit().await.unwrap();
+    tx_a.commit().await.unwrap();
     committed.lock().unwrap().push(1);
-    let vb = b.await.unwrap();
+    let vb = task_b.await.unwrap();
     let commit_order = committed.lock().unwrap().clone();
 
     let rec = Recorder::new();
     let relay = db.relay(Publisher::new(rec.clone())).await;
     wait_published(&relay, 2).await;
-    let published: Vec<u32> = rec.events().into_iter().map(|(_, m)| m).collect();
-    assert_eq!(published, commit_order, "published in commit order");
+    relay.shutdown().await;
+    let published = rec.events().into_iter().map(|(_, m)| m).collect();
+    (commit_order, published, va, vb)
+}
+
+/// The enqueue lock makes B wait for A, so A commits first and B is
+/// published after it. Without the lock B commits first with the higher
+/// id, and the relay, in id order, publishes A (the later commit) last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ids_follow_commit_order_per_cache() {
+    let db = TestDb::new("commit_order").await;
+    let enqueue = |m: u32| -> Enqueue {
+        let outbox = db.outbox();
+        Box::new(move |conn| {
+            let outbox = outbox.clone();
+            Box::pin(async move {
+                outbox
+                    .refresh_versioned(conn, "c", [("k", marker(m), None)])
+                    .await
+                    .unwrap();
+                0
+            })
+        })
+    };
+    let (commits, published, _, _) = race(&db, enqueue(1), enqueue(2)).await;
+    assert_eq!(published, commits, "published in commit order");
+    db.drop_schema().await;
+}
+
+/// A writes the row with its own version (a row version column ahead of
+/// the clock), B with an automatic one: B commits later, so its version
+/// must be the higher. Without the lock B reads the counter before A's
+/// version is committed and takes the clock's, below A's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn automatic_versions_follow_commit_order_per_cache() {
+    let db = TestDb::new("version_order").await;
+    let table = db.outbox().dictionary::<String, String>("c");
+    let ahead = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64
+        + 60_000_000;
+    let a: Enqueue = {
+        let table = table.clone();
+        Box::new(move |conn| {
+            let table = table.clone();
+            Box::pin(async move {
+                table
+                    .upsert_with_version(conn, &"k".into(), &marker(1), ahead)
+                    .await
+                    .unwrap()
+            })
+        })
+    };
+    let b: Enqueue = Box::new(move |conn| {
+        let table = table.clone();
+        Box::pin(async move { table.upsert(conn, &"k".into(), &marker(2)).await.unwrap() })
+    });
+    let (commits, published, va, vb) = race(&db, a, b).await;
+    assert_eq!(published, commits, "published in commit order");
     let version = |m: u32| if m == 1 { va } else { vb };
     assert!(
-        version(commit_order[1]) > version(commit_order[0]),
-        "the later commit carries the higher version: commits {commit_order:?}, versions A {va} B {vb}"
+        version(commits[1]) > version(commits[0]),
+        "the later commit carries the higher version: commits {commits:?}, versions A {va} B {vb}"
     );
-    relay.shutdown().await;
     db.drop_schema().await;
 }
 
@@ -595,9 +651,14 @@ mod redis {
             .unwrap();
         let mut events = Vec::new();
         let mut distinct = HashSet::new();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while distinct.len() < n && Instant::now() < deadline {
-            match sub.next(1000).await.unwrap() {
+        // The subscription long-polls until records come: a lost event
+        // would otherwise keep it waiting for ever.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while distinct.len() < n {
+            let Ok(delivery) = tokio::time::timeout_at(deadline, sub.next(1000)).await else {
+                break;
+            };
+            match delivery.unwrap() {
                 Delivery::Batch { records, .. } => {
                     for r in records {
                         let tag = r.tag.as_deref().unwrap_or_default().to_owned();
@@ -614,11 +675,29 @@ mod redis {
         events
     }
 
-    fn relay_process(db: &TestDb, redis: &str) -> Child {
-        Command::new(env!("CARGO_BIN_EXE_outbox_relay"))
-            .args([&database_url(), &db.schema, redis, &db.schema])
-            .spawn()
-            .expect("start the relay binary")
+    /// A relay process, `kill -9`ed on drop so a failing test leaves none.
+    struct RelayProcess(Child);
+
+    impl RelayProcess {
+        fn kill(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    impl Drop for RelayProcess {
+        fn drop(&mut self) {
+            self.kill();
+        }
+    }
+
+    fn relay_process(db: &TestDb, redis: &str) -> RelayProcess {
+        RelayProcess(
+            Command::new(env!("CARGO_BIN_EXE_outbox_relay"))
+                .args([&database_url(), &db.schema, redis, &db.schema])
+                .spawn()
+                .expect("start the relay binary"),
+        )
     }
 
     /// `kill -9` of a relay process mid-batch: a second relay process
@@ -635,8 +714,7 @@ mod redis {
             tokio::time::sleep(Duration::from_millis(2)).await;
             left = db.rows().await;
         }
-        first.kill().unwrap();
-        first.wait().unwrap();
+        first.kill();
         let at_kill = db.rows().await;
         assert!(
             at_kill > 0 && at_kill < 2000,
@@ -647,8 +725,7 @@ mod redis {
             db.rows().await == 0
         })
         .await;
-        second.kill().unwrap();
-        second.wait().unwrap();
+        second.kill();
         let events = read_stream(&server.url(), &db.schema, 2000).await;
         assert_order(&events, &want);
         println!(
