@@ -180,12 +180,7 @@
 //! | `redis` | `RedisStreamsTransport` (durable, replayable; recommended) and `RedisPubSubTransport` (lowest latency, lossy) |
 //! | `nats` | `NatsJetStreamTransport` (durable, replayable) |
 //! | `rocketmq` | `RocketMqTransport` (durable, replayable; broker-side tag filtering, per-cache order) |
-//!
-//! Not a transport: `postgres` adds the transactional outbox on PostgreSQL
-//! (`Outbox`, `OutboxDictionary`, `OutboxRelay`, through `sqlx` 0.8): change
-//! events written in the caller's own transaction and published once it
-//! commits, so a crash or a broker outage between commit and publish loses
-//! nothing.
+//! | `postgres` | not a transport: the transactional outbox on PostgreSQL 14+ (`Outbox`, `OutboxDictionary`, `OutboxRelay`, through `sqlx` 0.8): change events written in the caller's own transaction and published, in commit order per cache, once it commits, so a crash or a broker outage between commit and publish loses nothing |
 //!
 //! The crate builds on its declared `rust-version` (1.89) with every feature
 //! but `rocketmq`: the RocketMQ client 1.0 needs Rust 1.95.
