@@ -282,5 +282,10 @@ mod tests {
             limit: 1,
         }));
         assert!(e.is_decode() && e.is_too_large());
+        // An unreachable database is not a broker disconnect: nothing was
+        // published, and the caller's transaction is what to retry.
+        let e = Error::Database("connection refused".into());
+        assert!(e.is_database() && !e.is_disconnected());
+        assert!(!Error::disconnected("embedded", "gone").is_database());
     }
 }
