@@ -107,8 +107,8 @@ pub struct OutboxRelayStats {
     /// Rows that could never be published, replaced by a clear of their
     /// cache (or, when even that was refused, deleted) and logged.
     pub replaced_by_clear: u64,
-    /// Rows in the outbox (due or not) when the relay last looked, after
-    /// each pass.
+    /// Rows in the outbox (due or not) when the relay last looked: after
+    /// each pass it led (a relay that waits for the leader does not look).
     pub waiting: u64,
 }
 
