@@ -314,6 +314,59 @@ async fn an_unreachable_database_is_a_database_error_not_a_disconnect() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn automatic_versions_increase_pass_caller_versions_and_never_wrap() {
+    let db = TestDb::new("versions").await;
+    let outbox = db.outbox();
+    let table = outbox.dictionary::<String, String>("c");
+    let mut tx = db.pool.begin().await.unwrap();
+    let a = outbox.next_version(&mut tx, "c").await.unwrap();
+    let b = table
+        .upsert(&mut tx, &"k".into(), &"v".into())
+        .await
+        .unwrap();
+    assert!(b > a);
+    let caller = b + 1_000_000_000;
+    table
+        .delete_with_version(&mut tx, &"k".into(), caller)
+        .await
+        .unwrap();
+    let c = outbox.next_version(&mut tx, "c").await.unwrap();
+    assert!(c > caller, "automatic versions pass caller versions");
+    let other = outbox.next_version(&mut tx, "other").await.unwrap();
+    assert!(other < caller, "versions are per cache");
+    tx.commit().await.unwrap();
+
+    // A rolled-back transaction gives its version back (the counter is
+    // ahead of the clock here, so the next version is the counter's + 1).
+    let mut tx = db.pool.begin().await.unwrap();
+    let d = outbox.next_version(&mut tx, "c").await.unwrap();
+    tx.rollback().await.unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    let e = outbox.next_version(&mut tx, "c").await.unwrap();
+    assert_eq!(
+        (d, e),
+        (c + 1, c + 1),
+        "the rolled-back version was given back"
+    );
+
+    // Versions are bigint in the database: past i64::MAX nothing follows.
+    table
+        .upsert_with_version(&mut tx, &"k".into(), &"v".into(), u64::MAX)
+        .await
+        .unwrap();
+    let err = table
+        .upsert(&mut tx, &"k".into(), &"v".into())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::VersionExhausted(v) if v == i64::MAX as u64),
+        "{err}"
+    );
+    tx.rollback().await.unwrap();
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolled_back_transaction_publishes_nothing() {
     let db = TestDb::new("rollback").await;
     let outbox = db.outbox();
