@@ -73,7 +73,10 @@ const MIGRATION: &str = include_str!("migration.sql.in");
 /// row ids and automatic versions follow commit order and the relay
 /// publishes in commit order. Every other writer of that cache waits for
 /// it: enqueue just before committing, not at the start of a long
-/// transaction. Outside a transaction (autocommit) each statement commits
+/// transaction. A transaction that enqueues for several caches holds
+/// several locks: take them in one order everywhere (say, by cache name),
+/// or PostgreSQL may find a deadlock and abort one of two transactions
+/// (an [`Error::Database`]; retry it). Outside a transaction (autocommit) each statement commits
 /// on its own and that ordering is not promised.
 ///
 /// Cheap to clone.
