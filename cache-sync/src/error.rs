@@ -104,6 +104,13 @@ pub enum Error {
     /// The node has shut down.
     #[error("the node has shut down")]
     Shutdown,
+
+    /// The outbox's database failed: it could not be reached, the
+    /// connection dropped, or a statement failed. Not a transport error:
+    /// nothing was published, and in the caller's transaction nothing was
+    /// written that will be (roll it back).
+    #[error("database error: {0}")]
+    Database(#[source] BoxError),
 }
 
 impl Error {
@@ -142,6 +149,12 @@ impl Error {
     /// The node has shut down, so it takes no more work.
     pub fn is_shutdown(&self) -> bool {
         matches!(self, Error::Shutdown)
+    }
+
+    /// The outbox's database failed (unreachable, connection dropped, or a
+    /// statement refused).
+    pub fn is_database(&self) -> bool {
+        matches!(self, Error::Database(_))
     }
 
     pub(crate) fn disconnected(transport: &'static str, source: impl Into<BoxError>) -> Self {
@@ -269,5 +282,10 @@ mod tests {
             limit: 1,
         }));
         assert!(e.is_decode() && e.is_too_large());
+        // An unreachable database is not a broker disconnect: nothing was
+        // published, and the caller's transaction is what to retry.
+        let e = Error::Database("connection refused".into());
+        assert!(e.is_database() && !e.is_disconnected());
+        assert!(!Error::disconnected("embedded", "gone").is_database());
     }
 }

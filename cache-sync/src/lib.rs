@@ -212,6 +212,7 @@
 //! | `redis` | `RedisStreamsTransport` (durable, replayable; recommended) and `RedisPubSubTransport` (lowest latency, lossy) |
 //! | `nats` | `NatsJetStreamTransport` (durable, replayable) |
 //! | `rocketmq` | `RocketMqTransport` (durable, replayable; broker-side tag filtering, per-cache order) |
+//! | `postgres` | not a transport: the transactional outbox on PostgreSQL 14+ (`Outbox`, `OutboxDictionary`, `OutboxRelay`, through `sqlx` 0.8): change events written in the caller's own transaction and published, in commit order per cache, once it commits, so a crash or a broker outage between commit and publish loses nothing |
 //!
 //! The crate builds on its declared `rust-version` (1.89) with every feature
 //! but `rocketmq`: the RocketMQ client 1.0 needs Rust 1.95.
@@ -232,6 +233,8 @@ mod error;
 #[doc(hidden)]
 pub mod fuzz;
 mod node;
+#[cfg(feature = "postgres")]
+mod outbox;
 mod publish;
 mod status;
 mod table;
@@ -245,6 +248,11 @@ pub use cache::{SyncedCache, SyncedCacheBuilder};
 pub use error::{DecodeError, DecodeErrorKind, Error, Result};
 #[doc(inline)]
 pub use node::{FileOffsetStore, MemoryOffsetStore, Node, NodeBuilder, OffsetStore, StatusServer};
+#[cfg(feature = "postgres")]
+#[doc(inline)]
+pub use outbox::{
+    Outbox, OutboxBuilder, OutboxDictionary, OutboxRelay, OutboxRelayBuilder, OutboxRelayStats,
+};
 #[doc(inline)]
 pub use publish::{DictionaryPublisher, Published, Publisher, PublisherBuilder};
 #[doc(inline)]

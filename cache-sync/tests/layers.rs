@@ -22,7 +22,7 @@ const LAYERS: &[&[&str]] = &[
     &["status", "table"],
     &["cache"],
     &["publish"],
-    &["node"],
+    &["node", "outbox"],
     &["fuzz"],
 ];
 

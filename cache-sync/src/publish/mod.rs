@@ -438,7 +438,27 @@ impl Publisher {
         Ok(changes)
     }
 
-    async fn send(&self, cache: &str, changes: Vec<Change>) -> Result<Published> {
+    /// Splits an already built change (the outbox relay's, stored before
+    /// this publisher's limit was known) as this publisher's limit needs.
+    /// An entry that can never fit is [`Error::TooLarge`].
+    #[cfg(feature = "postgres")]
+    pub(crate) fn resplit(&self, change: Change) -> Result<Vec<Change>> {
+        match change {
+            Change::Invalidate { keys } => self.split(
+                keys,
+                |k| framed_len(&[&k.key]),
+                |keys| Change::Invalidate { keys },
+            ),
+            Change::Refresh { entries } => self.split(
+                entries,
+                |e| framed_len(&[&e.key, &e.value]),
+                |entries| Change::Refresh { entries },
+            ),
+            clear @ Change::Clear { .. } => Ok(vec![clear]),
+        }
+    }
+
+    pub(crate) async fn send(&self, cache: &str, changes: Vec<Change>) -> Result<Published> {
         self.send_with(cache, || Ok((changes, ())))
             .await
             .map(|(p, ())| p)

@@ -96,8 +96,9 @@ impl fmt::Debug for Origin<'_> {
 }
 
 /// What changed, as a publisher builds it.
+// Deserialize: tests, and the outbox, which stores changes in its rows.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[cfg_attr(test, derive(serde::Deserialize))]
+#[cfg_attr(any(test, feature = "postgres"), derive(serde::Deserialize))]
 pub(crate) enum Change {
     Invalidate { keys: Vec<KeyVersion> },
     Refresh { entries: Vec<EntryVersion> },
@@ -110,14 +111,14 @@ impl Change {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[cfg_attr(test, derive(serde::Deserialize))]
+#[cfg_attr(any(test, feature = "postgres"), derive(serde::Deserialize))]
 pub(crate) struct KeyVersion {
     pub(crate) key: Bytes,
     pub(crate) version: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[cfg_attr(test, derive(serde::Deserialize))]
+#[cfg_attr(any(test, feature = "postgres"), derive(serde::Deserialize))]
 pub(crate) struct EntryVersion {
     pub(crate) key: Bytes,
     pub(crate) value: Bytes,

@@ -1,0 +1,875 @@
+//! The transactional outbox on PostgreSQL (feature `postgres`).
+//!
+//! Publishing after a commit is two writes: a crash or a broker outage
+//! between them leaves the change unpublished, and nodes serve the old row
+//! until it is evicted. With the outbox, the change event is a row written
+//! in the caller's own transaction ([`Outbox`]), so it commits or rolls
+//! back with the data, and an [`OutboxRelay`] publishes committed rows
+//! through a [`Publisher`](crate::Publisher), deleting each only once the
+//! transport has taken it.
+//!
+//! Ordering: every enqueue first takes a transaction-level advisory lock on
+//! its (schema, cache), then takes its row id (and an automatic version)
+//! after the lock. Writers of one cache therefore serialize from their
+//! first enqueue to their commit, and per cache, ids and versions follow
+//! commit order. The relay publishes in id order, so per cache it publishes
+//! in commit order. The cost: a transaction that enqueued holds up every
+//! other writer of that cache until it ends, so enqueue last, just before
+//! the commit.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use sqlx::{PgConnection, PgPool};
+
+use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
+use crate::table::Table;
+use crate::transport::names::{self, NameKind};
+use crate::wire::{
+    Change, DEFAULT_MAX_EVENT_BYTES, EntryVersion, KeyVersion, MAX_EVENT_BYTES_CEILING,
+    encode_part, framed_len,
+};
+
+mod relay;
+
+pub use relay::{OutboxRelay, OutboxRelayBuilder, OutboxRelayStats};
+
+/// The schema [`Outbox::new`] uses.
+const DEFAULT_SCHEMA: &str = "cache_sync";
+
+/// PostgreSQL's longest identifier (NAMEDATALEN - 1).
+const MAX_SCHEMA_BYTES: usize = 63;
+
+/// The channel the insert trigger notifies, with the schema as payload. One
+/// channel for every schema: a channel name is limited like an identifier,
+/// and the payload tells relays of other schemas to ignore it.
+pub(crate) const CHANNEL: &str = "cache_sync_outbox";
+
+/// The longest delay [`OutboxBuilder::again_after`] accepts.
+const MAX_AGAIN_AFTER: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The first byte of every row's `change`: the row format, so that a later
+/// release can change it and an old relay recognises what it cannot read.
+const ROW_FORMAT_V1: u8 = 1;
+
+/// The migration, with `{schema}` for the schema's name;
+/// `migrations/0001_outbox.sql` is this with `cache_sync` (a test keeps them
+/// the same).
+const MIGRATION: &str = include_str!("migration.sql.in");
+
+/// Writes change events into an outbox table inside the caller's own
+/// transaction; an [`OutboxRelay`] publishes them once committed.
+///
+/// Every method that enqueues takes `&mut PgConnection`: pass an open
+/// transaction (`&mut *tx` for a `sqlx::Transaction`). The row is written
+/// when the call returns; the relay sees it only once the caller commits,
+/// and a rolled-back transaction publishes nothing.
+///
+/// **Enqueue last.** Each enqueue first takes a transaction-level advisory
+/// lock on its cache (held until commit or rollback), so that per cache,
+/// row ids and automatic versions follow commit order and the relay
+/// publishes in commit order. Every other writer of that cache waits for
+/// it: enqueue just before committing, not at the start of a long
+/// transaction. A transaction that enqueues for several caches holds
+/// several locks: take them in one order everywhere (say, by cache name),
+/// or PostgreSQL may find a deadlock and abort one of two transactions
+/// (an [`Error::Database`]; retry it). Outside a transaction (autocommit) each statement commits
+/// on its own and that ordering is not promised.
+///
+/// Cheap to clone.
+///
+/// ```no_run
+/// use cache_sync::{Outbox, OutboxRelay, Publisher, Table};
+/// # use cache_sync::EmbeddedTransport;
+///
+/// const COUNTRIES: Table<String, String> = Table::new("countries");
+///
+/// # async fn run(pool: sqlx::PgPool, publisher: Publisher) -> cache_sync::Result<()> {
+/// let outbox = Outbox::new();
+/// outbox.migrate(&pool).await?; // or run migrations/0001_outbox.sql yourself
+///
+/// // In the admin service, in the transaction that writes the row:
+/// let countries = outbox.dictionary(COUNTRIES);
+/// let mut tx = pool.begin().await.map_err(|e| cache_sync::Error::Database(e.into()))?;
+/// // ... UPDATE countries SET name = 'Deutschland' WHERE code = 'de' ...
+/// let version = countries.upsert(&mut tx, &"de".into(), &"Deutschland".into()).await?;
+/// tx.commit().await.map_err(|e| cache_sync::Error::Database(e.into()))?;
+///
+/// // Once per service (several may run; one publishes at a time):
+/// let relay = OutboxRelay::builder(pool.clone(), publisher).outbox(outbox).start().await?;
+/// # let _ = version;
+/// relay.shutdown().await;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Outbox {
+    inner: Arc<OutboxInner>,
+}
+
+struct OutboxInner {
+    schema: String,
+    max_event_bytes: usize,
+    again_after: Option<Duration>,
+}
+
+impl fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Outbox")
+            .field("schema", &self.inner.schema)
+            .field("max_event_bytes", &self.inner.max_event_bytes)
+            .field("again_after", &self.inner.again_after)
+            .finish()
+    }
+}
+
+impl Default for Outbox {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Configures an [`Outbox`].
+#[derive(Debug, Clone)]
+pub struct OutboxBuilder {
+    schema: String,
+    max_event_bytes: usize,
+    again_after: Option<Duration>,
+}
+
+impl OutboxBuilder {
+    /// The schema holding the outbox's tables. Default `cache_sync`. A
+    /// plain, unquoted SQL identifier: 1 to 63 bytes of lowercase ASCII
+    /// letters, digits and `_`, not starting with a digit or `pg_`;
+    /// [`build`](Self::build) refuses anything else.
+    pub fn schema(mut self, name: impl Into<String>) -> Self {
+        self.schema = name.into();
+        self
+    }
+
+    /// The largest row (one encoded change) an enqueue writes; larger
+    /// calls are split over several rows, and a single key or entry that
+    /// does not fit is [`Error::TooLarge`]. The relay reads no row larger
+    /// than this either. The relay's publisher splits rows again under its
+    /// own limit. Default 1 MiB; 1 byte to 64 MiB.
+    pub fn max_event_bytes(mut self, n: usize) -> Self {
+        self.max_event_bytes = n;
+        self
+    }
+
+    /// Every invalidation (and dictionary delete) is enqueued twice: once
+    /// now, and once more due `delay` after the enqueue, by the database's
+    /// clock. A node whose reads go to a lagging replica may reload the old
+    /// row after the first one; the second drops it again. The second copy
+    /// is a row of its own, written in the same transaction, so it is gone
+    /// with a rollback and survives a relay crash. The relay publishes it
+    /// when due without holding up later rows: an invalidation removes, and
+    /// removal is never stale, so publishing it after later events of its
+    /// cache costs at most a reload. At most 24 hours; `build` refuses more
+    /// or zero. Default: off.
+    pub fn again_after(mut self, delay: Duration) -> Self {
+        self.again_after = Some(delay);
+        self
+    }
+
+    /// The outbox, or [`Error::Config`] naming the setting out of range.
+    pub fn build(self) -> Result<Outbox> {
+        check_schema(&self.schema)?;
+        if self.max_event_bytes == 0 || self.max_event_bytes > MAX_EVENT_BYTES_CEILING {
+            return Err(Error::Config(format!(
+                "max_event_bytes must be between 1 and {MAX_EVENT_BYTES_CEILING}, not {}",
+                self.max_event_bytes
+            )));
+        }
+        if let Some(delay) = self.again_after
+            && (delay.is_zero() || delay > MAX_AGAIN_AFTER)
+        {
+            return Err(Error::Config(format!(
+                "again_after must be between 1 µs and {MAX_AGAIN_AFTER:?}, not {delay:?}"
+            )));
+        }
+        Ok(Outbox {
+            inner: Arc::new(OutboxInner {
+                schema: self.schema,
+                max_event_bytes: self.max_event_bytes,
+                again_after: self.again_after,
+            }),
+        })
+    }
+}
+
+/// The schema rule: a name that needs no quoting anywhere it is spliced
+/// into SQL, so no quoting mistake can turn it into SQL of its own.
+fn check_schema(name: &str) -> Result<()> {
+    let refuse = |rule: &str| {
+        let shown: String = name.chars().take(64).collect();
+        Err(Error::Config(format!(
+            "invalid outbox schema name {shown:?}: {rule}"
+        )))
+    };
+    if name.is_empty() || name.len() > MAX_SCHEMA_BYTES {
+        return refuse("a schema name is 1 to 63 bytes");
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+    {
+        return refuse("a schema name holds only a-z, 0-9 and _");
+    }
+    if name.as_bytes()[0].is_ascii_digit() || name.starts_with("pg_") {
+        return refuse("a schema name starts with neither a digit nor pg_");
+    }
+    Ok(())
+}
+
+pub(crate) fn db(e: sqlx::Error) -> Error {
+    Error::Database(Box::new(e))
+}
+
+/// The 64-bit key of a transaction-level advisory lock, computed by the
+/// database from a string naming what it guards.
+const LOCK_SQL: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))";
+
+impl Outbox {
+    /// An outbox in the schema `cache_sync`, rows up to 1 MiB, no second
+    /// invalidation.
+    pub fn new() -> Self {
+        Self::builder()
+            .build()
+            .expect("the default settings are valid")
+    }
+
+    /// Configures an outbox.
+    pub fn builder() -> OutboxBuilder {
+        OutboxBuilder {
+            schema: DEFAULT_SCHEMA.into(),
+            max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
+            again_after: None,
+        }
+    }
+
+    /// The schema holding the outbox's tables.
+    pub fn schema(&self) -> &str {
+        &self.inner.schema
+    }
+
+    pub(crate) fn max_event_bytes(&self) -> usize {
+        self.inner.max_event_bytes
+    }
+
+    /// The SQL [`migrate`](Self::migrate) runs.
+    fn migration_sql(&self) -> String {
+        MIGRATION.replace("{schema}", &self.inner.schema)
+    }
+
+    /// Creates the schema, tables, sequence and trigger where missing
+    /// (`migrations/0001_outbox.sql`, in this outbox's schema), in one
+    /// transaction. Safe to run at every start and from several processes
+    /// at once: an advisory lock on the schema's name lets one run at a
+    /// time, and every statement is idempotent. Needs PostgreSQL 14 or
+    /// later.
+    pub async fn migrate(&self, pool: &PgPool) -> Result<()> {
+        let mut tx = pool.begin().await.map_err(db)?;
+        sqlx::query(LOCK_SQL)
+            .bind(format!("cache-sync migrate\n{}", self.inner.schema))
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        // A plain string runs as one simple query, several statements in
+        // it. (Not `raw_sql`: its future is not `Send` for every lifetime,
+        // so a migrate could not be spawned.)
+        let sql = self.migration_sql();
+        let conn: &mut PgConnection = &mut tx;
+        sqlx::Executor::execute(conn, sql.as_str())
+            .await
+            .map_err(db)?;
+        tx.commit().await.map_err(db)
+    }
+
+    /// Enqueues an unversioned invalidation of `keys` in `cache` (see
+    /// [`Publisher::invalidate`](crate::Publisher::invalidate)), and its
+    /// delayed copy when [`again_after`](OutboxBuilder::again_after) is set.
+    pub async fn invalidate<K: Serialize>(
+        &self,
+        conn: &mut PgConnection,
+        cache: &str,
+        keys: impl IntoIterator<Item = K>,
+    ) -> Result<()> {
+        self.invalidate_versioned(conn, cache, keys.into_iter().map(|k| (k, None)))
+            .await
+    }
+
+    /// Enqueues an invalidation leaving a tombstone at each key's version
+    /// (see [`Publisher::invalidate_versioned`](crate::Publisher::invalidate_versioned)),
+    /// and its delayed copy when [`again_after`](OutboxBuilder::again_after) is set.
+    pub async fn invalidate_versioned<K: Serialize>(
+        &self,
+        conn: &mut PgConnection,
+        cache: &str,
+        keys: impl IntoIterator<Item = (K, Option<u64>)>,
+    ) -> Result<()> {
+        let changes = self.invalidate_changes(keys)?;
+        self.lock(conn, cache).await?;
+        self.insert(conn, cache, &changes, self.inner.again_after)
+            .await
+    }
+
+    /// Enqueues a refresh of these entries, each with an optional version
+    /// (see [`Publisher::refresh_versioned`](crate::Publisher::refresh_versioned)).
+    pub async fn refresh_versioned<K: Serialize, V: Serialize>(
+        &self,
+        conn: &mut PgConnection,
+        cache: &str,
+        entries: impl IntoIterator<Item = (K, V, Option<u64>)>,
+    ) -> Result<()> {
+        let changes = self.refresh_changes(entries)?;
+        self.lock(conn, cache).await?;
+        self.insert(conn, cache, &changes, None).await
+    }
+
+    /// Enqueues a clear of `cache` (see [`Publisher::clear`](crate::Publisher::clear)).
+    pub async fn clear(&self, conn: &mut PgConnection, cache: &str) -> Result<()> {
+        self.lock(conn, cache).await?;
+        self.insert(conn, cache, &[Change::Clear { version: None }], None)
+            .await
+    }
+
+    /// A version for a row of `cache`, from the caller's transaction: the
+    /// database clock in microseconds since the Unix epoch, made strictly
+    /// greater than every version this outbox handed out or was given for
+    /// `cache` (by the dictionary helper's `_with_version` methods). It is
+    /// taken under the cache's enqueue lock, so per cache, versions follow
+    /// commit order; the lock is held until the transaction ends, as for
+    /// an enqueue. A rolled-back transaction gives its version back.
+    ///
+    /// Versions are stored as PostgreSQL `bigint`: after a version of
+    /// `i64::MAX` (or a caller version above it), this is
+    /// [`Error::VersionExhausted`].
+    pub async fn next_version(&self, conn: &mut PgConnection, cache: &str) -> Result<u64> {
+        self.lock(conn, cache).await?;
+        self.auto_version(conn, cache).await
+    }
+
+    /// The outbox mode of the dictionary helper: a typed, versioned
+    /// enqueuer for one table, mirroring
+    /// [`DictionaryPublisher`](crate::DictionaryPublisher). A topic the
+    /// [`Table`] is pinned to is not checked here: the relay's publisher
+    /// picks the topic.
+    pub fn dictionary<K: Serialize, V: Serialize>(
+        &self,
+        table: impl Into<Table<K, V>>,
+    ) -> OutboxDictionary<K, V> {
+        let (cache, _topic) = table.into().into_parts();
+        OutboxDictionary {
+            outbox: self.clone(),
+            cache,
+            _types: PhantomData,
+        }
+    }
+
+    /// Takes the cache's enqueue lock, held until the transaction ends.
+    /// Everything that decides order (the row id, an automatic version) is
+    /// taken after it.
+    async fn lock(&self, conn: &mut PgConnection, cache: &str) -> Result<()> {
+        names::check(NameKind::Cache, cache)?;
+        sqlx::query(LOCK_SQL)
+            .bind(format!("cache-sync outbox\n{}\n{cache}", self.inner.schema))
+            .execute(&mut *conn)
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    /// The next automatic version; the caller holds the cache's lock, which
+    /// also serializes every reader and writer of its counter row.
+    async fn auto_version(&self, conn: &mut PgConnection, cache: &str) -> Result<u64> {
+        let (last, now): (Option<i64>, i64) = sqlx::query_as(&format!(
+            "SELECT (SELECT version FROM {s}.versions WHERE cache = $1), \
+             (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+            s = self.inner.schema
+        ))
+        .bind(cache)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(db)?;
+        let next = match last {
+            Some(last) => last
+                .checked_add(1)
+                .ok_or(Error::VersionExhausted(u64::try_from(last).unwrap_or(0)))?
+                .max(now),
+            None => now.max(1),
+        };
+        self.store_version(conn, cache, next, false).await?;
+        Ok(u64::try_from(next).unwrap_or(0))
+    }
+
+    /// Records `version` as the cache's latest: `raise` keeps the larger of
+    /// the stored and the given (a caller's version).
+    async fn store_version(
+        &self,
+        conn: &mut PgConnection,
+        cache: &str,
+        version: i64,
+        raise: bool,
+    ) -> Result<()> {
+        let update = if raise {
+            "greatest(v.version, EXCLUDED.version)"
+        } else {
+            "EXCLUDED.version"
+        };
+        sqlx::query(&format!(
+            "INSERT INTO {s}.versions AS v (cache, version) VALUES ($1, $2) \
+             ON CONFLICT (cache) DO UPDATE SET version = {update}",
+            s = self.inner.schema
+        ))
+        .bind(cache)
+        .bind(version)
+        .execute(&mut *conn)
+        .await
+        .map_err(db)?;
+        Ok(())
+    }
+
+    /// Writes the rows (and, with `again`, a delayed copy of each), ids
+    /// from the sequence now, under the lock the caller took.
+    async fn insert(
+        &self,
+        conn: &mut PgConnection,
+        cache: &str,
+        changes: &[Change],
+        again: Option<Duration>,
+    ) -> Result<()> {
+        let mut rows = Vec::with_capacity(changes.len());
+        for change in changes {
+            rows.push(encode_row(change, self.inner.max_event_bytes)?);
+        }
+        let sql = format!(
+            "INSERT INTO {s}.outbox (id, cache, change, not_before) \
+             SELECT nextval('{s}.outbox_id_seq'), $1, c, NULL FROM unnest($2::bytea[]) WITH ORDINALITY AS r(c, n) ORDER BY n",
+            s = self.inner.schema
+        );
+        sqlx::query(&sql)
+            .bind(cache)
+            .bind(&rows)
+            .execute(&mut *conn)
+            .await
+            .map_err(db)?;
+        if let Some(delay) = again {
+            let micros = i64::try_from(delay.as_micros()).unwrap_or(i64::MAX);
+            let sql = format!(
+                "INSERT INTO {s}.outbox (id, cache, change, not_before) \
+                 SELECT nextval('{s}.outbox_id_seq'), $1, c, clock_timestamp() + $3 * interval '1 microsecond' \
+                 FROM unnest($2::bytea[]) WITH ORDINALITY AS r(c, n) ORDER BY n",
+                s = self.inner.schema
+            );
+            sqlx::query(&sql)
+                .bind(cache)
+                .bind(&rows)
+                .bind(micros)
+                .execute(&mut *conn)
+                .await
+                .map_err(db)?;
+        }
+        Ok(())
+    }
+
+    fn invalidate_changes<K: Serialize>(
+        &self,
+        keys: impl IntoIterator<Item = (K, Option<u64>)>,
+    ) -> Result<Vec<Change>> {
+        let mut items = Vec::new();
+        for (k, version) in keys {
+            items.push(KeyVersion {
+                key: encode_part(&k, "key")?,
+                version,
+            });
+        }
+        self.split(
+            items,
+            |k| framed_len(&[&k.key]),
+            |keys| Change::Invalidate { keys },
+        )
+    }
+
+    fn refresh_changes<K: Serialize, V: Serialize>(
+        &self,
+        entries: impl IntoIterator<Item = (K, V, Option<u64>)>,
+    ) -> Result<Vec<Change>> {
+        let mut items = Vec::new();
+        for (k, v, version) in entries {
+            items.push(EntryVersion {
+                key: encode_part(&k, "key")?,
+                value: encode_part(&v, "value")?,
+                version,
+            });
+        }
+        self.split(
+            items,
+            |e| framed_len(&[&e.key, &e.value]),
+            |entries| Change::Refresh { entries },
+        )
+    }
+
+    /// Packs items into as few rows as fit `max_event_bytes`.
+    fn split<T>(
+        &self,
+        items: Vec<T>,
+        size: impl Fn(&T) -> usize,
+        make: impl Fn(Vec<T>) -> Change,
+    ) -> Result<Vec<Change>> {
+        // The format byte, the variant and the length prefix, rounded up.
+        let budget = self.inner.max_event_bytes.saturating_sub(16);
+        let mut changes = Vec::new();
+        let mut batch = Vec::new();
+        let mut used = 0usize;
+        for item in items {
+            let n = size(&item);
+            if n > budget {
+                return Err(Error::TooLarge {
+                    what: "entry",
+                    size: n,
+                    limit: budget,
+                });
+            }
+            if used.saturating_add(n) > budget && !batch.is_empty() {
+                changes.push(make(std::mem::take(&mut batch)));
+                used = 0;
+            }
+            used = used.saturating_add(n);
+            batch.push(item);
+        }
+        if !batch.is_empty() {
+            changes.push(make(batch));
+        }
+        Ok(changes)
+    }
+}
+
+/// bincode's standard configuration, with the crate's ceiling as the limit
+/// on what any length prefix may claim.
+fn row_config() -> impl bincode::config::Config {
+    bincode::config::standard().with_limit::<MAX_EVENT_BYTES_CEILING>()
+}
+
+fn encode_row(change: &Change, limit: usize) -> Result<Vec<u8>> {
+    let mut row = vec![ROW_FORMAT_V1];
+    bincode::serde::encode_into_std_write(change, &mut row, row_config()).map_err(|e| {
+        Error::Encode {
+            what: "event",
+            message: e.to_string(),
+        }
+    })?;
+    if row.len() > limit {
+        return Err(Error::TooLarge {
+            what: "event",
+            size: row.len(),
+            limit,
+        });
+    }
+    Ok(row)
+}
+
+/// Reads a row's change. Bounded: the row's length is checked against the
+/// limit before anything is read, and serde's sequence visitors preallocate
+/// no more than a small cap whatever a length prefix claims.
+pub(crate) fn decode_row(row: &[u8], limit: usize) -> Result<Change, DecodeError> {
+    let malformed = |m: String| DecodeError::new(DecodeErrorKind::Malformed(m));
+    if row.len() > limit {
+        return Err(DecodeError::new(DecodeErrorKind::TooLarge {
+            size: row.len(),
+            limit,
+        }));
+    }
+    let (&format, body) = row
+        .split_first()
+        .ok_or(DecodeError::new(DecodeErrorKind::Empty))?;
+    if format != ROW_FORMAT_V1 {
+        return Err(DecodeError::new(DecodeErrorKind::UnknownFormat(format)));
+    }
+    let (change, used) = bincode::serde::decode_from_slice::<Change, _>(body, row_config())
+        .map_err(|e| malformed(e.to_string()))?;
+    if used != body.len() {
+        return Err(DecodeError::new(DecodeErrorKind::TrailingBytes(
+            body.len().saturating_sub(used),
+        )));
+    }
+    Ok(change)
+}
+
+/// The dictionary helper's outbox mode: typed rows of one table, enqueued
+/// in the caller's transaction with a row version each.
+///
+/// Like [`DictionaryPublisher`](crate::DictionaryPublisher), by default it
+/// assigns versions ([`Outbox::next_version`]: database microseconds, made
+/// strictly increasing per cache, in commit order), or takes the caller's
+/// own (a row version column) with the `_with_version` methods; automatic
+/// versions always exceed versions passed in. Every method returns the
+/// version used, once the row is written.
+pub struct OutboxDictionary<K, V> {
+    outbox: Outbox,
+    cache: String,
+    _types: PhantomData<fn(&K, &V)>,
+}
+
+impl<K, V> Clone for OutboxDictionary<K, V> {
+    fn clone(&self) -> Self {
+        Self {
+            outbox: self.outbox.clone(),
+            cache: self.cache.clone(),
+            _types: PhantomData,
+        }
+    }
+}
+
+impl<K, V> fmt::Debug for OutboxDictionary<K, V> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OutboxDictionary")
+            .field("cache", &self.cache)
+            .field("schema", &self.outbox.inner.schema)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
+    /// The cache name it enqueues for.
+    pub fn cache(&self) -> &str {
+        &self.cache
+    }
+
+    /// A row was inserted or updated. Returns the version assigned.
+    pub async fn upsert(&self, conn: &mut PgConnection, key: &K, row: &V) -> Result<u64> {
+        self.upsert_many(conn, [(key, row)]).await
+    }
+
+    /// [`upsert`](Self::upsert) with the caller's version.
+    pub async fn upsert_with_version(
+        &self,
+        conn: &mut PgConnection,
+        key: &K,
+        row: &V,
+        version: u64,
+    ) -> Result<u64> {
+        self.enqueue(conn, Some(version), None, |o, v| {
+            o.refresh_changes([(key, row, Some(v))])
+        })
+        .await
+    }
+
+    /// Several rows at one version.
+    pub async fn upsert_many<'a>(
+        &self,
+        conn: &mut PgConnection,
+        rows: impl IntoIterator<Item = (&'a K, &'a V)>,
+    ) -> Result<u64>
+    where
+        K: 'a,
+        V: 'a,
+    {
+        self.enqueue(conn, None, None, |o, v| {
+            o.refresh_changes(rows.into_iter().map(|(k, r)| (k, r, Some(v))))
+        })
+        .await
+    }
+
+    /// A row was deleted: nodes drop it and keep a tombstone at the
+    /// version. Enqueued twice with [`again_after`](OutboxBuilder::again_after).
+    pub async fn delete(&self, conn: &mut PgConnection, key: &K) -> Result<u64> {
+        let again = self.outbox.inner.again_after;
+        self.enqueue(conn, None, again, |o, v| {
+            o.invalidate_changes([(key, Some(v))])
+        })
+        .await
+    }
+
+    /// [`delete`](Self::delete) with the caller's version.
+    pub async fn delete_with_version(
+        &self,
+        conn: &mut PgConnection,
+        key: &K,
+        version: u64,
+    ) -> Result<u64> {
+        let again = self.outbox.inner.again_after;
+        self.enqueue(conn, Some(version), again, |o, v| {
+            o.invalidate_changes([(key, Some(v))])
+        })
+        .await
+    }
+
+    /// The table was replaced wholesale: a clear at the version, then the
+    /// rows at the same version (see
+    /// [`DictionaryPublisher::replace_all`](crate::DictionaryPublisher::replace_all)).
+    pub async fn replace_all<'a>(
+        &self,
+        conn: &mut PgConnection,
+        rows: impl IntoIterator<Item = (&'a K, &'a V)>,
+    ) -> Result<u64>
+    where
+        K: 'a,
+        V: 'a,
+    {
+        self.enqueue(conn, None, None, |o, v| replace_changes(o, rows, v))
+            .await
+    }
+
+    /// [`replace_all`](Self::replace_all) with the caller's version.
+    pub async fn replace_all_with_version<'a>(
+        &self,
+        conn: &mut PgConnection,
+        rows: impl IntoIterator<Item = (&'a K, &'a V)>,
+        version: u64,
+    ) -> Result<u64>
+    where
+        K: 'a,
+        V: 'a,
+    {
+        self.enqueue(conn, Some(version), None, |o, v| {
+            replace_changes(o, rows, v)
+        })
+        .await
+    }
+
+    /// Takes the lock, then the version, then the ids. On an error the
+    /// caller rolls back, which also returns the version.
+    async fn enqueue(
+        &self,
+        conn: &mut PgConnection,
+        version: Option<u64>,
+        again: Option<Duration>,
+        build: impl FnOnce(&Outbox, u64) -> Result<Vec<Change>>,
+    ) -> Result<u64> {
+        let o = &self.outbox;
+        o.lock(conn, &self.cache).await?;
+        let v = match version {
+            Some(v) => {
+                let stored = i64::try_from(v).unwrap_or(i64::MAX);
+                o.store_version(conn, &self.cache, stored, true).await?;
+                v
+            }
+            None => o.auto_version(conn, &self.cache).await?,
+        };
+        let changes = build(o, v)?;
+        o.insert(conn, &self.cache, &changes, again).await?;
+        Ok(v)
+    }
+}
+
+fn replace_changes<'a, K: Serialize + 'a, V: Serialize + 'a>(
+    o: &Outbox,
+    rows: impl IntoIterator<Item = (&'a K, &'a V)>,
+    version: u64,
+) -> Result<Vec<Change>> {
+    let mut changes = vec![Change::Clear {
+        version: Some(version),
+    }];
+    changes.extend(o.refresh_changes(rows.into_iter().map(|(k, r)| (k, r, Some(version))))?);
+    Ok(changes)
+}
+
+/// Bytes of a key as the outbox stores it, for tests.
+#[cfg(test)]
+fn key_bytes<K: Serialize>(k: &K) -> bytes::Bytes {
+    encode_part(k, "key").expect("key encodes")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_migration_is_what_migrate_runs_for_cache_sync() {
+        assert_eq!(
+            Outbox::new().migration_sql(),
+            include_str!("../../migrations/0001_outbox.sql")
+        );
+        let other = Outbox::builder().schema("tenant_7").build().unwrap();
+        let sql = other.migration_sql();
+        assert!(!sql.contains("{schema}") && !sql.contains("cache_sync."));
+        assert!(sql.contains("CREATE TABLE IF NOT EXISTS tenant_7.outbox"));
+    }
+
+    #[test]
+    fn schema_names_are_plain_identifiers() {
+        for bad in [
+            "",
+            "a;drop",
+            "A",
+            "1abc",
+            "pg_catalog",
+            "a b",
+            "a\"b",
+            "é",
+            &"a".repeat(64),
+        ] {
+            let err = Outbox::builder().schema(bad).build().unwrap_err();
+            assert!(err.is_config(), "{bad:?}: {err}");
+        }
+        for good in ["cache_sync", "_x", "a1", &"a".repeat(63)] {
+            Outbox::builder().schema(good).build().unwrap();
+        }
+    }
+
+    #[test]
+    fn settings_out_of_range_are_refused() {
+        for n in [0, MAX_EVENT_BYTES_CEILING + 1] {
+            assert!(
+                Outbox::builder()
+                    .max_event_bytes(n)
+                    .build()
+                    .unwrap_err()
+                    .is_config()
+            );
+        }
+        for d in [Duration::ZERO, MAX_AGAIN_AFTER + Duration::from_secs(1)] {
+            assert!(
+                Outbox::builder()
+                    .again_after(d)
+                    .build()
+                    .unwrap_err()
+                    .is_config()
+            );
+        }
+    }
+
+    #[test]
+    fn rows_round_trip_and_bad_rows_are_refused() {
+        let change = Change::Invalidate {
+            keys: vec![KeyVersion {
+                key: key_bytes(&"de"),
+                version: Some(7),
+            }],
+        };
+        let row = encode_row(&change, 1024).unwrap();
+        assert_eq!(decode_row(&row, 1024).unwrap(), change);
+        assert!(decode_row(&row, row.len() - 1).is_err(), "over the limit");
+        assert!(decode_row(&[], 1024).is_err());
+        assert!(decode_row(&[2, 0], 1024).is_err(), "unknown format");
+        let mut trailing = row.clone();
+        trailing.push(0);
+        assert!(decode_row(&trailing, 1024).is_err());
+        // A length prefix claiming far more than the row holds.
+        assert!(decode_row(&[1, 0, 0xfc, 0xff, 0xff, 0xff, 0x7f], 1024).is_err());
+        assert!(
+            encode_row(&change, row.len() - 1)
+                .unwrap_err()
+                .is_too_large()
+        );
+    }
+
+    #[test]
+    fn large_calls_split_over_rows_that_each_fit() {
+        let o = Outbox::builder().max_event_bytes(4096).build().unwrap();
+        let entries: Vec<_> = (0u32..100).map(|i| (i, "v".repeat(200), Some(1))).collect();
+        let changes = o.refresh_changes(entries).unwrap();
+        assert!(changes.len() > 1);
+        for c in &changes {
+            assert!(encode_row(c, 4096).is_ok());
+        }
+        assert_eq!(changes.iter().map(Change::len).sum::<usize>(), 100);
+        let err = o
+            .refresh_changes([(1u32, "v".repeat(5000), None)])
+            .unwrap_err();
+        assert!(err.is_too_large());
+    }
+}

@@ -1,0 +1,427 @@
+//! The relay: publishes committed outbox rows, in id order, and deletes
+//! each once the transport has taken it.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use sqlx::PgPool;
+use sqlx::postgres::PgListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::{CHANNEL, Outbox, db, decode_row};
+use crate::error::{Error, Result};
+use crate::publish::Publisher;
+use crate::util::lock;
+
+/// Backoff after a failed pass (broker or database down): doubling from
+/// the first to the second, then staying there.
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Publishes the rows an [`Outbox`] wrote, once their transactions commit.
+///
+/// What it promises:
+///
+/// - **Order.** Per cache, rows are published in id order, which is commit
+///   order (see [`Outbox`]), each through the relay's [`Publisher`] (its
+///   sequence numbers, signing and size limit). A delayed second
+///   invalidation ([`again_after`](super::OutboxBuilder::again_after)) is
+///   published when due, after later rows.
+/// - **At least once.** A row is deleted, in the transaction that read it,
+///   only after the transport's publish call returned for it: Redis
+///   Streams after `XADD` answered, NATS JetStream after the stream's
+///   `PubAck`, RocketMQ after the broker's send result; the embedded
+///   transport holds the record in memory at once. (Redis Pub/Sub has no
+///   acknowledgement beyond the server taking the `PUBLISH`: it is lossy
+///   anyway.) A crash between the publish and the commit publishes the
+///   row again on restart; applying an event twice equals once.
+/// - **One publisher at a time.** Each pass is a transaction that first
+///   takes a transaction-level advisory lock on the schema with
+///   `pg_try_advisory_xact_lock`; a relay that does not get it waits for
+///   the next wake-up. Several relays can run for availability, and never
+///   publish one row at the same time. `FOR UPDATE SKIP LOCKED` was not
+///   used: it lets two relays take different rows of one cache and publish
+///   them in either order.
+/// - **Failures.** A publish that fails (the broker is down) ends the pass:
+///   the rows published before it are deleted, the rest stay, and the
+///   relay retries them after a backoff (100 ms doubling to 5 s), so order
+///   holds and nothing is lost. A row that can never be published (it does
+///   not decode, or an entry is over the publisher's size limit, or the
+///   transport refuses its cache's name) is not retried for ever nor
+///   dropped silently: a clear of its cache is published in its place
+///   (invalidating what may be stale is always safe), logged at `error`,
+///   counted in [`OutboxRelayStats::replaced_by_clear`], and the row
+///   deleted. If even the clear is refused (a cache name the transport
+///   cannot map, which no node can hold), the row is deleted and counted
+///   the same way.
+///
+/// It wakes on `LISTEN`/`NOTIFY` (the outbox's insert trigger notifies at
+/// commit) and polls every [`poll_interval`](OutboxRelayBuilder::poll_interval)
+/// besides, for notifications lost while its listener reconnects.
+pub struct OutboxRelay {
+    shared: Arc<Shared>,
+    stop: watch::Sender<bool>,
+    task: std::sync::Mutex<Option<JoinHandle<()>>>,
+}
+
+impl fmt::Debug for OutboxRelay {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OutboxRelay")
+            .field("schema", &self.shared.outbox.schema())
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures an [`OutboxRelay`].
+pub struct OutboxRelayBuilder {
+    pool: PgPool,
+    publisher: Publisher,
+    outbox: Outbox,
+    poll_interval: Duration,
+    batch_size: usize,
+}
+
+impl fmt::Debug for OutboxRelayBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OutboxRelayBuilder")
+            .field("outbox", &self.outbox)
+            .field("poll_interval", &self.poll_interval)
+            .field("batch_size", &self.batch_size)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The relay's counters, since it started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct OutboxRelayStats {
+    /// Rows published and deleted.
+    pub published: u64,
+    /// Passes that ended on a failed publish or a database error (each
+    /// followed by a backoff and a retry of the same rows).
+    pub publish_failures: u64,
+    /// Rows that could never be published, replaced by a clear of their
+    /// cache (or, when even that was refused, deleted) and logged.
+    pub replaced_by_clear: u64,
+    /// Rows in the outbox (due or not) when the relay last looked: after
+    /// each pass it led (a relay that waits for the leader does not look).
+    pub waiting: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    published: AtomicU64,
+    publish_failures: AtomicU64,
+    replaced_by_clear: AtomicU64,
+    waiting: AtomicU64,
+}
+
+struct Shared {
+    pool: PgPool,
+    publisher: Publisher,
+    outbox: Outbox,
+    poll_interval: Duration,
+    batch_size: i64,
+    counters: Counters,
+}
+
+impl OutboxRelayBuilder {
+    /// The outbox whose rows it publishes (its schema and row limit).
+    /// Default [`Outbox::new`].
+    pub fn outbox(mut self, outbox: Outbox) -> Self {
+        self.outbox = outbox;
+        self
+    }
+
+    /// How often it looks for rows without a notification. Default 1 s;
+    /// 1 ms to 1 hour.
+    pub fn poll_interval(mut self, every: Duration) -> Self {
+        self.poll_interval = every;
+        self
+    }
+
+    /// Rows read, published and deleted per pass (one transaction).
+    /// Default 256; 1 to 100 000.
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// Checks the settings, connects the listener and starts the relay's
+    /// task on the current tokio runtime. [`Error::Config`] for a setting
+    /// out of range, [`Error::Database`] when the database cannot be
+    /// reached.
+    pub async fn start(self) -> Result<OutboxRelay> {
+        if self.poll_interval < Duration::from_millis(1)
+            || self.poll_interval > Duration::from_secs(3600)
+        {
+            return Err(Error::Config(format!(
+                "poll_interval must be between 1 ms and 1 h, not {:?}",
+                self.poll_interval
+            )));
+        }
+        let batch_size = match i64::try_from(self.batch_size) {
+            Ok(n @ 1..=100_000) => n,
+            _ => {
+                return Err(Error::Config(format!(
+                    "batch_size must be between 1 and 100000, not {}",
+                    self.batch_size
+                )));
+            }
+        };
+        let mut listener = PgListener::connect_with(&self.pool).await.map_err(db)?;
+        listener.listen(CHANNEL).await.map_err(db)?;
+        let shared = Arc::new(Shared {
+            pool: self.pool,
+            publisher: self.publisher,
+            outbox: self.outbox,
+            poll_interval: self.poll_interval,
+            batch_size,
+            counters: Counters::default(),
+        });
+        let (stop, stopped) = watch::channel(false);
+        let task = tokio::spawn(run(shared.clone(), listener, stopped));
+        Ok(OutboxRelay {
+            shared,
+            stop,
+            task: std::sync::Mutex::new(Some(task)),
+        })
+    }
+}
+
+impl OutboxRelay {
+    /// Configures a relay that reads `pool` and publishes through
+    /// `publisher`.
+    pub fn builder(pool: PgPool, publisher: Publisher) -> OutboxRelayBuilder {
+        OutboxRelayBuilder {
+            pool,
+            publisher,
+            outbox: Outbox::new(),
+            poll_interval: Duration::from_secs(1),
+            batch_size: 256,
+        }
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> OutboxRelayStats {
+        let c = &self.shared.counters;
+        OutboxRelayStats {
+            published: c.published.load(Ordering::Relaxed),
+            publish_failures: c.publish_failures.load(Ordering::Relaxed),
+            replaced_by_clear: c.replaced_by_clear.load(Ordering::Relaxed),
+            waiting: c.waiting.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Stops the relay and waits for its task: a pass under way finishes
+    /// first (its transaction commits what it published).
+    pub async fn shutdown(&self) {
+        let _ = self.stop.send(true);
+        let task = lock(&self.task).take();
+        if let Some(task) = task {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for OutboxRelay {
+    fn drop(&mut self) {
+        // Stops at the end of the current pass; a row published but not yet
+        // deleted would only be published again by the next relay.
+        let _ = self.stop.send(true);
+    }
+}
+
+/// How a pass ended.
+enum Pass {
+    /// Fewer rows than a batch were due: wait for a wake-up.
+    Drained,
+    /// A full batch: there may be more at once.
+    More,
+    /// Another relay holds the leader lock.
+    NotLeader,
+}
+
+async fn run(shared: Arc<Shared>, mut listener: PgListener, mut stopped: watch::Receiver<bool>) {
+    let mut backoff = BACKOFF_MIN;
+    loop {
+        if *stopped.borrow() {
+            return;
+        }
+        let pause = match shared.pass().await {
+            Ok(Pass::More) => {
+                backoff = BACKOFF_MIN;
+                continue;
+            }
+            Ok(Pass::Drained | Pass::NotLeader) => {
+                backoff = BACKOFF_MIN;
+                None
+            }
+            Err(e) => {
+                shared
+                    .counters
+                    .publish_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    schema = shared.outbox.schema(),
+                    error = %e,
+                    retry_in = ?backoff,
+                    "outbox relay: pass failed; retrying the same rows"
+                );
+                let pause = backoff;
+                backoff = backoff.saturating_mul(2).min(BACKOFF_MAX);
+                Some(pause)
+            }
+        };
+        tokio::select! {
+            _ = stopped.changed() => return,
+            () = wait(&shared, &mut listener, pause) => {}
+        }
+    }
+}
+
+/// Until a notification for this schema, or the poll interval (or, after a
+/// failure, the backoff) passes.
+async fn wait(shared: &Shared, listener: &mut PgListener, pause: Option<Duration>) {
+    if let Some(pause) = pause {
+        tokio::time::sleep(pause).await;
+        return;
+    }
+    let deadline = tokio::time::Instant::now()
+        .checked_add(shared.poll_interval)
+        .unwrap_or_else(tokio::time::Instant::now);
+    loop {
+        // `recv` reconnects a dropped listener by itself (notifications sent
+        // meanwhile are lost: the poll finds their rows).
+        match tokio::time::timeout_at(deadline, listener.recv()).await {
+            Err(_) => return,
+            Ok(Ok(n)) if n.payload() == shared.outbox.schema() => return,
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "outbox relay: listener error");
+                tokio::time::sleep_until(deadline).await;
+                return;
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// One transaction: the leader lock, a batch of due rows in id order,
+    /// each published, and the published ones deleted.
+    async fn pass(&self) -> Result<Pass> {
+        let schema = self.outbox.schema();
+        let mut tx = self.pool.begin().await.map_err(db)?;
+        let leader: bool =
+            sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))")
+                .bind(format!("cache-sync relay\n{schema}"))
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(db)?;
+        if !leader {
+            tx.rollback().await.map_err(db)?;
+            return Ok(Pass::NotLeader);
+        }
+        let rows: Vec<(i64, String, Vec<u8>)> = sqlx::query_as(&format!(
+            "SELECT id, cache, change FROM {schema}.outbox \
+             WHERE not_before IS NULL OR not_before <= clock_timestamp() \
+             ORDER BY id LIMIT $1"
+        ))
+        .bind(self.batch_size)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db)?;
+        let full = i64::try_from(rows.len()).unwrap_or(i64::MAX) >= self.batch_size;
+        let mut done = Vec::with_capacity(rows.len());
+        let mut failure = None;
+        for (id, cache, change) in rows {
+            match self.publish_row(id, &cache, &change).await {
+                Ok(()) => done.push(id),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        if !done.is_empty() {
+            sqlx::query(&format!("DELETE FROM {schema}.outbox WHERE id = ANY($1)"))
+                .bind(&done)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+        }
+        tx.commit().await.map_err(db)?;
+        let published = u64::try_from(done.len()).unwrap_or(u64::MAX);
+        self.counters
+            .published
+            .fetch_add(published, Ordering::Relaxed);
+        let waiting: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {schema}.outbox"))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db)?;
+        self.counters
+            .waiting
+            .store(u64::try_from(waiting).unwrap_or(0), Ordering::Relaxed);
+        match failure {
+            Some(e) => Err(e),
+            None if full => Ok(Pass::More),
+            None => Ok(Pass::Drained),
+        }
+    }
+
+    /// Publishes one row; `Ok` when it may be deleted.
+    async fn publish_row(&self, id: i64, cache: &str, row: &[u8]) -> Result<()> {
+        let why = match decode_row(row, self.outbox.max_event_bytes()) {
+            Ok(change) => {
+                let sent = match self.publisher.resplit(change) {
+                    Ok(changes) => self.publisher.send(cache, changes).await.map(|_| ()),
+                    Err(e) => Err(e),
+                };
+                match sent {
+                    Ok(()) => return Ok(()),
+                    Err(e) if never_publishable(&e) => e,
+                    Err(e) => return Err(e),
+                }
+            }
+            Err(e) => Error::Decode(e),
+        };
+        self.replace_by_clear(id, cache, &why).await
+    }
+
+    async fn replace_by_clear(&self, id: i64, cache: &str, why: &Error) -> Result<()> {
+        match self.publisher.clear(cache).await {
+            Ok(_) => tracing::error!(
+                schema = self.outbox.schema(),
+                id,
+                cache,
+                error = %why,
+                "outbox relay: a row can never be published; published a clear of its cache instead"
+            ),
+            Err(e) if e.is_config() => tracing::error!(
+                schema = self.outbox.schema(),
+                id,
+                cache,
+                error = %why,
+                clear_error = %e,
+                "outbox relay: a row can never be published, nor a clear of its cache; row deleted"
+            ),
+            Err(e) => return Err(e),
+        }
+        self.counters
+            .replaced_by_clear
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Errors that retrying the same row cannot cure.
+fn never_publishable(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::TooLarge { .. } | Error::Encode { .. } | Error::Config(_)
+    )
+}

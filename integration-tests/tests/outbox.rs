@@ -1,0 +1,832 @@
+//! The transactional outbox against a real PostgreSQL: what commits is
+//! published, in commit order per cache, exactly once while nothing fails
+//! and at least once when a relay, the broker or the database does.
+//!
+//! Every test works in a schema of its own in the database
+//! `cache_sync_test` (`CACHE_SYNC_TEST_DATABASE_URL`, default
+//! `postgres://postgres@127.0.0.1:5432/cache_sync_test`; `scripts/test`
+//! creates it), so tests run in parallel, and drops it at the end. A
+//! database that cannot be reached fails the test.
+//!
+//! Events are recognised by a marker, `~NNNNNNN~`, in the key or value each
+//! enqueue carries: one marker per event, read straight out of the payload.
+#![cfg(feature = "postgres")]
+// Test code throughout, helpers included: a failed step fails the test
+// with its error.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use cache_sync::transport::{Position, SubscribeOptions, Subscription, Transport};
+use cache_sync::{
+    EmbeddedTransport, Error, Node, Outbox, OutboxRelay, OutboxRelayStats, Publisher, SyncedCache,
+};
+use futures_util::future::BoxFuture;
+use integration_tests::eventually;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/cache_sync_test";
+
+fn database_url() -> String {
+    std::env::var("CACHE_SYNC_TEST_DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
+}
+
+async fn pool() -> PgPool {
+    let url = database_url();
+    PgPoolOptions::new()
+        .max_connections(16)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(&url)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot reach PostgreSQL at {url}: {e}. The outbox tests need it: run \
+                 ./scripts/test (it creates the database cache_sync_test), or point \
+                 CACHE_SYNC_TEST_DATABASE_URL at a database of your own"
+            )
+        })
+}
+
+/// A schema of the test's own, migrated, and an outbox on it.
+struct TestDb {
+    pool: PgPool,
+    schema: String,
+}
+
+impl TestDb {
+    async fn new(name: &str) -> Self {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let schema = format!(
+            "t_{name}_{}_{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        let db = Self {
+            pool: pool().await,
+            schema,
+        };
+        db.outbox().migrate(&db.pool).await.expect("migrate");
+        db
+    }
+
+    fn outbox(&self) -> Outbox {
+        self.builder().build().expect("outbox")
+    }
+
+    fn builder(&self) -> cache_sync::OutboxBuilder {
+        Outbox::builder().schema(self.schema.clone())
+    }
+
+    async fn rows(&self) -> i64 {
+        sqlx::query_scalar(&format!("SELECT count(*) FROM {}.outbox", self.schema))
+            .fetch_one(&self.pool)
+            .await
+            .expect("count rows")
+    }
+
+    async fn relay(&self, publisher: Publisher) -> OutboxRelay {
+        OutboxRelay::builder(self.pool.clone(), publisher)
+            .outbox(self.outbox())
+            .poll_interval(Duration::from_millis(50))
+            .batch_size(16)
+            .start()
+            .await
+            .expect("relay starts")
+    }
+
+    async fn drop_schema(self) {
+        sqlx::query(&format!("DROP SCHEMA {} CASCADE", self.schema))
+            .execute(&self.pool)
+            .await
+            .expect("drop schema");
+    }
+}
+
+/// A marker: in a key or value, it names the event.
+fn marker(n: u32) -> String {
+    format!("~{n:07}~")
+}
+
+/// The markers in a payload, in order.
+fn markers(payload: &[u8]) -> Vec<u32> {
+    payload
+        .windows(9)
+        .filter(|w| w[0] == b'~' && w[8] == b'~' && w[1..8].iter().all(u8::is_ascii_digit))
+        .map(|w| std::str::from_utf8(&w[1..8]).unwrap().parse().unwrap())
+        .collect()
+}
+
+/// What a transport was given, in order, and a switch to make it fail.
+#[derive(Debug, Default)]
+struct Recorder {
+    inner: EmbeddedTransport,
+    sent: Mutex<Vec<(String, Bytes)>>,
+    /// Publishes left before it goes down; negative: never.
+    fail_after: AtomicI64,
+    down: AtomicBool,
+}
+
+impl Recorder {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            fail_after: AtomicI64::new(-1),
+            ..Self::default()
+        })
+    }
+
+    /// `(cache, marker)` per event with a marker, in publish order.
+    fn events(&self) -> Vec<(String, u32)> {
+        self.sent
+            .lock()
+            .unwrap()
+            .iter()
+            .flat_map(|(tag, p)| markers(p).into_iter().map(move |m| (tag.clone(), m)))
+            .collect()
+    }
+
+    fn payloads_for(&self, cache: &str) -> Vec<Bytes> {
+        self.sent
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(t, _)| t == cache)
+            .map(|(_, p)| p.clone())
+            .collect()
+    }
+}
+
+#[async_trait]
+impl Transport for Recorder {
+    fn kind(&self) -> &'static str {
+        "recorder"
+    }
+
+    fn filters_by_tag(&self) -> bool {
+        self.inner.filters_by_tag()
+    }
+
+    async fn publish(
+        &self,
+        topic: &str,
+        tag: &str,
+        payload: Bytes,
+    ) -> cache_sync::Result<Option<Position>> {
+        if self.fail_after.fetch_sub(1, Ordering::SeqCst) == 0 {
+            self.down.store(true, Ordering::SeqCst);
+        }
+        if self.down.load(Ordering::SeqCst) {
+            return Err(Error::Disconnected {
+                transport: "recorder",
+                source: "the test took the broker down".into(),
+            });
+        }
+        self.sent
+            .lock()
+            .unwrap()
+            .push((tag.to_owned(), payload.clone()));
+        self.inner.publish(topic, tag, payload).await
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> cache_sync::Result<Box<dyn Subscription>> {
+        self.inner.subscribe(topic, options).await
+    }
+}
+
+/// Each cache's events must be exactly `want` (the enqueue order), first
+/// arrivals counted only, and every event must have arrived.
+fn assert_order(events: &[(String, u32)], want: &BTreeMap<String, Vec<u32>>) {
+    let mut seen = HashSet::new();
+    let mut got: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+    for (cache, m) in events {
+        if seen.insert(*m) {
+            got.entry(cache.clone()).or_default().push(*m);
+        }
+    }
+    for (cache, want) in want {
+        let got = got.get(cache).cloned().unwrap_or_default();
+        assert_eq!(got.len(), want.len(), "{cache}: events missing");
+        assert_eq!(&got, want, "{cache}: first arrivals out of enqueue order");
+    }
+}
+
+fn duplicates(events: &[(String, u32)]) -> usize {
+    let mut seen = HashSet::new();
+    events.iter().filter(|(_, m)| !seen.insert(*m)).count()
+}
+
+async fn wait_published(relay: &OutboxRelay, n: u64) -> OutboxRelayStats {
+    eventually(&format!("the relay published {n} rows"), async || {
+        relay.stats().published >= n
+    })
+    .await;
+    relay.stats()
+}
+
+/// Enqueues `n` refreshes round-robin over `caches`, one transaction each,
+/// markers from `first`. Returns the enqueue order per cache.
+async fn enqueue_many(
+    db: &TestDb,
+    caches: &[&str],
+    first: u32,
+    n: u32,
+) -> BTreeMap<String, Vec<u32>> {
+    let outbox = db.outbox();
+    let mut order: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+    for i in first..first + n {
+        let cache = caches[i as usize % caches.len()];
+        let mut tx = db.pool.begin().await.unwrap();
+        outbox
+            .refresh_versioned(&mut tx, cache, [(i, marker(i), None)])
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        order.entry(cache.to_owned()).or_default().push(i);
+    }
+    order
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_is_idempotent_and_safe_to_run_concurrently() {
+    let db = TestDb::new("migrate").await;
+    let outbox = db.outbox();
+    outbox.migrate(&db.pool).await.expect("second migrate");
+    // A fresh schema, migrated by eight tasks at once.
+    let fresh = Outbox::builder()
+        .schema(format!("{}_b", db.schema))
+        .build()
+        .unwrap();
+    let runs: Vec<_> = (0..8)
+        .map(|_| {
+            let (o, p) = (fresh.clone(), db.pool.clone());
+            tokio::spawn(async move { o.migrate(&p).await })
+        })
+        .collect();
+    for r in runs {
+        r.await.unwrap().expect("concurrent migrate");
+    }
+    let mut tx = db.pool.begin().await.unwrap();
+    fresh.clear(&mut tx, "c").await.unwrap();
+    tx.commit().await.unwrap();
+    sqlx::query(&format!("DROP SCHEMA {}_b CASCADE", db.schema))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    db.drop_schema().await;
+}
+
+#[test]
+fn schema_names_are_validated() {
+    for bad in ["a;drop", "", &"a".repeat(64), "Upper", "pg_x"] {
+        let err = Outbox::builder().schema(bad).build().unwrap_err();
+        assert!(err.is_config(), "{bad:?}: {err}");
+    }
+    assert_eq!(
+        Outbox::builder()
+            .schema("cache_sync")
+            .build()
+            .unwrap()
+            .schema(),
+        "cache_sync"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_database_is_a_database_error_not_a_disconnect() {
+    let pool = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy(&format!(
+            "postgres://postgres@127.0.0.1:{}/x",
+            integration_tests::redis_server::free_port()
+        ))
+        .unwrap();
+    let err = Outbox::new().migrate(&pool).await.unwrap_err();
+    assert!(err.is_database() && !err.is_disconnected(), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn automatic_versions_increase_pass_caller_versions_and_never_wrap() {
+    let db = TestDb::new("versions").await;
+    let outbox = db.outbox();
+    let table = outbox.dictionary::<String, String>("c");
+    let mut tx = db.pool.begin().await.unwrap();
+    let a = outbox.next_version(&mut tx, "c").await.unwrap();
+    let b = table
+        .upsert(&mut tx, &"k".into(), &"v".into())
+        .await
+        .unwrap();
+    assert!(b > a);
+    let caller = b + 1_000_000_000;
+    table
+        .delete_with_version(&mut tx, &"k".into(), caller)
+        .await
+        .unwrap();
+    let c = outbox.next_version(&mut tx, "c").await.unwrap();
+    assert!(c > caller, "automatic versions pass caller versions");
+    let other = outbox.next_version(&mut tx, "other").await.unwrap();
+    assert!(other < caller, "versions are per cache");
+    tx.commit().await.unwrap();
+
+    // A rolled-back transaction gives its version back (the counter is
+    // ahead of the clock here, so the next version is the counter's + 1).
+    let mut tx = db.pool.begin().await.unwrap();
+    let d = outbox.next_version(&mut tx, "c").await.unwrap();
+    tx.rollback().await.unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    let e = outbox.next_version(&mut tx, "c").await.unwrap();
+    assert_eq!(
+        (d, e),
+        (c + 1, c + 1),
+        "the rolled-back version was given back"
+    );
+
+    // Versions are bigint in the database: past i64::MAX nothing follows.
+    table
+        .upsert_with_version(&mut tx, &"k".into(), &"v".into(), u64::MAX)
+        .await
+        .unwrap();
+    let err = table
+        .upsert(&mut tx, &"k".into(), &"v".into())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::VersionExhausted(v) if v == i64::MAX as u64),
+        "{err}"
+    );
+    tx.rollback().await.unwrap();
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolled_back_transaction_publishes_nothing() {
+    let db = TestDb::new("rollback").await;
+    let outbox = db.outbox();
+    let rec = Recorder::new();
+    let relay = db.relay(Publisher::new(rec.clone())).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox.invalidate(&mut tx, "c", [marker(1)]).await.unwrap();
+    outbox
+        .dictionary::<String, String>("c")
+        .upsert(&mut tx, &"k".into(), &marker(2))
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox.invalidate(&mut tx, "c", [marker(3)]).await.unwrap();
+    tx.commit().await.unwrap();
+    wait_published(&relay, 1).await;
+    // The relay drains in id order, so a rolled-back row (lower ids) would
+    // have come before the committed one.
+    assert_eq!(rec.events(), [("c".to_owned(), 3)]);
+    assert_eq!(db.rows().await, 0);
+    relay.shutdown().await;
+    db.drop_schema().await;
+}
+
+/// One enqueue in a transaction; returns the version it used (0 for none).
+type Enqueue = Box<dyn for<'c> Fn(&'c mut sqlx::PgConnection) -> BoxFuture<'c, u64> + Send + Sync>;
+
+/// Two transactions on one cache: A enqueues first, then B enqueues and
+/// tries to commit at once, and only then A commits. Returns the commit
+/// order (1 for A, 2 for B), the order the relay published them in, and
+/// their versions.
+async fn race(db: &TestDb, a: Enqueue, b: Enqueue) -> (Vec<u32>, Vec<u32>, u64, u64) {
+    let committed = Arc::new(Mutex::new(Vec::new()));
+    let mut tx_a = db.pool.begin().await.unwrap();
+    let va = a(&mut tx_a).await;
+    let (pid_tx, pid_rx) = tokio::sync::oneshot::channel();
+    let task_b = {
+        let (pool, committed) = (db.pool.clone(), committed.clone());
+        tokio::spawn(async move {
+            let mut tx_b = pool.begin().await.unwrap();
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut *tx_b)
+                .await
+                .unwrap();
+            pid_tx.send(pid).unwrap();
+            let vb = b(&mut tx_b).await;
+            tx_b.commit().await.unwrap();
+            committed.lock().unwrap().push(2);
+            vb
+        })
+    };
+    // A commits once B has either committed or waits for a lock.
+    let pid = pid_rx.await.unwrap();
+    eventually("B committed or waits for a lock", async || {
+        let waiting: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND NOT granted)",
+        )
+        .bind(pid)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        waiting || task_b.is_finished()
+    })
+    .await;
+    tx_a.commit().await.unwrap();
+    committed.lock().unwrap().push(1);
+    let vb = task_b.await.unwrap();
+    let commit_order = committed.lock().unwrap().clone();
+
+    let rec = Recorder::new();
+    let relay = db.relay(Publisher::new(rec.clone())).await;
+    wait_published(&relay, 2).await;
+    relay.shutdown().await;
+    let published = rec.events().into_iter().map(|(_, m)| m).collect();
+    (commit_order, published, va, vb)
+}
+
+/// The enqueue lock makes B wait for A, so A commits first and B is
+/// published after it. Without the lock B commits first with the higher
+/// id, and the relay, in id order, publishes A (the later commit) last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ids_follow_commit_order_per_cache() {
+    let db = TestDb::new("commit_order").await;
+    let enqueue = |m: u32| -> Enqueue {
+        let outbox = db.outbox();
+        Box::new(move |conn| {
+            let outbox = outbox.clone();
+            Box::pin(async move {
+                outbox
+                    .refresh_versioned(conn, "c", [("k", marker(m), None)])
+                    .await
+                    .unwrap();
+                0
+            })
+        })
+    };
+    let (commits, published, _, _) = race(&db, enqueue(1), enqueue(2)).await;
+    assert_eq!(published, commits, "published in commit order");
+    db.drop_schema().await;
+}
+
+/// A writes the row with its own version (a row version column ahead of
+/// the clock), B with an automatic one: B commits later, so its version
+/// must be the higher. Without the lock B reads the counter before A's
+/// version is committed and takes the clock's, below A's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn automatic_versions_follow_commit_order_per_cache() {
+    let db = TestDb::new("version_order").await;
+    let table = db.outbox().dictionary::<String, String>("c");
+    let ahead = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64
+        + 60_000_000;
+    let a: Enqueue = {
+        let table = table.clone();
+        Box::new(move |conn| {
+            let table = table.clone();
+            Box::pin(async move {
+                table
+                    .upsert_with_version(conn, &"k".into(), &marker(1), ahead)
+                    .await
+                    .unwrap()
+            })
+        })
+    };
+    let b: Enqueue = Box::new(move |conn| {
+        let table = table.clone();
+        Box::pin(async move { table.upsert(conn, &"k".into(), &marker(2)).await.unwrap() })
+    });
+    let (commits, published, va, vb) = race(&db, a, b).await;
+    assert_eq!(published, commits, "published in commit order");
+    let version = |m: u32| if m == 1 { va } else { vb };
+    assert!(
+        version(commits[1]) > version(commits[0]),
+        "the later commit carries the higher version: commits {commits:?}, versions A {va} B {vb}"
+    );
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_delayed_second_invalidation_comes_after_its_delay_and_holds_nothing_up() {
+    let db = TestDb::new("again").await;
+    let delay = Duration::from_millis(1500);
+    let outbox = db.builder().again_after(delay).build().unwrap();
+    let rec = Recorder::new();
+    let relay = db.relay(Publisher::new(rec.clone())).await;
+
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox.invalidate(&mut tx, "c", [marker(9)]).await.unwrap();
+    tx.rollback().await.unwrap();
+
+    let start = Instant::now();
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox.invalidate(&mut tx, "c", [marker(1)]).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .refresh_versioned(&mut tx, "c", [("x", marker(2), None)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    wait_published(&relay, 2).await;
+    assert!(start.elapsed() < delay, "the first copies took the delay");
+    assert_eq!(
+        rec.events(),
+        [("c".to_owned(), 1), ("c".to_owned(), 2)],
+        "the delayed copy holds back neither its first copy nor a later row"
+    );
+    assert_eq!(db.rows().await, 1, "the second copy waits in the outbox");
+    wait_published(&relay, 3).await;
+    assert!(start.elapsed() >= delay, "the second copy came early");
+    assert_eq!(rec.events().last(), Some(&("c".to_owned(), 1)));
+    // The rolled-back call's copy would have had a lower id and been due
+    // earlier, so it would have come with or before this one.
+    assert_eq!(rec.events().len(), 3, "{:?}", rec.events());
+    assert_eq!(db.rows().await, 0);
+    relay.shutdown().await;
+    db.drop_schema().await;
+}
+
+/// A row that does not decode, and one whose entry is over the relay's
+/// publisher's limit, each become a clear of their cache; the relay goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_that_cannot_be_published_becomes_a_clear_of_its_cache() {
+    let db = TestDb::new("poison").await;
+    let outbox = db.outbox();
+    let rec = Recorder::new();
+    let poisoned = SyncedCache::<String, String>::new("p", moka::future::Cache::new(10));
+    let big = SyncedCache::<String, String>::new("big", moka::future::Cache::new(10));
+    let node = Node::builder("n", rec.clone())
+        .register(&poisoned)
+        .register(&big)
+        .start()
+        .await
+        .unwrap();
+    poisoned.insert("held".into(), "old".into()).await;
+    big.insert("held".into(), "old".into()).await;
+
+    sqlx::query(&format!(
+        "INSERT INTO {s}.outbox (id, cache, change) VALUES (nextval('{s}.outbox_id_seq'), 'p', '\\xdeadbeef')",
+        s = db.schema
+    ))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox
+        .refresh_versioned(&mut tx, "big", [("k", "v".repeat(4000), Some(1))])
+        .await
+        .unwrap();
+    outbox
+        .refresh_versioned(&mut tx, "ok", [("k", marker(1), None)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    let publisher = Publisher::builder(rec.clone())
+        .max_event_bytes(1024)
+        .build()
+        .unwrap();
+    let relay = db.relay(publisher).await;
+    let stats = wait_published(&relay, 1).await;
+    assert_eq!(stats.replaced_by_clear, 2, "{stats:?}");
+    assert_eq!(rec.events(), [("ok".to_owned(), 1)]);
+    assert_eq!(rec.payloads_for("p").len(), 1);
+    assert_eq!(rec.payloads_for("big").len(), 1);
+    eventually("both caches are cleared", async || {
+        poisoned.get("held").await.is_none() && big.get("held").await.is_none()
+    })
+    .await;
+    assert_eq!(db.rows().await, 0);
+    relay.shutdown().await;
+    node.shutdown().await.unwrap();
+    db.drop_schema().await;
+}
+
+/// The broker fails mid-batch: the relay backs off and retries the same
+/// rows, so nothing is lost and order per cache holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_broker_loses_nothing_and_keeps_order() {
+    let db = TestDb::new("fail").await;
+    let want = enqueue_many(&db, &["a", "b", "c"], 0, 120).await;
+    let rec = Recorder::new();
+    rec.fail_after.store(40, Ordering::SeqCst);
+    let relay = db.relay(Publisher::new(rec.clone())).await;
+    eventually("the relay fails", async || {
+        relay.stats().publish_failures >= 2
+    })
+    .await;
+    assert_eq!(relay.stats().published, 40);
+    assert_eq!(db.rows().await, 80);
+    rec.down.store(false, Ordering::SeqCst);
+    wait_published(&relay, 120).await;
+    let events = rec.events();
+    assert_order(&events, &want);
+    assert_eq!(duplicates(&events), 0);
+    relay.shutdown().await;
+    db.drop_schema().await;
+}
+
+/// Two relays on one database, with writers enqueueing while both run:
+/// every event is published once (no failure, so no duplicate), in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_never_publish_a_row_twice_and_keep_order() {
+    let db = TestDb::new("two_relays").await;
+    let rec = Recorder::new();
+    let r1 = db.relay(Publisher::new(rec.clone())).await;
+    let r2 = db.relay(Publisher::new(rec.clone())).await;
+    let mut writers = Vec::new();
+    for w in 0..4u32 {
+        let db = TestDb {
+            pool: db.pool.clone(),
+            schema: db.schema.clone(),
+        };
+        writers.push(tokio::spawn(async move {
+            enqueue_many(&db, &["a", "b", "c", "d", "e"], w * 1000, 250).await
+        }));
+    }
+    let mut want: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+    let mut per_writer = Vec::new();
+    for w in writers {
+        per_writer.push(w.await.unwrap());
+    }
+    eventually("both relays drained the outbox", async || {
+        r1.stats().published + r2.stats().published >= 1000
+    })
+    .await;
+    let events = rec.events();
+    assert_eq!(duplicates(&events), 0, "a row was published twice");
+    // Writers ran concurrently: per cache, each writer's own events keep
+    // their order, and the whole is each cache's commit order.
+    for order in &per_writer {
+        let mine: HashSet<u32> = order.values().flatten().copied().collect();
+        let filtered: Vec<_> = events
+            .iter()
+            .filter(|(_, m)| mine.contains(m))
+            .cloned()
+            .collect();
+        assert_order(&filtered, order);
+    }
+    for order in per_writer {
+        for (cache, ms) in order {
+            want.entry(cache).or_default().extend(ms);
+        }
+    }
+    assert_eq!(events.len(), want.values().map(Vec::len).sum::<usize>());
+    let (s1, s2) = (r1.stats(), r2.stats());
+    println!(
+        "relay 1 published {}, relay 2 {}",
+        s1.published, s2.published
+    );
+    r1.shutdown().await;
+    r2.shutdown().await;
+    db.drop_schema().await;
+}
+
+#[cfg(feature = "redis")]
+mod redis {
+    use super::*;
+    use cache_sync::RedisStreamsTransport;
+    use cache_sync::transport::{Delivery, StartFrom};
+    use integration_tests::redis_server::RedisServer;
+    use std::process::{Child, Command};
+
+    /// Every event on the stream, from the start, until `n` distinct markers
+    /// arrived (or 30 s passed).
+    async fn read_stream(url: &str, topic: &str, n: usize) -> Vec<(String, u32)> {
+        let t = RedisStreamsTransport::connect(url).await.unwrap();
+        let mut sub = t
+            .subscribe(topic, SubscribeOptions::new(StartFrom::Earliest))
+            .await
+            .unwrap();
+        let mut events = Vec::new();
+        let mut distinct = HashSet::new();
+        // The subscription long-polls until records come: a lost event
+        // would otherwise keep it waiting for ever.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while distinct.len() < n {
+            let Ok(delivery) = tokio::time::timeout_at(deadline, sub.next(1000)).await else {
+                break;
+            };
+            match delivery.unwrap() {
+                Delivery::Batch { records, .. } => {
+                    for r in records {
+                        let tag = r.tag.as_deref().unwrap_or_default().to_owned();
+                        for m in markers(&r.payload) {
+                            distinct.insert(m);
+                            events.push((tag.clone(), m));
+                        }
+                    }
+                }
+                Delivery::Lost(l) => panic!("the stream lost events: {l:?}"),
+                other => panic!("unexpected delivery {other:?}"),
+            }
+        }
+        events
+    }
+
+    /// A relay process, `kill -9`ed on drop so a failing test leaves none.
+    struct RelayProcess(Child);
+
+    impl RelayProcess {
+        fn kill(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    impl Drop for RelayProcess {
+        fn drop(&mut self) {
+            self.kill();
+        }
+    }
+
+    fn relay_process(db: &TestDb, redis: &str) -> RelayProcess {
+        RelayProcess(
+            Command::new(env!("CARGO_BIN_EXE_outbox_relay"))
+                .args([&database_url(), &db.schema, redis, &db.schema])
+                .spawn()
+                .expect("start the relay binary"),
+        )
+    }
+
+    /// `kill -9` of a relay process mid-batch: a second relay process
+    /// publishes the rest, and nothing is lost (duplicates allowed).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_killed_mid_batch_loses_nothing() {
+        let db = TestDb::new("kill").await;
+        let server = RedisServer::start();
+        let want = enqueue_many(&db, &["a", "b", "c", "d"], 0, 2000).await;
+        let mut first = relay_process(&db, &server.url());
+        let mut left = 2000;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while left > 1500 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            left = db.rows().await;
+        }
+        first.kill();
+        let at_kill = db.rows().await;
+        assert!(
+            at_kill > 0 && at_kill < 2000,
+            "killed with {at_kill} rows left: not mid-way"
+        );
+        let mut second = relay_process(&db, &server.url());
+        eventually("the second relay drained the outbox", async || {
+            db.rows().await == 0
+        })
+        .await;
+        second.kill();
+        let events = read_stream(&server.url(), &db.schema, 2000).await;
+        assert_order(&events, &want);
+        println!(
+            "killed with {at_kill} rows left; {} duplicates",
+            duplicates(&events)
+        );
+        db.drop_schema().await;
+    }
+
+    /// Redis down for 10 s while writers keep enqueueing: the relay retries
+    /// and, once Redis is back (same data: append-only file, fsync always),
+    /// every event arrives, in order per cache.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_broker_down_for_ten_seconds_loses_nothing() {
+        let db = TestDb::new("broker_down").await;
+        let mut server = RedisServer::start();
+        let transport = RedisStreamsTransport::builder(server.url())
+            .response_timeout(Duration::from_secs(1))
+            .connect()
+            .await
+            .unwrap();
+        let publisher = Publisher::builder(transport)
+            .topic(db.schema.clone())
+            .build()
+            .unwrap();
+        let relay = db.relay(publisher).await;
+        let mut want = enqueue_many(&db, &["a", "b", "c"], 0, 100).await;
+        wait_published(&relay, 100).await;
+        server.kill();
+        let down = Instant::now();
+        let mut n = 100;
+        while down.elapsed() < Duration::from_secs(10) {
+            for (cache, ms) in enqueue_many(&db, &["a", "b", "c"], n, 10).await {
+                want.entry(cache).or_default().extend(ms);
+            }
+            n += 10;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert!(relay.stats().publish_failures > 0, "{:?}", relay.stats());
+        assert!(db.rows().await > 0, "rows wait while the broker is down");
+        server.restart();
+        eventually("the relay drained the outbox", async || {
+            db.rows().await == 0
+        })
+        .await;
+        let events = read_stream(&server.url(), &db.schema, n as usize).await;
+        assert_order(&events, &want);
+        relay.shutdown().await;
+        db.drop_schema().await;
+    }
+}
