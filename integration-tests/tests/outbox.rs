@@ -400,12 +400,11 @@ type Enqueue = Box<dyn for<'c> Fn(&'c mut sqlx::PgConnection) -> BoxFuture<'c, u
 /// order (1 for A, 2 for B), the order the relay published them in, and
 /// their versions.
 async fn race(db: &TestDb, a: Enqueue, b: Enqueue) -> (Vec<u32>, Vec<u32>, u64, u64) {
-    let committed = Arc::new(Mutex::new(Vec::new()));
     let mut tx_a = db.pool.begin().await.unwrap();
     let va = a(&mut tx_a).await;
     let (pid_tx, pid_rx) = tokio::sync::oneshot::channel();
     let task_b = {
-        let (pool, committed) = (db.pool.clone(), committed.clone());
+        let pool = db.pool.clone();
         tokio::spawn(async move {
             let mut tx_b = pool.begin().await.unwrap();
             let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
@@ -415,12 +414,14 @@ async fn race(db: &TestDb, a: Enqueue, b: Enqueue) -> (Vec<u32>, Vec<u32>, u64, 
             pid_tx.send(pid).unwrap();
             let vb = b(&mut tx_b).await;
             tx_b.commit().await.unwrap();
-            committed.lock().unwrap().push(2);
             vb
         })
     };
-    // A commits once B has either committed or waits for a lock.
+    // A commits once B has either committed or waits for a lock A holds.
+    // The commit order is read off which of the two it was: the clients'
+    // own timing after A's commit is not (B's commit can return first).
     let pid = pid_rx.await.unwrap();
+    let mut b_first = false;
     eventually("B committed or waits for a lock", async || {
         let waiting: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND NOT granted)",
@@ -429,13 +430,13 @@ async fn race(db: &TestDb, a: Enqueue, b: Enqueue) -> (Vec<u32>, Vec<u32>, u64, 
         .fetch_one(&db.pool)
         .await
         .unwrap();
-        waiting || task_b.is_finished()
+        b_first = task_b.is_finished();
+        waiting || b_first
     })
     .await;
     tx_a.commit().await.unwrap();
-    committed.lock().unwrap().push(1);
     let vb = task_b.await.unwrap();
-    let commit_order = committed.lock().unwrap().clone();
+    let commit_order = if b_first { vec![2, 1] } else { vec![1, 2] };
 
     let rec = Recorder::new();
     let relay = db.relay(Publisher::new(rec.clone())).await;
@@ -526,7 +527,7 @@ async fn the_delayed_second_invalidation_comes_after_its_delay_and_holds_nothing
     tx.commit().await.unwrap();
     let mut tx = db.pool.begin().await.unwrap();
     outbox
-        .refresh_versioned(&mut tx, "c", [("x", marker(2), None)])
+        .refresh_versioned(&mut tx, "c", [(marker(2), "x", None)])
         .await
         .unwrap();
     tx.commit().await.unwrap();
@@ -536,15 +537,30 @@ async fn the_delayed_second_invalidation_comes_after_its_delay_and_holds_nothing
     assert_eq!(
         rec.events(),
         [("c".to_owned(), 1), ("c".to_owned(), 2)],
-        "the delayed copy holds back neither its first copy nor a later row"
+        "the delayed copies hold back neither their first copies nor a later row"
     );
-    assert_eq!(db.rows().await, 1, "the second copy waits in the outbox");
-    wait_published(&relay, 3).await;
-    assert!(start.elapsed() >= delay, "the second copy came early");
-    assert_eq!(rec.events().last(), Some(&("c".to_owned(), 1)));
-    // The rolled-back call's copy would have had a lower id and been due
-    // earlier, so it would have come with or before this one.
-    assert_eq!(rec.events().len(), 3, "{:?}", rec.events());
+    assert_eq!(db.rows().await, 2, "the second copies wait in the outbox");
+    wait_published(&relay, 4).await;
+    assert!(start.elapsed() >= delay, "the second copies came early");
+    // The refresh's second copy is an invalidation of its key; the
+    // rolled-back call's copy would have had a lower id and been due
+    // earlier, so it would have come with or before these.
+    assert_eq!(
+        rec.events(),
+        [1, 2, 1, 2].map(|m| ("c".to_owned(), m)),
+        "{:?}",
+        rec.events()
+    );
+    let twos: Vec<_> = rec
+        .payloads_for("c")
+        .into_iter()
+        .filter(|p| markers(p) == [2])
+        .collect();
+    assert_eq!(twos.len(), 2);
+    assert!(
+        twos[1].len() < twos[0].len(),
+        "the refresh's second copy carries no value"
+    );
     assert_eq!(db.rows().await, 0);
     relay.shutdown().await;
     db.drop_schema().await;

@@ -28,6 +28,7 @@ use sqlx::{PgConnection, PgPool};
 use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
 use crate::table::Table;
 use crate::transport::names::{self, NameKind};
+use crate::util::{MAX_TIMEOUT, check_duration};
 use crate::wire::{
     Change, DEFAULT_MAX_EVENT_BYTES, EntryVersion, KeyVersion, MAX_EVENT_BYTES_CEILING,
     encode_part, framed_len,
@@ -47,9 +48,6 @@ const MAX_SCHEMA_BYTES: usize = 63;
 /// channel for every schema: a channel name is limited like an identifier,
 /// and the payload tells relays of other schemas to ignore it.
 pub(crate) const CHANNEL: &str = "cache_sync_outbox";
-
-/// The longest delay [`OutboxBuilder::again_after`] accepts.
-const MAX_AGAIN_AFTER: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// The first byte of every row's `change`: the row format, so that a later
 /// release can change it and an old relay recognises what it cannot read.
@@ -159,16 +157,18 @@ impl OutboxBuilder {
         self
     }
 
-    /// Every invalidation (and dictionary delete) is enqueued twice: once
-    /// now, and once more due `delay` after the enqueue, by the database's
-    /// clock. A node whose reads go to a lagging replica may reload the old
-    /// row after the first one; the second drops it again. The second copy
-    /// is a row of its own, written in the same transaction, so it is gone
-    /// with a rollback and survives a relay crash. The relay publishes it
-    /// when due without holding up later rows: an invalidation removes, and
-    /// removal is never stale, so publishing it after later events of its
-    /// cache costs at most a reload. At most 24 hours; `build` refuses more
-    /// or zero. Default: off.
+    /// Every change is enqueued twice: as it is, and, due `delay` later by
+    /// the database's clock, as an invalidation of the keys it changed at
+    /// the same versions (a clear as the same clear), as
+    /// [`PublisherBuilder::again_after`](crate::PublisherBuilder::again_after)
+    /// sends it: for nodes whose reads go to a lagging replica, which may
+    /// reload the old row after the first event. The second copy is a row
+    /// of its own, written in the same transaction, so it is gone with a
+    /// rollback and survives a relay crash. The relay publishes it when due
+    /// without holding up later rows: an invalidation removes, and removal
+    /// is never stale, so publishing it after later events of its cache
+    /// costs at most a reload. Off by default; 1 ms to 1 h, and
+    /// [`build`](Self::build) refuses anything else.
     pub fn again_after(mut self, delay: Duration) -> Self {
         self.again_after = Some(delay);
         self
@@ -183,12 +183,8 @@ impl OutboxBuilder {
                 self.max_event_bytes
             )));
         }
-        if let Some(delay) = self.again_after
-            && (delay.is_zero() || delay > MAX_AGAIN_AFTER)
-        {
-            return Err(Error::Config(format!(
-                "again_after must be between 1 µs and {MAX_AGAIN_AFTER:?}, not {delay:?}"
-            )));
+        if let Some(delay) = self.again_after {
+            check_duration("again_after", delay, Duration::from_millis(1), MAX_TIMEOUT)?;
         }
         Ok(Outbox {
             inner: Arc::new(OutboxInner {
@@ -289,8 +285,7 @@ impl Outbox {
     }
 
     /// Enqueues an unversioned invalidation of `keys` in `cache` (see
-    /// [`Publisher::invalidate`](crate::Publisher::invalidate)), and its
-    /// delayed copy when [`again_after`](OutboxBuilder::again_after) is set.
+    /// [`Publisher::invalidate`](crate::Publisher::invalidate)).
     pub async fn invalidate<K: Serialize>(
         &self,
         conn: &mut PgConnection,
@@ -302,8 +297,7 @@ impl Outbox {
     }
 
     /// Enqueues an invalidation leaving a tombstone at each key's version
-    /// (see [`Publisher::invalidate_versioned`](crate::Publisher::invalidate_versioned)),
-    /// and its delayed copy when [`again_after`](OutboxBuilder::again_after) is set.
+    /// (see [`Publisher::invalidate_versioned`](crate::Publisher::invalidate_versioned)).
     pub async fn invalidate_versioned<K: Serialize>(
         &self,
         conn: &mut PgConnection,
@@ -312,8 +306,7 @@ impl Outbox {
     ) -> Result<()> {
         let changes = self.invalidate_changes(keys)?;
         self.lock(conn, cache).await?;
-        self.insert(conn, cache, &changes, self.inner.again_after)
-            .await
+        self.insert(conn, cache, &changes).await
     }
 
     /// Enqueues a refresh of these entries, each with an optional version
@@ -326,13 +319,13 @@ impl Outbox {
     ) -> Result<()> {
         let changes = self.refresh_changes(entries)?;
         self.lock(conn, cache).await?;
-        self.insert(conn, cache, &changes, None).await
+        self.insert(conn, cache, &changes).await
     }
 
     /// Enqueues a clear of `cache` (see [`Publisher::clear`](crate::Publisher::clear)).
     pub async fn clear(&self, conn: &mut PgConnection, cache: &str) -> Result<()> {
         self.lock(conn, cache).await?;
-        self.insert(conn, cache, &[Change::Clear { version: None }], None)
+        self.insert(conn, cache, &[Change::Clear { version: None }])
             .await
     }
 
@@ -432,15 +425,10 @@ impl Outbox {
         Ok(())
     }
 
-    /// Writes the rows (and, with `again`, a delayed copy of each), ids
-    /// from the sequence now, under the lock the caller took.
-    async fn insert(
-        &self,
-        conn: &mut PgConnection,
-        cache: &str,
-        changes: &[Change],
-        again: Option<Duration>,
-    ) -> Result<()> {
+    /// Writes the rows (and, with [`again_after`](OutboxBuilder::again_after),
+    /// a delayed invalidation for each), ids from the sequence now, under
+    /// the lock the caller took.
+    async fn insert(&self, conn: &mut PgConnection, cache: &str, changes: &[Change]) -> Result<()> {
         let mut rows = Vec::with_capacity(changes.len());
         for change in changes {
             rows.push(encode_row(change, self.inner.max_event_bytes)?);
@@ -456,7 +444,15 @@ impl Outbox {
             .execute(&mut *conn)
             .await
             .map_err(db)?;
-        if let Some(delay) = again {
+        if let Some(delay) = self.inner.again_after {
+            let mut rows = Vec::with_capacity(changes.len());
+            for change in changes {
+                // No larger than the change it repeats, so it fits too.
+                rows.push(encode_row(
+                    &change.clone().into_invalidation(),
+                    self.inner.max_event_bytes,
+                )?);
+            }
             let micros = i64::try_from(delay.as_micros()).unwrap_or(i64::MAX);
             let sql = format!(
                 "INSERT INTO {s}.outbox (id, cache, change, not_before) \
@@ -651,7 +647,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
         row: &V,
         version: u64,
     ) -> Result<u64> {
-        self.enqueue(conn, Some(version), None, |o, v| {
+        self.enqueue(conn, Some(version), |o, v| {
             o.refresh_changes([(key, row, Some(v))])
         })
         .await
@@ -667,20 +663,17 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
         K: 'a,
         V: 'a,
     {
-        self.enqueue(conn, None, None, |o, v| {
+        self.enqueue(conn, None, |o, v| {
             o.refresh_changes(rows.into_iter().map(|(k, r)| (k, r, Some(v))))
         })
         .await
     }
 
     /// A row was deleted: nodes drop it and keep a tombstone at the
-    /// version. Enqueued twice with [`again_after`](OutboxBuilder::again_after).
+    /// version.
     pub async fn delete(&self, conn: &mut PgConnection, key: &K) -> Result<u64> {
-        let again = self.outbox.inner.again_after;
-        self.enqueue(conn, None, again, |o, v| {
-            o.invalidate_changes([(key, Some(v))])
-        })
-        .await
+        self.enqueue(conn, None, |o, v| o.invalidate_changes([(key, Some(v))]))
+            .await
     }
 
     /// [`delete`](Self::delete) with the caller's version.
@@ -690,8 +683,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
         key: &K,
         version: u64,
     ) -> Result<u64> {
-        let again = self.outbox.inner.again_after;
-        self.enqueue(conn, Some(version), again, |o, v| {
+        self.enqueue(conn, Some(version), |o, v| {
             o.invalidate_changes([(key, Some(v))])
         })
         .await
@@ -709,7 +701,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
         K: 'a,
         V: 'a,
     {
-        self.enqueue(conn, None, None, |o, v| replace_changes(o, rows, v))
+        self.enqueue(conn, None, |o, v| replace_changes(o, rows, v))
             .await
     }
 
@@ -724,10 +716,8 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
         K: 'a,
         V: 'a,
     {
-        self.enqueue(conn, Some(version), None, |o, v| {
-            replace_changes(o, rows, v)
-        })
-        .await
+        self.enqueue(conn, Some(version), |o, v| replace_changes(o, rows, v))
+            .await
     }
 
     /// Takes the lock, then the version, then the ids. On an error the
@@ -736,7 +726,6 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
         &self,
         conn: &mut PgConnection,
         version: Option<u64>,
-        again: Option<Duration>,
         build: impl FnOnce(&Outbox, u64) -> Result<Vec<Change>>,
     ) -> Result<u64> {
         let o = &self.outbox;
@@ -750,7 +739,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
             None => o.auto_version(conn, &self.cache).await?,
         };
         let changes = build(o, v)?;
-        o.insert(conn, &self.cache, &changes, again).await?;
+        o.insert(conn, &self.cache, &changes).await?;
         Ok(v)
     }
 }
@@ -821,7 +810,12 @@ mod tests {
                     .is_config()
             );
         }
-        for d in [Duration::ZERO, MAX_AGAIN_AFTER + Duration::from_secs(1)] {
+        for d in [
+            Duration::ZERO,
+            Duration::from_micros(999),
+            MAX_TIMEOUT + Duration::from_nanos(1),
+            Duration::MAX,
+        ] {
             assert!(
                 Outbox::builder()
                     .again_after(d)
@@ -829,6 +823,13 @@ mod tests {
                     .unwrap_err()
                     .is_config()
             );
+        }
+    }
+
+    #[test]
+    fn again_after_accepts_its_range() {
+        for d in [Duration::from_millis(1), MAX_TIMEOUT] {
+            Outbox::builder().again_after(d).build().unwrap();
         }
     }
 
