@@ -55,8 +55,10 @@
 //!   refresh at it would be: a later refresh at or below it is ignored
 //!   (`stale_ignored`), a newer one replaces it. If the node already knows a
 //!   newer version of the key (a tombstone, a newer refresh or load, a
-//!   versioned clear), the loaded value is returned to the caller but not
-//!   cached (`loads_stale`); an equal version is cached.
+//!   versioned clear), the loaded value is not cached (`loads_stale`), and
+//!   the caller gets the cached value if the cache holds one (a newer
+//!   refresh may have installed it while the loader ran), else the loaded
+//!   value; an equal version is cached.
 //! - A value loaded without a version ([`SyncedCache::get_with`]) or
 //!   inserted locally ([`SyncedCache::insert`]) leaves the key's version
 //!   record as it was: a later refresh replaces it whenever that refresh is
@@ -97,7 +99,8 @@
 //!
 //! A loader that reads a lagging replica can still read the row as it was
 //! before a change the node has already applied. A versioned load then
-//! returns that row uncached (its version is older than the key's record).
+//! does not cache that row (its version is older than the key's record),
+//! and returns the cached value instead if there is one.
 //! For unversioned loads, [`PublisherBuilder::again_after`] sends each
 //! change again, as an invalidation, once the replica's lag has passed; it
 //! removes a row reloaded in between.
