@@ -74,7 +74,9 @@
 //! versioned load below it is returned uncached, so eviction only costs an
 //! extra load, never correctness.
 //!
-//! A cache's reported `version` is the highest entry version it has applied.
+//! A cache's reported `version` is the highest entry version in the events
+//! it has taken in: applied ones, and refreshes it ignored as stale too
+//! (every node receives those alike). Versioned loads do not raise it.
 //! The node's `position` means every event before it has been applied.
 //!
 //! ## Ordering
