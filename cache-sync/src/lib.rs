@@ -126,9 +126,14 @@
 //!   events before a quiet period, which no later event would reveal: the
 //!   node resyncs that cache within the announce interval (1 s by default)
 //!   plus its reorder window (10 s by default), plus the transport's
-//!   latency. That bound holds while the publisher's process lives long
-//!   enough to send an announcement after the lost events and the
-//!   transport delivers one of the three it sends; with announcements off
+//!   latency. That bound holds as long as the publisher's process and the
+//!   tokio runtime it published on keep running for one announce interval
+//!   after its last publish (three intervals, for the repeats that cover a
+//!   lost announcement), even if the `Publisher` itself is dropped, and the
+//!   transport delivers one of the three announcements; a node that is
+//!   re-subscribing after a transport error still resyncs on time. It holds
+//!   for every number announced: a newer announcement during a pending
+//!   check gets a full reorder window of its own. With announcements off
 //!   (`Duration::MAX`) there is no bound, and the loss is found at the
 //!   publisher's next event for that cache.
 //! - The consumer cannot re-subscribe from a known position.

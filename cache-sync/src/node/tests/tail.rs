@@ -208,12 +208,14 @@ async fn announcements_of_what_arrived_change_nothing_and_stop_when_quiet() {
         assert!(holds(c, "k6", Some("v")).await);
         assert_eq!((node.status().publisher_gaps, resyncs(node)), (0, 0));
     }
-    // The task holds the publisher weakly: once it is gone, so are they.
+    // A dropped publisher's last publish is announced, three times, and
+    // no more.
     let after = transport.publishes.load(Relaxed);
     p.refresh("t", [("k7", "v")]).await.unwrap();
     drop(p);
     tokio::time::sleep(10 * INTERVAL).await;
-    assert_eq!(transport.publishes.load(Relaxed), after + 1);
+    assert_eq!(transport.publishes.load(Relaxed), after + 4);
+    assert_eq!(transport.announcements(), 9);
 }
 
 /// Events that arrive late, but within the reorder window, clear the
@@ -719,4 +721,30 @@ async fn another_resync_of_the_cache_retires_its_checks() {
         "{s:?}"
     );
     assert!(holds(&c, "k3", Some("v")).await);
+}
+
+/// A publisher dropped right after its last publish (one per request, or a
+/// tool that publishes once) still announces it: the node finds the lost
+/// last event within the bound, while the runtime keeps running.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_publisher_still_announces_its_last_event() {
+    let transport = Lossy::dropping(2);
+    let window = Duration::from_secs(5);
+    let nodes = nodes(&transport, window, 1).await;
+    let (node, c) = &nodes[0];
+    let p = Publisher::builder(transport.clone())
+        .announce_interval(INTERVAL)
+        .build()
+        .unwrap();
+    p.refresh("t", [("k1", "v")]).await.unwrap();
+    eventually("k1 applied", async || holds(c, "k1", Some("v")).await).await;
+    let lost_at = Instant::now();
+    p.refresh("t", [("k2", "v")]).await.unwrap();
+    drop(p);
+    let at = wait_for("the tail loss is answered", || resyncs(node) == 1).await;
+    assert!(at - lost_at <= INTERVAL + window + Duration::from_millis(2));
+    tokio::time::sleep(2 * (INTERVAL + window)).await;
+    let s = node.status();
+    assert_eq!((s.publisher_gaps, resyncs(node)), (1, 1), "{s:?}");
+    assert_eq!(transport.announcements(), 3);
 }
