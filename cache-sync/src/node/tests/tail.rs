@@ -748,3 +748,103 @@ async fn a_dropped_publisher_still_announces_its_last_event() {
     assert_eq!((s.publisher_gaps, resyncs(node)), (1, 1), "{s:?}");
     assert_eq!(transport.announcements(), 3);
 }
+
+/// Wraps the embedded transport: the first subscription delivers two
+/// batches and then breaks; later subscribes fail until `up_at`.
+#[derive(Debug, Clone)]
+struct Outage {
+    inner: EmbeddedTransport,
+    subscribes: Arc<AtomicUsize>,
+    up_at: Instant,
+}
+
+#[derive(Debug)]
+struct Breaking {
+    inner: Box<dyn Subscription>,
+    batches: usize,
+}
+
+#[async_trait]
+impl Transport for Outage {
+    fn kind(&self) -> &'static str {
+        "outage"
+    }
+
+    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        self.inner.publish(topic, tag, payload).await
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        let first = self.subscribes.fetch_add(1, Relaxed) == 0;
+        if !first && Instant::now() < self.up_at {
+            return Err(Error::disconnected("outage", "connection refused"));
+        }
+        let inner = self.inner.subscribe(topic, options).await?;
+        let batches = if first { 2 } else { usize::MAX };
+        Ok(Box::new(Breaking { inner, batches }))
+    }
+}
+
+#[async_trait]
+impl Subscription for Breaking {
+    async fn next(&mut self, max: usize) -> Result<Delivery> {
+        if self.batches == 0 {
+            return Err(Error::disconnected("outage", "connection reset"));
+        }
+        self.batches -= 1;
+        self.inner.next(max).await
+    }
+
+    fn position(&self) -> Option<Position> {
+        self.inner.position()
+    }
+}
+
+/// An announcement the node is behind, then a transport outage: the check
+/// still falls due at the end of the window, while the node re-subscribes,
+/// not once the outage is over.
+#[tokio::test(start_paused = true)]
+async fn checks_fall_due_during_an_outage() {
+    let window = Duration::from_secs(10);
+    let outage = Duration::from_secs(300);
+    let transport = Outage {
+        inner: EmbeddedTransport::new(),
+        subscribes: Arc::default(),
+        up_at: Instant::now() + outage,
+    };
+    let c = cache("t");
+    let node = Node::builder("n1", transport.clone())
+        .reorder_window(window)
+        .max_batch(1)
+        .reconnect_backoff(Duration::from_secs(1), Duration::from_secs(30))
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    let send = |seq, change: Change| {
+        let t = transport.inner.clone();
+        async move {
+            t.publish(DEFAULT_TOPIC, "t", raw_event("t", 7, seq, &change))
+                .await
+                .unwrap();
+        }
+    };
+    let start = Instant::now();
+    send(1, refresh_change("k1", "v")).await;
+    send(3, Change::ANNOUNCE).await;
+    wait_for("the outage starts", || node.status().transport_errors >= 1).await;
+    let at = wait_for("the check", || resyncs(&node) == 1).await;
+    let took = at - start;
+    assert!(
+        took >= window && took <= window + Duration::from_secs(1),
+        "resynced after {took:?}"
+    );
+    assert!(transport.subscribes.load(Relaxed) >= 2);
+    assert!(Instant::now() < start + outage, "still down");
+    let s = node.status();
+    assert_eq!((s.publisher_gaps, s.losses), (1, 1), "{s:?}");
+}
