@@ -55,8 +55,10 @@
 //!   refresh at it would be: a later refresh at or below it is ignored
 //!   (`stale_ignored`), a newer one replaces it. If the node already knows a
 //!   newer version of the key (a tombstone, a newer refresh or load, a
-//!   versioned clear), the loaded value is returned to the caller but not
-//!   cached (`loads_stale`); an equal version is cached.
+//!   versioned clear), the loaded value is not cached (`loads_stale`), and
+//!   the caller gets the cached value if the cache holds one (a newer
+//!   refresh may have installed it while the loader ran), else the loaded
+//!   value; an equal version is cached.
 //! - A value loaded without a version ([`SyncedCache::get_with`]) or
 //!   inserted locally ([`SyncedCache::insert`]) leaves the key's version
 //!   record as it was: a later refresh replaces it whenever that refresh is
@@ -72,7 +74,9 @@
 //! versioned load below it is returned uncached, so eviction only costs an
 //! extra load, never correctness.
 //!
-//! A cache's reported `version` is the highest entry version it has applied.
+//! A cache's reported `version` is the highest entry version in the events
+//! it has taken in: applied ones, and refreshes it ignored as stale too
+//! (every node receives those alike). Versioned loads do not raise it.
 //! The node's `position` means every event before it has been applied.
 //!
 //! ## Ordering
@@ -97,7 +101,8 @@
 //!
 //! A loader that reads a lagging replica can still read the row as it was
 //! before a change the node has already applied. A versioned load then
-//! returns that row uncached (its version is older than the key's record).
+//! does not cache that row (its version is older than the key's record),
+//! and returns the cached value instead if there is one.
 //! For unversioned loads, [`PublisherBuilder::again_after`] sends each
 //! change again, as an invalidation, once the replica's lag has passed; it
 //! removes a row reloaded in between.
@@ -121,9 +126,14 @@
 //!   events before a quiet period, which no later event would reveal: the
 //!   node resyncs that cache within the announce interval (1 s by default)
 //!   plus its reorder window (10 s by default), plus the transport's
-//!   latency. That bound holds while the publisher's process lives long
-//!   enough to send an announcement after the lost events and the
-//!   transport delivers one of the three it sends; with announcements off
+//!   latency. That bound holds as long as the publisher's process and the
+//!   tokio runtime it published on keep running for one announce interval
+//!   after its last publish (three intervals, for the repeats that cover a
+//!   lost announcement), even if the `Publisher` itself is dropped, and the
+//!   transport delivers one of the three announcements; a node that is
+//!   re-subscribing after a transport error still resyncs on time. It holds
+//!   for every number announced: a newer announcement during a pending
+//!   check gets a full reorder window of its own. With announcements off
 //!   (`Duration::MAX`) there is no bound, and the loss is found at the
 //!   publisher's next event for that cache.
 //! - The consumer cannot re-subscribe from a known position.

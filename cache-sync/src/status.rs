@@ -82,7 +82,8 @@ pub struct CacheStatus {
     /// Load results discarded because the key changed while they ran.
     pub loads_superseded: u64,
     /// Versioned loads ([`get_with_versioned`](crate::SyncedCache::get_with_versioned))
-    /// returned to the caller but not cached, because their version was
+    /// not cached (the caller got the cached value if there was one, else
+    /// the loaded one), because their version was
     /// older than one the node knew for the key (a tombstone, a newer
     /// refresh or load, a versioned clear) or, the key's record evicted from
     /// the bounded table, might have been.

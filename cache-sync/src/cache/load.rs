@@ -122,7 +122,7 @@ where
             .await;
             match decision {
                 LoadDecision::Install => return Ok(value),
-                LoadDecision::Stale => return Ok(self.stale_load(value)),
+                LoadDecision::Stale => return Ok(self.stale_load(key, value).await),
                 LoadDecision::Superseded => {}
             }
             self.stats.loads_superseded.fetch_add(1, Relaxed);
@@ -135,10 +135,19 @@ where
     }
 
     /// A versioned load older than what the node knows for its key (the
-    /// loader read a lagging replica, say): the source gave nothing newer,
-    /// so the caller gets it, but caching it could hide the newer change.
-    fn stale_load(&self, value: V) -> V {
+    /// loader read a lagging replica, say): caching it could hide the newer
+    /// change. The caller gets the cached value if there is one: a refresh
+    /// at the newer version may have installed it while the loader ran, and
+    /// returning the older row would break the promise that a load never
+    /// returns a value older than a change applied while it ran. With none
+    /// cached (the newer change was an invalidation), the source gave
+    /// nothing newer, so the caller gets the loaded value, uncached.
+    async fn stale_load(&self, key: &K, value: V) -> V {
         self.stats.loads_stale.fetch_add(1, Relaxed);
+        if let Some(cached) = self.cache.get(key).await {
+            tracing::debug!(cache = %self.name, "loaded version older than one known for the key; returned the cached value");
+            return cached;
+        }
         tracing::debug!(cache = %self.name, "loaded version older than one known for the key; returned uncached");
         value
     }
@@ -199,7 +208,7 @@ where
             // Unpin before the stripe goes, so the next write sees no pin.
             drop(pinned);
             if decision == LoadDecision::Stale {
-                return Ok(self.stale_load(value));
+                return Ok(self.stale_load(key, value).await);
             }
         }
         Ok(value)

@@ -374,14 +374,17 @@ where
     /// load cannot overwrite the row the loader read. Returns the value; a
     /// cache hit knows no version, so none is returned.
     ///
-    /// If the node already knows a newer version of the key than the one
+    /// If the node already knows a newer version of the key than the loader
     /// returned (a tombstone, a newer refresh or load, a versioned clear;
-    /// the loader read a lagging replica, say), the value is returned, as
-    /// the best the source gave, but not cached, and counted in
+    /// the loader read a lagging replica, say), the loaded value is not
+    /// cached, and is counted in
     /// [`loads_stale`](CacheStatus::loads_stale). So is one below the floor
     /// that evicted version records leave (see
     /// [`max_tracked_keys`](SyncedCacheBuilder::max_tracked_keys)), since it
-    /// may be older than what was forgotten. A version equal to the known
+    /// may be older than what was forgotten. Such a call returns the cached
+    /// value if the cache holds one (a refresh at the newer version may have
+    /// installed it while the loader ran), and otherwise the loaded value,
+    /// the best the source gave. A version equal to the known
     /// one is cached: the source holds that row at that version. Give a
     /// delete a version of its own, newer than the row it removed (as the
     /// dictionary helper's automatic versions are), or a replica still

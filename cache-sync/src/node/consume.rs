@@ -64,14 +64,25 @@ pub(super) async fn consume_loop(
         let _ = stop.wait_for(|s| *s).await;
     });
 
-    loop {
+    'consume: loop {
         let Some(s) = sub.as_mut() else {
+            // Checks fall due while the node re-subscribes too: a cache
+            // already known to be behind must not stay stale for a whole
+            // outage of the transport.
             if !backoff.is_zero() {
-                tokio::select! {
-                    () = &mut stopped => break,
-                    () = tokio::time::sleep(backoff) => {}
+                let wait = tokio::time::sleep(backoff);
+                let mut wait = std::pin::pin!(wait);
+                loop {
+                    tokio::select! {
+                        () = &mut stopped => break 'consume,
+                        () = &mut wait => break,
+                        () = check_due(seqs.next_deadline()) => {
+                            expire_checks(&shared, &mut seqs).await;
+                        }
+                    }
                 }
             }
+            expire_checks(&shared, &mut seqs).await;
             let from = match &fetched {
                 Some(p) => StartFrom::Position(p.clone()),
                 None => {
@@ -83,7 +94,18 @@ pub(super) async fn consume_loop(
             };
             let resumed = after_error && fetched.is_some();
             let names: HashSet<String> = shared.caches().keys().cloned().collect();
-            match shared.subscribe(from).await {
+            let subscribing = shared.subscribe(from);
+            let mut subscribing = std::pin::pin!(subscribing);
+            // An attempt can take up to the transport's timeout.
+            let subscribed = loop {
+                tokio::select! {
+                    subscribed = &mut subscribing => break subscribed,
+                    () = check_due(seqs.next_deadline()) => {
+                        expire_checks(&shared, &mut seqs).await;
+                    }
+                }
+            };
+            match subscribed {
                 Ok(new) => {
                     fetched = new.position().or(fetched);
                     sub = Some(new);

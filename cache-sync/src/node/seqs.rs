@@ -20,15 +20,19 @@ pub(super) struct PublisherSeqs {
     /// Caches whose unknown publishers are not taken on trust: every cache
     /// held when the subscription last resumed, until it is resynced.
     pub(super) distrusted: HashSet<String>,
-    /// Announcements this node is behind, oldest first: deadlines are
-    /// arrival plus the node's one reorder window, so the queue is in
-    /// deadline order. At most one per (publisher, cache), in `checking`.
+    /// Announcements this node is behind, in deadline order. At most one
+    /// per (publisher, cache), in `checking`.
     checks: VecDeque<Check>,
-    checking: HashTable<(u64, String)>,
+    /// Per pending check: (publisher, cache, the highest number announced
+    /// since, and the end of the reorder window after the announcement that
+    /// raised it to that number).
+    checking: HashTable<(u64, String, u64, Instant)>,
 }
 
 /// A publisher announced `seq` for `cache` while the node's last was below
 /// it: unless the events up to `seq` arrive by `deadline`, they were lost.
+/// Later announcements raise the check's highest number (in `checking`),
+/// not this one: see [`PublisherSeqs::announced`].
 struct Check {
     publisher: u64,
     cache: String,
@@ -73,9 +77,41 @@ impl PublisherSeqs {
         self.distrusted.extend(caches);
     }
 
-    /// `cache` was resynced: what any publisher sent it before is moot.
+    /// `cache` was resynced: what any publisher sent it before is moot, the
+    /// numbers announced for it included (an announcement is sent after
+    /// the events it vouches for, so the resync reflects them). Its pending
+    /// checks go, and their publishers' baselines rise to the highest
+    /// numbers announced: otherwise each would fire later and resync again
+    /// for events the resync already covered.
     pub(super) fn resynced(&mut self, cache: &str) {
         self.distrusted.remove(cache);
+        if self.checking.is_empty() {
+            return;
+        }
+        let mut covered = Vec::new();
+        self.checking.retain(|(publisher, c, newest, _)| {
+            let keep = c != cache;
+            if !keep {
+                covered.push((*publisher, *newest));
+            }
+            keep
+        });
+        if covered.is_empty() {
+            return;
+        }
+        self.checks.retain(|c| c.cache != cache);
+        for (publisher, newest) in covered {
+            let _ = self.observe(publisher, cache, newest);
+        }
+    }
+
+    /// Queues `check` in deadline order: a re-armed check's deadline can
+    /// be later than that of checks started after it.
+    fn enqueue(&mut self, check: Check) {
+        let at = self
+            .checks
+            .partition_point(|c| c.deadline <= check.deadline);
+        self.checks.insert(at, check);
     }
 
     /// The last number seen from `publisher` for `cache`, if known.
@@ -93,6 +129,18 @@ impl PublisherSeqs {
     /// Otherwise a node that is behind checks again at `deadline`
     /// ([`due`](Self::due)), and an unknown publisher's `seq` becomes its
     /// baseline.
+    ///
+    /// A pending check for the same (publisher, cache) is raised to `seq`
+    /// rather than joined by a second one, and keeps its deadline: the
+    /// older numbers are judged at the end of their own window. If by then
+    /// they arrived but the newest did not, the check is re-armed for the
+    /// newest number at the end of the window after the announcement that
+    /// raised it to that number, so every announced number is given one
+    /// full reorder window from its announcement's arrival, and is answered
+    /// by its end. A deadline restarted at every announcement instead
+    /// would never come while a publisher keeps announcing higher numbers
+    /// whose events are all lost; a deadline kept for the newest number
+    /// would count its events, still inside their window, as lost.
     pub(super) fn announced(
         &mut self,
         publisher: u64,
@@ -119,13 +167,14 @@ impl PublisherSeqs {
             return None;
         }
         let hash = self.hasher.hash_one((publisher, cache));
-        if self
+        if let Some(pending) = self
             .checking
-            .find(hash, |e| e.0 == publisher && e.1 == cache)
-            .is_some()
+            .find_mut(hash, |e| e.0 == publisher && e.1 == cache)
         {
-            // The earlier check covers the older numbers first; if the node
-            // is still behind this one afterwards, a repeat announces it again.
+            if seq > pending.2 {
+                pending.2 = seq;
+                pending.3 = deadline;
+            }
             return None;
         }
         if self.checks.len() >= MAX_PENDING_CHECKS {
@@ -134,10 +183,10 @@ impl PublisherSeqs {
         }
         let hasher = &self.hasher;
         self.checking
-            .insert_unique(hash, (publisher, cache.to_owned()), |e| {
+            .insert_unique(hash, (publisher, cache.to_owned(), seq, deadline), |e| {
                 hasher.hash_one((e.0, e.1.as_str()))
             });
-        self.checks.push_back(Check {
+        self.enqueue(Check {
             publisher,
             cache: cache.to_owned(),
             seq,
@@ -152,31 +201,42 @@ impl PublisherSeqs {
     }
 
     /// The next check due at `now` whose events have not all arrived; each
-    /// answered this way counts as seen, so it is not answered twice.
+    /// answered this way counts as seen up to the highest number announced,
+    /// so it is not answered twice and the next event is no gap.
     pub(super) fn due(&mut self, now: Instant) -> Option<Missing> {
         while self.checks.front().is_some_and(|c| c.deadline <= now) {
-            let check = self.checks.pop_front()?;
-            let hash = self
-                .hasher
-                .hash_one((check.publisher, check.cache.as_str()));
-            if let Ok(entry) = self
-                .checking
-                .find_entry(hash, |e| e.0 == check.publisher && e.1 == check.cache)
-            {
-                entry.remove();
-            }
+            let mut check = self.checks.pop_front()?;
             // A baseline forgotten meanwhile (the bound on publishers) may
             // have hidden the events' arrival: a needless resync, never a
             // missed loss.
             let last = self.last(check.publisher, &check.cache).unwrap_or(0);
-            if last >= check.seq {
+            let hash = self
+                .hasher
+                .hash_one((check.publisher, check.cache.as_str()));
+            let Ok(entry) = self
+                .checking
+                .find_entry(hash, |e| e.0 == check.publisher && e.1 == check.cache)
+            else {
+                continue;
+            };
+            let (newest, newest_deadline) = (entry.get().2, entry.get().3);
+            if last >= newest {
+                entry.remove();
                 continue;
             }
-            let _ = self.observe(check.publisher, &check.cache, check.seq);
+            if last >= check.seq {
+                // The numbers due now arrived; later ones get their own window.
+                check.seq = newest;
+                check.deadline = newest_deadline;
+                self.enqueue(check);
+                continue;
+            }
+            entry.remove();
+            let _ = self.observe(check.publisher, &check.cache, newest);
             return Some(Missing {
                 publisher: check.publisher,
                 from: last.saturating_add(1),
-                to: check.seq,
+                to: newest,
                 cache: check.cache,
             });
         }

@@ -1,10 +1,11 @@
 //! The publisher: how admin services tell every node what changed.
 
 use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::fmt;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -38,9 +39,17 @@ use crate::wire::{
 /// announced three times at an unchanged number, then no more until it is
 /// published to again: one announcement after the last event is what a node
 /// needs, the repeats cover lost announcements, and an idle publisher sends
-/// nothing. Announcements run in a task spawned on the tokio runtime of the
-/// first publish (again by a later publish, should that runtime shut down);
-/// it ends with the last clone.
+/// nothing. Announcements run in a task spawned on the tokio runtime of a
+/// publish (again by a later publish, should that runtime shut down). The
+/// task holds the publisher's state, so a publisher dropped right after a
+/// publish (one per request, or a command-line tool that publishes once)
+/// still announces: the first announcement goes out within one interval
+/// of the last publish, and the task ends, letting the state go, once
+/// every cache has been announced three times unchanged (some four
+/// intervals after the last publish). A later publish starts it again.
+/// The promise therefore holds as long as the process and that tokio
+/// runtime keep running for one announce interval after the last publish
+/// (three, for the repeats that cover a lost announcement).
 ///
 /// Cheap to clone; clones share the sequence numbers.
 #[derive(Clone)]
@@ -57,8 +66,15 @@ struct PublisherInner {
     seqs: Mutex<HashMap<String, Arc<tokio::sync::Mutex<u64>>>>,
     /// `Duration::MAX`: no announcements.
     announce_interval: Duration,
-    /// Whether the announcing task was spawned.
+    /// Whether an announcing task is running (or spawned, not yet run).
     announcing: AtomicBool,
+    /// Per cache: the number last announced and how often it was sent.
+    /// Kept here, not in the task, so that a task started again by a later
+    /// publish does not announce long-quiet caches once more.
+    announced: Mutex<HashMap<String, (u64, u8)>>,
+    /// The second sends of `again_after` not yet due, in due order (the
+    /// delay is the same for all), and whether a task is sending them.
+    again: Mutex<AgainQueue>,
     /// Each change is sent a second time, as an invalidation, this much later.
     again_after: Option<Duration>,
 }
@@ -144,8 +160,10 @@ impl PublisherBuilder {
     /// missed the last events before a quiet period resyncs that cache
     /// within this interval plus its
     /// [reorder window](crate::NodeBuilder::reorder_window), plus the
-    /// transport's latency, provided this process lives long enough to send
-    /// an announcement after them. Announcements are signed like events.
+    /// transport's latency, provided this process and the tokio runtime it
+    /// published on keep running for one interval after the last publish
+    /// (three, for the repeats), whether or not the `Publisher` is dropped
+    /// meanwhile. Announcements are signed like events.
     ///
     /// Default 1 s; 10 ms to 1 h, or `Duration::MAX` for no announcements
     /// (and then no such bound: a lost last event is found at the next
@@ -171,8 +189,13 @@ impl PublisherBuilder {
     /// version is older than the tombstone, so it is not cached.
     ///
     /// The second send is an ordinary event with its own sequence number, so
-    /// nodes detect its loss like any other. Its timer lives in this process:
-    /// if the process exits first, the second send is lost. The database
+    /// nodes detect its loss like any other. Its timer lives in this process,
+    /// in one task per publisher that holds the publisher's state (a dropped
+    /// publisher's second sends still go out) until none is pending: if the
+    /// process or its tokio runtime stops first, the second send is lost.
+    /// Until it is sent, each pending second send holds the keys (and
+    /// versions) its change named, so memory grows with the rate of changes
+    /// times `delay`. The database
     /// outbox's relay keeps its copy as a row instead, which survives a
     /// crash. A transport's own delayed delivery (RocketMQ's delay levels)
     /// is not used: the broker would hand the event over after later ones,
@@ -242,6 +265,8 @@ impl Publisher {
                 seqs: Mutex::default(),
                 announce_interval,
                 announcing: AtomicBool::new(false),
+                announced: Mutex::default(),
+                again: Mutex::default(),
                 again_after,
             }),
         }
@@ -472,20 +497,32 @@ impl Publisher {
         build: impl FnOnce() -> Result<(Vec<Change>, T)>,
     ) -> Result<(Published, T)> {
         self.inner.transport.check_tag(cache)?;
-        if !self.inner.announcing.load(Relaxed) {
-            self.start_announcing();
-        }
         let seq = self.seq(cache);
         // Held across the publish so numbers reach the transport in order.
         let mut seq = seq.lock().await;
         let (changes, out) = build()?;
-        let published = self.publish_locked(cache, &mut seq, &changes).await?;
+        let published = self.publish_locked(cache, &mut seq, &changes).await;
+        drop(seq);
+        // After the number was used, failed publish or not: an announcing
+        // task that ends from now on finds it due (see `announce_loop`).
+        self.announce_later();
+        let published = published?;
         // Scheduled only once the first send went through: a failed one
         // returns its error, and the caller retries the whole change.
         if let Some(delay) = self.inner.again_after {
             self.send_again(cache, delay, changes);
         }
         Ok((published, out))
+    }
+
+    /// Makes sure an announcing task will announce the numbers used so far.
+    /// One relaxed load on the publish path: the flag only needs to be
+    /// seen true by publishes whose numbers a running task will see, and
+    /// the cache's publish lock orders those (see `announce_loop`).
+    fn announce_later(&self) {
+        if !self.inner.announcing.load(Relaxed) {
+            self.start_announcing();
+        }
     }
 
     /// The cache's sequence number, behind its publish lock.
@@ -528,24 +565,34 @@ impl Publisher {
         Ok(published)
     }
 
-    /// The second send of [`PublisherBuilder::again_after`]: a task that
-    /// holds the publisher (it outlives the caller's handle, not the
-    /// runtime) and sends, `delay` from now, an invalidation of what
-    /// `changes` changed.
+    /// The second send of [`PublisherBuilder::again_after`]: queues, for
+    /// `delay` from now, an invalidation of what `changes` changed. One
+    /// task per publisher sends them in order (every entry waits the same
+    /// delay, so the queue is in due order); it holds the publisher's
+    /// state until the queue is empty, so a dropped publisher's second
+    /// sends still go out while the process and its runtime live.
     fn send_again(&self, cache: &str, delay: Duration, changes: Vec<Change>) {
         let again: Vec<Change> = changes.into_iter().map(Change::into_invalidation).collect();
-        let publisher = self.clone();
-        let cache = cache.to_owned();
-        tokio::spawn(async move {
-            tokio::time::sleep(delay).await;
-            let seq = publisher.seq(&cache);
-            let mut seq = seq.lock().await;
-            // A failure used up its number: nodes see the gap and resync
-            // this cache, which is what the second invalidation was for.
-            if let Err(e) = publisher.publish_locked(&cache, &mut seq, &again).await {
-                tracing::warn!(cache = %cache, error = %e, "the delayed second invalidation failed");
+        let mut queue = lock(&self.inner.again);
+        queue
+            .pending
+            .push_back((deadline_after(delay), cache.to_owned(), again));
+        if queue.sending {
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                queue.sending = true;
+                runtime.spawn(again_loop(AgainGuard {
+                    inner: self.inner.clone(),
+                    armed: true,
+                }));
             }
-        });
+            // The caller's runtime is shutting down: nothing can send it
+            // later. Left queued, it goes with the next publish's task.
+            Err(e) => tracing::warn!(%cache, error = %e,
+                "no tokio runtime to send the delayed second invalidation from; it waits for the next publish"),
+        }
     }
 
     /// Spawns the announcing task, once, on the runtime of the publish
@@ -558,7 +605,11 @@ impl Publisher {
         }
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                runtime.spawn(announce_loop(Respawn(Arc::downgrade(&self.inner)), every));
+                let respawn = Respawn {
+                    inner: self.inner.clone(),
+                    armed: true,
+                };
+                runtime.spawn(announce_loop(respawn, every));
             }
             Err(e) => {
                 // Tried again at the next publish.
@@ -570,42 +621,45 @@ impl Publisher {
     }
 }
 
-/// Announces each cache's last sequence number every `every`, until it has
-/// been announced `QUIET_ANNOUNCEMENTS` times unchanged; ends once the last
-/// `Publisher` is gone (it holds only a `Weak`).
-async fn announce_loop(respawn: Respawn, every: Duration) {
-    // An argument, so that it is dropped with the task even if the task
-    // never ran.
-    let inner = &respawn.0;
+/// Announces each cache's last sequence number every `every`, until every
+/// cache has been announced `QUIET_ANNOUNCEMENTS` times unchanged; then it
+/// ends, and the next publish spawns it again. It holds the publisher's
+/// state meanwhile: a publisher dropped after a publish still announces.
+async fn announce_loop(mut respawn: Respawn, every: Duration) {
+    // `respawn` is an argument, so that it is dropped with the task even if
+    // the task never ran.
+    let inner = respawn.inner.clone();
     let mut ticks = tokio::time::interval_at(deadline_after(every), every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Per cache: the number last announced and how often it was sent.
-    let mut sent: HashMap<String, (u64, u8)> = HashMap::new();
     loop {
         ticks.tick().await;
-        let Some(inner) = inner.upgrade() else {
-            return;
-        };
-        let due: Vec<(String, Arc<tokio::sync::Mutex<u64>>)> = lock(&inner.seqs)
-            .iter()
-            .filter(|(cache, seq)| {
-                // A cache being published to now will need announcing.
-                let Ok(seq) = seq.try_lock() else {
-                    return true;
-                };
-                *seq > 0
-                    && sent
-                        .get(cache.as_str())
-                        .is_none_or(|&(n, times)| n != *seq || times < QUIET_ANNOUNCEMENTS)
-            })
-            .map(|(cache, seq)| (cache.clone(), seq.clone()))
-            .collect();
+        let due = inner.due();
+        if due.is_empty() {
+            // No await from here to the end: the exit is all or nothing.
+            // A publish uses its number, then loads the flag. Either it
+            // loads false (the store below came first) and spawns a task,
+            // or it took its publish lock before the check below released
+            // it, and the check sees the new number (or the lock held) and
+            // takes the flag back.
+            respawn.armed = false;
+            inner.announcing.store(false, Relaxed);
+            if inner.due().is_empty() || inner.announcing.swap(true, Relaxed) {
+                return;
+            }
+            respawn.armed = true;
+            continue;
+        }
         for (cache, seq) in due {
-            // The publish lock: the announcement reaches the transport after
-            // every event it vouches for, and it takes no number.
-            let seq = seq.lock().await;
+            // Not waited for: a publish stuck in the transport (for up to
+            // its timeout) must not hold up the other caches' announcements.
+            // The cache stays due for the next tick.
+            let Ok(seq) = seq.try_lock() else {
+                continue;
+            };
+            // Under the publish lock: the announcement reaches the
+            // transport after every event it vouches for, and takes no number.
             let n = *seq;
-            let times = match sent.get(cache.as_str()) {
+            let times = match lock(&inner.announced).get(cache.as_str()) {
                 Some(&(m, times)) if m == n => times,
                 _ => 0,
             };
@@ -614,7 +668,7 @@ async fn announce_loop(respawn: Respawn, every: Duration) {
             }
             match inner.announce(&cache, n).await {
                 Ok(()) => {
-                    sent.insert(cache, (n, times.saturating_add(1)));
+                    lock(&inner.announced).insert(cache, (n, times.saturating_add(1)));
                 }
                 // Nothing is used up: the next tick tries again.
                 Err(e) => tracing::debug!(topic = %inner.topic, %cache, seq = n, error = %e,
@@ -625,19 +679,106 @@ async fn announce_loop(respawn: Respawn, every: Duration) {
 }
 
 /// Lets the next publish spawn the announcing task again if this one is
-/// dropped while the publisher lives: its runtime shut down (a publisher
+/// dropped without ending by itself: its runtime shut down (a publisher
 /// can outlive the runtime it first published on).
-struct Respawn(Weak<PublisherInner>);
+struct Respawn {
+    inner: Arc<PublisherInner>,
+    /// False while the task ends by itself: it clears the flag then, and a
+    /// newer task may have set it since.
+    armed: bool,
+}
 
 impl Drop for Respawn {
     fn drop(&mut self) {
-        if let Some(inner) = self.0.upgrade() {
-            inner.announcing.store(false, Relaxed);
+        if self.armed {
+            self.inner.announcing.store(false, Relaxed);
+        }
+    }
+}
+
+/// The second sends of `again_after` waiting for their time.
+#[derive(Default)]
+struct AgainQueue {
+    pending: VecDeque<(tokio::time::Instant, String, Vec<Change>)>,
+    sending: bool,
+}
+
+/// Sends the queued second sends as they fall due; ends when none is left.
+async fn again_loop(mut guard: AgainGuard) {
+    let inner = guard.inner.clone();
+    loop {
+        let due = {
+            let mut queue = lock(&inner.again);
+            match queue.pending.front() {
+                Some((due, ..)) if *due > tokio::time::Instant::now() => Some(*due),
+                Some(_) => None,
+                None => {
+                    // Under the queue's lock: a send queued after this
+                    // sees `sending` false and spawns a new task.
+                    queue.sending = false;
+                    guard.armed = false;
+                    return;
+                }
+            }
+        };
+        if let Some(due) = due {
+            tokio::time::sleep_until(due).await;
+            continue;
+        }
+        let Some((_, cache, again)) = lock(&inner.again).pending.pop_front() else {
+            continue;
+        };
+        let publisher = Publisher {
+            inner: inner.clone(),
+        };
+        let seq = publisher.seq(&cache);
+        let mut seq = seq.lock().await;
+        // A failure used up its number: nodes see the gap and resync
+        // this cache, which is what the second invalidation was for.
+        if let Err(e) = publisher.publish_locked(&cache, &mut seq, &again).await {
+            tracing::warn!(cache = %cache, error = %e, "the delayed second invalidation failed");
+        }
+        drop(seq);
+        publisher.announce_later();
+    }
+}
+
+/// Lets the next publish start the second sends' task again if this one
+/// is dropped before it ends (its runtime shut down).
+struct AgainGuard {
+    inner: Arc<PublisherInner>,
+    /// False once the task ended by itself: a newer one may be sending.
+    armed: bool,
+}
+
+impl Drop for AgainGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            lock(&self.inner.again).sending = false;
         }
     }
 }
 
 impl PublisherInner {
+    /// The caches with numbers not yet announced `QUIET_ANNOUNCEMENTS`
+    /// times; a cache being published to now counts, it will need it.
+    fn due(&self) -> Vec<(String, Arc<tokio::sync::Mutex<u64>>)> {
+        let sent = lock(&self.announced);
+        lock(&self.seqs)
+            .iter()
+            .filter(|(cache, seq)| {
+                let Ok(seq) = seq.try_lock() else {
+                    return true;
+                };
+                *seq > 0
+                    && sent
+                        .get(cache.as_str())
+                        .is_none_or(|&(n, times)| n != *seq || times < QUIET_ANNOUNCEMENTS)
+            })
+            .map(|(cache, seq)| (cache.clone(), seq.clone()))
+            .collect()
+    }
+
     /// Sends `seq` again for `cache`, as an announcement (see `wire`),
     /// sealed like an event.
     async fn announce(&self, cache: &str, seq: u64) -> Result<()> {
@@ -742,6 +883,130 @@ mod tests {
         });
         assert_eq!(keys, &expect);
         assert_eq!(events[3].1, Change::Clear { version: Some(9) });
+    }
+
+    /// The announcing task and the second sends' task hold a dropped
+    /// publisher's state until their work is done, then end and let it go.
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_publishers_tasks_finish_their_work_then_let_it_go() {
+        let transport = EmbeddedTransport::new();
+        let p = Publisher::builder(transport.clone())
+            .announce_interval(Duration::from_secs(1))
+            .again_after(Duration::from_secs(2))
+            .build()
+            .unwrap();
+        p.refresh("t", [("a", "x")]).await.unwrap();
+        let inner = Arc::downgrade(&p.inner);
+        drop(p);
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        assert!(inner.upgrade().is_none(), "the publisher's state leaked");
+        let events = drain(&transport).await;
+        let sent: Vec<_> = events
+            .iter()
+            .filter(|(_, c)| c.len() > 0)
+            .map(|(h, _)| h.seq)
+            .collect();
+        assert_eq!(sent, [1, 2], "the change and its second send");
+        let last: Vec<_> = events
+            .iter()
+            .filter(|(_, c)| c.len() == 0)
+            .map(|(h, _)| h.seq)
+            .filter(|&seq| seq == 2)
+            .collect();
+        assert_eq!(last, [2, 2, 2], "the last number, announced three times");
+    }
+
+    /// Publishes to cache "slow" hang for an hour once `stall` is set.
+    #[derive(Debug, Clone, Default)]
+    struct Stalling {
+        inner: EmbeddedTransport,
+        stall: Arc<AtomicBool>,
+    }
+
+    #[async_trait::async_trait]
+    impl Transport for Stalling {
+        fn kind(&self) -> &'static str {
+            "stalling"
+        }
+
+        async fn publish(
+            &self,
+            topic: &str,
+            tag: &str,
+            payload: Bytes,
+        ) -> Result<Option<Position>> {
+            if tag == "slow" && self.stall.load(Relaxed) {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+            }
+            self.inner.publish(topic, tag, payload).await
+        }
+
+        async fn subscribe(
+            &self,
+            topic: &str,
+            options: SubscribeOptions,
+        ) -> Result<Box<dyn crate::transport::Subscription>> {
+            self.inner.subscribe(topic, options).await
+        }
+    }
+
+    /// A second send queued where there is no runtime to time it (the
+    /// caller's is shutting down) does not panic: it waits, and goes out
+    /// with the next publish's.
+    #[test]
+    fn a_second_send_queued_outside_a_runtime_goes_with_the_next() {
+        let transport = EmbeddedTransport::new();
+        let p = Publisher::builder(transport.clone())
+            .again_after(Duration::from_secs(1))
+            .announce_interval(Duration::MAX)
+            .build()
+            .unwrap();
+        p.send_again(
+            "t",
+            Duration::from_secs(1),
+            vec![Change::Clear { version: None }],
+        );
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap()
+            .block_on(async {
+                p.clear("t").await.unwrap();
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                let seqs: Vec<_> = drain(&transport).await.iter().map(|(h, _)| h.seq).collect();
+                assert_eq!(seqs, [1, 2, 3]);
+            });
+    }
+
+    /// A publish stuck in the transport for one cache does not hold up
+    /// the announcements of the others.
+    #[tokio::test(start_paused = true)]
+    async fn a_stuck_publish_holds_up_no_other_caches_announcements() {
+        let transport = Stalling::default();
+        let p = Publisher::builder(transport.clone())
+            .announce_interval(Duration::from_secs(1))
+            .build()
+            .unwrap();
+        p.refresh("slow", [("a", "x")]).await.unwrap();
+        let fast: Vec<String> = (0..8).map(|i| format!("fast{i}")).collect();
+        for cache in &fast {
+            p.refresh(cache, [("a", "x")]).await.unwrap();
+        }
+        transport.stall.store(true, Relaxed);
+        let stuck = p.clone();
+        let stuck = tokio::spawn(async move { stuck.refresh("slow", [("b", "y")]).await });
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let events = drain(&transport.inner).await;
+        for cache in &fast {
+            let announced = events
+                .iter()
+                .filter(|(h, c)| &h.cache == cache && c.len() == 0)
+                .count();
+            assert_eq!(announced, 3, "{cache}");
+        }
+        assert!(!stuck.is_finished());
+        stuck.abort();
     }
 
     #[tokio::test]

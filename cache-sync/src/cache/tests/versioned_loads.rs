@@ -509,3 +509,27 @@ proptest! {
         rt.block_on(run(tracked, &ops)).map_err(TestCaseError::fail)?;
     }
 }
+
+/// The race between a miss and the load's token: a refresh at v12 lands
+/// there, so it does not supersede the load, and the loader then reads a
+/// lagging replica at v10. The call returns the cached v12, not the older
+/// row, whether the load was pinned (after retries) or not.
+#[tokio::test]
+async fn a_stale_load_returns_the_newer_cached_value() {
+    for locked in [false, true] {
+        let c = cache();
+        refresh(&c, "k", "v12", Some(12)).await;
+        assert_eq!(c.peek("k").await.as_deref(), Some("v12"));
+        let key = "k".to_string();
+        let mut loader = || async { Ok::<_, ()>(("v10".to_string(), Some(10))) };
+        // What `load_through` does after its miss, with the refresh between.
+        let got = if locked {
+            c.inner.load_locked(&key, &mut loader).await
+        } else {
+            c.inner.load(&key, &mut loader).await
+        };
+        assert_eq!(got.unwrap(), "v12", "locked: {locked}");
+        assert_eq!(c.peek("k").await.as_deref(), Some("v12"));
+        assert_eq!(c.status().loads_stale, 1);
+    }
+}

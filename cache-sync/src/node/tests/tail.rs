@@ -208,12 +208,14 @@ async fn announcements_of_what_arrived_change_nothing_and_stop_when_quiet() {
         assert!(holds(c, "k6", Some("v")).await);
         assert_eq!((node.status().publisher_gaps, resyncs(node)), (0, 0));
     }
-    // The task holds the publisher weakly: once it is gone, so are they.
+    // A dropped publisher's last publish is announced, three times, and
+    // no more.
     let after = transport.publishes.load(Relaxed);
     p.refresh("t", [("k7", "v")]).await.unwrap();
     drop(p);
     tokio::time::sleep(10 * INTERVAL).await;
-    assert_eq!(transport.publishes.load(Relaxed), after + 1);
+    assert_eq!(transport.publishes.load(Relaxed), after + 4);
+    assert_eq!(transport.announcements(), 9);
 }
 
 /// Events that arrive late, but within the reorder window, clear the
@@ -394,13 +396,14 @@ fn checks_fall_due_in_order_once_and_only_while_behind() {
     assert_eq!(seqs.announced(2, "a", 3, at(3)), None);
     assert_eq!(seqs.next_deadline(), Some(at(1)));
     assert_eq!(seqs.due(now), None, "not yet");
+    // The check for 8 was raised to 9 by the second announcement.
     assert_eq!(
         seqs.due(at(1)),
         Some(Missing {
             publisher: 1,
             cache: "a".into(),
             from: 7,
-            to: 8
+            to: 9
         })
     );
     assert_eq!(seqs.due(at(1)), None);
@@ -435,6 +438,69 @@ fn checks_fall_due_in_order_once_and_only_while_behind() {
     // Unbounded numbers and windows are numbers like any other.
     assert_eq!(seqs.announced(6, "c", u64::MAX, at(1)), None);
     assert_eq!(seqs.observe(6, "c", 0), None);
+}
+
+/// A newer announcement raises a pending check: the numbers due first are
+/// judged at their deadline, and the newest, if they arrived, at the end of
+/// the window after its own announcement, neither earlier nor later.
+#[test]
+fn a_newer_announcement_gets_its_own_window() {
+    let now = Instant::now();
+    let at = |s| now + Duration::from_secs(s);
+    let mut seqs = PublisherSeqs::default();
+    assert_eq!(seqs.observe(1, "a", 1), None);
+    assert_eq!(seqs.announced(1, "a", 3, at(10)), None);
+    assert_eq!(seqs.announced(1, "a", 6, at(15)), None);
+    assert_eq!(seqs.announced(1, "a", 5, at(16)), None, "older: no change");
+    assert_eq!(seqs.observe(1, "a", 2), None);
+    assert_eq!(seqs.observe(1, "a", 3), None);
+    assert_eq!(seqs.due(at(10)), None, "3 arrived; 6 is not due yet");
+    assert_eq!(seqs.next_deadline(), Some(at(15)));
+    assert_eq!(seqs.due(at(14)), None);
+    assert_eq!(
+        seqs.due(at(15)),
+        Some(Missing {
+            publisher: 1,
+            cache: "a".into(),
+            from: 4,
+            to: 6
+        })
+    );
+    assert_eq!(seqs.observe(1, "a", 7), None, "6 is the baseline");
+    // A re-armed check keeps the queue in deadline order.
+    assert_eq!(seqs.announced(1, "a", 9, at(20)), None);
+    assert_eq!(seqs.announced(1, "a", 12, at(40)), None);
+    assert_eq!(seqs.observe(2, "a", 1), None);
+    assert_eq!(seqs.announced(2, "a", 2, at(30)), None);
+    assert_eq!(seqs.observe(1, "a", 8), None);
+    assert_eq!(seqs.observe(1, "a", 9), None);
+    assert_eq!(seqs.due(at(20)), None);
+    assert_eq!(seqs.next_deadline(), Some(at(30)));
+    assert_eq!(seqs.due(at(30)).map(|m| (m.publisher, m.to)), Some((2, 2)));
+    assert_eq!(seqs.due(at(40)).map(|m| (m.publisher, m.to)), Some((1, 12)));
+}
+
+/// A resync of a cache, for whatever reason, answers its pending checks:
+/// they go, and the numbers they were waiting for are the baselines.
+#[test]
+fn a_resync_retires_the_caches_checks() {
+    let now = Instant::now();
+    let mut seqs = PublisherSeqs::default();
+    for p in [1, 2] {
+        assert_eq!(seqs.observe(p, "a", 1), None);
+        assert_eq!(seqs.observe(p, "b", 1), None);
+        assert_eq!(seqs.announced(p, "a", 4, now), None);
+        assert_eq!(seqs.announced(p, "b", 4, now), None);
+    }
+    assert_eq!(seqs.announced(1, "a", 6, now), None);
+    seqs.resynced("a");
+    assert_eq!(seqs.observe(1, "a", 7), None, "6 is publisher 1's baseline");
+    assert_eq!(seqs.observe(2, "a", 5), None, "4 is publisher 2's");
+    let mut due = Vec::new();
+    while let Some(m) = seqs.due(now) {
+        due.push((m.publisher, m.cache));
+    }
+    assert_eq!(due, [(1, "b".to_owned()), (2, "b".to_owned())]);
 }
 
 #[test]
@@ -553,4 +619,232 @@ fn a_publisher_that_outlives_its_runtime_announces_from_the_next() {
         })
         .await;
     });
+}
+
+/// Sends raw events of publisher `publisher` for cache "t".
+fn sender(
+    transport: &EmbeddedTransport,
+) -> impl Fn(u64, u64, Change) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+    let transport = transport.clone();
+    move |publisher, seq, change| {
+        let t = transport.clone();
+        Box::pin(async move {
+            t.publish(DEFAULT_TOPIC, "t", raw_event("t", publisher, seq, &change))
+                .await
+                .unwrap();
+        })
+    }
+}
+
+async fn node_with_window(transport: &EmbeddedTransport, window: Duration) -> (Node, Cache) {
+    let c = cache("t");
+    let node = Node::builder("n1", transport.clone())
+        .reorder_window(window)
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    (node, c)
+}
+
+/// A pending check does not swallow a newer announcement: after a gap's
+/// resync, events 5 and 6 are lost and only their announcement tells.
+#[tokio::test(start_paused = true)]
+async fn a_newer_announcement_during_a_check_is_not_swallowed() {
+    let transport = EmbeddedTransport::new();
+    let window = Duration::from_secs(10);
+    let (node, c) = node_with_window(&transport, window).await;
+    let send = sender(&transport);
+    send(7, 1, refresh_change("k1", "v")).await;
+    send(7, 3, Change::ANNOUNCE).await;
+    send(7, 4, refresh_change("k4", "v")).await;
+    eventually("the gap at 4", async || node.status().publisher_gaps == 1).await;
+    for _ in 0..3 {
+        send(7, 6, Change::ANNOUNCE).await;
+        tokio::time::sleep(INTERVAL).await;
+    }
+    tokio::time::sleep(3 * window).await;
+    let s = node.status();
+    assert_eq!(
+        (s.publisher_gaps, s.caches[0].loss_resyncs),
+        (2, 2),
+        "{s:?}"
+    );
+    assert_eq!(c.peek("k4").await, None);
+}
+
+/// A check that fires counts the node as caught up to the highest number
+/// announced, not the one it started with: the next event is no gap.
+#[tokio::test(start_paused = true)]
+async fn a_fired_check_takes_the_highest_announced_number() {
+    let transport = EmbeddedTransport::new();
+    let window = Duration::from_secs(10);
+    let (node, c) = node_with_window(&transport, window).await;
+    let send = sender(&transport);
+    send(7, 1, refresh_change("k1", "v")).await;
+    send(7, 3, Change::ANNOUNCE).await;
+    send(7, 5, Change::ANNOUNCE).await;
+    tokio::time::sleep(window + INTERVAL).await;
+    assert_eq!(node.status().publisher_gaps, 1);
+    send(7, 6, refresh_change("k6", "v")).await;
+    eventually("6 applied", async || holds(&c, "k6", Some("v")).await).await;
+    let s = node.status();
+    assert_eq!(
+        (s.publisher_gaps, s.caches[0].loss_resyncs),
+        (1, 1),
+        "{s:?}"
+    );
+}
+
+/// A resync of the cache for another reason (here another publisher's
+/// gap) answers the pending checks for it: they do not resync it again.
+#[tokio::test(start_paused = true)]
+async fn another_resync_of_the_cache_retires_its_checks() {
+    let transport = EmbeddedTransport::new();
+    let window = Duration::from_secs(10);
+    let (node, c) = node_with_window(&transport, window).await;
+    let send = sender(&transport);
+    send(7, 1, refresh_change("k1", "v")).await;
+    send(7, 3, Change::ANNOUNCE).await;
+    send(8, 1, refresh_change("k2", "v")).await;
+    send(8, 3, refresh_change("k3", "v")).await;
+    eventually("8's gap", async || holds(&c, "k3", Some("v")).await).await;
+    assert_eq!(node.status().publisher_gaps, 1);
+    tokio::time::sleep(2 * window).await;
+    // And 7's baseline is the announced 3: its 4 is no gap.
+    send(7, 4, refresh_change("k4", "v")).await;
+    eventually("7's 4", async || holds(&c, "k4", Some("v")).await).await;
+    let s = node.status();
+    assert_eq!(
+        (s.publisher_gaps, s.caches[0].loss_resyncs),
+        (1, 1),
+        "{s:?}"
+    );
+    assert!(holds(&c, "k3", Some("v")).await);
+}
+
+/// A publisher dropped right after its last publish (one per request, or a
+/// tool that publishes once) still announces it: the node finds the lost
+/// last event within the bound, while the runtime keeps running.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_publisher_still_announces_its_last_event() {
+    let transport = Lossy::dropping(2);
+    let window = Duration::from_secs(5);
+    let nodes = nodes(&transport, window, 1).await;
+    let (node, c) = &nodes[0];
+    let p = Publisher::builder(transport.clone())
+        .announce_interval(INTERVAL)
+        .build()
+        .unwrap();
+    p.refresh("t", [("k1", "v")]).await.unwrap();
+    eventually("k1 applied", async || holds(c, "k1", Some("v")).await).await;
+    let lost_at = Instant::now();
+    p.refresh("t", [("k2", "v")]).await.unwrap();
+    drop(p);
+    let at = wait_for("the tail loss is answered", || resyncs(node) == 1).await;
+    assert!(at - lost_at <= INTERVAL + window + Duration::from_millis(2));
+    tokio::time::sleep(2 * (INTERVAL + window)).await;
+    let s = node.status();
+    assert_eq!((s.publisher_gaps, resyncs(node)), (1, 1), "{s:?}");
+    assert_eq!(transport.announcements(), 3);
+}
+
+/// Wraps the embedded transport: the first subscription delivers two
+/// batches and then breaks; later subscribes fail until `up_at`.
+#[derive(Debug, Clone)]
+struct Outage {
+    inner: EmbeddedTransport,
+    subscribes: Arc<AtomicUsize>,
+    up_at: Instant,
+}
+
+#[derive(Debug)]
+struct Breaking {
+    inner: Box<dyn Subscription>,
+    batches: usize,
+}
+
+#[async_trait]
+impl Transport for Outage {
+    fn kind(&self) -> &'static str {
+        "outage"
+    }
+
+    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        self.inner.publish(topic, tag, payload).await
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        let first = self.subscribes.fetch_add(1, Relaxed) == 0;
+        if !first && Instant::now() < self.up_at {
+            return Err(Error::disconnected("outage", "connection refused"));
+        }
+        let inner = self.inner.subscribe(topic, options).await?;
+        let batches = if first { 2 } else { usize::MAX };
+        Ok(Box::new(Breaking { inner, batches }))
+    }
+}
+
+#[async_trait]
+impl Subscription for Breaking {
+    async fn next(&mut self, max: usize) -> Result<Delivery> {
+        if self.batches == 0 {
+            return Err(Error::disconnected("outage", "connection reset"));
+        }
+        self.batches -= 1;
+        self.inner.next(max).await
+    }
+
+    fn position(&self) -> Option<Position> {
+        self.inner.position()
+    }
+}
+
+/// An announcement the node is behind, then a transport outage: the check
+/// still falls due at the end of the window, while the node re-subscribes,
+/// not once the outage is over.
+#[tokio::test(start_paused = true)]
+async fn checks_fall_due_during_an_outage() {
+    let window = Duration::from_secs(10);
+    let outage = Duration::from_secs(300);
+    let transport = Outage {
+        inner: EmbeddedTransport::new(),
+        subscribes: Arc::default(),
+        up_at: Instant::now() + outage,
+    };
+    let c = cache("t");
+    let node = Node::builder("n1", transport.clone())
+        .reorder_window(window)
+        .max_batch(1)
+        .reconnect_backoff(Duration::from_secs(1), Duration::from_secs(30))
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    let send = |seq, change: Change| {
+        let t = transport.inner.clone();
+        async move {
+            t.publish(DEFAULT_TOPIC, "t", raw_event("t", 7, seq, &change))
+                .await
+                .unwrap();
+        }
+    };
+    let start = Instant::now();
+    send(1, refresh_change("k1", "v")).await;
+    send(3, Change::ANNOUNCE).await;
+    wait_for("the outage starts", || node.status().transport_errors >= 1).await;
+    let at = wait_for("the check", || resyncs(&node) == 1).await;
+    let took = at - start;
+    assert!(
+        took >= window && took <= window + Duration::from_secs(1),
+        "resynced after {took:?}"
+    );
+    assert!(transport.subscribes.load(Relaxed) >= 2);
+    assert!(Instant::now() < start + outage, "still down");
+    let s = node.status();
+    assert_eq!((s.publisher_gaps, s.losses), (1, 1), "{s:?}");
 }
