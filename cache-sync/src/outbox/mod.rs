@@ -26,13 +26,11 @@ use serde::Serialize;
 use sqlx::{PgConnection, PgPool};
 
 use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
+use crate::publish::{invalidations, refreshes, replacement};
 use crate::table::Table;
 use crate::transport::names::{self, NameKind};
 use crate::util::{MAX_TIMEOUT, check_duration};
-use crate::wire::{
-    Change, DEFAULT_MAX_EVENT_BYTES, EntryVersion, KeyVersion, MAX_EVENT_BYTES_CEILING,
-    encode_part, framed_len,
-};
+use crate::wire::{Change, DEFAULT_MAX_EVENT_BYTES, MAX_EVENT_BYTES_CEILING};
 
 mod relay;
 
@@ -304,7 +302,7 @@ impl Outbox {
         cache: &str,
         keys: impl IntoIterator<Item = (K, Option<u64>)>,
     ) -> Result<()> {
-        let changes = self.invalidate_changes(keys)?;
+        let changes = invalidations(keys, self.budget())?;
         self.lock(conn, cache).await?;
         self.insert(conn, cache, &changes).await
     }
@@ -317,7 +315,7 @@ impl Outbox {
         cache: &str,
         entries: impl IntoIterator<Item = (K, V, Option<u64>)>,
     ) -> Result<()> {
-        let changes = self.refresh_changes(entries)?;
+        let changes = refreshes(entries, self.budget())?;
         self.lock(conn, cache).await?;
         self.insert(conn, cache, &changes).await
     }
@@ -471,75 +469,10 @@ impl Outbox {
         Ok(())
     }
 
-    fn invalidate_changes<K: Serialize>(
-        &self,
-        keys: impl IntoIterator<Item = (K, Option<u64>)>,
-    ) -> Result<Vec<Change>> {
-        let mut items = Vec::new();
-        for (k, version) in keys {
-            items.push(KeyVersion {
-                key: encode_part(&k, "key")?,
-                version,
-            });
-        }
-        self.split(
-            items,
-            |k| framed_len(&[&k.key]),
-            |keys| Change::Invalidate { keys },
-        )
-    }
-
-    fn refresh_changes<K: Serialize, V: Serialize>(
-        &self,
-        entries: impl IntoIterator<Item = (K, V, Option<u64>)>,
-    ) -> Result<Vec<Change>> {
-        let mut items = Vec::new();
-        for (k, v, version) in entries {
-            items.push(EntryVersion {
-                key: encode_part(&k, "key")?,
-                value: encode_part(&v, "value")?,
-                version,
-            });
-        }
-        self.split(
-            items,
-            |e| framed_len(&[&e.key, &e.value]),
-            |entries| Change::Refresh { entries },
-        )
-    }
-
-    /// Packs items into as few rows as fit `max_event_bytes`.
-    fn split<T>(
-        &self,
-        items: Vec<T>,
-        size: impl Fn(&T) -> usize,
-        make: impl Fn(Vec<T>) -> Change,
-    ) -> Result<Vec<Change>> {
-        // The format byte, the variant and the length prefix, rounded up.
-        let budget = self.inner.max_event_bytes.saturating_sub(16);
-        let mut changes = Vec::new();
-        let mut batch = Vec::new();
-        let mut used = 0usize;
-        for item in items {
-            let n = size(&item);
-            if n > budget {
-                return Err(Error::TooLarge {
-                    what: "entry",
-                    size: n,
-                    limit: budget,
-                });
-            }
-            if used.saturating_add(n) > budget && !batch.is_empty() {
-                changes.push(make(std::mem::take(&mut batch)));
-                used = 0;
-            }
-            used = used.saturating_add(n);
-            batch.push(item);
-        }
-        if !batch.is_empty() {
-            changes.push(make(batch));
-        }
-        Ok(changes)
+    /// How many bytes of keys and values one row may hold: the format
+    /// byte, the variant and the length prefix fit in the rest, rounded up.
+    fn budget(&self) -> usize {
+        self.inner.max_event_bytes.saturating_sub(16)
     }
 }
 
@@ -648,7 +581,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
         version: u64,
     ) -> Result<u64> {
         self.enqueue(conn, Some(version), |o, v| {
-            o.refresh_changes([(key, row, Some(v))])
+            refreshes([(key, row, Some(v))], o.budget())
         })
         .await
     }
@@ -664,7 +597,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
         V: 'a,
     {
         self.enqueue(conn, None, |o, v| {
-            o.refresh_changes(rows.into_iter().map(|(k, r)| (k, r, Some(v))))
+            refreshes(rows.into_iter().map(|(k, r)| (k, r, Some(v))), o.budget())
         })
         .await
     }
@@ -672,8 +605,10 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
     /// A row was deleted: nodes drop it and keep a tombstone at the
     /// version.
     pub async fn delete(&self, conn: &mut PgConnection, key: &K) -> Result<u64> {
-        self.enqueue(conn, None, |o, v| o.invalidate_changes([(key, Some(v))]))
-            .await
+        self.enqueue(conn, None, |o, v| {
+            invalidations([(key, Some(v))], o.budget())
+        })
+        .await
     }
 
     /// [`delete`](Self::delete) with the caller's version.
@@ -684,7 +619,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
         version: u64,
     ) -> Result<u64> {
         self.enqueue(conn, Some(version), |o, v| {
-            o.invalidate_changes([(key, Some(v))])
+            invalidations([(key, Some(v))], o.budget())
         })
         .await
     }
@@ -701,7 +636,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
         K: 'a,
         V: 'a,
     {
-        self.enqueue(conn, None, |o, v| replace_changes(o, rows, v))
+        self.enqueue(conn, None, |o, v| replacement(rows, v, o.budget()))
             .await
     }
 
@@ -716,7 +651,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
         K: 'a,
         V: 'a,
     {
-        self.enqueue(conn, Some(version), |o, v| replace_changes(o, rows, v))
+        self.enqueue(conn, Some(version), |o, v| replacement(rows, v, o.budget()))
             .await
     }
 
@@ -744,22 +679,10 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
     }
 }
 
-fn replace_changes<'a, K: Serialize + 'a, V: Serialize + 'a>(
-    o: &Outbox,
-    rows: impl IntoIterator<Item = (&'a K, &'a V)>,
-    version: u64,
-) -> Result<Vec<Change>> {
-    let mut changes = vec![Change::Clear {
-        version: Some(version),
-    }];
-    changes.extend(o.refresh_changes(rows.into_iter().map(|(k, r)| (k, r, Some(version))))?);
-    Ok(changes)
-}
-
 /// Bytes of a key as the outbox stores it, for tests.
 #[cfg(test)]
 fn key_bytes<K: Serialize>(k: &K) -> bytes::Bytes {
-    encode_part(k, "key").expect("key encodes")
+    crate::wire::encode_part(k, "key").expect("key encodes")
 }
 
 #[cfg(test)]
@@ -836,7 +759,7 @@ mod tests {
     #[test]
     fn rows_round_trip_and_bad_rows_are_refused() {
         let change = Change::Invalidate {
-            keys: vec![KeyVersion {
+            keys: vec![crate::wire::KeyVersion {
                 key: key_bytes(&"de"),
                 version: Some(7),
             }],
@@ -862,15 +785,13 @@ mod tests {
     fn large_calls_split_over_rows_that_each_fit() {
         let o = Outbox::builder().max_event_bytes(4096).build().unwrap();
         let entries: Vec<_> = (0u32..100).map(|i| (i, "v".repeat(200), Some(1))).collect();
-        let changes = o.refresh_changes(entries).unwrap();
+        let changes = refreshes(entries, o.budget()).unwrap();
         assert!(changes.len() > 1);
         for c in &changes {
             assert!(encode_row(c, 4096).is_ok());
         }
         assert_eq!(changes.iter().map(Change::len).sum::<usize>(), 100);
-        let err = o
-            .refresh_changes([(1u32, "v".repeat(5000), None)])
-            .unwrap_err();
+        let err = refreshes([(1u32, "v".repeat(5000), None)], o.budget()).unwrap_err();
         assert!(err.is_too_large());
     }
 }

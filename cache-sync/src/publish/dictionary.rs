@@ -108,7 +108,7 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
     /// [`upsert`](Self::upsert) with the caller's version.
     pub async fn upsert_with_version(&self, key: &K, row: &V, version: u64) -> Result<u64> {
         self.publish(Some(version), |p, v| {
-            p.refresh_changes([(key, row, Some(v))])
+            super::refreshes([(key, row, Some(v))], p.budget())
         })
         .await
     }
@@ -123,7 +123,7 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
         V: 'a,
     {
         self.publish(None, |p, v| {
-            p.refresh_changes(rows.into_iter().map(|(k, r)| (k, r, Some(v))))
+            super::refreshes(rows.into_iter().map(|(k, r)| (k, r, Some(v))), p.budget())
         })
         .await
     }
@@ -131,14 +131,18 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
     /// A row was deleted: every node drops it and keeps a tombstone, so an
     /// older upsert that arrives late cannot bring it back.
     pub async fn delete(&self, key: &K) -> Result<u64> {
-        self.publish(None, |p, v| p.invalidate_changes([(key, Some(v))]))
-            .await
+        self.publish(None, |p, v| {
+            super::invalidations([(key, Some(v))], p.budget())
+        })
+        .await
     }
 
     /// [`delete`](Self::delete) with the caller's version.
     pub async fn delete_with_version(&self, key: &K, version: u64) -> Result<u64> {
-        self.publish(Some(version), |p, v| p.invalidate_changes([(key, Some(v))]))
-            .await
+        self.publish(Some(version), |p, v| {
+            super::invalidations([(key, Some(v))], p.budget())
+        })
+        .await
     }
 
     /// The table was replaced wholesale: every node drops all rows, then
@@ -152,7 +156,8 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
         K: 'a,
         V: 'a,
     {
-        self.publish(None, |p, v| replace_changes(p, rows, v)).await
+        self.publish(None, |p, v| super::replacement(rows, v, p.budget()))
+            .await
     }
 
     /// [`replace_all`](Self::replace_all) with the caller's version.
@@ -165,8 +170,10 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
         K: 'a,
         V: 'a,
     {
-        self.publish(Some(version), |p, v| replace_changes(p, rows, v))
-            .await
+        self.publish(Some(version), |p, v| {
+            super::replacement(rows, v, p.budget())
+        })
+        .await
     }
 
     /// Publishes under the table's publish lock. An automatic version is taken
@@ -193,18 +200,6 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
             .await?;
         Ok(v)
     }
-}
-
-fn replace_changes<'a, K: Serialize + 'a, V: Serialize + 'a>(
-    p: &Publisher,
-    rows: impl IntoIterator<Item = (&'a K, &'a V)>,
-    version: u64,
-) -> Result<Vec<Change>> {
-    let mut changes = vec![Change::Clear {
-        version: Some(version),
-    }];
-    changes.extend(p.refresh_changes(rows.into_iter().map(|(k, r)| (k, r, Some(version))))?);
-    Ok(changes)
 }
 
 #[cfg(test)]

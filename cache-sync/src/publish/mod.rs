@@ -16,8 +16,7 @@ use crate::table::Table;
 use crate::transport::{DEFAULT_TOPIC, Position, Transport};
 use crate::util::{MAX_TIMEOUT, check_duration, deadline_after, lock, now_us};
 use crate::wire::{
-    Change, Codec, DEFAULT_MAX_EVENT_BYTES, EntryVersion, Header, KeyVersion, Keyring,
-    MAX_EVENT_BYTES_CEILING, Origin, encode_part, framed_len,
+    Change, Codec, DEFAULT_MAX_EVENT_BYTES, Header, Keyring, MAX_EVENT_BYTES_CEILING, Origin,
 };
 
 /// Publishes change events for named caches.
@@ -328,18 +327,7 @@ impl Publisher {
         cache: &str,
         keys: impl IntoIterator<Item = (K, Option<u64>)>,
     ) -> Result<Published> {
-        let mut items = Vec::new();
-        for (k, version) in keys {
-            items.push(KeyVersion {
-                key: encode_part(&k, "key")?,
-                version,
-            });
-        }
-        let changes = self.split(
-            items,
-            |k| framed_len(&[&k.key]),
-            |keys| Change::Invalidate { keys },
-        )?;
+        let changes = changes::invalidations(keys, self.budget())?;
         self.send(cache, changes).await
     }
 
@@ -361,7 +349,7 @@ impl Publisher {
         cache: &str,
         entries: impl IntoIterator<Item = (K, V, Option<u64>)>,
     ) -> Result<Published> {
-        let changes = self.refresh_changes(entries)?;
+        let changes = changes::refreshes(entries, self.budget())?;
         self.send(cache, changes).await
     }
 
@@ -393,94 +381,16 @@ impl Publisher {
         DictionaryPublisher::new(self.clone(), table.into())
     }
 
-    fn invalidate_changes<K: Serialize>(
-        &self,
-        keys: impl IntoIterator<Item = (K, Option<u64>)>,
-    ) -> Result<Vec<Change>> {
-        let mut items = Vec::new();
-        for (k, version) in keys {
-            items.push(KeyVersion {
-                key: encode_part(&k, "key")?,
-                version,
-            });
-        }
-        self.split(
-            items,
-            |k| framed_len(&[&k.key]),
-            |keys| Change::Invalidate { keys },
-        )
+    /// How many bytes of keys and values one event may carry.
+    fn budget(&self) -> usize {
+        self.inner.codec.entry_budget(&self.inner.origin)
     }
 
-    fn refresh_changes<K: Serialize, V: Serialize>(
-        &self,
-        entries: impl IntoIterator<Item = (K, V, Option<u64>)>,
-    ) -> Result<Vec<Change>> {
-        let mut items = Vec::new();
-        for (k, v, version) in entries {
-            items.push(EntryVersion {
-                key: encode_part(&k, "key")?,
-                value: encode_part(&v, "value")?,
-                version,
-            });
-        }
-        self.split(
-            items,
-            |e| framed_len(&[&e.key, &e.value]),
-            |entries| Change::Refresh { entries },
-        )
-    }
-
-    /// Packs items into as few changes as fit the size limit.
-    fn split<T>(
-        &self,
-        items: Vec<T>,
-        size: impl Fn(&T) -> usize,
-        make: impl Fn(Vec<T>) -> Change,
-    ) -> Result<Vec<Change>> {
-        let budget = self.inner.codec.entry_budget(&self.inner.origin);
-        let mut changes = Vec::new();
-        let mut batch = Vec::new();
-        let mut used = 0usize;
-        for item in items {
-            let n = size(&item);
-            if n > budget {
-                return Err(Error::TooLarge {
-                    what: "entry",
-                    size: n,
-                    limit: budget,
-                });
-            }
-            if used.saturating_add(n) > budget && !batch.is_empty() {
-                changes.push(make(std::mem::take(&mut batch)));
-                used = 0;
-            }
-            used = used.saturating_add(n);
-            batch.push(item);
-        }
-        if !batch.is_empty() {
-            changes.push(make(batch));
-        }
-        Ok(changes)
-    }
-
-    /// Splits an already built change (the outbox relay's, stored before
-    /// this publisher's limit was known) as this publisher's limit needs.
-    /// An entry that can never fit is [`Error::TooLarge`].
+    /// Splits an already built change (the outbox relay's) as this
+    /// publisher's limit needs.
     #[cfg(feature = "postgres")]
     pub(crate) fn resplit(&self, change: Change) -> Result<Vec<Change>> {
-        match change {
-            Change::Invalidate { keys } => self.split(
-                keys,
-                |k| framed_len(&[&k.key]),
-                |keys| Change::Invalidate { keys },
-            ),
-            Change::Refresh { entries } => self.split(
-                entries,
-                |e| framed_len(&[&e.key, &e.value]),
-                |entries| Change::Refresh { entries },
-            ),
-            clear @ Change::Clear { .. } => Ok(vec![clear]),
-        }
+        changes::resplit(change, self.budget())
     }
 
     pub(crate) async fn send(&self, cache: &str, changes: Vec<Change>) -> Result<Published> {
@@ -797,7 +707,10 @@ impl PublisherInner {
     }
 }
 
+mod changes;
 mod dictionary;
+
+pub(crate) use changes::{invalidations, refreshes, replacement};
 
 pub use dictionary::DictionaryPublisher;
 
@@ -806,7 +719,7 @@ mod tests {
     use super::*;
     use crate::EmbeddedTransport;
     use crate::transport::{Delivery, StartFrom, SubscribeOptions};
-    use crate::wire::{decode, encode_part};
+    use crate::wire::{KeyVersion, decode, encode_part};
 
     /// What a test needs of a published event's header.
     #[derive(Debug)]
