@@ -199,10 +199,15 @@ impl RocketMqServer {
             if let Some(child) = self.broker.as_mut()
                 && let Ok(Some(status)) = child.try_wait()
             {
-                panic!(
-                    "{BROKER} exited with {status}; log:\n{}",
-                    self.log("broker")
-                );
+                let log = self.log("broker");
+                // The broker refuses to start on a disk over 75 % full (its
+                // diskMaxUsedSpaceRatio), however small its own store.
+                let hint = if log.contains("disk capacity requires reclaim") {
+                    " (the disk is over the broker's 75 % limit: free some space)"
+                } else {
+                    ""
+                };
+                panic!("{BROKER} exited with {status}{hint}; log:\n{log}");
             }
             assert!(
                 Instant::now() < deadline,

@@ -25,12 +25,13 @@ use std::time::Duration;
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool};
 
-use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
+use crate::error::{Error, Result};
 use crate::publish::{invalidations, refreshes, replacement};
 use crate::table::Table;
 use crate::transport::names::{self, NameKind};
 use crate::util::{MAX_TIMEOUT, check_duration};
-use crate::wire::{Change, DEFAULT_MAX_EVENT_BYTES, MAX_EVENT_BYTES_CEILING};
+pub(crate) use crate::wire::decode_row;
+use crate::wire::{Change, DEFAULT_MAX_EVENT_BYTES, MAX_EVENT_BYTES_CEILING, encode_row};
 
 mod relay;
 
@@ -46,10 +47,6 @@ const MAX_SCHEMA_BYTES: usize = 63;
 /// channel for every schema: a channel name is limited like an identifier,
 /// and the payload tells relays of other schemas to ignore it.
 pub(crate) const CHANNEL: &str = "cache_sync_outbox";
-
-/// The first byte of every row's `change`: the row format, so that a later
-/// release can change it and an old relay recognises what it cannot read.
-const ROW_FORMAT_V1: u8 = 1;
 
 /// The migration, with `{schema}` for the schema's name;
 /// `migrations/0001_outbox.sql` is this with `cache_sync` (a test keeps them
@@ -478,55 +475,6 @@ impl Outbox {
 
 /// bincode's standard configuration, with the crate's ceiling as the limit
 /// on what any length prefix may claim.
-fn row_config() -> impl bincode::config::Config {
-    bincode::config::standard().with_limit::<MAX_EVENT_BYTES_CEILING>()
-}
-
-fn encode_row(change: &Change, limit: usize) -> Result<Vec<u8>> {
-    let mut row = vec![ROW_FORMAT_V1];
-    bincode::serde::encode_into_std_write(change, &mut row, row_config()).map_err(|e| {
-        Error::Encode {
-            what: "event",
-            message: e.to_string(),
-        }
-    })?;
-    if row.len() > limit {
-        return Err(Error::TooLarge {
-            what: "event",
-            size: row.len(),
-            limit,
-        });
-    }
-    Ok(row)
-}
-
-/// Reads a row's change. Bounded: the row's length is checked against the
-/// limit before anything is read, and serde's sequence visitors preallocate
-/// no more than a small cap whatever a length prefix claims.
-pub(crate) fn decode_row(row: &[u8], limit: usize) -> Result<Change, DecodeError> {
-    let malformed = |m: String| DecodeError::new(DecodeErrorKind::Malformed(m));
-    if row.len() > limit {
-        return Err(DecodeError::new(DecodeErrorKind::TooLarge {
-            size: row.len(),
-            limit,
-        }));
-    }
-    let (&format, body) = row
-        .split_first()
-        .ok_or(DecodeError::new(DecodeErrorKind::Empty))?;
-    if format != ROW_FORMAT_V1 {
-        return Err(DecodeError::new(DecodeErrorKind::UnknownFormat(format)));
-    }
-    let (change, used) = bincode::serde::decode_from_slice::<Change, _>(body, row_config())
-        .map_err(|e| malformed(e.to_string()))?;
-    if used != body.len() {
-        return Err(DecodeError::new(DecodeErrorKind::TrailingBytes(
-            body.len().saturating_sub(used),
-        )));
-    }
-    Ok(change)
-}
-
 /// The dictionary helper's outbox mode: typed rows of one table, enqueued
 /// in the caller's transaction with a row version each.
 ///

@@ -26,8 +26,12 @@ use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
 
 mod codec;
 mod keyring;
+#[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
+mod row;
 
 pub(crate) use codec::{Codec, Refused};
+#[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
+pub(crate) use row::{decode_row, encode_row};
 
 #[cfg(test)]
 pub(crate) use keyring::FORMAT_SIGNED;
@@ -96,9 +100,12 @@ impl fmt::Debug for Origin<'_> {
 }
 
 /// What changed, as a publisher builds it.
-// Deserialize: tests, and the outbox, which stores changes in its rows.
+// Deserialize: tests, and the outbox, which stores changes in its rows (`row.rs`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[cfg_attr(any(test, feature = "postgres"), derive(serde::Deserialize))]
+#[cfg_attr(
+    any(test, feature = "postgres", feature = "_fuzz"),
+    derive(serde::Deserialize)
+)]
 pub(crate) enum Change {
     Invalidate { keys: Vec<KeyVersion> },
     Refresh { entries: Vec<EntryVersion> },
@@ -111,14 +118,20 @@ impl Change {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[cfg_attr(any(test, feature = "postgres"), derive(serde::Deserialize))]
+#[cfg_attr(
+    any(test, feature = "postgres", feature = "_fuzz"),
+    derive(serde::Deserialize)
+)]
 pub(crate) struct KeyVersion {
     pub(crate) key: Bytes,
     pub(crate) version: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[cfg_attr(any(test, feature = "postgres"), derive(serde::Deserialize))]
+#[cfg_attr(
+    any(test, feature = "postgres", feature = "_fuzz"),
+    derive(serde::Deserialize)
+)]
 pub(crate) struct EntryVersion {
     pub(crate) key: Bytes,
     pub(crate) value: Bytes,
