@@ -42,8 +42,13 @@ impl ServerProcess {
 
 impl Drop for ServerProcess {
     fn drop(&mut self) {
-        // A stopped process would outlive the test; continue it before the kill.
-        if let Some(child) = self.0.as_ref() {
+        // A stopped process would outlive the test; continue it before the
+        // kill. Not one that has exited (a server that failed to start):
+        // `kill` would fail on it, and a panic here, during the test's own
+        // panic, aborts the test before the other servers are killed.
+        if self.exited().is_none()
+            && let Some(child) = self.0.as_ref()
+        {
             signal("-CONT", child.id());
         }
         self.kill();
