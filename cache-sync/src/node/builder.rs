@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::table::check_topic;
 use crate::transport::{StartFrom, Transport};
 use crate::util::lock;
-use crate::wire::{Codec, Keyring, MAX_EVENT_BYTES_CEILING};
+use crate::wire::{Codec, Keyring, check_max_event_bytes};
 
 /// Configures and starts a [`Node`].
 pub struct NodeBuilder {
@@ -166,11 +166,7 @@ impl NodeBuilder {
         if c.max_batch == 0 {
             return Err(Error::Config("max_batch must be at least 1".into()));
         }
-        if c.max_event_bytes == 0 || c.max_event_bytes > MAX_EVENT_BYTES_CEILING {
-            return Err(Error::Config(format!(
-                "max_event_bytes must be between 1 and {MAX_EVENT_BYTES_CEILING}"
-            )));
-        }
+        check_max_event_bytes(c.max_event_bytes)?;
         if c.persist_interval.is_zero() {
             return Err(Error::Config("persist_interval must be non-zero".into()));
         }

@@ -31,7 +31,7 @@ use crate::table::Table;
 use crate::transport::names::{self, NameKind};
 use crate::util::{MAX_TIMEOUT, check_duration};
 pub(crate) use crate::wire::decode_row;
-use crate::wire::{Change, DEFAULT_MAX_EVENT_BYTES, MAX_EVENT_BYTES_CEILING, encode_row};
+use crate::wire::{Change, DEFAULT_MAX_EVENT_BYTES, check_max_event_bytes, encode_row};
 
 mod relay;
 
@@ -172,12 +172,7 @@ impl OutboxBuilder {
     /// The outbox, or [`Error::Config`] naming the setting out of range.
     pub fn build(self) -> Result<Outbox> {
         check_schema(&self.schema)?;
-        if self.max_event_bytes == 0 || self.max_event_bytes > MAX_EVENT_BYTES_CEILING {
-            return Err(Error::Config(format!(
-                "max_event_bytes must be between 1 and {MAX_EVENT_BYTES_CEILING}, not {}",
-                self.max_event_bytes
-            )));
-        }
+        check_max_event_bytes(self.max_event_bytes)?;
         if let Some(delay) = self.again_after {
             check_duration("again_after", delay, Duration::from_millis(1), MAX_TIMEOUT)?;
         }
@@ -636,6 +631,7 @@ fn key_bytes<K: Serialize>(k: &K) -> bytes::Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::MAX_EVENT_BYTES_CEILING;
 
     #[test]
     fn the_shipped_migration_is_what_migrate_runs_for_cache_sync() {

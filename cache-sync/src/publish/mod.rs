@@ -11,12 +11,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde::Serialize;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::table::Table;
 use crate::transport::{DEFAULT_TOPIC, Position, Transport};
 use crate::util::{MAX_TIMEOUT, check_duration, deadline_after, lock, now_us};
 use crate::wire::{
-    Change, Codec, DEFAULT_MAX_EVENT_BYTES, Header, Keyring, MAX_EVENT_BYTES_CEILING, Origin,
+    Change, Codec, DEFAULT_MAX_EVENT_BYTES, Header, Keyring, Origin, check_max_event_bytes,
 };
 
 /// Publishes change events for named caches.
@@ -213,12 +213,7 @@ impl PublisherBuilder {
     /// broken.
     pub fn build(self) -> Result<Publisher> {
         self.transport.check_topic(&self.topic)?;
-        if self.max_event_bytes == 0 || self.max_event_bytes > MAX_EVENT_BYTES_CEILING {
-            return Err(Error::Config(format!(
-                "max_event_bytes must be between 1 and {MAX_EVENT_BYTES_CEILING}, not {}",
-                self.max_event_bytes
-            )));
-        }
+        check_max_event_bytes(self.max_event_bytes)?;
         if let Some(delay) = self.again_after {
             check_duration("again_after", delay, Duration::from_millis(1), MAX_TIMEOUT)?;
         }
@@ -719,7 +714,7 @@ mod tests {
     use super::*;
     use crate::EmbeddedTransport;
     use crate::transport::{Delivery, StartFrom, SubscribeOptions};
-    use crate::wire::{KeyVersion, decode, encode_part};
+    use crate::wire::{KeyVersion, MAX_EVENT_BYTES_CEILING, decode, encode_part};
 
     /// What a test needs of a published event's header.
     #[derive(Debug)]

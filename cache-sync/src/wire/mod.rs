@@ -56,6 +56,17 @@ pub(crate) const DEFAULT_MAX_EVENT_BYTES: usize = 1 << 20;
 /// on the payload length before decoding starts.
 pub(crate) const MAX_EVENT_BYTES_CEILING: usize = 64 << 20;
 
+/// Refuses an event size limit outside 1 byte to the ceiling: one rule for
+/// every builder that takes `max_event_bytes` (node, publisher, outbox).
+pub(crate) fn check_max_event_bytes(n: usize) -> Result<()> {
+    if n == 0 || n > MAX_EVENT_BYTES_CEILING {
+        return Err(Error::Config(format!(
+            "max_event_bytes must be between 1 and {MAX_EVENT_BYTES_CEILING}, not {n}"
+        )));
+    }
+    Ok(())
+}
+
 type WireConfig = Configuration<LittleEndian, Varint, config::Limit<MAX_EVENT_BYTES_CEILING>>;
 
 const fn wire_config() -> WireConfig {
