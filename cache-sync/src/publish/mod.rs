@@ -209,7 +209,7 @@ impl PublisherBuilder {
 
     /// The publisher, once the transport has accepted the topic's name
     /// ([`check_topic`](crate::transport::Transport::check_topic)) and the
-    /// settings are in range; otherwise [`Error::Config`] naming the rule
+    /// settings are in range; otherwise [`Error::Config`](crate::Error::Config) naming the rule
     /// broken.
     pub fn build(self) -> Result<Publisher> {
         self.transport.check_topic(&self.topic)?;
