@@ -7,11 +7,11 @@ use std::time::SystemTime;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use tokio::sync::watch;
+use tokio::sync::{broadcast, watch};
 
 use super::{
-    Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
-    Subscription, Transport,
+    Delivery, HeartbeatSubscription, Loss, LossReason, Offset, Position, Record, StartFrom,
+    SubscribeOptions, Subscription, Transport,
 };
 use crate::error::{Error, Result};
 use crate::util::{check_at_least, lock};
@@ -48,7 +48,15 @@ struct Topic {
     log: Mutex<Log>,
     /// The end offset, so subscribers can wait for new records.
     end_tx: watch::Sender<u64>,
+    /// The heartbeat channel: kept apart from the log, so heartbeats never
+    /// trim change history, and keeping nothing (a subscriber that lags
+    /// behind its buffer skips ahead; heartbeats may be lost).
+    heartbeats: broadcast::Sender<Bytes>,
 }
+
+/// Heartbeat messages buffered per subscriber: some seconds of a large
+/// cluster's heartbeats.
+const HEARTBEAT_BUFFER: usize = 1024;
 
 #[derive(Debug, Default)]
 struct Log {
@@ -154,6 +162,7 @@ impl EmbeddedTransport {
                 Arc::new(Topic {
                     log: Mutex::default(),
                     end_tx: watch::Sender::new(0),
+                    heartbeats: broadcast::Sender::new(HEARTBEAT_BUFFER),
                 })
             })
             .clone()
@@ -249,6 +258,41 @@ impl Transport for EmbeddedTransport {
             end_rx,
             tags: options.tags.map(TagFilter::new),
         }))
+    }
+
+    async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
+        // No subscriber is no error: nobody is watching yet.
+        let _ = self.topic(topic).heartbeats.send(payload);
+        Ok(())
+    }
+
+    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
+        Ok(Box::new(EmbeddedHeartbeats(
+            self.topic(topic).heartbeats.subscribe(),
+        )))
+    }
+}
+
+#[derive(Debug)]
+struct EmbeddedHeartbeats(broadcast::Receiver<Bytes>);
+
+#[async_trait]
+impl HeartbeatSubscription for EmbeddedHeartbeats {
+    async fn next(&mut self) -> Result<Bytes> {
+        loop {
+            match self.0.recv().await {
+                Ok(payload) => return Ok(payload),
+                // Heartbeats may be skipped: the next one says it all again.
+                Err(broadcast::error::RecvError::Lagged(_)) => {}
+                // The topic holds its sender for as long as the transport lives.
+                Err(broadcast::error::RecvError::Closed) => {
+                    return Err(Error::Unsupported {
+                        transport: KIND,
+                        what: "heartbeats after the transport is gone",
+                    });
+                }
+            }
+        }
     }
 }
 

@@ -354,6 +354,49 @@ pub trait Transport: Send + Sync + 'static {
         topic: &str,
         options: SubscribeOptions,
     ) -> Result<Box<dyn Subscription>>;
+
+    /// Publishes one encoded heartbeat message (a node's heartbeat, or a
+    /// request for early heartbeats) on the topic's heartbeat channel.
+    ///
+    /// The heartbeat channel is a separate resource beside the topic's
+    /// change history, never the history itself: heartbeats must not evict
+    /// change events from a bounded history, take up sequence or offset
+    /// space a node resumes from, or reach a change subscription. It keeps
+    /// little or nothing (a short retention at most), and it may drop
+    /// messages: a heartbeat's loss only delays the cluster view.
+    ///
+    /// The default refuses with [`Error::Unsupported`](crate::Error): a
+    /// node on such a transport sends no heartbeats and its cluster view
+    /// holds only itself.
+    async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
+        let _ = (topic, payload);
+        Err(crate::Error::Unsupported {
+            transport: self.kind(),
+            what: "heartbeats",
+        })
+    }
+
+    /// Subscribes to the topic's heartbeat channel: what is published on it
+    /// from now on, and, where the channel keeps a short history, what was
+    /// published on it recently.
+    ///
+    /// The default refuses with [`Error::Unsupported`](crate::Error).
+    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
+        let _ = topic;
+        Err(crate::Error::Unsupported {
+            transport: self.kind(),
+            what: "heartbeats",
+        })
+    }
+}
+
+/// A live subscription to a topic's heartbeat channel. Unlike a
+/// [`Subscription`], it may skip messages without saying so.
+#[async_trait]
+pub trait HeartbeatSubscription: Send + fmt::Debug {
+    /// Waits for the next message. Cancel-safe. An `Err` means the
+    /// subscription is broken; the caller subscribes again.
+    async fn next(&mut self) -> Result<Bytes>;
 }
 
 /// A live subscription to a topic.
@@ -398,6 +441,14 @@ impl<T: Transport + ?Sized> Transport for std::sync::Arc<T> {
         options: SubscribeOptions,
     ) -> Result<Box<dyn Subscription>> {
         (**self).subscribe(topic, options).await
+    }
+
+    async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
+        (**self).publish_heartbeat(topic, payload).await
+    }
+
+    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
+        (**self).subscribe_heartbeats(topic).await
     }
 }
 
