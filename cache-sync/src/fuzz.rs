@@ -40,6 +40,29 @@ pub fn event(data: &[u8]) {
     }
 }
 
+/// The heartbeat channel's reader: whatever arrives there, on a party
+/// that verifies and on one that does not, is refused or read without
+/// panicking; what is read seals and opens to itself, and a verifying
+/// party opens nothing the ring did not sign.
+pub fn heartbeat(data: &[u8]) {
+    use crate::cluster::{open_message, seal_message};
+    use crate::wire::Codec;
+    let plain = Codec::new(LIMIT, None);
+    if let Ok(message) = open_message(&plain, data)
+        && let Ok(sealed) = seal_message(&plain, &message)
+    {
+        assert_eq!(open_message(&plain, &sealed).ok(), Some(message));
+    }
+    let verifying = Codec::new(LIMIT, Some(ring()));
+    if let Ok(message) = open_message(&verifying, data) {
+        let inner = ring()
+            .open(data)
+            .expect("what opened was signed by the ring");
+        assert!(data.ends_with(inner));
+        let _ = message;
+    }
+}
+
 pub(crate) fn ring() -> Keyring {
     Keyring::new("fuzz", b"a fixed secret for the fuzz target".to_vec())
         .expect("a valid key")
@@ -208,6 +231,60 @@ mod replay {
             let row = crate::wire::encode_row(change, LIMIT).expect("seed row encodes");
             write("outbox_row", n, &row);
         }
+        let heartbeat = crate::cluster::Heartbeat {
+            node_id: "node-1".into(),
+            started_at_us: 1_796_000_000_000_000,
+            sent_at_us: 1_796_000_000_123_456,
+            interval_ms: 2000,
+            transport: "embedded".into(),
+            consuming: true,
+            ready: false,
+            position: crate::transport::Position::single(
+                "id",
+                crate::transport::Offset::Id("1700-3".into()),
+            ),
+            losses: 2,
+            caches: vec![crate::cluster::CacheHeartbeat {
+                name: "countries".into(),
+                version: Some(12),
+                version_at_us: None,
+                entries: 240,
+                loss_resyncs: 1,
+                quarantined: true,
+                last_latency_us: Some(830),
+                recent: vec![crate::status::AppliedEvent {
+                    publisher: 42,
+                    seq: 7,
+                    published_at_us: 1,
+                    applied_at_us: u64::MAX,
+                }],
+            }],
+        };
+        let messages = [
+            crate::cluster::Message::Heartbeat(heartbeat),
+            crate::cluster::Message::Request(crate::cluster::Request::roll_call()),
+            crate::cluster::Message::Request(crate::cluster::Request {
+                cache: Some("countries".into()),
+                target: Some(crate::cluster::Target::Seq {
+                    publisher: 42,
+                    seq: 8,
+                }),
+                within_ms: 5000,
+            }),
+            crate::cluster::Message::Request(crate::cluster::Request {
+                cache: Some("c".into()),
+                target: Some(crate::cluster::Target::Version(u64::MAX)),
+                within_ms: u64::MAX,
+            }),
+        ];
+        let plain = crate::wire::Codec::new(LIMIT, None);
+        let signing = crate::wire::Codec::new(LIMIT, Some(ring.clone()));
+        for (n, m) in messages.iter().enumerate() {
+            let sealed = crate::cluster::seal_message(&plain, m).expect("seed seals");
+            write("heartbeat", n, &sealed);
+            let signed = crate::cluster::seal_message(&signing, m).expect("seed signs");
+            write("heartbeat", n + 10, &signed);
+        }
         // Records: plain (mode 0) and verifying (mode 1, and with small
         // version tables), tagged and not, in order, with gaps and garbage.
         for (n, mode) in [0u8, 1, 2, 3, 0x0e].into_iter().enumerate() {
@@ -234,12 +311,13 @@ mod replay {
     fn the_committed_corpora_replay_cleanly() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
         type Target = fn(&[u8]);
-        let targets: [(&str, Target); 5] = [
+        let targets: [(&str, Target); 6] = [
             ("event", super::event),
             ("signed", super::signed),
             ("offsets", super::offsets),
             ("records", super::records),
             ("outbox_row", super::outbox_row),
+            ("heartbeat", super::heartbeat),
         ];
         for (name, target) in targets {
             let dir = root.join(name);

@@ -238,6 +238,7 @@
 #![cfg_attr(not(test), warn(clippy::arithmetic_side_effects))]
 
 mod cache;
+mod cluster;
 mod error;
 #[cfg(any(test, feature = "_fuzz"))]
 #[doc(hidden)]
@@ -255,6 +256,11 @@ mod wire;
 #[doc(inline)]
 pub use cache::{SyncedCache, SyncedCacheBuilder};
 #[doc(inline)]
+pub use cluster::{
+    Acks, CacheHeartbeat, CacheSummary, Cluster, ClusterBuilder, ClusterView, GoneNode, Heartbeat,
+    NodeAck, NodeCacheView, NodeView,
+};
+#[doc(inline)]
 pub use error::{DecodeError, DecodeErrorKind, Error, Result};
 #[doc(inline)]
 pub use node::{FileOffsetStore, MemoryOffsetStore, Node, NodeBuilder, OffsetStore, StatusServer};
@@ -266,7 +272,7 @@ pub use outbox::{
 #[doc(inline)]
 pub use publish::{DictionaryPublisher, Published, Publisher, PublisherBuilder};
 #[doc(inline)]
-pub use status::{CacheStatus, NodeStatus};
+pub use status::{AppliedEvent, CacheStatus, NodeStatus};
 #[doc(inline)]
 pub use table::Table;
 #[doc(inline)]

@@ -49,6 +49,14 @@ pub struct NodeStatus {
     pub last_loss_reason: Option<String>,
     /// Microseconds since the Unix epoch of that loss.
     pub last_loss_at_us: Option<u64>,
+    /// Messages sent on the heartbeat channel (heartbeats).
+    pub heartbeats_sent: u64,
+    /// Messages read off the heartbeat channel (other nodes' heartbeats,
+    /// requests for one).
+    pub heartbeats_received: u64,
+    /// Of those, refused: unsigned or forged on a verifying node,
+    /// oversized, or unreadable. They change nothing.
+    pub heartbeats_rejected: u64,
     /// Each registered cache, by name.
     pub caches: Vec<CacheStatus>,
 }
@@ -118,4 +126,32 @@ pub struct CacheStatus {
     /// Publish-to-applied time of the last event, in microseconds (across
     /// machines this includes clock skew).
     pub last_latency_us: Option<u64>,
+    /// Microseconds since the Unix epoch when `version` last rose.
+    pub version_at_us: Option<u64>,
+    /// Whether versioned refreshes are applied as invalidations for now,
+    /// after a loss or a late registration (see
+    /// [`NodeBuilder::reorder_window`](crate::NodeBuilder::reorder_window)).
+    pub quarantined: bool,
+    /// The last event applied from each of the most recent publishers (up
+    /// to 16), newest first. An acknowledged publish
+    /// ([`Published::applied_by`](crate::Published::applied_by)) is done on a
+    /// node once the publisher's number here reaches its own: numbers run
+    /// per publisher and cache, and a node applies them in order or
+    /// resyncs the cache when one is missing.
+    pub recent: Vec<AppliedEvent>,
+}
+
+/// The last event a node applied to a cache from one publisher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct AppliedEvent {
+    /// The publisher instance (random per [`Publisher`](crate::Publisher)).
+    pub publisher: u64,
+    /// Its sequence number for this cache.
+    pub seq: u64,
+    /// Microseconds since the Unix epoch when it was published, on the
+    /// publisher's clock.
+    pub published_at_us: u64,
+    /// Microseconds since the Unix epoch when this node applied it.
+    pub applied_at_us: u64,
 }

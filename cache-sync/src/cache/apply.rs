@@ -12,7 +12,7 @@ use serde::de::DeserializeOwned;
 
 use super::Inner;
 use super::versions::RefreshDecision;
-use crate::status::CacheStatus;
+use crate::status::{AppliedEvent, CacheStatus};
 use crate::util::{lock, now_us};
 use crate::wire::{ChangeView, Header, decode_part};
 
@@ -92,6 +92,7 @@ where
     async fn apply(&self, events: &[Event<'_>]) {
         let mut applied = 0u64;
         let mut published_at_us = None;
+        let version_before = self.stats.version.load(Relaxed);
         // Read once per run, and again after a resync within it, which is
         // the only way a quarantine can start while this cache applies.
         let mut quarantined = self.quarantined();
@@ -111,6 +112,17 @@ where
             s.last_applied_us.store(now, Relaxed);
             s.last_latency_us
                 .store(now.saturating_sub(published_at_us), Relaxed);
+            if s.version.load(Relaxed) > version_before {
+                s.version_at_us.store(now, Relaxed);
+            }
+            if let Some(last) = events.last() {
+                s.applied(AppliedEvent {
+                    publisher: last.header.publisher,
+                    seq: last.header.seq,
+                    published_at_us: last.header.published_at_us,
+                    applied_at_us: now,
+                });
+            }
             // Last, and with Release (read with Acquire): a poller that sees
             // the new count also sees these events' time and latency.
             s.events_applied.fetch_add(applied, Release);
@@ -226,9 +238,5 @@ where
             "event key did not decode; cannot tell which entries it meant");
         self.stats.rejected_events.fetch_add(1, Relaxed);
         self.resync().await;
-    }
-
-    fn quarantined(&self) -> bool {
-        lock(&self.quarantine_until).is_some_and(|until| tokio::time::Instant::now() < until)
     }
 }

@@ -1,10 +1,11 @@
 //! The cache's counters, and the status snapshot made of them.
 
 use std::hash::Hash;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::Acquire, Ordering::Relaxed};
 
 use super::Inner;
-use crate::status::CacheStatus;
+use crate::status::{AppliedEvent, CacheStatus};
 use crate::util::lock;
 
 #[derive(Default)]
@@ -28,6 +29,34 @@ pub(super) struct Stats {
     pub(super) version: AtomicU64,
     pub(super) last_applied_us: AtomicU64,
     pub(super) last_latency_us: AtomicU64,
+    /// When `version` last rose (µs since the epoch); 0 while it never did.
+    pub(super) version_at_us: AtomicU64,
+    /// The last event applied from each recent publisher, newest first.
+    pub(super) recent: Mutex<Vec<AppliedEvent>>,
+}
+
+/// Publishers whose last applied event a cache remembers: enough for the
+/// admin services and relays writing one table, bounded against a stream
+/// of short-lived publishers.
+pub(crate) const RECENT_PUBLISHERS: usize = 16;
+
+impl Stats {
+    /// Records the last event of a run: one lock per run, not per event.
+    pub(super) fn applied(&self, event: AppliedEvent) {
+        let mut recent = lock(&self.recent);
+        match recent.iter().position(|e| e.publisher == event.publisher) {
+            Some(i) => {
+                recent[..=i].rotate_right(1);
+                recent[0] = event;
+            }
+            None => {
+                if recent.len() >= RECENT_PUBLISHERS {
+                    recent.pop();
+                }
+                recent.insert(0, event);
+            }
+        }
+    }
 }
 
 /// A counter for the read path: one shared atomic would bounce its cache
@@ -65,12 +94,17 @@ where
     K: Hash + Eq + Clone + Send + Sync + 'static,
     V: Clone + Send + Sync + 'static,
 {
+    pub(super) fn quarantined(&self) -> bool {
+        lock(&self.quarantine_until).is_some_and(|until| tokio::time::Instant::now() < until)
+    }
+
     pub(super) fn snapshot(&self) -> CacheStatus {
         let s = &self.stats;
         // First: see the apply path's Release store.
         let events_applied = s.events_applied.load(Acquire);
         let version = s.version.load(Relaxed);
         let last = s.last_applied_us.load(Relaxed);
+        let version_at = s.version_at_us.load(Relaxed);
         CacheStatus {
             name: self.name.clone(),
             version: (version > 0).then_some(version),
@@ -93,6 +127,9 @@ where
             rejected_events: s.rejected_events.load(Relaxed),
             last_applied_at_us: (last > 0).then_some(last),
             last_latency_us: (last > 0).then(|| s.last_latency_us.load(Relaxed)),
+            version_at_us: (version_at > 0).then_some(version_at),
+            quarantined: self.quarantined(),
+            recent: lock(&s.recent).clone(),
         }
     }
 }

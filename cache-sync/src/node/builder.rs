@@ -12,13 +12,15 @@ use serde::de::DeserializeOwned;
 use tokio::sync::{Notify, watch};
 
 use super::consume::{Subscribed, consume_loop};
+use super::heartbeat::heartbeat_loop;
 use super::maintenance::maintenance_loop;
 use super::{Config, Handle, MIN_BACKOFF, NEXT_NODE_TOKEN, Node, NodeStats, OffsetStore, Shared};
 use crate::cache::{CacheHandle, SyncedCache};
+use crate::cluster::{Cluster, check_interval};
 use crate::error::{Error, Result};
 use crate::table::check_topic;
 use crate::transport::{StartFrom, Transport};
-use crate::util::lock;
+use crate::util::{lock, now_us};
 use crate::wire::{Codec, Keyring, check_max_event_bytes};
 
 /// Configures and starts a [`Node`].
@@ -134,6 +136,22 @@ impl NodeBuilder {
         self
     }
 
+    /// How often the node publishes its heartbeat on the transport's
+    /// heartbeat channel (see [`Node::cluster`]). Default 2 s; 10 ms to
+    /// 1 h, or `Duration::MAX` for none (the node then neither sends
+    /// heartbeats nor answers requests for them, and its cluster view holds
+    /// only itself).
+    ///
+    /// Heartbeats go on a channel of their own, never into the change
+    /// history, and are never counted as events. They are signed when the
+    /// node [verifies signatures](Self::verify_signatures), and the node
+    /// then takes only signed ones in. Other parties count a node as gone
+    /// after three of its intervals without a heartbeat.
+    pub fn heartbeat_interval(mut self, every: Duration) -> Self {
+        self.config.heartbeat_interval = every;
+        self
+    }
+
     /// Accepts only events signed with a key in `keyring`. Unsigned, forged
     /// or tampered events, and events signed with an unknown key, are
     /// rejected, counted and logged, and change nothing: unlike unreadable
@@ -177,6 +195,7 @@ impl NodeBuilder {
                 c.min_backoff, c.max_backoff
             )));
         }
+        check_interval("heartbeat_interval", c.heartbeat_interval)?;
         self.transport.check_topic(&self.topic)?;
         for cache in &self.caches {
             self.transport.check_tag(cache.name())?;
@@ -238,6 +257,7 @@ impl NodeBuilder {
             *lock(&shared.position) = p;
         }
         shared.consuming.store(true, Relaxed);
+        shared.alive.store(true, Relaxed);
         tracing::info!(node = %shared.id, topic = %shared.topic, transport = shared.transport.kind(), "consumer started");
 
         let (stop, stop_rx) = watch::channel(false);
@@ -250,12 +270,13 @@ impl NodeBuilder {
             },
             stop_rx.clone(),
         ));
-        let maintenance = tokio::spawn(maintenance_loop(shared.clone(), stop_rx));
+        let maintenance = tokio::spawn(maintenance_loop(shared.clone(), stop_rx.clone()));
+        let heartbeats = tokio::spawn(heartbeat_loop(shared.clone(), stop_rx));
         Ok(Node {
             handle: Arc::new(Handle {
                 shared,
                 stop,
-                tasks: tokio::sync::Mutex::new(Some((consumer, maintenance))),
+                tasks: tokio::sync::Mutex::new(Some((consumer, maintenance, heartbeats))),
             }),
         })
     }
@@ -264,13 +285,30 @@ impl NodeBuilder {
 impl NodeBuilder {
     /// The node's shared state, and the caches still to register.
     pub(super) fn into_shared(self) -> (Arc<Shared>, Vec<Arc<dyn CacheHandle>>) {
-        let shared = Arc::new(Shared {
+        let codec = Codec::new(self.config.max_event_bytes, self.keyring);
+        let shared = Arc::new_cyclic(|weak: &std::sync::Weak<Shared>| Shared {
             token: NEXT_NODE_TOKEN.fetch_add(1, Relaxed),
+            cluster: Cluster::new(
+                self.id.clone(),
+                self.topic.clone(),
+                self.transport.clone(),
+                codec.clone(),
+                self.config.heartbeat_interval,
+                Some({
+                    let weak = weak.clone();
+                    Box::new(move || weak.upgrade().map(|s| s.heartbeat()))
+                }),
+            ),
+            started_at_us: now_us(),
+            alive: AtomicBool::new(false),
+            caught_up: AtomicBool::new(false),
+            acks_wanted: AtomicBool::new(false),
+            acks: Notify::new(),
             id: self.id,
             topic: self.topic,
             transport: self.transport,
             offsets: self.offsets,
-            codec: Codec::new(self.config.max_event_bytes, self.keyring),
+            codec,
             config: self.config,
             caches: RwLock::default(),
             registrations: watch::Sender::new(0),

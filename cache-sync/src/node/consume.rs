@@ -28,8 +28,13 @@ pub(super) struct MarkDownOnExit<'a>(&'a Shared);
 impl Drop for MarkDownOnExit<'_> {
     fn drop(&mut self) {
         self.0.consuming.store(false, Relaxed);
+        self.0.alive.store(false, Relaxed);
     }
 }
+
+/// How long the first fetches may find nothing to hand over before the
+/// start replay counts as done: the transport has no backlog for the node.
+const CAUGHT_UP_AFTER_IDLE: Duration = Duration::from_millis(200);
 
 /// Fetches and applies, in one task. Owns the subscription and re-subscribes
 /// after errors, from the last position applied.
@@ -52,6 +57,7 @@ pub(super) async fn consume_loop(
         names: mut subscribed_names,
     } = initial;
     let mut seqs = PublisherSeqs::default();
+    let mut caught_up = shared.caught_up.load(Relaxed);
     let mut fetched = subscription.position();
     let mut sub = Some(subscription);
     let mut backoff = Duration::ZERO;
@@ -150,12 +156,27 @@ pub(super) async fn consume_loop(
                 expire_checks(&shared, &mut seqs).await;
                 continue;
             }
+            // Until the start replay is done: a fetch that waits this long
+            // found the end of what the transport holds.
+            () = tokio::time::sleep(CAUGHT_UP_AFTER_IDLE), if !caught_up => {
+                caught_up = true;
+                shared.caught_up.store(true, Relaxed);
+                continue;
+            }
             next = s.next(cfg.max_batch) => next,
         };
         match next {
             Ok(Delivery::Batch { records, position }) => {
+                // A short batch: the transport handed over all it had.
+                if !caught_up && records.len() < cfg.max_batch {
+                    caught_up = true;
+                    shared.caught_up.store(true, Relaxed);
+                }
                 apply_records(&shared, &mut seqs, records).await;
                 shared.applied.notify_one();
+                if shared.acks_wanted.load(Relaxed) {
+                    shared.acks.notify_one();
+                }
                 fetched
                     .get_or_insert_with(Position::default)
                     .advance(&position);

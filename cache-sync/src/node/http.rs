@@ -19,6 +19,7 @@ use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
 use super::Node;
+use crate::cluster::ClusterView;
 use crate::error::{Error, Result};
 use crate::status::NodeStatus;
 use crate::util::deadline_after;
@@ -33,8 +34,52 @@ pub(crate) fn router(node: Node) -> Router {
     Router::new()
         .route("/cache-sync/status", get(node_status))
         .route("/cache-sync/caches/{name}", get(cache_status))
+        .route("/cache-sync/cluster", get(cluster))
         .route("/healthz", get(healthz))
+        .route("/livez", get(livez))
+        .route("/readyz", get(readyz))
         .with_state(node)
+}
+
+async fn cluster(State(node): State<Node>) -> Json<ClusterView> {
+    Json(node.cluster().view())
+}
+
+/// 200 while the consume task runs, whatever the broker does: a restart
+/// would not bring the broker back.
+async fn livez(State(node): State<Node>) -> Response {
+    if node.is_alive() {
+        (
+            StatusCode::OK,
+            Json(serde_json::json!({ "status": "alive" })),
+        )
+            .into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({ "status": "consumer stopped" })),
+        )
+            .into_response()
+    }
+}
+
+/// 200 once consuming, caught up and out of quarantine; 503 with the
+/// reasons otherwise.
+async fn readyz(State(node): State<Node>) -> Response {
+    let reasons = node.not_ready();
+    if reasons.is_empty() {
+        (
+            StatusCode::OK,
+            Json(serde_json::json!({ "status": "ready" })),
+        )
+            .into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({ "status": "not ready", "reasons": reasons })),
+        )
+            .into_response()
+    }
 }
 
 async fn node_status(State(node): State<Node>) -> Json<NodeStatus> {

@@ -13,6 +13,7 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
 use crate::cache::{CacheHandle, SyncedCache};
+use crate::cluster::{CacheHeartbeat, Cluster, DEFAULT_HEARTBEAT_INTERVAL, Heartbeat};
 use crate::error::{Error, Result};
 use crate::publish::{DEFAULT_ANNOUNCE_INTERVAL, Publisher};
 use crate::status::NodeStatus;
@@ -25,6 +26,7 @@ use crate::wire::{Codec, DEFAULT_MAX_EVENT_BYTES};
 
 mod builder;
 mod consume;
+mod heartbeat;
 mod http;
 mod maintenance;
 mod offsets;
@@ -78,8 +80,12 @@ impl fmt::Debug for Node {
 struct Handle {
     shared: Arc<Shared>,
     stop: watch::Sender<bool>,
-    tasks: tokio::sync::Mutex<Option<(JoinHandle<()>, JoinHandle<()>)>>,
+    tasks: tokio::sync::Mutex<Option<Tasks>>,
 }
+
+/// The node's tasks: the consumer, the maintenance task, and the
+/// heartbeat task.
+type Tasks = (JoinHandle<()>, JoinHandle<()>, JoinHandle<()>);
 
 impl Drop for Handle {
     fn drop(&mut self) {
@@ -118,6 +124,18 @@ struct Shared {
     /// Signalled after each applied batch; see `maintenance_loop`.
     applied: Notify,
     consuming: AtomicBool,
+    /// The consume task runs (see [`Node::is_alive`]).
+    alive: AtomicBool,
+    /// The start replay is done: the transport had no more to give at once
+    /// (see `consume_loop`).
+    caught_up: AtomicBool,
+    /// The heartbeat task waits for requests: the consumer signals `acks`
+    /// after each batch (one relaxed load per batch otherwise).
+    acks_wanted: AtomicBool,
+    acks: Notify,
+    started_at_us: u64,
+    /// What this node sees of the cluster, its own heartbeat included.
+    cluster: Cluster,
     stats: NodeStats,
 }
 
@@ -130,6 +148,8 @@ struct Config {
     min_backoff: Duration,
     max_backoff: Duration,
     reorder_window: Duration,
+    /// `Duration::MAX`: no heartbeats.
+    heartbeat_interval: Duration,
 }
 
 type CacheMap = HashMap<String, Arc<dyn CacheHandle>>;
@@ -162,6 +182,7 @@ impl Node {
                 min_backoff: Duration::from_millis(100),
                 max_backoff: Duration::from_secs(5),
                 reorder_window: DEFAULT_REORDER_WINDOW,
+                heartbeat_interval: DEFAULT_HEARTBEAT_INTERVAL,
             },
             caches: Vec::new(),
         }
@@ -247,28 +268,62 @@ impl Node {
         self.handle.shared.consuming.load(Relaxed) && !*self.handle.stop.borrow()
     }
 
+    /// Whether the node's consume task is running (the liveness probe,
+    /// `GET /livez`). It stays true while the transport is down and the
+    /// consumer re-subscribes: restarting the process would not bring the
+    /// broker back. False after shutdown, or if the task ended on a panic
+    /// in application code (a key's `Hash` or `Deserialize`).
+    pub fn is_alive(&self) -> bool {
+        self.handle.shared.alive.load(Relaxed) && !*self.handle.stop.borrow()
+    }
+
+    /// Whether the node is ready to serve (the readiness probe,
+    /// `GET /readyz`): it is consuming, it is caught up with the start
+    /// replay (the transport had nothing more to hand over at once), and
+    /// no cache is quarantined after a loss or a late registration.
+    pub fn is_ready(&self) -> bool {
+        self.not_ready().is_empty()
+    }
+
+    /// Why the node is not ready, in words; empty when it is.
+    pub(crate) fn not_ready(&self) -> Vec<String> {
+        let s = &self.handle.shared;
+        let mut reasons = Vec::new();
+        if !self.is_consuming() {
+            reasons.push("not consuming: the transport is failing or the node stopped".into());
+        } else if !s.caught_up.load(Relaxed) {
+            reasons.push("catching up with the start replay".into());
+        }
+        let mut quarantined: Vec<String> = s
+            .caches()
+            .values()
+            .filter(|c| c.status().quarantined)
+            .map(|c| {
+                format!(
+                    "cache {:?} quarantined after a loss or a late registration",
+                    c.name()
+                )
+            })
+            .collect();
+        quarantined.sort();
+        reasons.extend(quarantined);
+        reasons
+    }
+
+    /// What this node sees of the cluster: every live node's last
+    /// heartbeat (its own, as of now, included), from which
+    /// [`Published::applied_by`](crate::Published::applied_by) and the
+    /// cluster endpoints read. Holds only this node when heartbeats are off
+    /// or the transport has none.
+    pub fn cluster(&self) -> Cluster {
+        self.handle.shared.cluster.clone()
+    }
+
     /// What the status endpoint reports.
     pub fn status(&self) -> NodeStatus {
-        let s = &self.handle.shared;
-        let mut caches: Vec<_> = s.caches().values().map(|c| c.status()).collect();
-        caches.sort_by(|a, b| a.name.cmp(&b.name));
-        let last_loss = lock(&s.stats.last_loss).clone();
-        NodeStatus {
-            node_id: s.id.clone(),
-            transport: s.transport.kind().to_owned(),
-            topic: s.topic.clone(),
-            consuming: self.is_consuming(),
-            position: lock(&s.position).clone(),
-            events_received: s.stats.received.load(Relaxed),
-            events_skipped: s.stats.skipped.load(Relaxed),
-            events_rejected: s.stats.rejected.load(Relaxed),
-            losses: s.stats.losses.load(Relaxed),
-            publisher_gaps: s.stats.publisher_gaps.load(Relaxed),
-            transport_errors: s.stats.transport_errors.load(Relaxed),
-            last_loss_reason: last_loss.as_ref().map(|(r, _)| r.clone()),
-            last_loss_at_us: last_loss.map(|(_, at)| at),
-            caches,
-        }
+        let mut status = self.handle.shared.status();
+        status.consuming = self.is_consuming();
+        status
     }
 
     /// Like [`status`](Self::status), after letting each cache finish
@@ -312,9 +367,10 @@ impl Node {
     pub async fn shutdown(&self) -> Result<()> {
         self.handle.stop.send_replace(true);
         let tasks = self.handle.tasks.lock().await.take();
-        if let Some((consumer, maintenance)) = tasks {
+        if let Some((consumer, maintenance, heartbeats)) = tasks {
             let _ = consumer.await;
             let _ = maintenance.await;
+            let _ = heartbeats.await;
         }
         let shared = &self.handle.shared;
         shared.consuming.store(false, Relaxed);
@@ -325,6 +381,68 @@ impl Node {
 }
 
 impl Shared {
+    /// The status, with `consuming` as the flag says (the node's handle
+    /// also knows whether it was told to stop).
+    fn status(&self) -> NodeStatus {
+        let s = self;
+        let mut caches: Vec<_> = s.caches().values().map(|c| c.status()).collect();
+        caches.sort_by(|a, b| a.name.cmp(&b.name));
+        let last_loss = lock(&s.stats.last_loss).clone();
+        NodeStatus {
+            node_id: s.id.clone(),
+            transport: s.transport.kind().to_owned(),
+            topic: s.topic.clone(),
+            consuming: s.consuming.load(Relaxed),
+            position: lock(&s.position).clone(),
+            events_received: s.stats.received.load(Relaxed),
+            events_skipped: s.stats.skipped.load(Relaxed),
+            events_rejected: s.stats.rejected.load(Relaxed),
+            losses: s.stats.losses.load(Relaxed),
+            publisher_gaps: s.stats.publisher_gaps.load(Relaxed),
+            transport_errors: s.stats.transport_errors.load(Relaxed),
+            last_loss_reason: last_loss.as_ref().map(|(r, _)| r.clone()),
+            last_loss_at_us: last_loss.map(|(_, at)| at),
+            heartbeats_sent: s.cluster.stats().sent.load(Relaxed),
+            heartbeats_received: s.cluster.stats().received.load(Relaxed),
+            heartbeats_rejected: s.cluster.stats().rejected.load(Relaxed),
+            caches,
+        }
+    }
+
+    /// This node's heartbeat, as of now.
+    fn heartbeat(&self) -> Heartbeat {
+        let status = self.status();
+        let ready = status.consuming
+            && self.caught_up.load(Relaxed)
+            && status.caches.iter().all(|c| !c.quarantined);
+        let interval = self.config.heartbeat_interval;
+        Heartbeat {
+            node_id: status.node_id,
+            started_at_us: self.started_at_us,
+            sent_at_us: now_us(),
+            interval_ms: u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
+            transport: status.transport,
+            consuming: status.consuming,
+            ready,
+            position: status.position,
+            losses: status.losses,
+            caches: status
+                .caches
+                .into_iter()
+                .map(|c| CacheHeartbeat {
+                    name: c.name,
+                    version: c.version,
+                    version_at_us: c.version_at_us,
+                    entries: c.entries,
+                    loss_resyncs: c.loss_resyncs,
+                    quarantined: c.quarantined,
+                    last_latency_us: c.last_latency_us,
+                    recent: c.recent,
+                })
+                .collect(),
+        }
+    }
+
     fn caches(&self) -> Arc<CacheMap> {
         self.caches
             .read()

@@ -10,6 +10,7 @@ use crate::transport::Delivery;
 use crate::wire::{Change, EntryVersion, Header, encode, encode_part};
 use crate::{EmbeddedTransport, Keyring};
 
+mod cluster;
 mod tail;
 
 type Cache = SyncedCache<String, String>;

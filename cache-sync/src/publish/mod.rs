@@ -11,6 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde::Serialize;
 
+use crate::cluster::{Acks, Cluster, Goal, Target};
 use crate::error::Result;
 use crate::table::Table;
 use crate::transport::{DEFAULT_TOPIC, Position, Transport};
@@ -275,6 +276,54 @@ pub struct Published {
     pub events: usize,
     /// The transport position of the last one, where the transport reports it.
     pub position: Option<Position>,
+    /// The last event sent, for [`applied_by`](Self::applied_by).
+    last: Option<Sent>,
+}
+
+/// Which event a publish sent last: what nodes report once they apply it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Sent {
+    cache: String,
+    publisher: u64,
+    seq: u64,
+    published_at_us: u64,
+}
+
+impl Published {
+    /// Waits until every live node in `cluster` that holds the cache
+    /// reports (in a heartbeat it sends as soon as it has) that it applied
+    /// this publish, or until `timeout`; then says which nodes did, with
+    /// each one's publish-to-applied latency.
+    ///
+    /// A node counts once it applied this publish's last event, or a later
+    /// one from the same publisher (a node applies a publisher's numbers in
+    /// order, or resyncs the cache when one is missing). The live nodes are
+    /// those `cluster` has heard from in their last three heartbeat
+    /// intervals; a [`Cluster`] watcher younger than 1.5 intervals first
+    /// waits until it is that old, so it knows every node. An empty
+    /// publish (no event) resolves at once, with no node.
+    ///
+    /// ```no_run
+    /// # async fn run(publisher: cache_sync::Publisher, cluster: cache_sync::Cluster) -> cache_sync::Result<()> {
+    /// use std::time::Duration;
+    /// let published = publisher.invalidate("countries", ["de"]).await?;
+    /// let acks = published.applied_by(&cluster, Duration::from_secs(5)).await;
+    /// println!("{acks}"); // applied on 3/3 nodes in 2 ms
+    /// # Ok(()) }
+    /// ```
+    pub async fn applied_by(&self, cluster: &Cluster, timeout: Duration) -> Acks {
+        let Some(last) = &self.last else {
+            return Acks::none();
+        };
+        let goal = Goal {
+            target: Target::Seq {
+                publisher: last.publisher,
+                seq: last.seq,
+            },
+            published_at_us: Some(last.published_at_us),
+        };
+        crate::cluster::wait(cluster, &last.cache, goal, timeout).await
+    }
 }
 
 impl Publisher {
@@ -446,6 +495,7 @@ impl Publisher {
         let mut published = Published {
             events: 0,
             position: None,
+            last: None,
         };
         for change in changes {
             // 2^64 publishes to one cache from one publisher will not happen;
@@ -466,6 +516,12 @@ impl Publisher {
                 .await?;
             published.events = published.events.saturating_add(1);
             published.position = position.or(published.position);
+            published.last = Some(Sent {
+                cache: cache.to_owned(),
+                publisher: header.publisher,
+                seq: header.seq,
+                published_at_us: header.published_at_us,
+            });
         }
         Ok(published)
     }

@@ -14,6 +14,10 @@ use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
 /// rounded up.
 const HEADER_OVERHEAD: usize = MAX_NAME_BYTES + 64;
 
+/// The first byte of a heartbeat message (see `cluster`), where an event
+/// has its format byte: `H`.
+const FORMAT_HEARTBEAT: u8 = b'H';
+
 /// How a publisher seals and a node opens events: the size limit and, when
 /// signing or verifying, the keyring. A publisher made by a node shares the
 /// node's codec, so what one seals the other opens.
@@ -118,6 +122,47 @@ impl Codec {
                 body,
             }),
             Err(error) => Err(Refused::Unreadable { error, event }),
+        }
+    }
+
+    /// A heartbeat message to publish: the heartbeat format byte and the
+    /// message, signed when there is a keyring (the format byte keeps a
+    /// signed heartbeat from ever opening as an event, and the other way
+    /// round), refused with [`Error::TooLarge`] over the limit.
+    pub(crate) fn seal_heartbeat(&self, message: &[u8]) -> Result<Vec<u8>> {
+        let mut payload = Vec::with_capacity(message.len().saturating_add(1));
+        payload.push(FORMAT_HEARTBEAT);
+        payload.extend_from_slice(message);
+        if let Some(ring) = &self.keyring {
+            payload = ring.sign(&payload);
+        }
+        if payload.len() > self.max_bytes {
+            return Err(Error::TooLarge {
+                what: "heartbeat",
+                size: payload.len(),
+                limit: self.max_bytes,
+            });
+        }
+        Ok(payload)
+    }
+
+    /// The message inside a delivered heartbeat payload: authenticated
+    /// first when verifying, then checked for its size and format byte.
+    pub(crate) fn open_heartbeat<'a>(&self, payload: &'a [u8]) -> Result<&'a [u8], DecodeError> {
+        let inner = match &self.keyring {
+            Some(ring) => ring.open(payload)?,
+            None => strip_unverified(payload),
+        };
+        if payload.len() > self.max_bytes {
+            return Err(DecodeError::new(DecodeErrorKind::TooLarge {
+                size: payload.len(),
+                limit: self.max_bytes,
+            }));
+        }
+        match inner.split_first() {
+            Some((&FORMAT_HEARTBEAT, message)) => Ok(message),
+            Some((&format, _)) => Err(DecodeError::new(DecodeErrorKind::UnknownFormat(format))),
+            None => Err(DecodeError::new(DecodeErrorKind::Empty)),
         }
     }
 

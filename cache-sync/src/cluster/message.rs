@@ -1,0 +1,83 @@
+//! What goes over the heartbeat channel, and how it is sealed and opened.
+//!
+//! A message is JSON behind the heartbeat format byte, signed like an event
+//! when the sender has a keyring. JSON rather than bincode: a heartbeat is
+//! small and rare (one per node per interval), and a self-describing format
+//! lets nodes of different versions share a channel during a rolling
+//! upgrade (unknown fields are ignored, missing new ones take defaults).
+//! It is parsed only after authentication and the size limit, and
+//! `serde_json` bounds nesting depth, so hostile input costs at most one
+//! bounded parse.
+
+use serde::{Deserialize, Serialize};
+
+use super::Heartbeat;
+use crate::error::{DecodeError, DecodeErrorKind, Result};
+use crate::wire::Codec;
+
+/// One message on the heartbeat channel.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub(crate) enum Message {
+    /// A node's state.
+    Heartbeat(Heartbeat),
+    /// Asks the nodes for a heartbeat now, and again once they applied
+    /// something.
+    Request(Request),
+}
+
+/// Asks every node that holds `cache` (every node, for a roll call) to
+/// send a heartbeat now, and another once it has applied `target`, for up
+/// to `within_ms`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Request {
+    /// The cache; `None` asks every node (a roll call).
+    pub(crate) cache: Option<String>,
+    pub(crate) target: Option<Target>,
+    /// How long the asker waits; nodes keep the request no longer (and at
+    /// most a minute).
+    #[serde(default)]
+    pub(crate) within_ms: u64,
+}
+
+/// What a node must have applied to a cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Target {
+    /// A publisher's event: this number or a later one from it.
+    Seq {
+        /// The publisher instance.
+        publisher: u64,
+        /// Its number for the cache.
+        seq: u64,
+    },
+    /// The cache's version reached this one.
+    Version(u64),
+}
+
+impl Request {
+    /// Every node: send a heartbeat now.
+    pub(crate) fn roll_call() -> Self {
+        Request {
+            cache: None,
+            target: None,
+            within_ms: 0,
+        }
+    }
+}
+
+pub(crate) fn seal(codec: &Codec, message: &Message) -> Result<Vec<u8>> {
+    let json = serde_json::to_vec(message)
+        .map_err(|e| crate::Error::Config(format!("heartbeat message: {e}")))?;
+    codec.seal_heartbeat(&json)
+}
+
+/// Authenticates (when verifying), checks the size, then parses.
+pub(crate) fn open(codec: &Codec, payload: &[u8]) -> Result<Message, DecodeError> {
+    let json = codec.open_heartbeat(payload)?;
+    serde_json::from_slice(json).map_err(|e| {
+        DecodeError::new(DecodeErrorKind::Malformed(format!(
+            "heartbeat message: {e}"
+        )))
+    })
+}

@@ -1,0 +1,495 @@
+//! Heartbeats, the cluster view, acknowledged publishes and readiness, on
+//! the embedded transport.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::time::Instant;
+
+use super::*;
+use crate::cluster::{Message, Request};
+use crate::transport::HeartbeatSubscription;
+use crate::{Cluster, Heartbeat};
+
+const EVERY: Duration = Duration::from_millis(100);
+
+/// Delivers heartbeats like the embedded transport, but holds back every
+/// change event from its subscribers while `stalled` is set: a node that
+/// lags.
+#[derive(Debug, Clone, Default)]
+struct Stalling {
+    inner: EmbeddedTransport,
+    stalled: Arc<AtomicBool>,
+}
+
+#[derive(Debug)]
+struct StallingSubscription {
+    inner: Box<dyn Subscription>,
+    stalled: Arc<AtomicBool>,
+    /// A delivery fetched while stalled, held until it is not: kept here
+    /// so that a dropped `next` loses nothing.
+    held: Option<Result<Delivery>>,
+}
+
+#[async_trait]
+impl Subscription for StallingSubscription {
+    async fn next(&mut self, max: usize) -> Result<Delivery> {
+        if self.held.is_none() {
+            self.held = Some(self.inner.next(max).await);
+        }
+        while self.stalled.load(Relaxed) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        self.held.take().unwrap()
+    }
+}
+
+#[async_trait]
+impl Transport for Stalling {
+    fn kind(&self) -> &'static str {
+        "stalling"
+    }
+
+    fn filters_by_tag(&self) -> bool {
+        true
+    }
+
+    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        self.inner.publish(topic, tag, payload).await
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        Ok(Box::new(StallingSubscription {
+            inner: self.inner.subscribe(topic, options).await?,
+            stalled: self.stalled.clone(),
+            held: None,
+        }))
+    }
+
+    async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
+        self.inner.publish_heartbeat(topic, payload).await
+    }
+
+    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
+        self.inner.subscribe_heartbeats(topic).await
+    }
+}
+
+async fn start(id: &str, transport: impl Transport, caches: &[&Cache]) -> Node {
+    let mut b = Node::builder(id, transport)
+        .heartbeat_interval(EVERY)
+        .reorder_window(Duration::ZERO);
+    for c in caches {
+        b = b.register(*c);
+    }
+    b.start().await.unwrap()
+}
+
+fn ids(nodes: &[Heartbeat]) -> Vec<&str> {
+    nodes.iter().map(|h| h.node_id.as_str()).collect()
+}
+
+#[tokio::test]
+async fn every_node_sees_every_node_within_two_intervals() {
+    let transport = EmbeddedTransport::new();
+    let (a, b, c) = (cache("countries"), cache("countries"), cache("countries"));
+    let started = Instant::now();
+    let nodes = [
+        start("n1", transport.clone(), &[&a]).await,
+        start("n2", transport.clone(), &[&b]).await,
+        start("n3", transport.clone(), &[&c]).await,
+    ];
+    for node in &nodes {
+        eventually("all three in the view", async || {
+            node.cluster().nodes().len() == 3
+        })
+        .await;
+    }
+    assert!(started.elapsed() <= EVERY * 2, "{:?}", started.elapsed());
+    let view = nodes[0].cluster().view();
+    assert_eq!(view.observer, "n1");
+    assert_eq!(
+        view.nodes
+            .iter()
+            .map(|n| n.node_id.as_str())
+            .collect::<Vec<_>>(),
+        ["n1", "n2", "n3"]
+    );
+    assert_eq!(view.caches.len(), 1);
+    assert_eq!(view.caches[0].nodes, 3);
+    // Heartbeats are no events: nothing was received, skipped or applied.
+    for node in &nodes {
+        let s = node.status();
+        assert_eq!(s.events_received, 0);
+        assert!(s.heartbeats_sent >= 1);
+        assert!(s.heartbeats_received >= 2);
+        assert_eq!(s.heartbeats_rejected, 0);
+    }
+    for node in &nodes {
+        node.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_node_that_stops_is_gone_after_three_intervals() {
+    let transport = EmbeddedTransport::new();
+    let (a, b) = (cache("countries"), cache("countries"));
+    let n1 = start("n1", transport.clone(), &[&a]).await;
+    let n2 = start("n2", transport.clone(), &[&b]).await;
+    eventually("both seen", async || n1.cluster().nodes().len() == 2).await;
+    // Its last heartbeat arrives on its way out (or just before).
+    n2.shutdown().await.unwrap();
+    let stopped = Instant::now();
+    while n1.cluster().nodes().len() == 2 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let gone_after = stopped.elapsed();
+    assert!(gone_after > EVERY * 2, "gone too early: {gone_after:?}");
+    assert!(
+        gone_after <= EVERY * 3 + Duration::from_millis(5),
+        "{gone_after:?}"
+    );
+    assert_eq!(ids(&n1.cluster().nodes()), ["n1"]);
+    let view = n1.cluster().view();
+    assert_eq!(view.gone.len(), 1);
+    assert_eq!(view.gone[0].node_id, "n2");
+    n1.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_acknowledged_publish_names_every_node_and_its_latency() {
+    let transport = EmbeddedTransport::new();
+    let (a, b, c, other) = (
+        cache("countries"),
+        cache("countries"),
+        cache("countries"),
+        cache("flags"),
+    );
+    let nodes = [
+        start("n1", transport.clone(), &[&a]).await,
+        start("n2", transport.clone(), &[&b]).await,
+        start("n3", transport.clone(), &[&c]).await,
+        // Holds another cache only: not waited for.
+        start("n4", transport.clone(), &[&other]).await,
+    ];
+    let watcher = Cluster::builder(transport.clone())
+        .heartbeat_interval(EVERY)
+        .start()
+        .await
+        .unwrap();
+    let publisher = Publisher::new(transport.clone());
+    let published = publisher
+        .refresh("countries", [("de", "Germany")])
+        .await
+        .unwrap();
+    let acks = published
+        .applied_by(&watcher, Duration::from_secs(10))
+        .await;
+    assert!(acks.is_complete(), "{acks:?}");
+    assert_eq!(
+        acks.nodes
+            .iter()
+            .map(|n| n.node_id.as_str())
+            .collect::<Vec<_>>(),
+        ["n1", "n2", "n3"]
+    );
+    assert!(acks.nodes.iter().all(|n| n.latency.is_some()));
+    assert_eq!(
+        acks.to_string().split(" in ").next(),
+        Some("applied on 3/3 nodes")
+    );
+    for c in [&a, &b, &c] {
+        assert!(holds(c, "de", Some("Germany")).await);
+    }
+    // A second publish is answered by early heartbeats, well before the
+    // next periodic one would carry it: the watcher has settled by now.
+    let watcher_settled = Instant::now();
+    let published = publisher
+        .refresh("countries", [("fr", "France")])
+        .await
+        .unwrap();
+    let acks = published
+        .applied_by(&watcher, Duration::from_secs(10))
+        .await;
+    assert!(acks.is_complete(), "{acks:?}");
+    assert_eq!(acks.applied(), 3);
+    let _ = watcher_settled;
+    // The nodes' own view works the same.
+    let published = nodes[0]
+        .publisher()
+        .invalidate("countries", ["fr"])
+        .await
+        .unwrap();
+    let acks = published
+        .applied_by(&nodes[1].cluster(), Duration::from_secs(10))
+        .await;
+    assert!(acks.is_complete(), "{acks:?}");
+    assert_eq!(acks.applied(), 3);
+    watcher.shutdown().await;
+    for node in &nodes {
+        node.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_lagging_node_is_flagged_and_left_pending() {
+    let transport = Stalling::default();
+    let slow_transport = Stalling {
+        inner: transport.inner.clone(),
+        stalled: Arc::new(AtomicBool::new(false)),
+    };
+    let (a, b, c) = (cache("countries"), cache("countries"), cache("countries"));
+    let nodes = [
+        start("n1", transport.clone(), &[&a]).await,
+        start("n2", transport.clone(), &[&b]).await,
+        start("n3", slow_transport.clone(), &[&c]).await,
+    ];
+    let publisher = Publisher::new(transport.inner.clone());
+    let first = publisher
+        .refresh_versioned("countries", [("de", "Germany", Some(5))])
+        .await
+        .unwrap();
+    let acks = first
+        .applied_by(&nodes[0].cluster(), Duration::from_secs(10))
+        .await;
+    assert!(acks.is_complete(), "{acks:?}");
+
+    slow_transport.stalled.store(true, Relaxed);
+    let second = publisher
+        .refresh_versioned("countries", [("de", "Deutschland", Some(9))])
+        .await
+        .unwrap();
+    let acks = second
+        .applied_by(&nodes[0].cluster(), Duration::from_millis(500))
+        .await;
+    assert!(!acks.is_complete());
+    assert_eq!(acks.applied(), 2);
+    assert_eq!(acks.pending().collect::<Vec<_>>(), ["n3"]);
+    assert!(acks.elapsed >= Duration::from_millis(500));
+    eventually("n3 flagged as lagging", async || {
+        let view = nodes[0].cluster().view();
+        view.node("n3")
+            .is_some_and(|n| n.lagging && n.caches[0].lag == Some(4))
+            && !view.node("n1").unwrap().lagging
+            && !view.node("n2").unwrap().lagging
+    })
+    .await;
+    let view = nodes[0].cluster().view();
+    assert!(!view.is_converged());
+    assert_eq!(view.caches[0].newest_version, Some(9));
+    assert_eq!(view.caches[0].behind, 1);
+    let diverged = view.diverged(Duration::ZERO);
+    assert_eq!(diverged.len(), 1);
+    assert_eq!(diverged[0].0.node_id, "n3");
+    assert!(view.diverged(Duration::from_secs(3600)).is_empty());
+
+    // Versions, as an outbox's relay publishes them.
+    let acks = nodes[1]
+        .cluster()
+        .applied_version("countries", 9, Duration::from_millis(300))
+        .await;
+    assert_eq!(acks.pending().collect::<Vec<_>>(), ["n3"]);
+    slow_transport.stalled.store(false, Relaxed);
+    let acks = nodes[1]
+        .cluster()
+        .applied_version("countries", 9, Duration::from_secs(10))
+        .await;
+    assert!(acks.is_complete(), "{acks:?}");
+    let acks = second
+        .applied_by(&nodes[2].cluster(), Duration::from_secs(10))
+        .await;
+    assert!(acks.is_complete(), "{acks:?}");
+    eventually("converged", async || {
+        nodes[0].cluster().view().is_converged()
+    })
+    .await;
+    for node in &nodes {
+        node.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_verifying_node_takes_only_signed_heartbeats() {
+    let transport = EmbeddedTransport::new();
+    let ring = Keyring::new("k1", b"0123456789abcdef0123456789abcdef".to_vec()).unwrap();
+    let (a, b) = (cache("countries"), cache("countries"));
+    let signed = |id: &str, c: &Cache| {
+        Node::builder(id, transport.clone())
+            .heartbeat_interval(EVERY)
+            .verify_signatures(ring.clone())
+            .register(c)
+    };
+    let n1 = signed("n1", &a).start().await.unwrap();
+    let n2 = signed("n2", &b).start().await.unwrap();
+    eventually("both seen", async || n1.cluster().nodes().len() == 2).await;
+    // An unsigned node, and a forged heartbeat, are refused.
+    let c = cache("countries");
+    let unsigned = start("intruder", transport.clone(), &[&c]).await;
+    let mut forged = n2.cluster().nodes()[1].clone();
+    forged.node_id = "forged".into();
+    let plain = Codec::new(1 << 20, None);
+    let payload = crate::cluster::seal_message(&plain, &Message::Heartbeat(forged)).unwrap();
+    transport
+        .publish_heartbeat("cache-sync", Bytes::from(payload))
+        .await
+        .unwrap();
+    eventually("refusals counted", async || {
+        n1.status().heartbeats_rejected >= 2
+    })
+    .await;
+    assert_eq!(ids(&n1.cluster().nodes()), ["n1", "n2"]);
+    // The unverifying node reads the signed ones.
+    eventually("the intruder sees all", async || {
+        unsigned.cluster().nodes().len() == 3
+    })
+    .await;
+    for n in [n1, n2, unsigned] {
+        n.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn requests_and_garbage_on_the_channel_change_nothing() {
+    let transport = EmbeddedTransport::new();
+    let a = cache("countries");
+    let n1 = start("n1", transport.clone(), &[&a]).await;
+    // Subscribed once its own first heartbeat comes back.
+    eventually("subscribed", async || n1.status().heartbeats_received >= 1).await;
+    let plain = Codec::new(1 << 20, None);
+    // Garbage of every kind, and a flood of requests for a cache it
+    // does not hold and for targets never reached.
+    for payload in [
+        Bytes::new(),
+        Bytes::from_static(b"H"),
+        Bytes::from_static(b"H{\"type\":\"heartbeat\"}"),
+        Bytes::from_static(b"\x01\x02\x03"),
+        Bytes::from(vec![b'H'; 2 << 20]),
+        Bytes::from(format!("H{}{}", "[".repeat(10_000), "]".repeat(10_000))),
+    ] {
+        transport
+            .publish_heartbeat("cache-sync", payload)
+            .await
+            .unwrap();
+    }
+    eventually("garbage read", async || {
+        n1.status().heartbeats_rejected >= 6
+    })
+    .await;
+    let base = n1.status().heartbeats_received;
+    for i in 0..900u64 {
+        let request = Request {
+            cache: Some(if i % 2 == 0 { "countries" } else { "nope" }.into()),
+            target: Some(crate::cluster::Target::Seq {
+                publisher: i,
+                seq: u64::MAX,
+            }),
+            within_ms: u64::MAX,
+        };
+        let payload = crate::cluster::seal_message(&plain, &Message::Request(request)).unwrap();
+        transport
+            .publish_heartbeat("cache-sync", Bytes::from(payload))
+            .await
+            .unwrap();
+        // In steps the channel's buffer holds, with the node's answers.
+        if i % 100 == 99 {
+            eventually("read so far", async || {
+                n1.status().heartbeats_received >= base + i + 1
+            })
+            .await;
+        }
+    }
+    let s = n1.status();
+    assert_eq!(s.heartbeats_rejected, 6);
+    assert_eq!(s.events_received, 0);
+    assert_eq!(s.losses, 0);
+    assert!(n1.is_alive());
+    // Early heartbeats are rate-limited: far fewer than the requests.
+    assert!(s.heartbeats_sent < 450, "{}", s.heartbeats_sent);
+    n1.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn heartbeats_off_leaves_a_view_of_one() {
+    let transport = EmbeddedTransport::new();
+    let (a, b) = (cache("countries"), cache("countries"));
+    let n1 = Node::builder("n1", transport.clone())
+        .heartbeat_interval(Duration::MAX)
+        .register(&a)
+        .start()
+        .await
+        .unwrap();
+    let n2 = start("n2", transport.clone(), &[&b]).await;
+    eventually("n2 sees nobody else", async || {
+        n2.status().heartbeats_sent >= 3
+    })
+    .await;
+    assert_eq!(ids(&n1.cluster().nodes()), ["n1"]);
+    assert_eq!(ids(&n2.cluster().nodes()), ["n2"]);
+    assert_eq!(n1.status().heartbeats_sent, 0);
+    for n in [n1, n2] {
+        n.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn heartbeat_interval_is_checked() {
+    for bad in [
+        Duration::ZERO,
+        Duration::from_millis(9),
+        Duration::from_secs(3601),
+    ] {
+        let err = Node::builder("n", EmbeddedTransport::new())
+            .heartbeat_interval(bad)
+            .start()
+            .await
+            .unwrap_err();
+        assert!(err.is_config(), "{bad:?}: {err}");
+    }
+    for good in [
+        Duration::from_millis(10),
+        Duration::from_secs(3600),
+        Duration::MAX,
+    ] {
+        let node = Node::builder("n", EmbeddedTransport::new())
+            .heartbeat_interval(good)
+            .start()
+            .await
+            .unwrap();
+        node.shutdown().await.unwrap();
+    }
+    let err = Cluster::builder(EmbeddedTransport::new())
+        .heartbeat_interval(Duration::ZERO)
+        .start()
+        .await
+        .unwrap_err();
+    assert!(err.is_config());
+}
+
+#[tokio::test]
+async fn readiness_follows_the_quarantine() {
+    let transport = EmbeddedTransport::new();
+    let a = cache("countries");
+    let node = Node::builder("n1", transport.clone())
+        .reorder_window(Duration::from_millis(300))
+        .register(&a)
+        .start()
+        .await
+        .unwrap();
+    eventually("ready", async || node.is_ready()).await;
+    assert!(node.is_alive());
+    let b = cache("late");
+    // A late registration quarantines that cache: not ready until its
+    // window ends.
+    node.register(&b).await.unwrap();
+    assert!(!node.is_ready());
+    assert_eq!(node.not_ready().len(), 1, "{:?}", node.not_ready());
+    eventually("ready again", async || node.is_ready()).await;
+    node.shutdown().await.unwrap();
+    assert!(!node.is_ready());
+    assert!(!node.is_alive());
+}
