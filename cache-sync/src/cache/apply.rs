@@ -23,6 +23,24 @@ pub(crate) struct Event<'a> {
     pub(crate) change: ChangeView<'a>,
 }
 
+impl Event<'_> {
+    /// The versions the event names, for a tracing span.
+    pub(crate) fn versions(&self) -> impl Iterator<Item = u64> + '_ {
+        let (items, clear) = match &self.change {
+            ChangeView::Invalidate(items) | ChangeView::Refresh(items) => {
+                (Some(items.clone()), None)
+            }
+            ChangeView::Clear { version } => (None, *version),
+            ChangeView::Announce => (None, None),
+        };
+        items
+            .into_iter()
+            .flatten()
+            .filter_map(|i| i.version)
+            .chain(clear)
+    }
+}
+
 /// What the consumer needs from a registered cache, without its types.
 #[async_trait]
 pub(crate) trait CacheHandle: Send + Sync {

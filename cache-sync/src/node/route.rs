@@ -4,11 +4,13 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
+use tracing::Instrument as _;
+
 use super::seqs::{Missing, PublisherSeqs};
 use super::{CacheMap, Shared};
 use crate::cache::{CacheHandle, Event};
 use crate::transport::{LossReason, Record};
-use crate::util::deadline_after;
+use crate::util::{deadline_after, now_us};
 use crate::wire::{ChangeView, Header, Refused};
 
 pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, records: Vec<Record>) {
@@ -167,7 +169,39 @@ impl<'c, 'e> Run<'c, 'e> {
         if let Some(cache) = self.cache.take()
             && !self.events.is_empty()
         {
-            cache.apply(&self.events).await;
+            // One span per applied run of events, for tracing subscribers
+            // (an OpenTelemetry exporter among them). Its fields cost a
+            // walk over the events, paid only when a subscriber wants it.
+            let span = tracing::info_span!(
+                "cache_sync.apply",
+                cache = cache.name(),
+                events = self.events.len(),
+                version.min = tracing::field::Empty,
+                version.max = tracing::field::Empty,
+                latency_us = tracing::field::Empty,
+            );
+            if span.is_disabled() {
+                cache.apply(&self.events).await;
+            } else {
+                let versions = self.events.iter().flat_map(|e| e.versions());
+                let (min, max) = versions.fold((None, None), |(lo, hi), v| {
+                    (
+                        Some(lo.map_or(v, |l: u64| l.min(v))),
+                        Some(hi.map_or(v, |h: u64| h.max(v))),
+                    )
+                });
+                if let (Some(lo), Some(hi)) = (min, max) {
+                    span.record("version.min", lo);
+                    span.record("version.max", hi);
+                }
+                cache.apply(&self.events).instrument(span.clone()).await;
+                if let Some(last) = self.events.last() {
+                    span.record(
+                        "latency_us",
+                        now_us().saturating_sub(last.header.published_at_us),
+                    );
+                }
+            }
         }
         self.events.clear();
     }

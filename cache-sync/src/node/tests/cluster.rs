@@ -493,3 +493,81 @@ async fn readiness_follows_the_quarantine() {
     assert!(!node.is_ready());
     assert!(!node.is_alive());
 }
+
+/// Records the `cache_sync.apply` spans' fields, as a tracing exporter
+/// would see them.
+#[derive(Default, Clone)]
+struct Spans(Arc<Mutex<Vec<Vec<(String, String)>>>>);
+
+struct Fields<'a>(&'a mut Vec<(String, String)>);
+
+impl tracing::field::Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.push((field.name().to_owned(), format!("{value:?}")));
+    }
+}
+
+impl tracing::Subscriber for Spans {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, span: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        let mut spans = self.0.lock().unwrap();
+        let mut fields = vec![("name".to_owned(), span.metadata().name().to_owned())];
+        span.record(&mut Fields(&mut fields));
+        spans.push(fields);
+        tracing::span::Id::from_u64(spans.len() as u64)
+    }
+    fn record(&self, span: &tracing::span::Id, values: &tracing::span::Record<'_>) {
+        let mut spans = self.0.lock().unwrap();
+        let fields = &mut spans[span.into_u64() as usize - 1];
+        values.record(&mut Fields(fields));
+    }
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, _: &tracing::Event<'_>) {}
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[tokio::test]
+async fn each_applied_batch_is_one_span_with_cache_count_versions_and_latency() {
+    let spans = Spans::default();
+    let _guard = tracing::subscriber::set_default(spans.clone());
+    let transport = EmbeddedTransport::new();
+    let a = cache("countries");
+    let node = Node::builder("n1", transport.clone())
+        .heartbeat_interval(Duration::MAX)
+        .register(&a)
+        .start()
+        .await
+        .unwrap();
+    Publisher::new(transport)
+        .refresh_versioned(
+            "countries",
+            [("de", "Germany", Some(7)), ("fr", "France", Some(3))],
+        )
+        .await
+        .unwrap();
+    eventually("applied", async || holds(&a, "de", Some("Germany")).await).await;
+    let applied: Vec<_> = spans
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|f| f[0].1 == "cache_sync.apply")
+        .cloned()
+        .collect();
+    assert_eq!(applied.len(), 1, "{applied:?}");
+    let get = |k: &str| {
+        applied[0]
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(get("cache").as_deref(), Some("\"countries\""));
+    assert_eq!(get("events").as_deref(), Some("1"));
+    assert_eq!(get("version.min").as_deref(), Some("3"));
+    assert_eq!(get("version.max").as_deref(), Some("7"));
+    assert!(get("latency_us").is_some());
+    node.shutdown().await.unwrap();
+}
