@@ -140,9 +140,34 @@ struct NodeStats {
     skipped: AtomicU64,
     rejected: AtomicU64,
     losses: AtomicU64,
+    /// `losses` split by reason, indexed by `loss_index`; they sum to it.
+    losses_by_reason: [AtomicU64; LOSS_REASONS.len()],
     publisher_gaps: AtomicU64,
     transport_errors: AtomicU64,
     last_loss: Mutex<Option<(String, u64)>>,
+}
+
+/// Every `LossReason`, in the order of `NodeStats::losses_by_reason`.
+const LOSS_REASONS: [LossReason; 6] = [
+    LossReason::Trimmed,
+    LossReason::Reconnected,
+    LossReason::HistoryReset,
+    LossReason::PublisherGap,
+    LossReason::Overflow,
+    LossReason::Unreadable,
+];
+
+/// Where `reason` is in `LOSS_REASONS`. A match with no wildcard, so a new
+/// reason does not compile until it has a counter.
+fn loss_index(reason: LossReason) -> usize {
+    match reason {
+        LossReason::Trimmed => 0,
+        LossReason::Reconnected => 1,
+        LossReason::HistoryReset => 2,
+        LossReason::PublisherGap => 3,
+        LossReason::Overflow => 4,
+        LossReason::Unreadable => 5,
+    }
 }
 
 impl Node {
@@ -263,6 +288,11 @@ impl Node {
             events_skipped: s.stats.skipped.load(Relaxed),
             events_rejected: s.stats.rejected.load(Relaxed),
             losses: s.stats.losses.load(Relaxed),
+            losses_by_reason: LOSS_REASONS
+                .iter()
+                .zip(&s.stats.losses_by_reason)
+                .map(|(reason, n)| (reason.label().to_owned(), n.load(Relaxed)))
+                .collect(),
             publisher_gaps: s.stats.publisher_gaps.load(Relaxed),
             transport_errors: s.stats.transport_errors.load(Relaxed),
             last_loss_reason: last_loss.as_ref().map(|(r, _)| r.clone()),
@@ -403,6 +433,11 @@ impl Shared {
     /// Counts a loss and remembers its reason for the status.
     fn record_loss(&self, reason: LossReason) {
         self.stats.losses.fetch_add(1, Relaxed);
+        // Indexed by a match, never out of bounds; `get` keeps the library
+        // free of panicking indexing all the same.
+        if let Some(n) = self.stats.losses_by_reason.get(loss_index(reason)) {
+            n.fetch_add(1, Relaxed);
+        }
         *lock(&self.stats.last_loss) = Some((reason.label().to_owned(), now_us()));
     }
 
