@@ -6,7 +6,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -34,6 +34,7 @@ pub(crate) fn router(node: Node) -> Router {
         .route("/cache-sync/status", get(node_status))
         .route("/cache-sync/caches/{name}", get(cache_status))
         .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
         .with_state(node)
 }
 
@@ -70,6 +71,15 @@ async fn healthz(State(node): State<Node>) -> Response {
             Json(serde_json::json!({ "status": "not consuming" })),
         )
             .into_response()
+    }
+}
+
+async fn metrics(State(node): State<Node>) -> Response {
+    match super::metrics::render(&node).await {
+        Ok(text) => ([(header::CONTENT_TYPE, super::metrics::CONTENT_TYPE)], text).into_response(),
+        // Only a `fmt::Write` into a `String` can fail here, and that never
+        // does; answered all the same rather than unwrapped.
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "metrics did not encode").into_response(),
     }
 }
 

@@ -27,6 +27,7 @@ mod builder;
 mod consume;
 mod http;
 mod maintenance;
+mod metrics;
 mod offsets;
 mod route;
 mod seqs;
