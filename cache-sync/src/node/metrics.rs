@@ -417,6 +417,7 @@ mod tests {
         }
 
         let text = scrape(&node).await;
+        promtool_check(&text);
         let s = samples(&text);
         let status = node.status();
         assert_eq!(
@@ -481,7 +482,6 @@ mod tests {
         let json = serde_json::to_value(&status).unwrap();
         assert_eq!(json["losses_by_reason"]["publisher_gap"], 1);
 
-        promtool_check(&text);
         node.shutdown().await.unwrap();
         let s = samples(&scrape(&node).await);
         assert_eq!(value(&s, "cache_sync_node_consuming"), 0.0);
@@ -505,6 +505,7 @@ mod tests {
             eventually("applied", async || applied(&node, name).await == 1).await;
         }
         let text = scrape(&node).await;
+        promtool_check(&text);
         let s = samples(&text);
         for (name, escaped) in names.into_iter().zip([
             r#"say \"hi\""#,
@@ -515,7 +516,6 @@ mod tests {
             let series = format!(r#"cache_sync_cache_events_applied_total{{cache="{escaped}"}}"#);
             assert_eq!(value(&s, &series), 1.0, "{name}");
         }
-        promtool_check(&text);
     }
 
     #[test]
