@@ -313,8 +313,41 @@ impl Node {
     }
 
     /// An axum router serving `GET /cache-sync/status`,
-    /// `GET /cache-sync/caches/{name}` and `GET /healthz`, to mount in the
-    /// application's own server. No keys or values are shown.
+    /// `GET /cache-sync/caches/{name}`, `GET /healthz` and `GET /metrics`,
+    /// to mount in the application's own server. No keys or values are
+    /// shown.
+    ///
+    /// `GET /metrics` answers in the Prometheus text format, version 0.0.4
+    /// (`Content-Type: text/plain; version=0.0.4; charset=utf-8`), encoded
+    /// by `prometheus-client` from a [`status_settled`](Self::status_settled)
+    /// snapshot taken per scrape, so nothing is counted twice. Names start
+    /// with `cache_sync_`; counters end in `_total`.
+    ///
+    /// Per cache, labelled `cache` (its name):
+    /// - counters `cache_sync_cache_events_applied_total`,
+    ///   `_events_rejected_total`, `_stale_ignored_total`,
+    ///   `_refreshes_total`, `_invalidations_total`, `_clears_total`,
+    ///   `_refresh_fallbacks_total`, `_refreshes_quarantined_total`,
+    ///   `_loss_resyncs_total`, `_hits_total`, `_misses_total`,
+    ///   `_loads_total`, `_load_failures_total`, `_loads_superseded_total`,
+    ///   `_loads_stale_total`: the [`CacheStatus`](crate::CacheStatus)
+    ///   fields of those names;
+    /// - gauges `cache_sync_cache_entries`, `cache_sync_cache_tracked_keys`
+    ///   and `cache_sync_cache_version` (only caches with a version have a
+    ///   sample);
+    /// - histogram `cache_sync_cache_publish_to_apply_latency_seconds`
+    ///   (buckets 100 µs to 10 s): one observation per run of events applied
+    ///   to the cache together, the latency of the run's last event, the
+    ///   value `last_latency_us` takes. Across machines it includes clock
+    ///   skew.
+    ///
+    /// Per node: counters `cache_sync_node_events_received_total`,
+    /// `_events_skipped_total`, `_events_rejected_total`,
+    /// `_publisher_gaps_total`, `_transport_errors_total`, and
+    /// `cache_sync_node_losses_total` labelled `reason` (every
+    /// [`LossReason`] label, zeros included; they sum to
+    /// [`NodeStatus::losses`]); gauge `cache_sync_node_consuming`, 1 while
+    /// [`is_consuming`](Self::is_consuming), else 0.
     ///
     /// Mounted in the application's server, it is served with that server's
     /// limits: [`serve_status`](Self::serve_status) also bounds the time to
