@@ -41,7 +41,8 @@ pub struct NodeStatus {
     /// resyncs one cache), and unreadable events that name no cache.
     pub losses: u64,
     /// `losses` by reason: every reason's label (as in `last_loss_reason`)
-    /// with its count, zeros included, so the counts sum to `losses`. Absent
+    /// with its count, zeros included. The counts sum to `losses` (a status
+    /// taken while a loss is being counted may show it in one only). Absent
     /// in JSON from nodes older than this field; it reads as empty then.
     #[serde(default)]
     pub losses_by_reason: BTreeMap<String, u64>,

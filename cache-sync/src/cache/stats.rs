@@ -40,8 +40,8 @@ pub(super) struct Stats {
 #[derive(Debug, Clone)]
 pub(crate) struct LatencyHistogram(Histogram);
 
-/// Upper bounds, in seconds: 100 µs (a node's own events on the embedded
-/// bus) to 10 s (a consumer far behind); slower runs land in `+Inf`.
+/// Upper bounds, in seconds: 100 µs (an in-process hop) to 10 s (a consumer
+/// far behind); slower runs land in `+Inf`.
 const LATENCY_BUCKETS_S: [f64; 16] = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
     5.0, 10.0,

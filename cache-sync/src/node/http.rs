@@ -77,8 +77,10 @@ async fn healthz(State(node): State<Node>) -> Response {
 async fn metrics(State(node): State<Node>) -> Response {
     match super::metrics::render(&node).await {
         Ok(text) => ([(header::CONTENT_TYPE, super::metrics::CONTENT_TYPE)], text).into_response(),
-        // Only a `fmt::Write` into a `String` can fail here, and that never
-        // does; answered all the same rather than unwrapped.
+        // prometheus-client reports what it cannot encode as `fmt::Error`;
+        // writing into a `String` never fails and these metrics use nothing
+        // its text encoder refuses, so this is not expected. Answered all the
+        // same rather than unwrapped.
         Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "metrics did not encode").into_response(),
     }
 }

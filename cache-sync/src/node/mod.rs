@@ -331,7 +331,7 @@ impl Node {
     ///   `_loss_resyncs_total`, `_hits_total`, `_misses_total`,
     ///   `_loads_total`, `_load_failures_total`, `_loads_superseded_total`,
     ///   `_loads_stale_total`: the [`CacheStatus`](crate::CacheStatus)
-    ///   fields of those names;
+    ///   fields of those names (`events_rejected` is `rejected_events`);
     /// - gauges `cache_sync_cache_entries`, `cache_sync_cache_tracked_keys`
     ///   and `cache_sync_cache_version` (only caches with a version have a
     ///   sample);
@@ -345,16 +345,16 @@ impl Node {
     /// `_events_skipped_total`, `_events_rejected_total`,
     /// `_publisher_gaps_total`, `_transport_errors_total`, and
     /// `cache_sync_node_losses_total` labelled `reason` (every
-    /// [`LossReason`] label, zeros included; they sum to
-    /// [`NodeStatus::losses`]); gauge `cache_sync_node_consuming`, 1 while
+    /// [`LossReason`] label, zeros included: [`NodeStatus::losses`] split by
+    /// reason); gauge `cache_sync_node_consuming`, 1 while
     /// [`is_consuming`](Self::is_consuming), else 0.
     ///
     /// Mounted in the application's server, it is served with that server's
     /// limits: [`serve_status`](Self::serve_status) also bounds the time to
     /// read a request head, idle connections and the number of connections,
     /// which `axum::serve` does not. `Router::merge` panics on a route the
-    /// application already has (say its own `/healthz`); `nest` it under a
-    /// prefix then.
+    /// application already has (say its own `/healthz` or `/metrics`);
+    /// `nest` it under a prefix then.
     pub fn status_router(&self) -> axum::Router {
         http::router(self.clone())
     }
@@ -467,8 +467,8 @@ impl Shared {
     /// Counts a loss and remembers its reason for the status.
     fn record_loss(&self, reason: LossReason) {
         self.stats.losses.fetch_add(1, Relaxed);
-        // Indexed by a match, never out of bounds; `get` keeps the library
-        // free of panicking indexing all the same.
+        // `loss_index` is always in bounds; `get` rather than indexing
+        // keeps a panic out of the consumer all the same.
         if let Some(n) = self.stats.losses_by_reason.get(loss_index(reason)) {
             n.fetch_add(1, Relaxed);
         }
