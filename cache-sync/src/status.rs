@@ -1,6 +1,8 @@
 //! What a node reports about itself and its caches: plain data, served as
 //! JSON by the node's status endpoint.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::transport::Position;
@@ -38,6 +40,12 @@ pub struct NodeStatus {
     /// publisher's sequence numbers (also counted in `publisher_gaps`; each
     /// resyncs one cache), and unreadable events that name no cache.
     pub losses: u64,
+    /// `losses` by reason: every reason's label (as in `last_loss_reason`)
+    /// with its count, zeros included. The counts sum to `losses` (a status
+    /// taken while a loss is being counted may show it in one only). Absent
+    /// in JSON from nodes older than this field; it reads as empty then.
+    #[serde(default)]
+    pub losses_by_reason: BTreeMap<String, u64>,
     /// Gaps found in a publisher's sequence numbers: at a later event, or
     /// when the events up to a number the publisher announced did not arrive
     /// within the reorder window.

@@ -9,6 +9,7 @@ use std::time::Duration;
 use cache_sync::transport::Transport;
 use cache_sync::{Node, NodeBuilder, Publisher, SyncedCache};
 
+pub mod cluster_view;
 pub mod conformance;
 pub mod nats_server;
 mod process;

@@ -11,6 +11,7 @@ use cache_sync::{
     EmbeddedTransport, NatsJetStreamTransport, Publisher, RedisPubSubTransport,
     RedisStreamsTransport, RocketMqTransport,
 };
+use integration_tests::cluster_view;
 use integration_tests::conformance::{
     Expect, Fault, Fixture, a_refusal_is_no_disconnect, health_follows_the_broker,
     names_map_one_to_one, normal_path, publish_cut_at_the_tail, publish_cut_mid_flight, regrow,
@@ -449,6 +450,21 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_refused_publish_is_no_disconnect() {
                 a_refusal_is_no_disconnect(&mut $fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn cluster_view_converges_and_publishes_are_acknowledged() {
+                cluster_view::converges_and_acknowledges(&mut $fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_stopped_node_leaves_the_cluster_view() {
+                cluster_view::a_stopped_node_is_gone_after_three_intervals(&mut $fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn readiness_follows_a_paused_broker() {
+                cluster_view::readiness_follows_a_paused_broker(&mut $fixture).await;
             }
         }
     };

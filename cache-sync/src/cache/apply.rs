@@ -11,6 +11,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::Inner;
+use super::stats::LatencyHistogram;
 use super::versions::RefreshDecision;
 use crate::status::{AppliedEvent, CacheStatus};
 use crate::util::{lock, now_us};
@@ -73,6 +74,8 @@ pub(crate) trait CacheHandle: Send + Sync {
     /// Lets moka finish pending bookkeeping, so `entries` is current.
     async fn settle(&self);
     fn status(&self) -> CacheStatus;
+    /// Its publish-to-applied latency histogram, for `GET /metrics`.
+    fn latency(&self) -> LatencyHistogram;
 }
 
 #[async_trait]
@@ -128,8 +131,9 @@ where
         if let Some(published_at_us) = published_at_us {
             let now = now_us();
             s.last_applied_us.store(now, Relaxed);
-            s.last_latency_us
-                .store(now.saturating_sub(published_at_us), Relaxed);
+            let latency_us = now.saturating_sub(published_at_us);
+            s.last_latency_us.store(latency_us, Relaxed);
+            s.latency.observe_us(latency_us);
             if s.version.load(Relaxed) > version_before {
                 s.version_at_us.store(now, Relaxed);
             }
@@ -176,6 +180,10 @@ where
 
     fn status(&self) -> CacheStatus {
         self.snapshot()
+    }
+
+    fn latency(&self) -> LatencyHistogram {
+        self.stats.latency.clone()
     }
 }
 

@@ -6,7 +6,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -38,6 +38,7 @@ pub(crate) fn router(node: Node) -> Router {
         .route("/healthz", get(healthz))
         .route("/livez", get(livez))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
         .with_state(node)
 }
 
@@ -115,6 +116,17 @@ async fn healthz(State(node): State<Node>) -> Response {
             Json(serde_json::json!({ "status": "not consuming" })),
         )
             .into_response()
+    }
+}
+
+async fn metrics(State(node): State<Node>) -> Response {
+    match super::metrics::render(&node).await {
+        Ok(text) => ([(header::CONTENT_TYPE, super::metrics::CONTENT_TYPE)], text).into_response(),
+        // prometheus-client reports what it cannot encode as `fmt::Error`;
+        // writing into a `String` never fails and these metrics use nothing
+        // its text encoder refuses, so this is not expected. Answered all the
+        // same rather than unwrapped.
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "metrics did not encode").into_response(),
     }
 }
 

@@ -29,6 +29,7 @@ mod consume;
 mod heartbeat;
 mod http;
 mod maintenance;
+mod metrics;
 mod offsets;
 mod route;
 mod seqs;
@@ -160,9 +161,34 @@ struct NodeStats {
     skipped: AtomicU64,
     rejected: AtomicU64,
     losses: AtomicU64,
+    /// `losses` split by reason, indexed by `loss_index`; they sum to it.
+    losses_by_reason: [AtomicU64; LOSS_REASONS.len()],
     publisher_gaps: AtomicU64,
     transport_errors: AtomicU64,
     last_loss: Mutex<Option<(String, u64)>>,
+}
+
+/// Every `LossReason`, in the order of `NodeStats::losses_by_reason`.
+const LOSS_REASONS: [LossReason; 6] = [
+    LossReason::Trimmed,
+    LossReason::Reconnected,
+    LossReason::HistoryReset,
+    LossReason::PublisherGap,
+    LossReason::Overflow,
+    LossReason::Unreadable,
+];
+
+/// Where `reason` is in `LOSS_REASONS`. A match with no wildcard, so a new
+/// reason does not compile until it has a counter.
+fn loss_index(reason: LossReason) -> usize {
+    match reason {
+        LossReason::Trimmed => 0,
+        LossReason::Reconnected => 1,
+        LossReason::HistoryReset => 2,
+        LossReason::PublisherGap => 3,
+        LossReason::Overflow => 4,
+        LossReason::Unreadable => 5,
+    }
 }
 
 impl Node {
@@ -337,15 +363,48 @@ impl Node {
     }
 
     /// An axum router serving `GET /cache-sync/status`,
-    /// `GET /cache-sync/caches/{name}` and `GET /healthz`, to mount in the
-    /// application's own server. No keys or values are shown.
+    /// `GET /cache-sync/caches/{name}`, `GET /healthz` and `GET /metrics`,
+    /// to mount in the application's own server. No keys or values are
+    /// shown.
+    ///
+    /// `GET /metrics` answers in the Prometheus text format, version 0.0.4
+    /// (`Content-Type: text/plain; version=0.0.4; charset=utf-8`), encoded
+    /// by `prometheus-client` from a [`status_settled`](Self::status_settled)
+    /// snapshot taken per scrape, so nothing is counted twice. Names start
+    /// with `cache_sync_`; counters end in `_total`.
+    ///
+    /// Per cache, labelled `cache` (its name):
+    /// - counters `cache_sync_cache_events_applied_total`,
+    ///   `_events_rejected_total`, `_stale_ignored_total`,
+    ///   `_refreshes_total`, `_invalidations_total`, `_clears_total`,
+    ///   `_refresh_fallbacks_total`, `_refreshes_quarantined_total`,
+    ///   `_loss_resyncs_total`, `_hits_total`, `_misses_total`,
+    ///   `_loads_total`, `_load_failures_total`, `_loads_superseded_total`,
+    ///   `_loads_stale_total`: the [`CacheStatus`](crate::CacheStatus)
+    ///   fields of those names (`events_rejected` is `rejected_events`);
+    /// - gauges `cache_sync_cache_entries`, `cache_sync_cache_tracked_keys`
+    ///   and `cache_sync_cache_version` (only caches with a version have a
+    ///   sample);
+    /// - histogram `cache_sync_cache_publish_to_apply_latency_seconds`
+    ///   (buckets 100 µs to 10 s): one observation per run of events applied
+    ///   to the cache together, the latency of the run's last event, the
+    ///   value `last_latency_us` takes. Across machines it includes clock
+    ///   skew.
+    ///
+    /// Per node: counters `cache_sync_node_events_received_total`,
+    /// `_events_skipped_total`, `_events_rejected_total`,
+    /// `_publisher_gaps_total`, `_transport_errors_total`, and
+    /// `cache_sync_node_losses_total` labelled `reason` (every
+    /// [`LossReason`] label, zeros included: [`NodeStatus::losses`] split by
+    /// reason); gauge `cache_sync_node_consuming`, 1 while
+    /// [`is_consuming`](Self::is_consuming), else 0.
     ///
     /// Mounted in the application's server, it is served with that server's
     /// limits: [`serve_status`](Self::serve_status) also bounds the time to
     /// read a request head, idle connections and the number of connections,
     /// which `axum::serve` does not. `Router::merge` panics on a route the
-    /// application already has (say its own `/healthz`); `nest` it under a
-    /// prefix then.
+    /// application already has (say its own `/healthz` or `/metrics`);
+    /// `nest` it under a prefix then.
     pub fn status_router(&self) -> axum::Router {
         http::router(self.clone())
     }
@@ -398,6 +457,11 @@ impl Shared {
             events_skipped: s.stats.skipped.load(Relaxed),
             events_rejected: s.stats.rejected.load(Relaxed),
             losses: s.stats.losses.load(Relaxed),
+            losses_by_reason: LOSS_REASONS
+                .iter()
+                .zip(&s.stats.losses_by_reason)
+                .map(|(reason, n)| (reason.label().to_owned(), n.load(Relaxed)))
+                .collect(),
             publisher_gaps: s.stats.publisher_gaps.load(Relaxed),
             transport_errors: s.stats.transport_errors.load(Relaxed),
             last_loss_reason: last_loss.as_ref().map(|(r, _)| r.clone()),
@@ -521,6 +585,11 @@ impl Shared {
     /// Counts a loss and remembers its reason for the status.
     fn record_loss(&self, reason: LossReason) {
         self.stats.losses.fetch_add(1, Relaxed);
+        // `loss_index` is always in bounds; `get` rather than indexing
+        // keeps a panic out of the consumer all the same.
+        if let Some(n) = self.stats.losses_by_reason.get(loss_index(reason)) {
+            n.fetch_add(1, Relaxed);
+        }
         *lock(&self.stats.last_loss) = Some((reason.label().to_owned(), now_us()));
     }
 

@@ -1,0 +1,637 @@
+//! `GET /metrics`: the node's counters in the Prometheus text format.
+//!
+//! Nothing is counted twice: the families are built at scrape time from the
+//! same snapshot `GET /cache-sync/status` serves ([`Node::status_settled`]),
+//! through a [`Collector`], so the apply and read paths keep their existing
+//! counters and pay nothing more for metrics (but for the latency
+//! histogram, observed once per run of events). prometheus-client encodes
+//! everything: names, the `_total` suffix of counters, label escaping.
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, prometheus_text};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
+
+use super::Node;
+use crate::cluster::ClusterView;
+use crate::status::{CacheStatus, NodeStatus};
+
+/// Every family's name starts with this (and `_`).
+const PREFIX: &str = "cache_sync";
+
+/// The `Content-Type` of what [`render`] returns: the Prometheus text
+/// format, version 0.0.4, as prometheus-client documents it.
+pub(super) const CONTENT_TYPE: &str = prometheus_text::CONTENT_TYPE;
+
+/// The whole exposition, as of now.
+pub(super) async fn render(node: &Node) -> Result<String, std::fmt::Error> {
+    let status = node.status_settled().await;
+    let mut latencies: Vec<_> = node
+        .handle
+        .shared
+        .caches()
+        .values()
+        .map(|c| (c.name().to_owned(), c.latency().histogram().clone()))
+        .collect();
+    latencies.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut registry = Registry::with_prefix(PREFIX);
+    let ready = node.is_ready();
+    registry.register_collector(Box::new(NodeCollector {
+        status,
+        ready,
+        latencies,
+    }));
+    register_cluster_metrics(&mut registry, node);
+    let mut text = String::new();
+    prometheus_text::encode(&mut text, &registry)?;
+    Ok(text)
+}
+
+/// The gauges that need the other nodes' heartbeats, built at scrape time
+/// from this node's cluster view like [`NodeCollector`].
+fn register_cluster_metrics(registry: &mut Registry, node: &Node) {
+    registry.register_collector(Box::new(ClusterCollector {
+        view: node.cluster().view(),
+    }));
+}
+
+/// One scrape's cluster view.
+#[derive(Debug)]
+struct ClusterCollector {
+    view: ClusterView,
+}
+
+impl Collector for ClusterCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let view = &self.view;
+        ConstGauge::new(i64::try_from(view.nodes.len()).unwrap_or(i64::MAX)).encode(
+            encoder.encode_descriptor(
+                "cluster_nodes",
+                "Live nodes in this node's cluster view (itself included).",
+                None,
+                MetricType::Gauge,
+            )?,
+        )?;
+        let mut family = encoder.encode_descriptor(
+            "cluster_heartbeat_age",
+            "Time since each live node's last heartbeat arrived (0 for this node).",
+            Some(&Unit::Seconds),
+            MetricType::Gauge,
+        )?;
+        for n in &view.nodes {
+            // Milliseconds to seconds; exact for any age below 2^53 ms.
+            ConstGauge::new(n.age_ms as f64 / 1e3)
+                .encode(family.encode_family(&[("node", n.node_id.as_str())])?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "cluster_cache_lag_versions",
+            "Per node and cache: versions behind the newest any live node reports (only caches with a version).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for n in &view.nodes {
+            for c in &n.caches {
+                if let Some(lag) = c.lag {
+                    ConstGauge::new(i64::try_from(lag).unwrap_or(i64::MAX)).encode(
+                        family.encode_family(&[
+                            ("node", n.node_id.as_str()),
+                            ("cache", c.name.as_str()),
+                        ])?,
+                    )?;
+                }
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "cluster_node_ready",
+            "Per live node: 1 if its last heartbeat said it is ready, else 0.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for n in &view.nodes {
+            ConstGauge::new(i64::from(n.ready))
+                .encode(family.encode_family(&[("node", n.node_id.as_str())])?)?;
+        }
+        Ok(())
+    }
+}
+
+/// One scrape's snapshot: the node's status and each cache's latency
+/// histogram (shared handles, read when encoded).
+#[derive(Debug)]
+struct NodeCollector {
+    status: NodeStatus,
+    ready: bool,
+    /// By cache name, sorted.
+    latencies: Vec<(String, Histogram)>,
+}
+
+/// A per-cache counter: family name (no `_total`: the encoder adds it),
+/// help, and the field it reads.
+type CacheCounter = (&'static str, &'static str, fn(&CacheStatus) -> u64);
+
+const CACHE_COUNTERS: [CacheCounter; 15] = [
+    (
+        "cache_events_applied",
+        "Events applied to the cache.",
+        |c| c.events_applied,
+    ),
+    (
+        "cache_events_rejected",
+        "Events for the cache that could not be applied in full (unreadable, undecodable keys, and per value, undecodable refresh values).",
+        |c| c.rejected_events,
+    ),
+    (
+        "cache_stale_ignored",
+        "Refreshes ignored because the cache already reflects a newer version.",
+        |c| c.stale_ignored,
+    ),
+    ("cache_refreshes", "Entries updated by events.", |c| {
+        c.refreshes
+    }),
+    ("cache_invalidations", "Keys removed by events.", |c| {
+        c.invalidations
+    }),
+    ("cache_clears", "Clear events applied.", |c| c.clears),
+    (
+        "cache_refresh_fallbacks",
+        "Refreshes whose value did not decode, applied as invalidations.",
+        |c| c.refresh_fallbacks,
+    ),
+    (
+        "cache_refreshes_quarantined",
+        "Versioned refreshes applied as invalidations during the quarantine after a loss or registration.",
+        |c| c.refreshes_quarantined,
+    ),
+    (
+        "cache_loss_resyncs",
+        "Times the whole cache was invalidated because a change may have been missed.",
+        |c| c.loss_resyncs,
+    ),
+    ("cache_hits", "Reads that found a value.", |c| c.hits),
+    ("cache_misses", "Reads that did not find a value.", |c| {
+        c.misses
+    }),
+    ("cache_loads", "Loader runs.", |c| c.loads),
+    (
+        "cache_load_failures",
+        "Loader runs that returned an error.",
+        |c| c.load_failures,
+    ),
+    (
+        "cache_loads_superseded",
+        "Load results discarded because the key changed while they ran.",
+        |c| c.loads_superseded,
+    ),
+    (
+        "cache_loads_stale",
+        "Versioned loads not cached because their version was or might have been older than one the node knew.",
+        |c| c.loads_stale,
+    ),
+];
+
+/// A per-cache gauge: family name, help, and the field it reads; a cache
+/// whose field is `None` has no sample.
+type CacheGauge = (&'static str, &'static str, fn(&CacheStatus) -> Option<u64>);
+
+const CACHE_GAUGES: [CacheGauge; 4] = [
+    (
+        "cache_entries",
+        "Entries held, as moka counts them (approximate).",
+        |c| Some(c.entries),
+    ),
+    (
+        "cache_tracked_keys",
+        "Per-key version records held (bounded).",
+        |c| Some(c.tracked_keys),
+    ),
+    (
+        "cache_version",
+        "The highest entry version in the events taken in for the cache; only caches that have seen a versioned event have a sample.",
+        |c| c.version,
+    ),
+    (
+        "cache_quarantined",
+        "1 while versioned refreshes are applied as invalidations, after a loss or a late registration.",
+        |c| Some(u64::from(c.quarantined)),
+    ),
+];
+
+/// A node-wide counter, as [`CacheCounter`].
+type NodeCounter = (&'static str, &'static str, fn(&NodeStatus) -> u64);
+
+const NODE_COUNTERS: [NodeCounter; 8] = [
+    (
+        "node_events_received",
+        "Records read from the transport.",
+        |n| n.events_received,
+    ),
+    (
+        "node_events_skipped",
+        "Records for caches this node does not hold.",
+        |n| n.events_skipped,
+    ),
+    (
+        "node_events_rejected",
+        "Records refused: unauthentic on a verifying node, or unreadable.",
+        |n| n.events_rejected,
+    ),
+    (
+        "node_publisher_gaps",
+        "Gaps found in a publisher's sequence numbers.",
+        |n| n.publisher_gaps,
+    ),
+    (
+        "node_transport_errors",
+        "Errors from the transport, each followed by a re-subscription.",
+        |n| n.transport_errors,
+    ),
+    ("node_heartbeats_sent", "Heartbeats this node sent.", |n| {
+        n.heartbeats_sent
+    }),
+    (
+        "node_heartbeats_received",
+        "Messages read off the heartbeat channel.",
+        |n| n.heartbeats_received,
+    ),
+    (
+        "node_heartbeats_rejected",
+        "Messages on the heartbeat channel refused (unsigned or forged on a verifying node, oversized, unreadable).",
+        |n| n.heartbeats_rejected,
+    ),
+];
+
+impl Collector for NodeCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let caches = &self.status.caches;
+        for (name, help, field) in CACHE_COUNTERS {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for cache in caches {
+                ConstCounter::new(field(cache))
+                    .encode(family.encode_family(&[("cache", cache.name.as_str())])?)?;
+            }
+        }
+        for (name, help, field) in CACHE_GAUGES {
+            // A family with no samples (no cache has a version yet) is left
+            // out rather than described with nothing under it.
+            if caches.iter().all(|c| field(c).is_none()) {
+                continue;
+            }
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for cache in caches {
+                if let Some(v) = field(cache) {
+                    ConstGauge::new(v)
+                        .encode(family.encode_family(&[("cache", cache.name.as_str())])?)?;
+                }
+            }
+        }
+        if !self.latencies.is_empty() {
+            let mut family = encoder.encode_descriptor(
+                "cache_publish_to_apply_latency",
+                "Publish-to-applied time: one observation per run of events applied together, the latency of the run's last event (across machines this includes clock skew).",
+                Some(&Unit::Seconds),
+                MetricType::Histogram,
+            )?;
+            for (name, histogram) in &self.latencies {
+                histogram.encode(family.encode_family(&[("cache", name.as_str())])?)?;
+            }
+        }
+
+        let node = &self.status;
+        for (name, help, field) in NODE_COUNTERS {
+            ConstCounter::new(field(node)).encode(encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                MetricType::Counter,
+            )?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "node_losses",
+            "Losses answered by a resync, by reason.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (reason, n) in &node.losses_by_reason {
+            ConstCounter::new(*n).encode(family.encode_family(&[("reason", reason.as_str())])?)?;
+        }
+        ConstGauge::new(u64::from(node.consuming)).encode(encoder.encode_descriptor(
+            "node_consuming",
+            "1 while the consumer is running and its transport healthy, else 0.",
+            None,
+            MetricType::Gauge,
+        )?)?;
+        ConstGauge::new(u64::from(self.ready)).encode(encoder.encode_descriptor(
+            "node_ready",
+            "1 while the node is ready (GET /readyz answers 200), else 0.",
+            None,
+            MetricType::Gauge,
+        )?)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::io::Write as _;
+    use std::process::{Command, Stdio};
+    use std::time::Duration;
+
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode, header};
+    use bytes::Bytes;
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    use super::super::{LOSS_REASONS, loss_index};
+    use crate::transport::{DEFAULT_TOPIC, Transport};
+    use crate::util::now_us;
+    use crate::wire::{Change, EntryVersion, Header, Origin, encode, encode_part};
+    use crate::{EmbeddedTransport, Node, SyncedCache};
+
+    type Cache = SyncedCache<String, String>;
+
+    fn cache(name: &str) -> Cache {
+        SyncedCache::new(name, moka::future::Cache::new(100))
+    }
+
+    /// Polls until `f` holds; never a fixed sleep.
+    async fn eventually(what: &str, mut f: impl AsyncFnMut() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !f().await {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for: {what}"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    async fn applied(node: &Node, cache: &str) -> u64 {
+        node.status()
+            .caches
+            .iter()
+            .find(|c| c.name == cache)
+            .map_or(0, |c| c.events_applied)
+    }
+
+    /// A refresh from publisher `publisher` with sequence number `seq`,
+    /// published straight onto the transport (to make a gap).
+    fn raw_refresh(cache: &str, publisher: u64, seq: u64, k: &str, v: &str) -> Bytes {
+        let header = Header {
+            cache,
+            origin: Origin(b"other-node"),
+            publisher,
+            seq,
+            published_at_us: now_us(),
+        };
+        let change = Change::Refresh {
+            entries: vec![EntryVersion {
+                key: encode_part(k, "key").unwrap(),
+                value: encode_part(v, "value").unwrap(),
+                version: Some(seq),
+            }],
+        };
+        Bytes::from(encode(&header, &change).unwrap())
+    }
+
+    async fn scrape(node: &Node) -> String {
+        let response = node
+            .status_router()
+            .oneshot(Request::get("/metrics").body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(
+            response.headers()[header::CONTENT_TYPE],
+            "text/plain; version=0.0.4; charset=utf-8"
+        );
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8(body.to_vec()).unwrap()
+    }
+
+    /// Each sample line, `name{labels}` → value (parsed here, not trusted
+    /// to the encoder: the test checks what a scraper would read).
+    fn samples(text: &str) -> BTreeMap<String, f64> {
+        text.lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .map(|l| {
+                let (series, value) = l.rsplit_once(' ').unwrap();
+                (series.to_owned(), value.parse().unwrap())
+            })
+            .collect()
+    }
+
+    fn value(samples: &BTreeMap<String, f64>, series: &str) -> f64 {
+        *samples
+            .get(series)
+            .unwrap_or_else(|| panic!("no sample {series} in {samples:#?}"))
+    }
+
+    /// Runs `promtool check metrics` on `text`, fed on stdin, and requires
+    /// exit 0 (promtool exits 3 for lint problems, 1 for parse errors).
+    /// A missing promtool fails the test: always under CI, and elsewhere
+    /// unless CACHE_SYNC_SKIP_PROMTOOL=1, which skips it out loud.
+    fn promtool_check(text: &str) {
+        let child = Command::new("promtool")
+            .args(["check", "metrics"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        let mut child = match child {
+            Ok(child) => child,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let install = "install it (Debian: apt-get install prometheus; scripts/test does)";
+                if std::env::var_os("CI").is_some() {
+                    panic!("promtool is not installed, and CI is set: {install}");
+                }
+                if std::env::var("CACHE_SYNC_SKIP_PROMTOOL").as_deref() == Ok("1") {
+                    eprintln!(
+                        "SKIPPED: promtool check metrics (promtool not installed, CACHE_SYNC_SKIP_PROMTOOL=1)"
+                    );
+                    return;
+                }
+                panic!(
+                    "promtool is not installed: {install}, or set CACHE_SYNC_SKIP_PROMTOOL=1 to skip this check"
+                );
+            }
+            Err(e) => panic!("promtool did not start: {e}"),
+        };
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "promtool check metrics failed ({}):\n{}{}\non:\n{text}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+    }
+
+    /// Two caches, events published one at a time (so each is a run of its
+    /// own), a publisher gap on one: every family carries the values the
+    /// status reports, and promtool accepts the lot.
+    #[tokio::test]
+    async fn metrics_report_each_cache_and_the_node() {
+        let transport = EmbeddedTransport::new();
+        let (a, b) = (cache("a"), cache("b"));
+        let node = Node::builder("n1", transport.clone())
+            .register(&a)
+            .register(&b)
+            .start()
+            .await
+            .unwrap();
+        let publisher = node.publisher();
+        for (i, k) in ["k1", "k2", "k3"].into_iter().enumerate() {
+            publisher.refresh("a", [(k, "v")]).await.unwrap();
+            let want = i as u64 + 1;
+            eventually("a's refresh", async || applied(&node, "a").await == want).await;
+        }
+        assert_eq!(a.get("k1").await.as_deref(), Some("v"));
+        assert_eq!(a.get("nope").await, None);
+        // Publisher 7's sequence numbers 2 and 3 never arrive: one gap.
+        for (n, seq) in [(1, 1), (2, 4)] {
+            transport
+                .publish(DEFAULT_TOPIC, "b", raw_refresh("b", 7, seq, "x", "y"))
+                .await
+                .unwrap();
+            eventually("b's refresh", async || applied(&node, "b").await == n).await;
+        }
+
+        let text = scrape(&node).await;
+        promtool_check(&text);
+        let s = samples(&text);
+        let status = node.status();
+        assert_eq!(
+            value(&s, r#"cache_sync_cache_events_applied_total{cache="a"}"#),
+            3.0
+        );
+        assert_eq!(
+            value(&s, r#"cache_sync_cache_events_applied_total{cache="b"}"#),
+            2.0
+        );
+        assert_eq!(
+            value(&s, r#"cache_sync_cache_refreshes_total{cache="a"}"#),
+            3.0
+        );
+        assert_eq!(value(&s, r#"cache_sync_cache_hits_total{cache="a"}"#), 1.0);
+        assert_eq!(
+            value(&s, r#"cache_sync_cache_misses_total{cache="a"}"#),
+            1.0
+        );
+        assert_eq!(
+            value(&s, r#"cache_sync_cache_loss_resyncs_total{cache="b"}"#),
+            1.0
+        );
+        assert_eq!(value(&s, r#"cache_sync_cache_entries{cache="a"}"#), 3.0);
+        // Versioned refreshes (seq 4 last) give b a version; a has none, so
+        // no sample.
+        assert_eq!(value(&s, r#"cache_sync_cache_version{cache="b"}"#), 4.0);
+        assert!(!s.contains_key(r#"cache_sync_cache_version{cache="a"}"#));
+        // One observation per run: three runs for a.
+        let latency = "cache_sync_cache_publish_to_apply_latency_seconds";
+        assert_eq!(value(&s, &format!(r#"{latency}_count{{cache="a"}}"#)), 3.0);
+        assert_eq!(
+            value(&s, &format!(r#"{latency}_bucket{{cache="a",le="+Inf"}}"#)),
+            3.0
+        );
+        assert!(s.contains_key(&format!(r#"{latency}_bucket{{cache="a",le="0.0001"}}"#)));
+        assert!(s.contains_key(&format!(r#"{latency}_bucket{{cache="a",le="10"}}"#)));
+        assert!(value(&s, &format!(r#"{latency}_sum{{cache="a"}}"#)) >= 0.0);
+
+        assert_eq!(value(&s, "cache_sync_node_events_received_total"), 5.0);
+        assert_eq!(value(&s, "cache_sync_node_publisher_gaps_total"), 1.0);
+        assert_eq!(
+            value(
+                &s,
+                r#"cache_sync_node_losses_total{reason="publisher_gap"}"#
+            ),
+            1.0
+        );
+        assert_eq!(
+            value(&s, r#"cache_sync_node_losses_total{reason="trimmed"}"#),
+            0.0
+        );
+        assert_eq!(value(&s, "cache_sync_node_consuming"), 1.0);
+        // The cluster view: this node alone, its own heartbeat of age 0.
+        assert_eq!(value(&s, "cache_sync_cluster_nodes"), 1.0);
+        let id = node.id().to_owned();
+        assert_eq!(
+            value(
+                &s,
+                &format!(r#"cache_sync_cluster_heartbeat_age_seconds{{node="{id}"}}"#)
+            ),
+            0.0
+        );
+        assert_eq!(
+            value(
+                &s,
+                &format!(r#"cache_sync_cluster_cache_lag_versions{{node="{id}",cache="b"}}"#)
+            ),
+            0.0
+        );
+        assert_eq!(value(&s, r#"cache_sync_cache_quarantined{cache="a"}"#), 0.0);
+        assert!(text.contains("# TYPE cache_sync_node_ready gauge\n"));
+        assert!(text.contains("# TYPE cache_sync_cache_events_applied_total counter\n"));
+        assert!(text.contains("# TYPE cache_sync_cache_entries gauge\n"));
+        assert!(text.contains(&format!("# TYPE {latency} histogram\n")));
+
+        // The JSON status has the same split, summing to `losses`.
+        assert_eq!(status.losses_by_reason.len(), LOSS_REASONS.len());
+        assert_eq!(status.losses_by_reason["publisher_gap"], 1);
+        assert_eq!(status.losses_by_reason.values().sum::<u64>(), status.losses);
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["losses_by_reason"]["publisher_gap"], 1);
+
+        node.shutdown().await.unwrap();
+        let s = samples(&scrape(&node).await);
+        assert_eq!(value(&s, "cache_sync_node_consuming"), 0.0);
+    }
+
+    /// Cache names may hold quotes, backslashes, spaces and any Unicode
+    /// but control characters (so no newlines): label values escape `"`
+    /// and `\`, and promtool parses them.
+    #[tokio::test]
+    async fn cache_names_are_escaped_in_labels() {
+        let names = [r#"say "hi""#, r"C:\temp\", "with space", "Zürich ✓ 東京"];
+        let caches: Vec<_> = names.iter().map(|n| cache(n)).collect();
+        let mut builder = Node::builder("n1", EmbeddedTransport::new());
+        for c in &caches {
+            builder = builder.register(c);
+        }
+        let node = builder.start().await.unwrap();
+        let publisher = node.publisher();
+        for name in names {
+            publisher.refresh(name, [("k", "v")]).await.unwrap();
+            eventually("applied", async || applied(&node, name).await == 1).await;
+        }
+        let text = scrape(&node).await;
+        promtool_check(&text);
+        let s = samples(&text);
+        for (name, escaped) in names.into_iter().zip([
+            r#"say \"hi\""#,
+            r"C:\\temp\\",
+            "with space",
+            "Zürich ✓ 東京",
+        ]) {
+            let series = format!(r#"cache_sync_cache_events_applied_total{{cache="{escaped}"}}"#);
+            assert_eq!(value(&s, &series), 1.0, "{name}");
+        }
+    }
+
+    #[test]
+    fn every_loss_reason_has_its_own_counter() {
+        for (i, reason) in LOSS_REASONS.into_iter().enumerate() {
+            assert_eq!(loss_index(reason), i, "{reason}");
+        }
+    }
+}
