@@ -1,6 +1,7 @@
 //! The admin service of the multi-process demo: publishes one change to the
 //! `countries` table to every running `node` example over Redis, NATS or
-//! RocketMQ, prints the version it was published at, and exits.
+//! RocketMQ, prints the version it was published at and how many nodes
+//! applied it how soon (from the nodes' heartbeats), and exits.
 //!
 //! ```text
 //! cargo run -p cache-sync-examples --features brokers --example admin -- --redis redis://127.0.0.1:6379/ upsert de Deutschland
@@ -18,7 +19,7 @@ use std::error::Error;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use cache_sync::{DictionaryPublisher, Publisher};
+use cache_sync::{Cluster, DictionaryPublisher, Publisher};
 use clap::error::ErrorKind;
 use clap::{CommandFactory as _, Parser as _};
 use tracing_subscriber::EnvFilter;
@@ -34,6 +35,8 @@ type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
 
 /// Between the steps of `demo`, so the nodes' status lines can be followed.
 const DEMO_PAUSE: Duration = Duration::from_secs(1);
+/// How long to wait for every node to report a change applied.
+const ACK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The nodes' table: the types come from the shared `COUNTRIES`.
 type Table = DictionaryPublisher<String, Option<String>>;
@@ -131,15 +134,30 @@ fn row(row: &str) -> Result<(String, String), String> {
 
 async fn run(args: Args) -> Result<()> {
     let transport = args.transport.connect().await?;
+    // Watches the nodes' heartbeats, to tell which applied each change
+    // (on a transport without a heartbeat channel, it cannot tell).
+    let cluster = match Cluster::builder(transport.clone())
+        .observer("admin")
+        .start()
+        .await
+    {
+        Ok(cluster) => Some(cluster),
+        Err(e) if e.is_unsupported() => None,
+        Err(e) => return Err(e.into()),
+    };
     // The origin names this service in the nodes' logs.
     let table: Table = Publisher::builder(transport)
         .origin("admin")
         .build()?
         .dictionary(COUNTRIES);
+    let admin = Admin {
+        table: &table,
+        cluster: cluster.as_ref(),
+    };
 
     match args.command {
         Command::Demo => {
-            let version = demo(&table).await?;
+            let version = demo(&admin).await?;
             println!(
                 "done: the last change is version {version}; every running node reports it \
                  for {:?} once it has applied it",
@@ -147,10 +165,19 @@ async fn run(args: Args) -> Result<()> {
             );
         }
         change => {
-            publish(&table, &change).await?;
+            publish(&admin, &change).await?;
         }
     }
+    if let Some(cluster) = cluster {
+        cluster.shutdown().await;
+    }
     Ok(())
+}
+
+/// What a change goes out through, and who reports it applied.
+struct Admin<'a> {
+    table: &'a Table,
+    cluster: Option<&'a Cluster>,
 }
 
 /// Publishes one change and returns its version.
@@ -159,7 +186,8 @@ async fn run(args: Args) -> Result<()> {
 /// other way round, a node reading between the event and the write would
 /// cache the old row, and no later event would correct it. This example has
 /// no database; the nodes' loader answers from a fixed seed.
-async fn publish(table: &Table, change: &Command) -> Result<u64> {
+async fn publish(admin: &Admin<'_>, change: &Command) -> Result<u64> {
+    let table = admin.table;
     let (label, version) = match change {
         Command::Upsert { code, name } => (
             format!("upsert {code}={name}"),
@@ -179,12 +207,28 @@ async fn publish(table: &Table, change: &Command) -> Result<u64> {
         Command::Demo => return Err("demo is a sequence of changes, not one".into()),
     };
     println!("admin: {label}  published as version {version}");
+    // The table's versions rise with each change and reach every node in
+    // order, so a node at this version or later has applied this change.
+    let Some(cluster) = admin.cluster else {
+        return Ok(version);
+    };
+    let acks = cluster
+        .applied_version(COUNTRIES.name(), version, ACK_TIMEOUT)
+        .await;
+    if acks.nodes.is_empty() {
+        println!("admin: no running node holds {:?}", COUNTRIES.name());
+    } else {
+        println!("admin: {acks}");
+        for node in acks.pending() {
+            println!("admin:   not applied within {ACK_TIMEOUT:?} on {node}");
+        }
+    }
     Ok(version)
 }
 
 /// A few upserts and a delete, a second apart. `cz` is in no node's seed,
 /// so the nodes hold it as a missing row until its upsert replaces that.
-async fn demo(table: &Table) -> Result<u64> {
+async fn demo(admin: &Admin<'_>) -> Result<u64> {
     let upsert = |code: &str, name: &str| Command::Upsert {
         code: code.into(),
         name: name.into(),
@@ -200,7 +244,7 @@ async fn demo(table: &Table) -> Result<u64> {
         if i > 0 {
             tokio::time::sleep(DEMO_PAUSE).await;
         }
-        version = publish(table, step).await?;
+        version = publish(admin, step).await?;
     }
     Ok(version)
 }

@@ -202,6 +202,39 @@
 //! finishes, never silently clamped. An automatic row
 //! version after `u64::MAX` is [`Error::VersionExhausted`].
 //!
+//! ## Heartbeats and the cluster view
+//! Every node publishes a heartbeat every 2 s by default
+//! ([`NodeBuilder::heartbeat_interval`]; `Duration::MAX` turns them off): its
+//! id and start time, its position and readiness, and per cache its version,
+//! entries, resyncs, quarantine, last latency and the last event applied from
+//! each recent publisher. No key or value is in it.
+//! - Heartbeats travel on the transport's heartbeat channel
+//!   ([`Transport::publish_heartbeat`](transport::Transport::publish_heartbeat)),
+//!   a resource apart from the change history: they never evict change
+//!   events, take up offsets a node resumes from, or count as events. They may
+//!   be lost; the next one says it all again.
+//! - They are signed when the node verifies signatures, and a verifying party
+//!   takes in only signed ones; refused ones are counted and change nothing.
+//! - [`Node::cluster`] (and a [`Cluster`] watcher, for parties that are not
+//!   nodes) holds every live node's last heartbeat: a node is live until three
+//!   of its own intervals pass without one, then listed as gone for five
+//!   minutes. `GET /cache-sync/cluster` serves the [`ClusterView`] as JSON.
+//! - [`Published::applied_by`] waits until every live node holding the cache
+//!   reports the publish applied, or a timeout, and says which did with their
+//!   latencies; [`Cluster::applied_version`] does the same for a version (an
+//!   outbox's). Nodes answer the request with a heartbeat as soon as they have
+//!   applied the event, so it completes about one transport round trip after
+//!   the slowest node applies, not a heartbeat interval later. Its set of
+//!   nodes is what the heartbeats tell, so a node that started a moment ago
+//!   may be missing from it.
+//!
+//! ## Probes
+//! `GET /livez` answers 200 while the node's consume task runs (also while
+//! its broker is down: a restart would not bring the broker back).
+//! `GET /readyz` answers 200 when the node is consuming, has caught up with
+//! its start replay, and holds no quarantined cache; 503 with the reasons
+//! otherwise. `GET /healthz` is kept as it was: 200 while consuming.
+//!
 //! ## Lifecycle
 //! A cache belongs to one node at a time. A node gives its caches back when
 //! it shuts down, when its start fails, and when its last handle is

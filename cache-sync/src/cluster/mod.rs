@@ -42,6 +42,11 @@ pub(crate) const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
 pub(crate) const MIN_HEARTBEAT_INTERVAL: Duration = Duration::from_millis(10);
 /// A node that sent nothing for this many of its own intervals is gone.
 pub(crate) const MISSED_INTERVALS: u32 = 3;
+/// How long a watcher gives the nodes to answer the roll call it sends as
+/// it starts before it trusts its view to hold every live node (unless 1.5
+/// heartbeat intervals are sooner): a node answers at once, so this covers
+/// the transport's round trip with room to spare.
+const ROLL_CALL_GRACE: Duration = Duration::from_millis(500);
 /// How long a gone node is still listed as gone (not as live).
 const GONE_KEPT: Duration = Duration::from_secs(300);
 /// Bounds the members a view keeps, against a flood of made-up node ids
@@ -224,9 +229,11 @@ impl ClusterBuilder {
         self
     }
 
-    /// The nodes' heartbeat interval (default 2 s): a watcher younger than
-    /// 1.5 intervals may not have heard from every node yet, and waits
-    /// for that before it calls a publish applied everywhere.
+    /// The nodes' heartbeat interval (default 2 s). A watcher asks every
+    /// node for a heartbeat as it starts; until it has given them 500 ms
+    /// to answer (or 1.5 intervals, if sooner) it may not know every node,
+    /// and an acknowledged publish waits for that before it calls itself
+    /// complete.
     pub fn heartbeat_interval(mut self, every: Duration) -> Self {
         self.interval = every;
         self
@@ -471,10 +478,15 @@ impl Cluster {
         self.inner.updates.subscribe()
     }
 
-    /// Whether the view has been up long enough to have heard from every
-    /// live node: 1.5 heartbeat intervals.
+    /// When the view has been up long enough to have heard from every live
+    /// node: 1.5 heartbeat intervals, or, for a watcher (which asks every
+    /// node for a heartbeat as it starts), the grace given to the answers
+    /// if that is sooner.
     pub(crate) fn settled_at(&self) -> Instant {
-        let wait = self.inner.interval.saturating_add(self.inner.interval / 2);
+        let mut wait = self.inner.interval.saturating_add(self.inner.interval / 2);
+        if self.inner.local.is_none() {
+            wait = wait.min(ROLL_CALL_GRACE);
+        }
         self.inner
             .started
             .checked_add(wait)

@@ -362,10 +362,18 @@ impl Node {
         self.status()
     }
 
-    /// An axum router serving `GET /cache-sync/status`,
-    /// `GET /cache-sync/caches/{name}`, `GET /healthz` and `GET /metrics`,
-    /// to mount in the application's own server. No keys or values are
-    /// shown.
+    /// An axum router to mount in the application's own server. No keys or
+    /// values are shown. It serves:
+    /// - `GET /cache-sync/status`: [`NodeStatus`] as JSON;
+    /// - `GET /cache-sync/caches/{name}`: one [`CacheStatus`](crate::CacheStatus), or 404;
+    /// - `GET /cache-sync/cluster`: [`cluster`](Self::cluster)'s
+    ///   [`ClusterView`](crate::ClusterView) as JSON;
+    /// - `GET /livez`: 200 while [`is_alive`](Self::is_alive), else 503;
+    /// - `GET /readyz`: 200 while [`is_ready`](Self::is_ready), else 503
+    ///   with the reasons;
+    /// - `GET /healthz`: 200 while [`is_consuming`](Self::is_consuming),
+    ///   else 503 (kept for compatibility; prefer the two above);
+    /// - `GET /metrics`: Prometheus metrics, as below.
     ///
     /// `GET /metrics` answers in the Prometheus text format, version 0.0.4
     /// (`Content-Type: text/plain; version=0.0.4; charset=utf-8`), encoded
@@ -396,8 +404,18 @@ impl Node {
     /// `_publisher_gaps_total`, `_transport_errors_total`, and
     /// `cache_sync_node_losses_total` labelled `reason` (every
     /// [`LossReason`] label, zeros included: [`NodeStatus::losses`] split by
-    /// reason); gauge `cache_sync_node_consuming`, 1 while
-    /// [`is_consuming`](Self::is_consuming), else 0.
+    /// reason), `_heartbeats_sent_total`, `_heartbeats_received_total`,
+    /// `_heartbeats_rejected_total`; gauges `cache_sync_node_consuming`, 1
+    /// while [`is_consuming`](Self::is_consuming), else 0, and
+    /// `cache_sync_node_ready`, 1 while [`is_ready`](Self::is_ready). Per
+    /// cache also the gauge `cache_sync_cache_quarantined` (0 or 1).
+    ///
+    /// From the cluster view: gauge `cache_sync_cluster_nodes` (live nodes,
+    /// this one included), and per live node (label `node`)
+    /// `cache_sync_cluster_heartbeat_age_seconds`, `cache_sync_cluster_node_ready`,
+    /// and per node and cache `cache_sync_cluster_cache_lag_versions`
+    /// (versions behind the newest any live node reports; caches with a
+    /// version only).
     ///
     /// Mounted in the application's server, it is served with that server's
     /// limits: [`serve_status`](Self::serve_status) also bounds the time to

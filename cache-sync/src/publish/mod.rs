@@ -299,8 +299,10 @@ impl Published {
     /// one from the same publisher (a node applies a publisher's numbers in
     /// order, or resyncs the cache when one is missing). The live nodes are
     /// those `cluster` has heard from in their last three heartbeat
-    /// intervals; a [`Cluster`] watcher younger than 1.5 intervals first
-    /// waits until it is that old, so it knows every node. An empty
+    /// intervals. A view that may not know every node yet (a node's own
+    /// younger than 1.5 heartbeat intervals; a watcher that has given the
+    /// nodes less than 500 ms to answer the roll call it sent as it
+    /// started) is not trusted to be complete until then. An empty
     /// publish (no event) resolves at once, with no node.
     ///
     /// ```no_run
