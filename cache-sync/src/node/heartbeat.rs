@@ -11,6 +11,7 @@ use tokio::time::{Instant, sleep_until};
 
 use super::Shared;
 use crate::cluster::{Message, Request, Target, next_backoff};
+use crate::status::CacheStatus;
 use crate::transport::HeartbeatSubscription;
 use crate::util::deadline_after;
 
@@ -21,7 +22,7 @@ const MAX_PENDING: usize = 1024;
 /// The least time between two heartbeats sent early: a flood of requests
 /// (forged ones, on a bus that does not sign) cannot make a node flood the
 /// channel in turn.
-const MIN_EARLY_GAP: Duration = Duration::from_millis(2);
+const MIN_EARLY_GAP: Duration = Duration::from_millis(5);
 
 struct Pending {
     cache: String,
@@ -67,6 +68,9 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
             }
         }
         let mut early = false;
+        // Pending requests are checked again only after a batch was applied
+        // (or when one expires): a flood of messages costs no re-checks.
+        let mut recheck = false;
         let first_due = pending.iter().map(|p| p.until).min();
         tokio::select! {
             () = &mut stopped => break,
@@ -76,8 +80,8 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
                 continue;
             }
             () = sleep_until(retry_at), if sub.is_none() => continue,
-            () = shared.acks.notified(), if !pending.is_empty() => {}
-            () = sleep_until(first_due.unwrap_or(retry_at)), if first_due.is_some() => {}
+            () = shared.acks.notified(), if !pending.is_empty() => recheck = true,
+            () = sleep_until(first_due.unwrap_or(retry_at)), if first_due.is_some() => recheck = true,
             next = next_message(&mut sub) => match next {
                 Ok(payload) => {
                     if let Some(request) = cluster.receive(&payload) {
@@ -94,13 +98,25 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
             },
         }
         let now = Instant::now();
-        pending.retain(|p| {
-            if met(&shared, &p.cache, p.target) {
-                early = true;
-                return false;
-            }
-            p.until > now
-        });
+        if recheck {
+            // One status per cache, however many requests wait on it.
+            let mut statuses: Vec<(String, Option<CacheStatus>)> = Vec::new();
+            pending.retain(|p| {
+                let status = match statuses.iter().position(|(name, _)| *name == p.cache) {
+                    Some(i) => &statuses[i].1,
+                    None => {
+                        let status = shared.cache(&p.cache).map(|c| c.status());
+                        statuses.push((p.cache.clone(), status));
+                        &statuses[statuses.len() - 1].1
+                    }
+                };
+                if status.as_ref().is_some_and(|s| met(s, p.target)) {
+                    early = true;
+                    return false;
+                }
+                p.until > now
+            });
+        }
         shared.acks_wanted.store(!pending.is_empty(), Relaxed);
         if early {
             match last_sent.and_then(|at| at.checked_add(MIN_EARLY_GAP)) {
@@ -134,39 +150,42 @@ async fn send(shared: &Shared, last_sent: &mut Option<Instant>) {
     shared.cluster.send(&Message::Heartbeat(heartbeat)).await;
 }
 
-/// Takes a request in: whether to answer with a heartbeat now (every
-/// request for a cache this node holds, so the asker learns of it, and
-/// every roll call), keeping it if its target is not yet met.
+/// Takes a request in: whether to answer with a heartbeat now (a roll
+/// call, or a target this node already met), keeping it if this node holds
+/// the cache and has not met its target yet. Not answering at once
+/// otherwise keeps the early-heartbeat gap free for the answer that
+/// matters: the asker knows of this node already (from its periodic
+/// heartbeats, or its answer to the roll call).
 fn take(shared: &Shared, request: Request, pending: &mut Vec<Pending>) -> bool {
-    let Some(cache) = request.cache else {
+    let Some(cache_name) = request.cache else {
         return true;
     };
-    if shared.cache(&cache).is_none() {
+    let Some(cache) = shared.cache(&cache_name) else {
         return false;
+    };
+    let Some(target) = request.target else {
+        return true;
+    };
+    if met(&cache.status(), target) {
+        return true;
     }
-    if let Some(target) = request.target
-        && !met(shared, &cache, target)
     {
         if pending.len() >= MAX_PENDING {
             pending.remove(0);
         }
         let wait = Duration::from_millis(request.within_ms).min(MAX_REQUEST_WAIT);
         pending.push(Pending {
-            cache,
+            cache: cache_name,
             target,
             until: deadline_after(wait),
         });
         shared.acks_wanted.store(true, Relaxed);
     }
-    true
+    false
 }
 
-/// Whether this node has applied `target` to `cache`.
-fn met(shared: &Shared, cache: &str, target: Target) -> bool {
-    let Some(cache) = shared.cache(cache) else {
-        return false;
-    };
-    let status = cache.status();
+/// Whether a cache with this status has applied `target`.
+fn met(status: &CacheStatus, target: Target) -> bool {
     match target {
         Target::Seq { publisher, seq } => status
             .recent
