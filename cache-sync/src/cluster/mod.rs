@@ -483,7 +483,8 @@ impl Cluster {
     /// node for a heartbeat as it starts), the grace given to the answers
     /// if that is sooner.
     pub(crate) fn settled_at(&self) -> Instant {
-        let mut wait = self.inner.interval.saturating_add(self.inner.interval / 2);
+        let half = self.inner.interval.checked_div(2).unwrap_or(Duration::ZERO);
+        let mut wait = self.inner.interval.saturating_add(half);
         if self.inner.local.is_none() {
             wait = wait.min(ROLL_CALL_GRACE);
         }
@@ -521,16 +522,21 @@ async fn watch_loop(
                 _ = stop.wait_for(|s| *s) => return,
                 () = tokio::time::sleep(backoff) => {}
             }
-            match view
-                .inner
-                .transport
-                .subscribe_heartbeats(&view.inner.topic)
-                .await
-            {
+            // A broker that is down can take its timeout to answer: the
+            // stop must not wait for that.
+            let subscribed = tokio::select! {
+                _ = stop.wait_for(|s| *s) => return,
+                subscribed = view.inner.transport.subscribe_heartbeats(&view.inner.topic) => subscribed,
+            };
+            match subscribed {
                 Ok(s) => {
                     sub = Some(s);
                     backoff = Duration::ZERO;
-                    view.send(&Message::Request(Request::roll_call())).await;
+                    let roll_call = Message::Request(Request::roll_call());
+                    tokio::select! {
+                        _ = stop.wait_for(|s| *s) => return,
+                        _ = view.send(&roll_call) => {}
+                    }
                 }
                 Err(e) => {
                     backoff = next_backoff(backoff);

@@ -48,8 +48,14 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
         let _ = stop.wait_for(|s| *s).await;
     });
     loop {
+        // Every await that can take a transport's timeout (a broker that
+        // is down) also waits for the stop, so shutdown never waits on it.
         if sub.is_none() && Instant::now() >= retry_at {
-            match shared.transport.subscribe_heartbeats(&shared.topic).await {
+            let subscribed = tokio::select! {
+                () = &mut stopped => break,
+                subscribed = shared.transport.subscribe_heartbeats(&shared.topic) => subscribed,
+            };
+            match subscribed {
                 Ok(s) => {
                     sub = Some(s);
                     backoff = Duration::ZERO;
@@ -75,7 +81,10 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
         tokio::select! {
             () = &mut stopped => break,
             () = &mut tick => {
-                send(&shared, &mut last_sent).await;
+                tokio::select! {
+                    () = &mut stopped => break,
+                    () = send(&shared, &mut last_sent) => {}
+                }
                 tick.as_mut().reset(deadline_after(every));
                 continue;
             }
@@ -102,15 +111,15 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
             // One status per cache, however many requests wait on it.
             let mut statuses: Vec<(String, Option<CacheStatus>)> = Vec::new();
             pending.retain(|p| {
-                let status = match statuses.iter().position(|(name, _)| *name == p.cache) {
-                    Some(i) => &statuses[i].1,
-                    None => {
-                        let status = shared.cache(&p.cache).map(|c| c.status());
-                        statuses.push((p.cache.clone(), status));
-                        &statuses[statuses.len() - 1].1
-                    }
-                };
-                if status.as_ref().is_some_and(|s| met(s, p.target)) {
+                if !statuses.iter().any(|(name, _)| *name == p.cache) {
+                    let status = shared.cache(&p.cache).map(|c| c.status());
+                    statuses.push((p.cache.clone(), status));
+                }
+                let status = statuses
+                    .iter()
+                    .find(|(name, _)| *name == p.cache)
+                    .and_then(|(_, s)| s.as_ref());
+                if status.is_some_and(|s| met(s, p.target)) {
                     early = true;
                     return false;
                 }
@@ -127,7 +136,10 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
                         tick.as_mut().reset(allowed);
                     }
                 }
-                _ => send(&shared, &mut last_sent).await,
+                _ => tokio::select! {
+                    () = &mut stopped => break,
+                    () = send(&shared, &mut last_sent) => {}
+                },
             }
         }
     }
