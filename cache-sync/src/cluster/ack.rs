@@ -176,7 +176,7 @@ impl Cluster {
     /// Waits until every live node that holds `cache` reports its version
     /// at `version` or newer, or `timeout` passes: the acknowledged form of
     /// a versioned change published by someone else, such as an
-    /// [`OutboxRelay`](crate::Outbox) for a version an outbox enqueue
+    /// `OutboxRelay` (feature `postgres`) for a version an outbox enqueue
     /// returned.
     ///
     /// A cache's version is the highest it took in, so this means the
