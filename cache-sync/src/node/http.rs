@@ -24,6 +24,11 @@ use crate::error::{Error, Result};
 use crate::status::NodeStatus;
 use crate::util::deadline_after;
 
+// The cluster page sits beside this file rather than under `http/`: it is
+// the router's, but a sibling of the node's other parts in the tree.
+#[path = "page.rs"]
+mod page;
+
 #[derive(Serialize)]
 struct ErrorBody<'a> {
     error: &'a str,
@@ -35,6 +40,10 @@ pub(crate) fn router(node: Node) -> Router {
         .route("/cache-sync/status", get(node_status))
         .route("/cache-sync/caches/{name}", get(cache_status))
         .route("/cache-sync/cluster", get(cluster))
+        // The cluster page, for a browser; axum tells the two paths apart,
+        // and people type either.
+        .route("/cache-sync/", get(page::cluster_page))
+        .route("/cache-sync", get(page::cluster_page))
         .route("/healthz", get(healthz))
         .route("/livez", get(livez))
         .route("/readyz", get(readyz))
