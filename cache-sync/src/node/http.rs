@@ -24,8 +24,8 @@ use crate::error::{Error, Result};
 use crate::status::NodeStatus;
 use crate::util::deadline_after;
 
-// The cluster page sits beside this file rather than under `http/`: it is
-// the router's, but a sibling of the node's other parts in the tree.
+// The cluster page is the router's, but its file sits beside this one with
+// the node's other parts rather than in an `http/` directory of its own.
 #[path = "page.rs"]
 mod page;
 

@@ -65,8 +65,9 @@ struct Cell<'a> {
     /// Whether the node holds this cache at all.
     held: bool,
     lagging: bool,
+    /// "v5", or "no version" before the first versioned event.
     version: String,
-    /// "level", "behind by 4 for 1.2 s", or "no version yet".
+    /// "level", "behind by 4 for 1.2 s", or "no node has a version yet".
     lag: String,
     entries: u64,
     resyncs: u64,
@@ -172,7 +173,7 @@ fn row<'a>(n: &'a NodeView, observer: &str, columns: &[Column<'a>]) -> Row<'a> {
 
 fn cell(c: &NodeCacheView) -> Cell<'_> {
     let lag = match (c.lag, c.behind_ms) {
-        (None, _) => "no version yet".to_owned(),
+        (None, _) => "no node has a version yet".to_owned(),
         (Some(0), _) => "level".to_owned(),
         (Some(l), Some(ms)) => format!("behind by {l} for {}", human_ms(ms)),
         (Some(l), None) => format!("behind by {l}"),
@@ -183,7 +184,7 @@ fn cell(c: &NodeCacheView) -> Cell<'_> {
         lagging: c.lag.unwrap_or(0) > 0,
         version: c
             .version
-            .map_or_else(|| "none".to_owned(), |v| v.to_string()),
+            .map_or_else(|| "no version".to_owned(), |v| format!("v{v}")),
         lag,
         entries: c.entries,
         resyncs: c.loss_resyncs,
@@ -301,6 +302,9 @@ mod tests {
             }
             // node-a holds no "flags": its cell says so.
             assert!(html.contains("not held"), "{html}");
+            // No versioned event yet: said so, not printed as a number.
+            assert!(html.contains("no version</span>"), "{html}");
+            assert!(html.contains("no node has a version yet"), "{html}");
             assert!(html.contains("<meta http-equiv=\"refresh\""), "{html}");
             assert!(html.contains("(this node)"), "{html}");
             assert!(!html.contains("secret"), "a key or value leaked: {html}");
@@ -395,6 +399,7 @@ mod tests {
         assert!(html.contains("lagging: 1 cache(s) behind"), "{html}");
         assert!(html.contains("<td class=\"cache lagging\" data-cache=\"countries\">"));
         assert!(html.contains("behind by 4 for 1.5 s"), "{html}");
+        assert!(html.contains(">v5</span>"), "{html}");
         assert_eq!(html.matches("class=\"cache lagging\"").count(), 1);
         assert!(html.contains("n0: last heartbeat 1 min 1 s ago"), "{html}");
         assert!(html.contains("at 01:01:01 UTC"), "{html}");
