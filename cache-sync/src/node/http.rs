@@ -24,6 +24,11 @@ use crate::error::{Error, Result};
 use crate::status::NodeStatus;
 use crate::util::deadline_after;
 
+// The cluster page is the router's, but its file sits beside this one with
+// the node's other parts rather than in an `http/` directory of its own.
+#[path = "page.rs"]
+mod page;
+
 #[derive(Serialize)]
 struct ErrorBody<'a> {
     error: &'a str,
@@ -35,6 +40,10 @@ pub(crate) fn router(node: Node) -> Router {
         .route("/cache-sync/status", get(node_status))
         .route("/cache-sync/caches/{name}", get(cache_status))
         .route("/cache-sync/cluster", get(cluster))
+        // The cluster page, for a browser; axum tells the two paths apart,
+        // and people type either.
+        .route("/cache-sync/", get(page::cluster_page))
+        .route("/cache-sync", get(page::cluster_page))
         .route("/healthz", get(healthz))
         .route("/livez", get(livez))
         .route("/readyz", get(readyz))
