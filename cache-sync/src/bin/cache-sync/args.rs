@@ -74,16 +74,20 @@ pub(crate) enum Command {
 const TYPES_HELP: &str = "\
 Keys and values travel bincode-encoded, as the cache's own key and value
 types encode them: --key-type and --value-type must match the cache's K and
-V (a SyncedCache<String, u64> takes --key-type string --value-type u64). A
-key of the wrong type names no entry; a value of the wrong type does not
-decode on the nodes, which then drop the key instead of caching the value.";
+V (a SyncedCache<String, u64> takes --key-type string --value-type u64).
+A key of the wrong type encodes differently and misses the entry, or hits
+another one (i64 -1 and u64 1 encode alike). A value of the wrong type is
+refused by nodes it does not decode on, which drop the key instead of
+caching it, or, where its bytes happen to decode, cached as a wrong value.";
 
 #[derive(Debug, clap::Subcommand)]
 pub(crate) enum Publish {
     /// Drops keys from a cache on every node
     #[command(after_help = TYPES_HELP)]
     Invalidate {
+        /// The cache's name, e.g. countries
         cache: String,
+        /// The keys to drop, of --key-type
         #[arg(required = true, allow_hyphen_values = true)]
         keys: Vec<String>,
         #[command(flatten)]
@@ -92,15 +96,19 @@ pub(crate) enum Publish {
     /// Replaces one key's value on every node
     #[command(after_help = TYPES_HELP)]
     Refresh {
+        /// The cache's name, e.g. countries
         cache: String,
+        /// The key, of --key-type
         #[arg(allow_hyphen_values = true)]
         key: String,
+        /// Its new value, of --value-type
         #[arg(allow_hyphen_values = true)]
         value: String,
         /// The entry's version: a node ignores it if it already holds a
         /// newer one of the key. Without it, applied in delivery order
         #[arg(long)]
         version: Option<u64>,
+        /// The cache's value type
         #[arg(long, value_name = "TYPE", default_value = "string")]
         value_type: ValueType,
         #[command(flatten)]
@@ -108,6 +116,7 @@ pub(crate) enum Publish {
     },
     /// Drops everything in a cache on every node
     Clear {
+        /// The cache's name, e.g. countries
         cache: String,
         /// Makes VERSION a floor: refreshes older than it arriving later
         /// are ignored
