@@ -1,0 +1,184 @@
+//! `cache-sync`: watches a cache-sync cluster's nodes through their
+//! heartbeats, and publishes changes to their caches, from a shell.
+//!
+//! ```text
+//! cache-sync --transport redis-streams status --max-lag 5s
+//! cache-sync --transport nats --url nats://10.0.0.5:4222 watch
+//! cache-sync --transport redis-streams publish refresh countries de Deutschland --version 7 --ack 5s
+//! ```
+//!
+//! Exit codes: 0 all good, 1 a node diverged, no node answered, or a
+//! publish was not applied everywhere in time, 2 an error (bad arguments,
+//! no broker).
+
+// A command-line tool's output is its interface: it prints to stdout.
+#![allow(clippy::print_stdout)]
+
+mod args;
+mod duration;
+mod publish;
+mod table;
+mod transport;
+
+use std::io::IsTerminal as _;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cache_sync::transport::Transport;
+use cache_sync::{Cluster, Keyring};
+use clap::Parser as _;
+
+use args::{Args, Command};
+
+/// Errors exit with 2, as clap's usage errors do; 1 means "unhealthy".
+const ERROR: u8 = 2;
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::from(ERROR);
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(ERROR)
+        }
+    }
+}
+
+/// What every command needs: where the nodes are, and the key.
+pub(crate) struct Context {
+    kind: transport::Kind,
+    url: String,
+    pub(crate) topic: String,
+    pub(crate) keyring: Option<Keyring>,
+    interval: Duration,
+}
+
+impl Context {
+    fn new(args: &Args) -> Result<Self, String> {
+        let kind = args.transport.ok_or_else(|| {
+            let built = transport::built();
+            format!(
+                "--transport is required: one of {}",
+                if built.is_empty() {
+                    "none built into this binary".into()
+                } else {
+                    built.join(", ")
+                }
+            )
+        })?;
+        let keyring = args.sign_key.as_ref().map(|k| k.keyring()).transpose()?;
+        Ok(Context {
+            kind,
+            url: args
+                .url
+                .clone()
+                .unwrap_or_else(|| kind.default_url().to_owned()),
+            topic: args.topic.clone(),
+            keyring,
+            interval: args.heartbeat_interval,
+        })
+    }
+
+    pub(crate) async fn connect(&self) -> Result<Arc<dyn Transport>, String> {
+        self.kind
+            .connect(&self.url)
+            .await
+            .map_err(|e| format!("cannot connect to {}: {e}", self.url))
+    }
+
+    /// A watcher: reads heartbeats, sends a roll call, is no node.
+    pub(crate) async fn watcher(&self, transport: Arc<dyn Transport>) -> Result<Cluster, String> {
+        let mut builder = Cluster::builder(transport)
+            .topic(self.topic.clone())
+            .observer("cache-sync-cli")
+            .heartbeat_interval(self.interval);
+        if let Some(ring) = &self.keyring {
+            builder = builder.verify_signatures(ring.clone());
+        }
+        builder
+            .start()
+            .await
+            .map_err(|e| format!("cannot watch the heartbeats on {}: {e}", self.url))
+    }
+}
+
+async fn run(args: Args) -> Result<ExitCode, String> {
+    let ctx = Context::new(&args)?;
+    match args.command {
+        Command::Status {
+            max_lag,
+            json,
+            wait,
+        } => {
+            // 1.5 intervals: as long as a view needs to have heard every node.
+            let wait = wait.unwrap_or(ctx.interval.saturating_add(ctx.interval / 2));
+            let cluster = ctx.watcher(ctx.connect().await?).await?;
+            tokio::time::sleep(wait).await;
+            let view = cluster.view();
+            cluster.shutdown().await;
+            if json {
+                let text = serde_json::to_string_pretty(&view).map_err(|e| e.to_string())?;
+                println!("{text}");
+            } else {
+                print!("{}", table::render(&view));
+            }
+            let verdict = table::verdict(&view, max_lag);
+            match &verdict {
+                table::Verdict::Level => {}
+                table::Verdict::Empty => {
+                    eprintln!("no node answered on topic {}", ctx.topic);
+                }
+                table::Verdict::Diverged(lines) => {
+                    eprintln!("diverged for longer than {}:", duration::show(max_lag));
+                    for l in lines {
+                        eprintln!("  {l}");
+                    }
+                }
+            }
+            Ok(ExitCode::from(verdict.exit_code()))
+        }
+        Command::Watch { every } => {
+            let every = every.unwrap_or(ctx.interval);
+            let cluster = ctx.watcher(ctx.connect().await?).await?;
+            // Clearing the screen is for a person at a terminal; a pipe or
+            // a log file gets every frame, separated.
+            let terminal = std::io::stdout().is_terminal();
+            let mut first = true;
+            // One listener for the whole loop: a Ctrl-C pressed while a
+            // frame is drawn is not lost between two `select!`s.
+            let ctrl_c = tokio::signal::ctrl_c();
+            tokio::pin!(ctrl_c);
+            loop {
+                tokio::select! {
+                    _ = &mut ctrl_c => break,
+                    () = tokio::time::sleep(every) => {}
+                }
+                let frame = table::render(&cluster.view());
+                if terminal {
+                    print!("\x1b[2J\x1b[H{frame}");
+                } else {
+                    if !first {
+                        println!("----");
+                    }
+                    print!("{frame}");
+                }
+                first = false;
+            }
+            cluster.shutdown().await;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Publish(p) => publish::run(&ctx, p).await,
+    }
+}

@@ -1,0 +1,298 @@
+//! The cluster table and the verdict `status` exits with.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use cache_sync::ClusterView;
+
+use crate::duration::show;
+
+/// What `status` concludes from a view.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Every live node is within `max_lag` of the newest version.
+    Level,
+    /// No live node at all: a probe must not pass on an empty cluster.
+    Empty,
+    /// These caches have been behind for longer than `max_lag`, one line
+    /// each: `node cache: N versions behind for T`.
+    Diverged(Vec<String>),
+}
+
+impl Verdict {
+    /// 0 when level, 1 otherwise (2 is left to errors).
+    pub(crate) fn exit_code(&self) -> u8 {
+        match self {
+            Verdict::Level => 0,
+            Verdict::Empty | Verdict::Diverged(_) => 1,
+        }
+    }
+}
+
+pub(crate) fn verdict(view: &ClusterView, max_lag: Duration) -> Verdict {
+    if view.nodes.is_empty() {
+        return Verdict::Empty;
+    }
+    let diverged = view.diverged(max_lag);
+    if diverged.is_empty() {
+        return Verdict::Level;
+    }
+    Verdict::Diverged(
+        diverged
+            .into_iter()
+            .map(|(node, cache, behind)| {
+                let lag = cache.lag.unwrap_or(0);
+                let since = if behind == Duration::MAX {
+                    "for an unknown time".to_owned()
+                } else {
+                    format!("for {}", show(behind))
+                };
+                format!(
+                    "{} {}: {lag} version{} behind {since}",
+                    node.node_id,
+                    cache.name,
+                    if lag == 1 { "" } else { "s" }
+                )
+            })
+            .collect(),
+    )
+}
+
+const HEADER: [&str; 8] = [
+    "NODE",
+    "CACHE",
+    "VERSION",
+    "LAG",
+    "BEHIND",
+    "READY",
+    "LOSSES",
+    "HEARTBEAT",
+];
+
+/// The table: one row per node and cache (a node without caches gets one
+/// row), the lagging ones marked with `*`, then the nodes gone lately.
+pub(crate) fn render(view: &ClusterView) -> String {
+    let mut rows: Vec<[String; 8]> = Vec::new();
+    for node in &view.nodes {
+        let mark = if node.lagging { "* " } else { "  " };
+        let ready = match (node.ready, node.consuming) {
+            (true, _) => "yes",
+            (false, true) => "no",
+            (false, false) => "no (not consuming)",
+        };
+        let age = show(Duration::from_millis(node.age_ms));
+        let node_cells = |cache: String, version, lag, behind| {
+            [
+                format!("{mark}{}", node.node_id),
+                cache,
+                version,
+                lag,
+                behind,
+                ready.to_owned(),
+                node.losses.to_string(),
+                age.clone(),
+            ]
+        };
+        if node.caches.is_empty() {
+            rows.push(node_cells("-".into(), "-".into(), "-".into(), "-".into()));
+        }
+        for c in &node.caches {
+            let version = c.version.map_or_else(|| "-".into(), |v| v.to_string());
+            let lag = c.lag.map_or_else(|| "?".into(), |l| l.to_string());
+            let behind = match (c.lag, c.behind_ms) {
+                (Some(0), _) => "-".into(),
+                (_, Some(ms)) => show(Duration::from_millis(ms)),
+                (_, None) => "?".into(),
+            };
+            rows.push(node_cells(c.name.clone(), version, lag, behind));
+        }
+    }
+    let mut out = String::new();
+    let lagging = view.nodes.iter().filter(|n| n.lagging).count();
+    let _ = writeln!(
+        out,
+        "topic {}: {} live node{}, {lagging} lagging, {} gone",
+        view.topic,
+        view.nodes.len(),
+        if view.nodes.len() == 1 { "" } else { "s" },
+        view.gone.len()
+    );
+    if view.nodes.is_empty() {
+        out.push_str("no node answered\n");
+    } else {
+        let header = HEADER.map(String::from);
+        // Widths in characters, not bytes, so that names in any script
+        // line up as well as a monospace terminal allows.
+        let mut widths = [0usize; 8];
+        for row in std::iter::once(&header).chain(&rows) {
+            for (w, cell) in widths.iter_mut().zip(row) {
+                *w = (*w).max(cell.chars().count());
+            }
+        }
+        for row in std::iter::once(&header).chain(&rows) {
+            let mut line = String::new();
+            for (i, (cell, w)) in row.iter().zip(widths).enumerate() {
+                if i > 0 {
+                    line.push_str("  ");
+                }
+                line.push_str(cell);
+                let pad = w.saturating_sub(cell.chars().count());
+                line.extend(std::iter::repeat_n(' ', pad));
+            }
+            out.push_str(line.trim_end());
+            out.push('\n');
+        }
+    }
+    for g in &view.gone {
+        let ago = Duration::from_micros(view.at_us.saturating_sub(g.last_seen_at_us));
+        let _ = writeln!(
+            out,
+            "gone: {} (last heartbeat {} ago)",
+            g.node_id,
+            show(ago)
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cache_sync::{GoneNode, NodeCacheView, NodeView};
+
+    // The view types are `#[non_exhaustive]`: outside the library they are
+    // built the way a client gets them, from JSON.
+    fn cache(
+        name: &str,
+        version: Option<u64>,
+        lag: Option<u64>,
+        behind_ms: Option<u64>,
+    ) -> NodeCacheView {
+        serde_json::from_value(serde_json::json!({
+            "name": name, "version": version, "lag": lag, "behind_ms": behind_ms,
+            "entries": 3, "loss_resyncs": 0, "quarantined": false, "last_latency_us": null,
+        }))
+        .unwrap()
+    }
+
+    fn node(id: &str, caches: Vec<NodeCacheView>) -> NodeView {
+        let lagging = caches.iter().any(|c| c.lag.unwrap_or(0) > 0);
+        serde_json::from_value(serde_json::json!({
+            "node_id": id, "transport": "redis-streams", "started_at_us": 1, "age_ms": 40,
+            "interval_ms": 100, "consuming": true, "ready": true,
+            "position": serde_json::to_value(cache_sync::transport::Position::default()).unwrap(),
+            "losses": 2, "lagging": lagging, "caches": caches,
+        }))
+        .unwrap()
+    }
+
+    fn view(nodes: Vec<NodeView>, gone: Vec<(&str, u64)>) -> ClusterView {
+        let gone: Vec<GoneNode> = gone
+            .into_iter()
+            .map(|(id, at)| {
+                serde_json::from_value(serde_json::json!({"node_id": id, "last_seen_at_us": at}))
+                    .unwrap()
+            })
+            .collect();
+        serde_json::from_value(serde_json::json!({
+            "observer": "cli", "topic": "cache-sync", "at_us": 10_000_000u64,
+            "nodes": nodes, "gone": gone, "caches": [],
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn no_node_is_a_failure() {
+        let v = view(vec![], vec![("old", 4_000_000)]);
+        assert_eq!(verdict(&v, Duration::from_secs(10)), Verdict::Empty);
+        assert_eq!(Verdict::Empty.exit_code(), 1);
+        let table = render(&v);
+        assert!(table.contains("no node answered"), "{table}");
+        assert!(
+            table.contains("gone: old (last heartbeat 6.0 s ago)"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn level_nodes_pass() {
+        let v = view(
+            vec![
+                node("a", vec![cache("countries", Some(7), Some(0), Some(0))]),
+                node("b", vec![]),
+            ],
+            vec![],
+        );
+        let verdict = verdict(&v, Duration::from_secs(10));
+        assert_eq!(verdict, Verdict::Level);
+        assert_eq!(verdict.exit_code(), 0);
+        let table = render(&v);
+        assert!(table.contains("2 live nodes, 0 lagging, 0 gone"), "{table}");
+        assert!(table.lines().any(|l| l.starts_with("  b  ")), "{table}");
+    }
+
+    #[test]
+    fn a_lagging_node_fails_only_beyond_max_lag() {
+        let v = view(
+            vec![
+                node("a", vec![cache("countries", Some(9), Some(0), Some(0))]),
+                node(
+                    "slow",
+                    vec![cache("countries", Some(7), Some(2), Some(1_500))],
+                ),
+            ],
+            vec![],
+        );
+        assert_eq!(verdict(&v, Duration::from_secs(10)), Verdict::Level);
+        let Verdict::Diverged(lines) = verdict(&v, Duration::from_secs(1)) else {
+            panic!("1.5 s behind is beyond 1 s");
+        };
+        assert_eq!(lines, ["slow countries: 2 versions behind for 1.5 s"]);
+        let table = render(&v);
+        assert!(table.contains("* slow"), "{table}");
+        assert!(table.contains("1 lagging"), "{table}");
+    }
+
+    #[test]
+    fn behind_for_an_unknown_time_fails_any_max_lag() {
+        let v = view(
+            vec![node("n", vec![cache("c", None, Some(1), None)])],
+            vec![],
+        );
+        let Verdict::Diverged(lines) = verdict(&v, Duration::from_secs(3600)) else {
+            panic!("an unknown time counts as beyond any limit");
+        };
+        assert_eq!(lines, ["n c: 1 version behind for an unknown time"]);
+        let table = render(&v);
+        let row = table.lines().find(|l| l.contains("* n")).unwrap();
+        assert!(row.contains(" ? "), "{table}");
+    }
+
+    #[test]
+    fn gone_nodes_are_listed_and_do_not_count() {
+        let v = view(
+            vec![node("a", vec![cache("c", Some(1), Some(0), Some(0))])],
+            vec![("b", 9_000_000)],
+        );
+        assert_eq!(verdict(&v, Duration::ZERO), Verdict::Level);
+        assert!(render(&v).contains("gone: b (last heartbeat 1.0 s ago)"));
+    }
+
+    #[test]
+    fn names_with_spaces_and_unicode_line_up() {
+        let v = view(
+            vec![
+                node("nœud 1", vec![cache("Länder", Some(1), Some(0), Some(0))]),
+                node("ノード 二", vec![cache("c", Some(1), Some(0), Some(0))]),
+            ],
+            vec![],
+        );
+        let table = render(&v);
+        let rows: Vec<&str> = table.lines().skip(1).collect();
+        // The CACHE column starts at the same character in every row.
+        let at = |l: &str, what: &str| l.find(what).map(|b| l[..b].chars().count());
+        assert_eq!(at(rows[0], "CACHE"), at(rows[1], "Länder"), "{table}");
+        assert_eq!(at(rows[0], "CACHE"), at(rows[2], "c "), "{table}");
+        assert!(table.contains("ノード 二"));
+    }
+}

@@ -1,0 +1,369 @@
+//! The `cache-sync` command-line tool against nodes on a Redis server of
+//! the test's own: it is built once per test process, then run as a user
+//! would run it.
+//!
+//! Needs the Redis transports' heartbeat channel: on a branch where Redis
+//! has none, the watcher cannot start and `status` exits 2 ("cannot watch
+//! the heartbeats"), which these tests report as a failure.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use cache_sync::transport::{
+    Delivery, HeartbeatSubscription, Position, SubscribeOptions, Subscription, Transport,
+};
+use cache_sync::{ClusterView, Node, Publisher, RedisStreamsTransport, SyncedCache};
+use integration_tests::eventually;
+use integration_tests::redis_server::RedisServer;
+
+const EVERY: Duration = Duration::from_millis(100);
+
+/// Builds the binary with `cargo build`, as trybuild builds its cases: the
+/// cargo that runs this test (`CARGO`), the same target directory, so a
+/// second run rebuilds nothing. Once per test process.
+fn binary() -> &'static PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        // This test runs as <target>/<profile>/deps/cli-<hash>.
+        let exe = std::env::current_exe().expect("the test's own path");
+        let profile_dir = exe
+            .parent()
+            .and_then(|deps| deps.parent())
+            .expect("the test binary sits in <target>/<profile>/deps");
+        let target = profile_dir.parent().expect("<target>/<profile>");
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let status = Command::new(cargo)
+            .args([
+                "build",
+                "-p",
+                "cache-sync",
+                "--bin",
+                "cache-sync",
+                "--features",
+                // nats for the NATS status test; the rest needs redis only.
+                "cli,redis,nats",
+            ])
+            .env("CARGO_TARGET_DIR", target)
+            .status()
+            .expect("run cargo build");
+        assert!(
+            status.success(),
+            "cargo build of the cache-sync binary failed"
+        );
+        // Tests run in the dev profile's directory (`debug`) unless cargo
+        // was told otherwise; the build above used the dev profile too.
+        target.join("debug").join("cache-sync")
+    })
+}
+
+/// Runs the tool off the runtime's threads, so the nodes keep sending
+/// heartbeats while it runs.
+async fn cli(args: &[&str]) -> Output {
+    let args: Vec<String> = args.iter().map(|s| (*s).to_owned()).collect();
+    tokio::task::spawn_blocking(move || {
+        Command::new(binary())
+            .args(&args)
+            .output()
+            .expect("run cache-sync")
+    })
+    .await
+    .expect("the blocking task")
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Holds back every change event from its subscribers while `stalled` is
+/// set, and passes heartbeats through: a node that keeps reporting while
+/// it falls behind.
+#[derive(Debug, Clone)]
+struct Stalling<T> {
+    inner: T,
+    stalled: Arc<AtomicBool>,
+}
+
+#[derive(Debug)]
+struct StallingSubscription {
+    inner: Box<dyn Subscription>,
+    stalled: Arc<AtomicBool>,
+    /// A delivery fetched while stalled, held until it is not: kept here
+    /// so that a dropped `next` loses nothing.
+    held: Option<cache_sync::Result<Delivery>>,
+}
+
+#[async_trait]
+impl Subscription for StallingSubscription {
+    async fn next(&mut self, max: usize) -> cache_sync::Result<Delivery> {
+        if self.held.is_none() {
+            self.held = Some(self.inner.next(max).await);
+        }
+        while self.stalled.load(Relaxed) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        self.held.take().expect("filled above")
+    }
+
+    fn position(&self) -> Option<Position> {
+        self.inner.position()
+    }
+}
+
+#[async_trait]
+impl<T: Transport> Transport for Stalling<T> {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn filters_by_tag(&self) -> bool {
+        self.inner.filters_by_tag()
+    }
+
+    fn check_topic(&self, topic: &str) -> cache_sync::Result<()> {
+        self.inner.check_topic(topic)
+    }
+
+    fn check_tag(&self, tag: &str) -> cache_sync::Result<()> {
+        self.inner.check_tag(tag)
+    }
+
+    async fn publish(
+        &self,
+        topic: &str,
+        tag: &str,
+        payload: Bytes,
+    ) -> cache_sync::Result<Option<Position>> {
+        self.inner.publish(topic, tag, payload).await
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> cache_sync::Result<Box<dyn Subscription>> {
+        Ok(Box::new(StallingSubscription {
+            inner: self.inner.subscribe(topic, options).await?,
+            stalled: self.stalled.clone(),
+            held: None,
+        }))
+    }
+
+    async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> cache_sync::Result<()> {
+        self.inner.publish_heartbeat(topic, payload).await
+    }
+
+    async fn subscribe_heartbeats(
+        &self,
+        topic: &str,
+    ) -> cache_sync::Result<Box<dyn HeartbeatSubscription>> {
+        self.inner.subscribe_heartbeats(topic).await
+    }
+}
+
+type Countries = SyncedCache<String, String>;
+
+async fn node(id: &str, transport: impl Transport) -> (Countries, Node) {
+    let cache: Countries = SyncedCache::new("countries", moka::future::Cache::new(100));
+    let node = Node::builder(id, transport)
+        .heartbeat_interval(EVERY)
+        .register(&cache)
+        .start()
+        .await
+        .expect("start a node");
+    (cache, node)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_publish_and_lag_on_redis_streams() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let connect = async || {
+        RedisStreamsTransport::builder(url.clone())
+            .block(Duration::from_millis(200))
+            .connect()
+            .await
+            .expect("connect")
+    };
+    let stalled = Arc::new(AtomicBool::new(false));
+    let (c1, n1) = node("n1", connect().await).await;
+    let (c2, n2) = node("n2", connect().await).await;
+    let (c3, n3) = node(
+        "n3",
+        Stalling {
+            inner: connect().await,
+            stalled: stalled.clone(),
+        },
+    )
+    .await;
+    let caches = [&c1, &c2, &c3];
+    let base = [
+        "--transport",
+        "redis-streams",
+        "--url",
+        url.as_str(),
+        "--heartbeat-interval",
+        "100ms",
+    ];
+    let run = async |extra: &[&str]| {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        cli(&args).await
+    };
+
+    // Every node is listed, and a level cluster passes.
+    let out = run(&["status"]).await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    for id in ["n1", "n2", "n3"] {
+        assert!(stdout.contains(id), "{id} missing:\n{stdout}");
+    }
+
+    // The JSON is the library's ClusterView.
+    let out = run(&["status", "--json"]).await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    let view: ClusterView = serde_json::from_str(&stdout).expect("a ClusterView");
+    let ids: Vec<&str> = view.nodes.iter().map(|n| n.node_id.as_str()).collect();
+    assert_eq!(ids, ["n1", "n2", "n3"]);
+
+    // An acknowledged refresh reaches every node.
+    let out = run(&[
+        "publish",
+        "refresh",
+        "countries",
+        "de",
+        "Deutschland",
+        "--version",
+        "7",
+        "--ack",
+        "5s",
+    ])
+    .await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    assert!(stdout.contains("applied on 3/3 nodes"), "{stdout}");
+    for c in caches {
+        assert_eq!(c.peek("de").await.as_deref(), Some("Deutschland"));
+    }
+
+    // An acknowledged invalidation, then a clear.
+    for c in caches {
+        c.insert("fr".into(), "France".into()).await;
+    }
+    let out = run(&["publish", "invalidate", "countries", "de", "--ack", "5s"]).await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    assert!(stdout.contains("applied on 3/3 nodes"), "{stdout}");
+    for c in caches {
+        assert_eq!(c.peek("de").await, None);
+        assert_eq!(c.peek("fr").await.as_deref(), Some("France"));
+    }
+    let out = run(&["publish", "clear", "countries", "--ack", "5s"]).await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    assert!(stdout.contains("applied on 3/3 nodes"), "{stdout}");
+    for c in caches {
+        assert_eq!(c.peek("fr").await, None);
+    }
+
+    // n3 stops taking events in while the others move on to version 9.
+    stalled.store(true, Relaxed);
+    let publisher = Publisher::new(connect().await);
+    for v in [8, 9] {
+        publisher
+            .refresh_versioned("countries", [("de", "Deutschland", Some(v))])
+            .await
+            .expect("publish");
+    }
+    eventually("n1 and n2 at version 9", async || {
+        [&c1, &c2].iter().all(|c| c.status().version == Some(9))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let out = run(&["status", "--max-lag", "100ms"]).await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(stderr.contains("n3 countries"), "{stderr}");
+    assert!(!stderr.contains("n1") && !stderr.contains("n2"), "{stderr}");
+    let out = run(&["status", "--max-lag", "1h"]).await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    stalled.store(false, Relaxed);
+    eventually("n3 caught up", async || c3.status().version == Some(9)).await;
+
+    // A topic no node is on: a probe must not pass.
+    let out = run(&["--topic", "nobody-here", "status"]).await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(stdout.contains("no node answered"), "{stdout}");
+
+    for n in [n1, n2, n3] {
+        n.shutdown().await.expect("shutdown");
+    }
+}
+
+/// `status` on `transport` lists two nodes started on `connect()`.
+async fn status_lists_every_node<T: Transport>(
+    name: &str,
+    url: &str,
+    connect: impl AsyncFn() -> T,
+) {
+    let (_c1, n1) = node("n1", connect().await).await;
+    let (_c2, n2) = node("n2", connect().await).await;
+    let out = cli(&[
+        "--transport",
+        name,
+        "--url",
+        url,
+        "--heartbeat-interval",
+        "100ms",
+        "status",
+    ])
+    .await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    assert!(stdout.contains("n1") && stdout.contains("n2"), "{stdout}");
+    for n in [n1, n2] {
+        n.shutdown().await.expect("shutdown");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_on_redis_pubsub() {
+    let server = RedisServer::start();
+    let url = server.url();
+    status_lists_every_node("redis-pubsub", &url, async || {
+        cache_sync::RedisPubSubTransport::connect(url.clone())
+            .await
+            .expect("connect")
+    })
+    .await;
+}
+
+#[cfg(feature = "nats")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_on_nats() {
+    let server = integration_tests::nats_server::NatsServer::start();
+    let url = server.url();
+    status_lists_every_node("nats", &url, async || {
+        cache_sync::NatsJetStreamTransport::connect(url.clone())
+            .await
+            .expect("connect")
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_embedded_transport_is_refused_with_a_reason() {
+    let out = cli(&["--transport", "embedded", "status"]).await;
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("inside one process"), "{stderr}");
+}
