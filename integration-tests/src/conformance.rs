@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use cache_sync::transport::{Delivery, Position, SubscribeOptions, Subscription, Transport};
+use cache_sync::transport::{
+    Delivery, HeartbeatSubscription, Position, StartFrom, SubscribeOptions, Subscription, Transport,
+};
 use cache_sync::{DictionaryPublisher, FileOffsetStore, NodeBuilder, Publisher};
 
 use crate::{Db, Row, TABLE, TestNode, assert_no_stale_entries};
@@ -63,10 +65,28 @@ pub trait Fixture: Send + Sync {
     /// How soon after its broker is killed every node must report itself
     /// unhealthy (`consuming: false`), or `None` without a broker.
     fn health_bound(&self) -> Option<Duration>;
+    /// What the broker holds for `topic`, read beside the transport, or
+    /// `None` where the suite has no such look.
+    fn stored(&self, topic: &str) -> Option<Stored> {
+        let _ = topic;
+        None
+    }
     /// Kills the broker (`kill -9`) and leaves it down.
     fn kill(&mut self) {}
     /// Starts a killed broker again, on the same data.
     fn revive(&mut self) {}
+}
+
+/// What a broker holds for a topic (see [`Fixture::stored`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stored {
+    /// Records in the topic's change history.
+    pub history: u64,
+    /// Messages its heartbeat channel keeps.
+    pub heartbeats: u64,
+    /// How long the heartbeat channel lives on without a publish, if it
+    /// expires.
+    pub heartbeats_expire_in: Option<Duration>,
 }
 
 /// Publishes enough events that a new history grows well past any position
@@ -132,6 +152,21 @@ impl Transport for GatedTransport {
         payload: bytes::Bytes,
     ) -> cache_sync::Result<Option<Position>> {
         self.inner.publish(topic, tag, payload).await
+    }
+
+    async fn publish_heartbeat(
+        &self,
+        topic: &str,
+        payload: bytes::Bytes,
+    ) -> cache_sync::Result<()> {
+        self.inner.publish_heartbeat(topic, payload).await
+    }
+
+    async fn subscribe_heartbeats(
+        &self,
+        topic: &str,
+    ) -> cache_sync::Result<Box<dyn HeartbeatSubscription>> {
+        self.inner.subscribe_heartbeats(topic).await
     }
 
     async fn subscribe(
@@ -1079,4 +1114,240 @@ pub async fn names_map_one_to_one(fixture: &mut dyn Fixture) {
             .await
             .is_err_and(|e| e.is_config())
     );
+}
+
+/// How long a heartbeat or a change record may take to arrive.
+const ARRIVES_WITHIN: Duration = Duration::from_secs(20);
+
+/// How long nothing more must arrive before a subscription counts as
+/// having delivered everything: a stray record has had time to show.
+const QUIET: Duration = Duration::from_millis(1500);
+
+/// How long a record already delivered to the client takes to be handed out.
+const AT_HAND: Duration = Duration::from_millis(200);
+
+/// The next heartbeat, failing the test if none comes.
+async fn next_heartbeat(
+    name: &str,
+    what: &str,
+    sub: &mut Box<dyn HeartbeatSubscription>,
+) -> bytes::Bytes {
+    match tokio::time::timeout(ARRIVES_WITHIN, sub.next()).await {
+        Ok(Ok(payload)) => payload,
+        Ok(Err(e)) => panic!("{name}: {what}: the heartbeat subscription failed: {e}"),
+        Err(_) => panic!("{name}: {what}: no heartbeat within {ARRIVES_WITHIN:?}"),
+    }
+}
+
+/// Fails if a heartbeat arrives within [`QUIET`].
+async fn no_more_heartbeats(name: &str, what: &str, sub: &mut Box<dyn HeartbeatSubscription>) {
+    if let Ok(got) = tokio::time::timeout(QUIET, sub.next()).await {
+        panic!("{name}: {what}: got {got:?}, expected nothing more");
+    }
+}
+
+/// Everything a change subscription delivers until it has been quiet for
+/// [`QUIET`] after at least `expect` records: the payloads, and how many
+/// losses it signalled.
+async fn read_changes(
+    name: &str,
+    what: &str,
+    sub: &mut Box<dyn Subscription>,
+    expect: usize,
+) -> (Vec<bytes::Bytes>, usize) {
+    let deadline = tokio::time::Instant::now() + ARRIVES_WITHIN;
+    let (mut payloads, mut losses) = (Vec::new(), 0);
+    loop {
+        let wait = if payloads.len() >= expect {
+            QUIET
+        } else {
+            deadline.saturating_duration_since(tokio::time::Instant::now())
+        };
+        match tokio::time::timeout(wait, sub.next(1000)).await {
+            Ok(Ok(Delivery::Batch { records, .. })) => {
+                payloads.extend(records.into_iter().map(|r| r.payload));
+            }
+            Ok(Ok(Delivery::Lost(loss))) => {
+                eprintln!("{name}: {what}: loss {loss:?}");
+                losses += 1;
+            }
+            Ok(Ok(other)) => panic!("{name}: {what}: unexpected delivery {other:?}"),
+            Ok(Err(e)) => panic!("{name}: {what}: the change subscription failed: {e}"),
+            Err(_) if payloads.len() >= expect => return (payloads, losses),
+            Err(_) => panic!(
+                "{name}: {what}: {} of {expect} change records within {ARRIVES_WITHIN:?}",
+                payloads.len()
+            ),
+        }
+    }
+}
+
+/// The heartbeat channel beside each topic's change history: a heartbeat
+/// reaches every heartbeat subscriber byte for byte, never a change
+/// subscription (nor takes a change history's room), and each topic's
+/// channel is its own, whatever characters its name holds. A transport
+/// without one must say `Unsupported`.
+pub async fn heartbeat_channel(fixture: &mut dyn Fixture) {
+    let name = fixture.name();
+    let publisher = fixture.transport().await;
+    let (a_node, b_node) = (fixture.transport().await, fixture.transport().await);
+
+    // (a) Two subscribers, on two clients of their own, get it byte-exact.
+    let topic = "hb-a";
+    let mut a = match a_node.subscribe_heartbeats(topic).await {
+        Ok(sub) => sub,
+        Err(e) if e.is_unsupported() => {
+            let published = publisher
+                .publish_heartbeat(topic, bytes::Bytes::from_static(b"beat"))
+                .await;
+            assert!(
+                published.as_ref().is_err_and(|e| e.is_unsupported()),
+                "{name}: heartbeat subscriptions are unsupported, publishing is {published:?}"
+            );
+            eprintln!("{name}: no heartbeat channel (Unsupported), as declared");
+            return;
+        }
+        Err(e) => panic!("{name}: subscribe_heartbeats: {e}"),
+    };
+    let mut b = b_node
+        .subscribe_heartbeats(topic)
+        .await
+        .unwrap_or_else(|e| panic!("{name}: subscribe_heartbeats: {e}"));
+    // Every byte value, NUL and invalid UTF-8 included.
+    let beat: bytes::Bytes = (0..=255u8)
+        .chain(0..=255u8)
+        .rev()
+        .collect::<Vec<_>>()
+        .into();
+    retry(|| publisher.publish_heartbeat(topic, beat.clone())).await;
+    for (who, sub) in [("first", &mut a), ("second", &mut b)] {
+        let got = next_heartbeat(name, who, sub).await;
+        assert_eq!(
+            got, beat,
+            "{name}: the {who} subscriber got another payload"
+        );
+        no_more_heartbeats(name, who, sub).await;
+    }
+
+    // (b) Never in a change subscription of the same topic, made before or
+    // after the heartbeats.
+    let topic = "hb-b";
+    let before = a_node
+        .subscribe(topic, SubscribeOptions::new(StartFrom::Latest))
+        .await
+        .unwrap_or_else(|e| panic!("{name}: subscribe: {e}"));
+    let mut beats = b_node
+        .subscribe_heartbeats(topic)
+        .await
+        .unwrap_or_else(|e| panic!("{name}: subscribe_heartbeats: {e}"));
+    for i in 0..100u32 {
+        let payload = bytes::Bytes::from(format!("beat {i}"));
+        retry(|| publisher.publish_heartbeat(topic, payload.clone())).await;
+    }
+    let change = bytes::Bytes::from_static(b"the one change event");
+    retry(|| publisher.publish(topic, "c", change.clone())).await;
+    let mut subs = vec![("made before, from the latest", before)];
+    match b_node
+        .subscribe(topic, SubscribeOptions::new(StartFrom::Earliest))
+        .await
+    {
+        Ok(after) => subs.push(("made after, from the earliest", after)),
+        Err(e) if e.is_unsupported() => {
+            eprintln!("{name}: no earliest start ({e}); checked the latest one only");
+        }
+        Err(e) => panic!("{name}: subscribe from the earliest: {e}"),
+    }
+    for (what, sub) in &mut subs {
+        let (payloads, losses) = read_changes(name, what, sub, 1).await;
+        assert_eq!(
+            (payloads, losses),
+            (vec![change.clone()], 0),
+            "{name}: the change subscription {what} must see the one change record and no loss"
+        );
+    }
+    // The heartbeats themselves went through (the channel may drop some,
+    // never on a quiet test broker).
+    for i in 0..100u32 {
+        let got = next_heartbeat(name, "the 100", &mut beats).await;
+        assert_eq!(got, format!("beat {i}").as_bytes(), "{name}: heartbeat {i}");
+    }
+    drop(subs);
+
+    // (c) Each topic's channel is its own, whatever its name holds.
+    let topics = [
+        "x", "x.hb", "x:hb", "x%hb", "x hb", "a.b", "a_b", "*", ">", "a:b", "a b", "über",
+    ];
+    let mut channels = Vec::new();
+    for topic in topics {
+        if let Err(e) = a_node.check_topic(topic) {
+            eprintln!("{name}: the transport refuses topic {topic:?}, skipped: {e}");
+            continue;
+        }
+        let beats = a_node
+            .subscribe_heartbeats(topic)
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {topic:?}: subscribe_heartbeats: {e}"));
+        let changes = a_node
+            .subscribe(topic, SubscribeOptions::new(StartFrom::Latest))
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {topic:?}: subscribe: {e}"));
+        channels.push((topic, beats, changes));
+    }
+    for (topic, ..) in &channels {
+        retry(|| publisher.publish_heartbeat(topic, bytes::Bytes::from(topic.to_string()))).await;
+    }
+    for (topic, beats, _) in &mut channels {
+        let got = next_heartbeat(name, topic, beats).await;
+        assert_eq!(
+            got,
+            topic.as_bytes(),
+            "{name}: topic {topic:?} got another topic's heartbeat"
+        );
+    }
+    // Anything stray has had time to arrive; it would now be at hand.
+    tokio::time::sleep(QUIET).await;
+    for (topic, beats, changes) in &mut channels {
+        if let Ok(got) = tokio::time::timeout(AT_HAND, beats.next()).await {
+            panic!("{name}: topic {topic:?}: got {got:?}, expected nothing more");
+        }
+        match tokio::time::timeout(AT_HAND, changes.next(1000)).await {
+            Err(_) => {}
+            Ok(Ok(Delivery::Batch { records, .. })) if records.is_empty() => {}
+            Ok(stray) => panic!("{name}: topic {topic:?}: a change subscription got {stray:?}"),
+        }
+    }
+    drop(channels);
+
+    // (d) Where the broker can be looked at: heartbeats take none of the
+    // change history's room, and their own channel stays short.
+    let topic = "hb-d";
+    retry(|| publisher.publish(topic, "c", bytes::Bytes::from_static(b"change"))).await;
+    retry(|| publisher.publish_heartbeat(topic, bytes::Bytes::from_static(b"beat"))).await;
+    let Some(start) = fixture.stored(topic) else {
+        return;
+    };
+    for i in 0..200u32 {
+        let payload = bytes::Bytes::from(format!("beat {i}"));
+        retry(|| publisher.publish_heartbeat(topic, payload.clone())).await;
+    }
+    let end = fixture.stored(topic).expect("looked at once already");
+    eprintln!("{name}: stored before 200 heartbeats {start:?}, after {end:?}");
+    assert_eq!(
+        end.history, start.history,
+        "{name}: heartbeats changed the length of the change history"
+    );
+    assert_eq!(
+        start.history, 1,
+        "{name}: the change history holds the one event"
+    );
+    assert!(
+        end.heartbeats < 200,
+        "{name}: the heartbeat channel kept all 200 heartbeats: {end:?}"
+    );
+    if let Some(ttl) = end.heartbeats_expire_in {
+        assert!(
+            ttl > Duration::ZERO && ttl <= Duration::from_secs(60),
+            "{name}: the heartbeat channel lives on for {ttl:?}"
+        );
+    }
 }

@@ -7,18 +7,27 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use cache_sync::transport::Transport;
-use cache_sync::{
-    EmbeddedTransport, NatsJetStreamTransport, Publisher, RedisPubSubTransport,
-    RedisStreamsTransport, RocketMqTransport,
-};
+// Each broker's fixture needs its transport's feature, so that one
+// transport's scenarios run without building the others (`--no-default-features
+// --features redis`).
+#[cfg(feature = "nats")]
+use cache_sync::NatsJetStreamTransport;
+#[cfg(feature = "rocketmq")]
+use cache_sync::RocketMqTransport;
+use cache_sync::{EmbeddedTransport, Publisher};
+#[cfg(feature = "redis")]
+use cache_sync::{RedisPubSubTransport, RedisStreamsTransport};
 use integration_tests::cluster_view;
 use integration_tests::conformance::{
     Expect, Fault, Fixture, a_refusal_is_no_disconnect, health_follows_the_broker,
-    names_map_one_to_one, normal_path, publish_cut_at_the_tail, publish_cut_mid_flight, regrow,
-    retry, survives,
+    heartbeat_channel, names_map_one_to_one, normal_path, publish_cut_at_the_tail,
+    publish_cut_mid_flight, regrow, retry, survives,
 };
+#[cfg(feature = "nats")]
 use integration_tests::nats_server::NatsServer;
+#[cfg(feature = "redis")]
 use integration_tests::redis_server::RedisServer;
+#[cfg(feature = "rocketmq")]
 use integration_tests::rocketmq_server::RocketMqServer;
 
 struct Embedded {
@@ -70,10 +79,12 @@ impl Fixture for Embedded {
     }
 }
 
+#[cfg(feature = "redis")]
 struct Streams {
     server: RedisServer,
 }
 
+#[cfg(feature = "redis")]
 #[async_trait]
 impl Fixture for Streams {
     fn name(&self) -> &'static str {
@@ -132,6 +143,28 @@ impl Fixture for Streams {
         Some(Duration::from_secs(5))
     }
 
+    fn stored(&self, topic: &str) -> Option<integration_tests::conformance::Stored> {
+        // The default key prefix; the suite's topics here need no escaping.
+        let key = format!("cache-sync:{topic}");
+        let heartbeats = format!("{key}:hb");
+        let int = |args: &[&str]| -> i64 {
+            let reply = self.server.command(args).expect("redis command");
+            reply
+                .strip_prefix(':')
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("{args:?}: {reply}"))
+        };
+        let ttl = int(&["PTTL", &heartbeats]);
+        Some(integration_tests::conformance::Stored {
+            history: int(&["XLEN", &key]).try_into().expect("a length"),
+            heartbeats: int(&["XLEN", &heartbeats]).try_into().expect("a length"),
+            // -1: no expiry, which the check below refuses as "never".
+            heartbeats_expire_in: Some(
+                u64::try_from(ttl).map_or(Duration::MAX, Duration::from_millis),
+            ),
+        })
+    }
+
     fn kill(&mut self) {
         self.server.kill();
     }
@@ -141,10 +174,12 @@ impl Fixture for Streams {
     }
 }
 
+#[cfg(feature = "redis")]
 struct PubSub {
     server: RedisServer,
 }
 
+#[cfg(feature = "redis")]
 #[async_trait]
 impl Fixture for PubSub {
     fn name(&self) -> &'static str {
@@ -234,10 +269,12 @@ impl Fixture for PubSub {
     }
 }
 
+#[cfg(feature = "nats")]
 struct Nats {
     server: NatsServer,
 }
 
+#[cfg(feature = "nats")]
 #[async_trait]
 impl Fixture for Nats {
     fn name(&self) -> &'static str {
@@ -304,10 +341,12 @@ impl Fixture for Nats {
     }
 }
 
+#[cfg(feature = "rocketmq")]
 struct RocketMq {
     server: RocketMqServer,
 }
 
+#[cfg(feature = "rocketmq")]
 #[async_trait]
 impl Fixture for RocketMq {
     fn name(&self) -> &'static str {
@@ -376,6 +415,7 @@ impl Fixture for RocketMq {
 }
 
 /// Longer than every client timeout the fixtures set.
+#[cfg(feature = "redis")]
 async fn pause(server: &RedisServer) {
     server.pause();
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -448,6 +488,11 @@ macro_rules! conformance {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn heartbeat_channel_beside_the_change_history() {
+                heartbeat_channel(&mut $fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_refused_publish_is_no_disconnect() {
                 a_refusal_is_no_disconnect(&mut $fixture).await;
             }
@@ -471,24 +516,28 @@ macro_rules! conformance {
 }
 
 conformance!(embedded, Embedded::new());
+#[cfg(feature = "redis")]
 conformance!(
     redis_streams,
     Streams {
         server: RedisServer::start()
     }
 );
+#[cfg(feature = "redis")]
 conformance!(
     redis_pubsub,
     PubSub {
         server: RedisServer::start()
     }
 );
+#[cfg(feature = "nats")]
 conformance!(
     nats_jetstream,
     Nats {
         server: NatsServer::start()
     }
 );
+#[cfg(feature = "rocketmq")]
 conformance!(
     rocketmq,
     RocketMq {

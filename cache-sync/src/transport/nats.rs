@@ -13,8 +13,8 @@ use futures_util::{FutureExt, StreamExt};
 use tokio::sync::watch;
 
 use super::{
-    Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
-    Subscription, Tags, Transport,
+    Delivery, HeartbeatSubscription, Loss, LossReason, Offset, Position, Record, StartFrom,
+    SubscribeOptions, Subscription, Tags, Transport,
 };
 use crate::error::{Error, Result};
 use crate::transport::names::{self, NameKind};
@@ -31,6 +31,11 @@ const CREATED: &str = "created";
 const TAG_HEADER: &str = "Cache-Sync-Tag";
 /// JetStream's longest stream name.
 const MAX_STREAM_NAME: usize = 255;
+/// How long a heartbeat publish waits for the client to write it out. Core
+/// NATS has no acknowledgement; while the client is disconnected a flush
+/// waits for the reconnect, so it is bounded like a JetStream request (the
+/// client's default request timeout).
+const HEARTBEAT_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Whether the client is connected, and how many times it connected. Moved
 /// by the client's events; subscriptions end on any change, so a node shows
@@ -55,6 +60,13 @@ struct Link {
 ///   [`LossReason::HistoryReset`], and a stored position below the stream's
 ///   first sequence as a trim before the first delivery.
 /// - **Start positions:** latest, earliest, a stored sequence, a timestamp.
+/// - **Heartbeats** ([`Transport::publish_heartbeat`]) are core NATS
+///   messages on `<subject>.hb`, kept nowhere (no JetStream): the topic's
+///   stream takes exactly its one subject, and the escaped topic is one
+///   token without `.`, so no topic's stream captures another's heartbeats
+///   or its own. A heartbeat subscription is a plain core subscription,
+///   which the client renews by itself after a reconnect; what was sent
+///   while it was away is gone.
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 #[derive(Clone)]
 pub struct NatsJetStreamTransport {
@@ -232,6 +244,13 @@ impl NatsJetStreamTransport {
             self.config.subject_prefix,
             names::escape_with(topic, MARKER, subject_char)
         )
+    }
+
+    /// `<subject>.hb`, the topic's heartbeat subject: one token longer than
+    /// any topic's subject, so no stream (each takes exactly its topic's
+    /// subject) stores it.
+    fn heartbeat_subject(&self, topic: &str) -> String {
+        format!("{}.hb", self.subject(topic))
     }
 
     /// `<prefix>_<topic>`, each escaped to letters, digits and `-` (others
@@ -516,6 +535,63 @@ impl Transport for NatsJetStreamTransport {
             connects,
             tags: Tags::default(),
         }))
+    }
+
+    async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
+        self.check_topic(topic)?;
+        let sent = async {
+            self.client
+                .publish(self.heartbeat_subject(topic), payload)
+                .await
+                .map_err(|e| self.err(e))?;
+            // `publish` only queues the message; the flush shows a failure
+            // to write it (or, bounded, a client that is not connected).
+            self.client.flush().await.map_err(|e| self.err(e))
+        };
+        tokio::time::timeout(HEARTBEAT_FLUSH_TIMEOUT, sent)
+            .await
+            .map_err(|e| self.err(e))?
+    }
+
+    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
+        self.check_topic(topic)?;
+        let subscriber = self
+            .client
+            .subscribe(self.heartbeat_subject(topic))
+            .await
+            .map_err(|e| self.err(e))?;
+        // One round trip on the same connection: the server handles a
+        // connection's messages in order, so once it answers, the SUB is
+        // in place and a heartbeat published from now on reaches it. A
+        // request to a fresh inbox nobody listens on is answered at once
+        // by the server itself, with "no responders".
+        match self
+            .client
+            .request(self.client.new_inbox(), Bytes::new())
+            .await
+        {
+            Ok(_) => {}
+            Err(e) if e.kind() == async_nats::client::RequestErrorKind::NoResponders => {}
+            Err(e) => return Err(self.err(e)),
+        }
+        Ok(Box::new(NatsHeartbeats(subscriber)))
+    }
+}
+
+/// A core NATS subscription to a heartbeat subject.
+#[derive(Debug)]
+struct NatsHeartbeats(async_nats::Subscriber);
+
+#[async_trait]
+impl HeartbeatSubscription for NatsHeartbeats {
+    async fn next(&mut self) -> Result<Bytes> {
+        match self.0.next().await {
+            Some(message) => Ok(message.payload),
+            None => Err(Error::disconnected(
+                KIND,
+                "the heartbeat subscription ended (the client closed)",
+            )),
+        }
     }
 }
 

@@ -13,8 +13,8 @@ use redis::aio::ConnectionManager;
 use redis::{Client, Value};
 
 use super::super::{
-    Delivery, Loss, LossReason, Position, Record, StartFrom, SubscribeOptions, Subscription,
-    Transport,
+    Delivery, HeartbeatSubscription, Loss, LossReason, Position, Record, StartFrom,
+    SubscribeOptions, Subscription, Transport,
 };
 use super::{MIN_BACKLOG_BYTES, PUBSUB, check_timeout, key_part, map_err, publisher_connection};
 use crate::error::{Error, Result};
@@ -32,6 +32,11 @@ use crate::util::{check_at_least, deadline_after};
 ///
 /// Start positions: only [`StartFrom::Latest`]; resuming from a position
 /// always reports a loss first.
+///
+/// Heartbeats ([`Transport::publish_heartbeat`]) go to a channel of their
+/// own, `<channel>:hb`, which no change subscription listens on; like every
+/// Pub/Sub channel it keeps nothing. Each heartbeat subscription has its own
+/// connection, PINGed like a change subscription's.
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 #[derive(Clone)]
 pub struct RedisPubSubTransport {
@@ -158,6 +163,47 @@ impl RedisPubSubTransport {
     pub async fn connect(url: impl Into<String>) -> Result<Self> {
         Self::builder(url).connect().await
     }
+
+    /// `<prefix><topic>`, `:` and `%` in the topic escaped.
+    fn channel(&self, topic: &str) -> String {
+        format!("{}{}", self.config.channel_prefix, key_part(topic))
+    }
+
+    /// `<channel>:hb`: the escaped topic holds no `:`, so no topic's change
+    /// channel is another's heartbeat channel.
+    fn heartbeat_channel(&self, topic: &str) -> String {
+        format!("{}:hb", self.channel(topic))
+    }
+
+    /// A pub/sub connection subscribed to `channel`, each step bounded by
+    /// the response timeout.
+    async fn listen(
+        &self,
+        channel: &str,
+    ) -> Result<(redis::aio::PubSubSink, redis::aio::PubSubStream)> {
+        let connect = self.client.get_async_pubsub();
+        let pubsub = tokio::time::timeout(self.config.response_timeout, connect)
+            .await
+            .map_err(|_| Error::disconnected(PUBSUB, "connect timed out"))?
+            .map_err(|e| map_err(PUBSUB, e))?;
+        let (mut sink, stream) = pubsub.split();
+        tokio::time::timeout(self.config.response_timeout, sink.subscribe(channel))
+            .await
+            .map_err(|_| Error::disconnected(PUBSUB, "SUBSCRIBE timed out"))?
+            .map_err(|e| map_err(PUBSUB, e))?;
+        Ok((sink, stream))
+    }
+
+    async fn publish_to(&self, channel: String, payload: &[u8]) -> Result<()> {
+        let mut conn = self.publisher.clone();
+        redis::cmd("PUBLISH")
+            .arg(channel)
+            .arg(payload)
+            .query_async::<i64>(&mut conn)
+            .await
+            .map_err(|e| map_err(PUBSUB, e))?;
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -167,15 +213,8 @@ impl Transport for RedisPubSubTransport {
     }
 
     async fn publish(&self, topic: &str, _tag: &str, payload: Bytes) -> Result<Option<Position>> {
-        let mut conn = self.publisher.clone();
         self.check_topic(topic)?;
-        let channel = format!("{}{}", self.config.channel_prefix, key_part(topic));
-        redis::cmd("PUBLISH")
-            .arg(channel)
-            .arg(payload.as_ref())
-            .query_async::<i64>(&mut conn)
-            .await
-            .map_err(|e| map_err(PUBSUB, e))?;
+        self.publish_to(self.channel(topic), &payload).await?;
         Ok(None)
     }
 
@@ -200,18 +239,8 @@ impl Transport for RedisPubSubTransport {
                 });
             }
         };
-        let connect = self.client.get_async_pubsub();
-        let pubsub = tokio::time::timeout(self.config.response_timeout, connect)
-            .await
-            .map_err(|_| Error::disconnected(PUBSUB, "connect timed out"))?
-            .map_err(|e| map_err(PUBSUB, e))?;
-        let (mut sink, stream) = pubsub.split();
         self.check_topic(topic)?;
-        let channel = format!("{}{}", self.config.channel_prefix, key_part(topic));
-        tokio::time::timeout(self.config.response_timeout, sink.subscribe(&channel))
-            .await
-            .map_err(|_| Error::disconnected(PUBSUB, "SUBSCRIBE timed out"))?
-            .map_err(|e| map_err(PUBSUB, e))?;
+        let (sink, stream) = self.listen(&self.channel(topic)).await?;
         Ok(Box::new(PubSubSubscription {
             sink,
             stream,
@@ -224,6 +253,67 @@ impl Transport for RedisPubSubTransport {
             ping_interval: self.config.ping_interval,
             ping_timeout: self.config.ping_timeout,
         }))
+    }
+
+    async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
+        self.check_topic(topic)?;
+        self.publish_to(self.heartbeat_channel(topic), &payload)
+            .await
+    }
+
+    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
+        self.check_topic(topic)?;
+        let (sink, stream) = self.listen(&self.heartbeat_channel(topic)).await?;
+        Ok(Box::new(PubSubHeartbeats {
+            sink,
+            stream,
+            ping_interval: self.config.ping_interval,
+            ping_timeout: self.config.ping_timeout,
+        }))
+    }
+}
+
+/// A heartbeat subscription on its own pub/sub connection.
+struct PubSubHeartbeats {
+    sink: redis::aio::PubSubSink,
+    stream: redis::aio::PubSubStream,
+    ping_interval: Duration,
+    ping_timeout: Duration,
+}
+
+impl fmt::Debug for PubSubHeartbeats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PubSubHeartbeats").finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl HeartbeatSubscription for PubSubHeartbeats {
+    async fn next(&mut self) -> Result<Bytes> {
+        loop {
+            // A quiet link is PINGed: a connection that died without a
+            // reset would otherwise wait here for ever, and the caller,
+            // never told, would never subscribe again. Heartbeats are few,
+            // so a timer per wait costs nothing worth saving.
+            match tokio::time::timeout(self.ping_interval, self.stream.next()).await {
+                Ok(Some(msg)) => return Ok(Bytes::copy_from_slice(msg.get_payload_bytes())),
+                Ok(None) => {
+                    return Err(Error::disconnected(
+                        PUBSUB,
+                        "the heartbeat connection closed",
+                    ));
+                }
+                Err(_) => {
+                    match tokio::time::timeout(self.ping_timeout, self.sink.ping::<Value>()).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => return Err(map_err(PUBSUB, e)),
+                        Err(_) => {
+                            return Err(Error::disconnected(PUBSUB, "PING went unanswered"));
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -1,5 +1,6 @@
 //! Redis Streams: durable and replayable, with trimming and resets detected.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::sync::LazyLock;
 use std::time::{Duration, UNIX_EPOCH};
@@ -10,8 +11,8 @@ use redis::aio::{ConnectionManager, MultiplexedConnection};
 use redis::{AsyncConnectionConfig, Client, Value};
 
 use super::super::{
-    Delivery, Loss, LossReason, Offset, Position, Record, StartFrom, SubscribeOptions,
-    Subscription, Tags, Transport,
+    Delivery, HeartbeatSubscription, Loss, LossReason, Offset, Position, Record, StartFrom,
+    SubscribeOptions, Subscription, Tags, Transport,
 };
 use super::{
     EPOCH, ID, ORDINAL, STREAMS, bad_reply, check_timeout, key_part, map_err, publisher_connection,
@@ -76,6 +77,14 @@ return {added, length, last, stream_epoch()}
 ///   restarted): detected from the ordinals and signalled as
 ///   [`LossReason::HistoryReset`].
 /// - **Start positions:** latest, earliest, a stored position, a timestamp.
+/// - **Heartbeats** ([`Transport::publish_heartbeat`]) go to a stream of
+///   their own beside the topic's, `<stream key>:hb`, so they never take
+///   the change stream's `MAXLEN` room or its ordinals, and no change
+///   subscription reads them. It keeps about 64 entries (`MAXLEN ~ 64`),
+///   and each publish sets it to expire a minute later, so a topic nobody
+///   beats on any more leaves no key behind. A heartbeat subscription reads
+///   it with `XREAD BLOCK` from where it ended when the subscription was
+///   made.
 ///
 /// Needs Redis 7.0 or later (`entries-added` in `XINFO STREAM`).
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
@@ -86,6 +95,20 @@ pub struct RedisStreamsTransport {
     script: redis::Script,
     config: StreamsConfig,
 }
+
+/// Entries the heartbeat stream keeps (`MAXLEN ~`, so Redis may keep up to
+/// one more radix-tree node of them, 100 by default): a subscriber reads
+/// only what arrives after it subscribed, so this is slack for a reader
+/// between two `XREAD`s, not history.
+const HEARTBEAT_MAX_LEN: u32 = 64;
+
+/// How long the heartbeat stream outlives its last publish: well above any
+/// heartbeat interval, so it does not blink out between beats, and short
+/// enough that an abandoned topic's key goes soon.
+const HEARTBEAT_TTL: Duration = Duration::from_secs(60);
+
+/// Entries one heartbeat `XREAD` takes.
+const HEARTBEAT_READ: usize = 64;
 
 /// The stream's key, and the keys of its ordinal counter and its epoch.
 #[derive(Debug, Clone)]
@@ -221,6 +244,19 @@ impl RedisStreamsTransport {
             epoch: format!("{stream}:e"),
             stream,
         }
+    }
+
+    /// `<stream key>:hb`. The escaped topic holds no `:`, so this is no
+    /// other topic's stream, counter or epoch key, nor theirs this one.
+    /// Made apart from [`keys`](Self::keys), which every publish calls.
+    fn heartbeat_key(&self, topic: &str) -> String {
+        format!("{}{}:hb", self.config.key_prefix, key_part(topic))
+    }
+
+    fn block_ms(&self) -> u64 {
+        u64::try_from(self.config.block.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1)
     }
 
     async fn reader(&self) -> Result<MultiplexedConnection> {
@@ -484,12 +520,119 @@ impl Transport for RedisStreamsTransport {
             id,
             ordinal,
             epoch: state.epoch,
-            block_ms: u64::try_from(self.config.block.as_millis())
-                .unwrap_or(u64::MAX)
-                .max(1),
+            block_ms: self.block_ms(),
             pending,
             tags: Tags::default(),
         }))
+    }
+
+    async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
+        self.check_topic(topic)?;
+        let key = self.heartbeat_key(topic);
+        let ttl_ms = u64::try_from(HEARTBEAT_TTL.as_millis()).unwrap_or(u64::MAX);
+        let mut conn = self.publisher.clone();
+        // In one MULTI: the key never lives on without its expiry.
+        let (_id, _expiring): (String, i64) = redis::pipe()
+            .atomic()
+            .cmd("XADD")
+            .arg(&key)
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(HEARTBEAT_MAX_LEN)
+            .arg("*")
+            .arg("p")
+            .arg(payload.as_ref())
+            .cmd("PEXPIRE")
+            .arg(&key)
+            .arg(ttl_ms)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| map_err(STREAMS, e))?;
+        Ok(())
+    }
+
+    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
+        self.check_topic(topic)?;
+        let key = self.heartbeat_key(topic);
+        let mut conn = self.reader().await?;
+        // The end is fixed now, not by the first `XREAD` with `$`: what is
+        // published between this return and the first `next` is delivered.
+        // No key yet: everything it will hold comes after this.
+        let last: Value = redis::cmd("XREVRANGE")
+            .arg(&key)
+            .arg("+")
+            .arg("-")
+            .arg("COUNT")
+            .arg(1)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| map_err(STREAMS, e))?;
+        let id = match last {
+            Value::Array(mut entries) if !entries.is_empty() => {
+                parse_entry(entries.swap_remove(0))
+                    .ok_or_else(|| bad_reply(STREAMS, "XREVRANGE entry"))?
+                    .id
+            }
+            _ => "0-0".to_owned(),
+        };
+        Ok(Box::new(StreamsHeartbeats {
+            conn,
+            key,
+            id,
+            block_ms: self.block_ms(),
+            read: VecDeque::new(),
+        }))
+    }
+}
+
+/// A heartbeat subscription: `XREAD BLOCK` on the heartbeat stream, from the
+/// last id read.
+struct StreamsHeartbeats {
+    conn: MultiplexedConnection,
+    key: String,
+    /// Last id read; the next read starts after it. Moved only once a reply
+    /// is in `read`, so a cancelled `XREAD` is asked again.
+    id: String,
+    block_ms: u64,
+    /// Payloads read but not handed out yet.
+    read: VecDeque<Bytes>,
+}
+
+impl fmt::Debug for StreamsHeartbeats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StreamsHeartbeats")
+            .field("key", &self.key)
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl HeartbeatSubscription for StreamsHeartbeats {
+    async fn next(&mut self) -> Result<Bytes> {
+        loop {
+            if let Some(payload) = self.read.pop_front() {
+                return Ok(payload);
+            }
+            // The reader's response timeout is `block` plus the configured
+            // response timeout, so a server that stops answering fails this.
+            let reply: Value = redis::cmd("XREAD")
+                .arg("COUNT")
+                .arg(HEARTBEAT_READ)
+                .arg("BLOCK")
+                .arg(self.block_ms)
+                .arg("STREAMS")
+                .arg(&self.key)
+                .arg(&self.id)
+                .query_async(&mut self.conn)
+                .await
+                .map_err(|e| map_err(STREAMS, e))?;
+            for v in parse_xread(reply) {
+                let entry = parse_entry(v).ok_or_else(|| bad_reply(STREAMS, "XREAD entry"))?;
+                self.id = entry.id;
+                self.read.push_back(entry.payload);
+            }
+        }
     }
 }
 

@@ -23,7 +23,10 @@ use rocketmq_protocol::protocol::heartbeat::message_model::MessageModel;
 use rocketmq_runtime::{RuntimeConfig, RuntimeOwner};
 use tokio::sync::{RwLock, mpsc, watch};
 
-use super::{Offset, Position, SubscribeOptions, Subscription, Tags, Transport};
+use super::{
+    Delivery, HeartbeatSubscription, Offset, Position, StartFrom, SubscribeOptions, Subscription,
+    Tags, Transport,
+};
 use crate::error::{Error, Result};
 use crate::transport::names::{self, NameKind};
 use crate::util::{check_at_least, lock};
@@ -104,6 +107,15 @@ fn err(e: ClientError) -> Error {
 ///   connections again, `next` fails so the node re-subscribes from its
 ///   position with a fresh client instance. The producer is recreated under a
 ///   new instance name when sends keep failing while the broker is up.
+/// - **Heartbeats** ([`Transport::publish_heartbeat`]) go to a topic of
+///   their own, `<escaped topic>%hb`, which no topic escapes to, created
+///   like a change topic on first use; never into the change topic, so they
+///   take none of its queue offsets and no change subscription gets them,
+///   whatever its tags. RocketMQ has no retention per topic: the brokers
+///   keep them for their commit-log retention (72 h by default), and a
+///   heartbeat subscription, a consumer of its own from the end, reads none
+///   of that. A topic within 3 characters of the 127-character limit has no
+///   heartbeat topic ([`Error::Unsupported`]).
 ///
 /// # Offsets directory
 /// The client keeps each consumer's `offsets.json` under a directory it reads
@@ -358,6 +370,32 @@ fn rmq_topic(topic: &str) -> std::borrow::Cow<'_, str> {
 fn rmq_tag(cache: &str) -> std::borrow::Cow<'_, str> {
     names::escape(cache, names::plain)
 }
+
+/// Heartbeats go to a RocketMQ topic of their own beside the change topic,
+/// `<escaped topic>%hb`, rather than into the change topic under a reserved
+/// tag. A tag would keep them from change subscriptions that filter by tag
+/// at the broker, but not from one that asks for every tag (`*`), and they
+/// would take queue offsets in the change topic, which positions name. The
+/// name is one no topic escapes to: [`rmq_topic`] writes `%` only before two
+/// upper-case hex digits, and `h` is none. The topic is created the way a
+/// change topic is, on first use. RocketMQ has no retention per topic, so
+/// the brokers keep heartbeats as long as their commit log (by time and
+/// disk, 72 h by default); a heartbeat subscription starts at the end and
+/// reads none of them.
+fn rmq_heartbeat_topic(topic: &str) -> String {
+    format!("{}{HEARTBEAT_SUFFIX}", rmq_topic(topic))
+}
+
+/// Appended to the escaped topic for its heartbeat topic (see
+/// [`rmq_heartbeat_topic`]).
+const HEARTBEAT_SUFFIX: &str = "%hb";
+
+/// The tag of every heartbeat message: the heartbeat topic carries nothing
+/// else, so it only labels them for someone reading the topic by hand.
+const HEARTBEAT_TAG: &str = "heartbeat";
+
+/// Heartbeats a heartbeat subscription takes from its consumer at a time.
+const HEARTBEAT_BATCH: usize = 32;
 
 /// Java's `String.hashCode`, as the client's `SelectMessageQueueByHash` uses.
 fn java_hash(s: &str) -> i32 {
@@ -700,7 +738,68 @@ impl Transport for RocketMqTransport {
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
         self.check_topic(topic)?;
         self.check_tag(tag)?;
-        let (topic, tag) = (&*rmq_topic(topic), &*rmq_tag(tag));
+        self.send_to(&rmq_topic(topic), &rmq_tag(tag), payload)
+            .await
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        self.check_topic(topic)?;
+        let topic = &*rmq_topic(topic);
+        let expression = match &options.tags {
+            // Without spaces: the client hashes untrimmed tags for the broker.
+            Some(tags) if !tags.is_empty() => tags
+                .iter()
+                .map(|t| rmq_tag(t))
+                .collect::<Vec<_>>()
+                .join("||"),
+            _ => "*".to_owned(),
+        };
+        Ok(Box::new(
+            self.open(topic, &options.from, &expression).await?,
+        ))
+    }
+
+    async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
+        let topic = self.heartbeat_topic(topic)?;
+        self.send_to(&topic, HEARTBEAT_TAG, payload).await?;
+        Ok(())
+    }
+
+    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
+        let topic = self.heartbeat_topic(topic)?;
+        // A consumer of its own from the end, as a change subscription from
+        // the latest is (which also makes the topic if missing).
+        let subscription = self.open(&topic, &StartFrom::Latest, "*").await?;
+        Ok(Box::new(RocketMqHeartbeats {
+            subscription,
+            read: VecDeque::new(),
+        }))
+    }
+}
+
+impl RocketMqTransport {
+    /// The heartbeat topic of a topic this transport accepts, or
+    /// `Unsupported` where the suffix would take it past RocketMQ's topic
+    /// length limit: refusing such a topic in `check_topic` would refuse a
+    /// name that carries change events fine.
+    fn heartbeat_topic(&self, topic: &str) -> Result<String> {
+        self.check_topic(topic)?;
+        let name = rmq_heartbeat_topic(topic);
+        if name.len() > TOPIC_MAX_LENGTH {
+            return Err(Error::Unsupported {
+                transport: KIND,
+                what: "heartbeats on a topic within 3 characters of RocketMQ's topic length limit",
+            });
+        }
+        Ok(name)
+    }
+
+    /// Sends to the RocketMQ topic `topic` (already escaped) under `tag`.
+    async fn send_to(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
         let inner = self.inner.get();
         inner.ensure_open()?;
         let brokers = inner.ensure_topic(topic).await?;
@@ -722,13 +821,14 @@ impl Transport for RocketMqTransport {
         }
     }
 
-    async fn subscribe(
+    /// A subscription to the RocketMQ topic `topic` (already escaped) from
+    /// `from`, with the tag expression `expression`.
+    async fn open(
         &self,
         topic: &str,
-        options: SubscribeOptions,
-    ) -> Result<Box<dyn Subscription>> {
-        self.check_topic(topic)?;
-        let topic = &*rmq_topic(topic);
+        from: &StartFrom,
+        expression: &str,
+    ) -> Result<RocketMqSubscription> {
         let inner = self.inner.get();
         inner.ensure_open()?;
         // Looked up afresh: subscriptions are rare, and a broker that lost
@@ -736,7 +836,7 @@ impl Transport for RocketMqTransport {
         inner.topics.lock().await.remove(topic);
         inner.ensure_topic(topic).await?;
         let mut admin = inner.admin().await?;
-        let plan = plan_start(admin.get(), topic, &options.from).await;
+        let plan = plan_start(admin.get(), topic, from).await;
         admin.shutdown().await;
         let plan = plan?;
 
@@ -745,15 +845,6 @@ impl Transport for RocketMqTransport {
         let instance_dir = inner.offset_dir.join(format!("{CLIENT_IP}@{instance}"));
         seed_offsets(&instance_dir.join(&group), topic, &plan.queues, &plan.seed)?;
 
-        let expression = match &options.tags {
-            // Without spaces: the client hashes untrimmed tags for the broker.
-            Some(tags) if !tags.is_empty() => tags
-                .iter()
-                .map(|t| rmq_tag(t))
-                .collect::<Vec<_>>()
-                .join("||"),
-            _ => "*".to_owned(),
-        };
         let (tx, rx) = mpsc::channel::<Vec<Received>>(BUFFER_BATCHES);
         let tags = std::sync::Mutex::new(Tags::default());
         let (assigned_tx, mut assigned) = watch::channel(HashSet::new());
@@ -772,10 +863,7 @@ impl Transport for RocketMqTransport {
             })))
             .build();
         let started = async {
-            consumer
-                .subscribe(topic, expression.as_str())
-                .await
-                .map_err(err)?;
+            consumer.subscribe(topic, expression).await.map_err(err)?;
             consumer.register_message_listener_orderly(
                 move |msgs: &[&MessageExt],
                       ctx: &mut ConsumeOrderlyContext|
@@ -824,7 +912,7 @@ impl Transport for RocketMqTransport {
         addrs.dedup();
         let (report, brokers) = watch::channel(Brokers::Up);
         let watchdog = tokio::spawn(watchdog(addrs, report));
-        Ok(Box::new(RocketMqSubscription {
+        Ok(RocketMqSubscription {
             rx,
             buffered: VecDeque::new(),
             position: plan.seed,
@@ -832,13 +920,52 @@ impl Transport for RocketMqTransport {
             brokers,
             watchdog,
             consumer: Some(consumer),
-        }))
+        })
+    }
+}
+
+/// A heartbeat subscription: a change subscription to the heartbeat topic
+/// from its end, handing out payloads one at a time.
+#[derive(Debug)]
+struct RocketMqHeartbeats {
+    subscription: RocketMqSubscription,
+    /// Payloads taken from the subscription but not handed out yet; kept so
+    /// a cancelled `next` loses nothing.
+    read: VecDeque<Bytes>,
+}
+
+#[async_trait]
+impl HeartbeatSubscription for RocketMqHeartbeats {
+    async fn next(&mut self) -> Result<Bytes> {
+        loop {
+            if let Some(payload) = self.read.pop_front() {
+                return Ok(payload);
+            }
+            match self.subscription.next(HEARTBEAT_BATCH).await? {
+                Delivery::Batch { records, .. } => {
+                    self.read.extend(records.into_iter().map(|r| r.payload));
+                }
+                // A heartbeat channel may skip: the next beat says it all again.
+                Delivery::Lost(_) => {}
+            }
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn heartbeat_topics_are_no_topics_escape() {
+        for topic in ["x", "x%hb", "x hb", "%68b", "ü"] {
+            let hb = rmq_heartbeat_topic(topic);
+            assert!(hb.ends_with("%hb"), "{hb}");
+            // No topic escapes to a name holding `%h`: the suffix is unique.
+            assert!(!rmq_topic(topic).contains("%h"), "{topic}");
+        }
+        assert_ne!(rmq_heartbeat_topic("x"), rmq_topic("x%hb"));
+    }
 
     #[test]
     fn java_hash_matches_string_hash_code() {
