@@ -233,6 +233,7 @@ mod replay {
         }
         let heartbeat = crate::cluster::Heartbeat {
             node_id: "node-1".into(),
+            topic: "cache-sync".into(),
             started_at_us: 1_796_000_000_000_000,
             sent_at_us: 1_796_000_000_123_456,
             interval_ms: 2000,
@@ -262,8 +263,9 @@ mod replay {
         };
         let messages = [
             crate::cluster::Message::Heartbeat(heartbeat),
-            crate::cluster::Message::Request(crate::cluster::Request::roll_call()),
+            crate::cluster::Message::Request(crate::cluster::Request::roll_call("cache-sync")),
             crate::cluster::Message::Request(crate::cluster::Request {
+                topic: "cache-sync".into(),
                 cache: Some("countries".into()),
                 target: Some(crate::cluster::Target::Seq {
                     publisher: 42,
@@ -272,6 +274,7 @@ mod replay {
                 within_ms: 5000,
             }),
             crate::cluster::Message::Request(crate::cluster::Request {
+                topic: "cache-sync".into(),
                 cache: Some("c".into()),
                 target: Some(crate::cluster::Target::Version(u64::MAX)),
                 within_ms: u64::MAX,

@@ -210,9 +210,11 @@
 //! each recent publisher. No key or value is in it.
 //! - Heartbeats travel on the transport's heartbeat channel
 //!   ([`Transport::publish_heartbeat`](transport::Transport::publish_heartbeat)),
-//!   a resource apart from the change history: they never evict change
-//!   events, take up offsets a node resumes from, or count as events. They may
-//!   be lost; the next one says it all again.
+//!   a resource apart from the change history: they never trim change
+//!   events from a bounded history, take up offsets a node resumes from, or
+//!   count as events (on RocketMQ they do take commit-log disk, which the
+//!   broker shares among topics: see `docs/transports.md`). They may be
+//!   lost; the next one says it all again.
 //! - They are signed when the node verifies signatures, and a verifying party
 //!   takes in only signed ones; refused ones are counted and change nothing.
 //! - [`Node::cluster`] (and a [`Cluster`] watcher, for parties that are not

@@ -137,11 +137,19 @@ where
             if s.version.load(Relaxed) > version_before {
                 s.version_at_us.store(now, Relaxed);
             }
-            if let Some(last) = events.last() {
+            // The last event of each publisher's stretch in the run (a run
+            // is one cache's events, from any number of publishers; a later
+            // stretch of the same publisher overwrites with a higher
+            // number). A run from one publisher, the usual kind, records once.
+            let next = events.iter().skip(1).map(Some).chain([None]);
+            for (event, next) in events.iter().zip(next) {
+                if next.is_some_and(|n| n.header.publisher == event.header.publisher) {
+                    continue;
+                }
                 s.applied(AppliedEvent {
-                    publisher: last.header.publisher,
-                    seq: last.header.seq,
-                    published_at_us: last.header.published_at_us,
+                    publisher: event.header.publisher,
+                    seq: event.header.seq,
+                    published_at_us: event.header.published_at_us,
                     applied_at_us: now,
                 });
             }

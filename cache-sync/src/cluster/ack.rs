@@ -23,6 +23,11 @@ pub struct Acks {
     /// until the timeout.
     #[serde(with = "micros")]
     pub elapsed: Duration,
+    /// Whether every live node holding the cache applied it, as far as a
+    /// view that could be trusted to know every live node tells: false
+    /// when the view was still settling or not reading the heartbeat
+    /// channel when the wait ended, or no node holds the cache.
+    pub complete: bool,
 }
 
 /// One node in [`Acks`].
@@ -48,13 +53,14 @@ impl Acks {
             cache: String::new(),
             nodes: Vec::new(),
             elapsed: Duration::ZERO,
+            complete: true,
         }
     }
 
-    /// Whether every live node that holds the cache applied it. True with
-    /// no such node at all: check [`nodes`](Self::nodes) for that.
+    /// Whether every live node that holds the cache applied it: see
+    /// [`complete`](Self::complete).
     pub fn is_complete(&self) -> bool {
-        self.nodes.iter().all(|n| n.applied)
+        self.complete
     }
 
     /// How many nodes applied it.
@@ -121,26 +127,26 @@ pub(crate) async fn wait(cluster: &Cluster, cache: &str, goal: Goal, timeout: Du
     let within_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
     cluster
         .send(&Message::Request(Request {
+            topic: cluster.topic().to_owned(),
             cache: Some(cache.to_owned()),
             target: Some(goal.target),
             within_ms,
         }))
         .await;
-    // A young view may not know every node yet: it is not trusted to be
-    // complete before it settles.
-    let settled = cluster.settled_at();
     loop {
-        let acks = tally(cluster, cache, goal, started);
+        // A young view, or one not reading the channel, may not know every
+        // node: it is not trusted to be complete until it settles.
         let now = Instant::now();
-        let known = now >= settled;
-        if (known && !acks.nodes.is_empty() && acks.is_complete()) || now >= deadline {
+        let known = cluster.settled_at().is_some_and(|at| now >= at);
+        let mut acks = tally(cluster, cache, goal, started);
+        acks.complete = known && !acks.nodes.is_empty() && acks.nodes.iter().all(|n| n.applied);
+        if acks.complete || now >= deadline {
             return acks;
         }
-        let wake = if known {
-            deadline
-        } else {
-            settled.min(deadline)
-        };
+        // Woken by every heartbeat taken in, and at least every few
+        // milliseconds besides: a node's own view (without heartbeats, or
+        // while it settles) changes with no heartbeat arriving.
+        let wake = now.checked_add(RECHECK).unwrap_or(now).min(deadline);
         tokio::select! {
             changed = updates.changed() => {
                 if changed.is_err() {
@@ -151,6 +157,9 @@ pub(crate) async fn wait(cluster: &Cluster, cache: &str, goal: Goal, timeout: Du
         }
     }
 }
+
+/// How often a wait looks again without a heartbeat to wake it.
+const RECHECK: Duration = Duration::from_millis(10);
 
 fn tally(cluster: &Cluster, cache: &str, goal: Goal, started: Instant) -> Acks {
     let mut nodes: Vec<NodeAck> = cluster
@@ -169,6 +178,7 @@ fn tally(cluster: &Cluster, cache: &str, goal: Goal, started: Instant) -> Acks {
         cache: cache.to_owned(),
         nodes,
         elapsed: started.elapsed(),
+        complete: false,
     }
 }
 

@@ -31,6 +31,10 @@ pub(crate) enum Message {
 /// to `within_ms`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Request {
+    /// The topic whose nodes are asked: signed, so a request replayed into
+    /// another topic's channel is refused there.
+    #[serde(default)]
+    pub(crate) topic: String,
     /// The cache; `None` asks every node (a roll call).
     pub(crate) cache: Option<String>,
     pub(crate) target: Option<Target>,
@@ -57,8 +61,9 @@ pub(crate) enum Target {
 
 impl Request {
     /// Every node: send a heartbeat now.
-    pub(crate) fn roll_call() -> Self {
+    pub(crate) fn roll_call(topic: &str) -> Self {
         Request {
+            topic: topic.to_owned(),
             cache: None,
             target: None,
             within_ms: 0,

@@ -60,6 +60,10 @@ const MAX_MEMBERS: usize = 10_000;
 pub struct Heartbeat {
     /// The node's id.
     pub node_id: String,
+    /// The topic it consumes: signed with the rest, so a heartbeat replayed
+    /// into another topic's channel is refused there.
+    #[serde(default)]
+    pub topic: String,
     /// Microseconds since the Unix epoch when the node started.
     pub started_at_us: u64,
     /// Microseconds since the Unix epoch when this heartbeat was sent, on
@@ -143,8 +147,13 @@ pub(crate) struct Inner {
     /// The heartbeat interval this party expects of nodes (its own, for a
     /// node): a view younger than 1.5 intervals may not know every node.
     pub(crate) interval: Duration,
-    started: Instant,
+    /// Since when the heartbeat channel has been read without a break,
+    /// and whether a roll call went out then; `None` while it is not read.
+    listening: Mutex<Option<(Instant, bool)>>,
     members: Mutex<HashMap<String, Member>>,
+    /// Per (node, cache): when this view first saw it behind, for
+    /// `NodeCacheView::behind_ms`.
+    behind: Mutex<HashMap<(String, String), u64>>,
     gone: Mutex<HashMap<String, u64>>,
     /// Bumped at every heartbeat taken in, so waiters can re-check.
     updates: watch::Sender<u64>,
@@ -181,7 +190,10 @@ struct Member {
 impl Member {
     /// Gone after three of its own intervals without a heartbeat.
     fn live(&self, now: Instant) -> bool {
-        let interval = Duration::from_millis(self.heartbeat.interval_ms.max(1));
+        // The sender's own interval, within the range a node can be given:
+        // a forged `u64::MAX` must not make an entry immortal.
+        let interval =
+            Duration::from_millis(self.heartbeat.interval_ms.max(1)).min(crate::util::MAX_TIMEOUT);
         now.saturating_duration_since(self.seen) <= interval.saturating_mul(MISSED_INTERVALS)
     }
 }
@@ -250,6 +262,7 @@ impl ClusterBuilder {
         )?;
         self.transport.check_topic(&self.topic)?;
         let subscription = self.transport.subscribe_heartbeats(&self.topic).await?;
+        let topic = self.topic.clone();
         let cluster = Cluster::new(
             self.observer,
             self.topic,
@@ -266,7 +279,10 @@ impl ClusterBuilder {
         ));
         *lock(&cluster.inner.task) = Some((stop, task));
         // Ask every node for a heartbeat now, rather than wait an interval.
-        cluster.send(&Message::Request(Request::roll_call())).await;
+        let sent = cluster
+            .send(&Message::Request(Request::roll_call(&topic)))
+            .await;
+        cluster.listening(sent);
         Ok(cluster)
     }
 }
@@ -305,8 +321,9 @@ impl Cluster {
                 transport,
                 codec,
                 interval,
-                started: Instant::now(),
+                listening: Mutex::new(None),
                 members: Mutex::default(),
+                behind: Mutex::default(),
                 gone: Mutex::default(),
                 updates: watch::Sender::new(0),
                 local,
@@ -342,15 +359,19 @@ impl Cluster {
     /// version any node reports, the nodes gone lately, and per cache the
     /// newest version and who is behind it.
     pub fn view(&self) -> ClusterView {
+        // Members first: it moves those that just expired to `gone`.
+        let members = self.members_now();
         let gone = lock(&self.inner.gone)
             .iter()
             .map(|(id, at)| (id.clone(), *at))
             .collect();
+        let mut behind = lock(&self.inner.behind);
         view::build(
             &self.inner.observer,
             &self.inner.topic,
-            self.members_now(),
+            members,
             gone,
+            &mut behind,
         )
     }
 
@@ -402,7 +423,11 @@ impl Cluster {
     pub(crate) fn observe(&self, heartbeat: Heartbeat) {
         {
             let mut members = lock(&self.inner.members);
+            // The newest per node wins, by its own clock; but an entry that
+            // has expired here is replaced whatever its stamps say, so a
+            // heartbeat stamped far in the future cannot shadow the node.
             if let Some(m) = members.get(&heartbeat.node_id)
+                && m.live(Instant::now())
                 && (m.heartbeat.started_at_us, m.heartbeat.sent_at_us)
                     > (heartbeat.started_at_us, heartbeat.sent_at_us)
             {
@@ -421,6 +446,13 @@ impl Cluster {
                     seen_at_us: now_us(),
                 },
             );
+            let own = self.inner.local.as_ref().and_then(|f| f());
+            let all = members
+                .values()
+                .map(|m| &m.heartbeat)
+                .filter(|h| own.as_ref().is_none_or(|o| o.node_id != h.node_id))
+                .chain(own.as_ref());
+            view::track_behind(all, &mut lock(&self.inner.behind), now_us());
         }
         self.inner.updates.send_modify(|n| *n = n.wrapping_add(1));
     }
@@ -432,6 +464,16 @@ impl Cluster {
         let stats = &self.inner.stats;
         stats.received.fetch_add(1, Relaxed);
         match message::open(&self.inner.codec, payload) {
+            // Another topic's, replayed here (one keyring may sign several
+            // topics): not this cluster's.
+            Ok(Message::Heartbeat(h)) if h.topic != self.inner.topic => {
+                stats.rejected.fetch_add(1, Relaxed);
+                None
+            }
+            Ok(Message::Request(r)) if r.topic != self.inner.topic => {
+                stats.rejected.fetch_add(1, Relaxed);
+                None
+            }
             Ok(Message::Heartbeat(h)) => {
                 self.observe(h);
                 None
@@ -466,8 +508,15 @@ impl Cluster {
             }
             Err((e, what)) => {
                 stats.send_failures.fetch_add(1, Relaxed);
-                tracing::debug!(observer = %self.inner.observer, error = %e, what,
-                    "heartbeat channel: could not send");
+                // A message too large to send will never go out: that is
+                // a setting to fix, not a passing failure.
+                if e.is_too_large() {
+                    tracing::warn!(observer = %self.inner.observer, error = %e,
+                        "heartbeat channel: message too large to send");
+                } else {
+                    tracing::debug!(observer = %self.inner.observer, error = %e, what,
+                        "heartbeat channel: could not send");
+                }
                 false
             }
         }
@@ -478,20 +527,30 @@ impl Cluster {
         self.inner.updates.subscribe()
     }
 
-    /// When the view has been up long enough to have heard from every live
-    /// node: 1.5 heartbeat intervals, or, for a watcher (which asks every
-    /// node for a heartbeat as it starts), the grace given to the answers
-    /// if that is sooner.
-    pub(crate) fn settled_at(&self) -> Instant {
+    /// The heartbeat channel is read from now on; `roll_call` says whether
+    /// a roll call went out with it.
+    pub(crate) fn listening(&self, roll_call: bool) {
+        *lock(&self.inner.listening) = Some((Instant::now(), roll_call));
+    }
+
+    /// The heartbeat channel is not read (its subscription broke).
+    pub(crate) fn deaf(&self) {
+        *lock(&self.inner.listening) = None;
+    }
+
+    /// When the view can be trusted to hold every live node: it has read
+    /// the channel without a break for 1.5 heartbeat intervals, or, after a
+    /// roll call went out (every node answers one at once), for
+    /// `ROLL_CALL_GRACE` if that is sooner. `None` while the channel is
+    /// not read: the view may miss anyone then.
+    pub(crate) fn settled_at(&self) -> Option<Instant> {
+        let (since, roll_call) = (*lock(&self.inner.listening))?;
         let half = self.inner.interval.checked_div(2).unwrap_or(Duration::ZERO);
         let mut wait = self.inner.interval.saturating_add(half);
-        if self.inner.local.is_none() {
+        if roll_call {
             wait = wait.min(ROLL_CALL_GRACE);
         }
-        self.inner
-            .started
-            .checked_add(wait)
-            .unwrap_or(self.inner.started)
+        Some(since.checked_add(wait).unwrap_or(since))
     }
 
     /// Stops a watcher's task (a node's view stops with the node).
@@ -532,10 +591,10 @@ async fn watch_loop(
                 Ok(s) => {
                     sub = Some(s);
                     backoff = Duration::ZERO;
-                    let roll_call = Message::Request(Request::roll_call());
+                    let roll_call = Message::Request(Request::roll_call(&view.inner.topic));
                     tokio::select! {
                         _ = stop.wait_for(|s| *s) => return,
-                        _ = view.send(&roll_call) => {}
+                        sent = view.send(&roll_call) => view.listening(sent),
                     }
                 }
                 Err(e) => {
@@ -562,6 +621,7 @@ async fn watch_loop(
                 let _ = view.receive(&payload);
             }
             Err(e) => {
+                view.deaf();
                 backoff = next_backoff(backoff);
                 tracing::warn!(observer = %view.inner.observer, error = %e, retry_in = ?backoff,
                     "heartbeat channel: subscription failed; subscribing again");

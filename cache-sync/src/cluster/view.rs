@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::Heartbeat;
 use crate::transport::Position;
-use crate::util::now_us;
+use crate::util::{HashMap, now_us};
 
 /// The whole cluster, as one observer sees it. No key or value appears.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,8 +69,10 @@ pub struct NodeCacheView {
     /// How many versions it is behind the newest any live node reports for
     /// this cache (0 when level; `None` while no version is known).
     pub lag: Option<u64>,
-    /// How long it has been behind: since the first node at the newest
-    /// version reached it (on that node's clock), in milliseconds.
+    /// How long it has been behind, in milliseconds: since the observer
+    /// first saw it behind, or since the first node now above its version
+    /// reached the version it holds (on that node's clock), whichever is
+    /// earlier. A lower bound: it may have been behind before either.
     pub behind_ms: Option<u64>,
     /// Entries held (approximate).
     pub entries: u64,
@@ -145,13 +147,52 @@ struct Newest {
     at_us: Option<u64>,
 }
 
+/// Notes, per (node, cache), when it was first seen behind the newest
+/// version any member reports, and forgets those level again: run at
+/// every heartbeat taken in, so a listening observer times a lag from when
+/// it began, not from when someone first looked.
+pub(super) fn track_behind<'a>(
+    members: impl Iterator<Item = &'a Heartbeat> + Clone,
+    behind: &mut HashMap<(String, String), u64>,
+    now_us: u64,
+) {
+    let mut newest: BTreeMap<&str, u64> = BTreeMap::new();
+    for h in members.clone() {
+        for c in &h.caches {
+            if let Some(v) = c.version {
+                let n = newest.entry(c.name.as_str()).or_insert(v);
+                *n = (*n).max(v);
+            }
+        }
+    }
+    let mut still: Vec<(&str, &str)> = Vec::new();
+    for h in members {
+        for c in &h.caches {
+            let Some(&best) = newest.get(c.name.as_str()) else {
+                continue;
+            };
+            if c.version.unwrap_or(0) < best {
+                still.push((h.node_id.as_str(), c.name.as_str()));
+                if !behind.contains_key(&(h.node_id.clone(), c.name.clone())) {
+                    behind.insert((h.node_id.clone(), c.name.clone()), now_us);
+                }
+            }
+        }
+    }
+    behind.retain(|(node, cache), _| still.contains(&(node.as_str(), cache.as_str())));
+}
+
+/// Builds the view. `behind` remembers, per (node, cache), when this
+/// observer first saw it behind; it is updated here.
 pub(super) fn build(
     observer: &str,
     topic: &str,
     members: Vec<(Heartbeat, u64, Duration)>,
     gone: Vec<(String, u64)>,
+    behind: &mut HashMap<(String, String), u64>,
 ) -> ClusterView {
     let at_us = now_us();
+    let mut still_behind: Vec<(String, String)> = Vec::new();
     let mut newest: BTreeMap<&str, Newest> = BTreeMap::new();
     for (h, _, _) in &members {
         for c in &h.caches {
@@ -181,10 +222,31 @@ pub(super) fn build(
                     let lag = best
                         .and_then(|b| b.version)
                         .map(|b| b.saturating_sub(c.version.unwrap_or(0)));
-                    let behind_ms = match (lag, best.and_then(|b| b.at_us)) {
-                        (Some(l), Some(since)) if l > 0 => Some(at_us.saturating_sub(since) / 1000),
-                        (Some(0), _) => Some(0),
-                        _ => None,
+                    // How long behind: the longer of two lower bounds, this
+                    // observer's own sighting and the earliest time a node
+                    // now above this one's version reached its version (on
+                    // that node's clock). The first alone misses a node
+                    // that was behind before the observer started; the
+                    // second alone, a node stuck while newer versions keep
+                    // coming.
+                    let behind_ms = match lag {
+                        Some(l) if l > 0 => {
+                            let key = (h.node_id.clone(), c.name.clone());
+                            let seen = *behind.entry(key.clone()).or_insert(at_us);
+                            still_behind.push(key);
+                            let above = members
+                                .iter()
+                                .filter_map(|(o, _, _)| {
+                                    o.caches.iter().find(|oc| oc.name == c.name)
+                                })
+                                .filter(|oc| oc.version > c.version)
+                                .filter_map(|oc| oc.version_at_us)
+                                .min();
+                            let since = above.map_or(seen, |a| a.min(seen));
+                            Some(at_us.saturating_sub(since) / 1000)
+                        }
+                        Some(_) => Some(0),
+                        None => None,
                     };
                     let s = summaries
                         .entry(c.name.as_str())
@@ -227,6 +289,8 @@ pub(super) fn build(
         })
         .collect();
     nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+    // Forget sightings of caches level again, and of nodes gone.
+    behind.retain(|key, _| still_behind.contains(key));
     let mut gone: Vec<GoneNode> = gone
         .into_iter()
         .map(|(node_id, last_seen_at_us)| GoneNode {

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -158,7 +158,9 @@ pub(super) async fn consume_loop(
             }
             // Until the start replay is done: a fetch that waits this long
             // found the end of what the transport holds.
-            () = tokio::time::sleep(CAUGHT_UP_AFTER_IDLE), if !caught_up => {
+            // In an async block: a disabled branch's expression is still
+            // evaluated, and a bare `sleep` would read the clock every batch.
+            () = async { tokio::time::sleep(CAUGHT_UP_AFTER_IDLE).await }, if !caught_up => {
                 caught_up = true;
                 shared.caught_up.store(true, Relaxed);
                 continue;
@@ -174,7 +176,7 @@ pub(super) async fn consume_loop(
                 }
                 apply_records(&shared, &mut seqs, records).await;
                 shared.applied.notify_one();
-                if shared.acks_wanted.load(Relaxed) {
+                if shared.acks_wanted.load(SeqCst) {
                     shared.acks.notify_one();
                 }
                 fetched

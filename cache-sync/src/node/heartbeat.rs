@@ -3,10 +3,12 @@
 //! starts, an acknowledged publish waiting for this node).
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use bytes::Bytes;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 
 use super::Shared;
@@ -36,7 +38,7 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
         return;
     }
     let cluster = shared.cluster.clone();
-    let mut sub: Option<Box<dyn HeartbeatSubscription>> = None;
+    let mut sub: Option<Reader> = None;
     let mut backoff = Duration::ZERO;
     let mut retry_at = Instant::now();
     // The first heartbeat goes out at once: other parties learn of the
@@ -57,8 +59,15 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
             };
             match subscribed {
                 Ok(s) => {
-                    sub = Some(s);
+                    sub = Some(Reader::spawn(s));
                     backoff = Duration::ZERO;
+                    // Every node answers a roll call at once: the view
+                    // knows the cluster again within a round trip.
+                    let roll_call = Message::Request(Request::roll_call(&shared.topic));
+                    tokio::select! {
+                        () = &mut stopped => break,
+                        sent = cluster.send(&roll_call) => cluster.listening(sent),
+                    }
                 }
                 Err(e) if e.is_unsupported() => {
                     tracing::info!(node = %shared.id, transport = shared.transport.kind(),
@@ -99,6 +108,7 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
                 }
                 Err(e) => {
                     sub = None;
+                    cluster.deaf();
                     backoff = next_backoff(backoff);
                     retry_at = deadline_after(backoff);
                     tracing::warn!(node = %shared.id, error = %e, retry_in = ?backoff,
@@ -145,12 +155,57 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
     }
 }
 
-async fn next_message(
-    sub: &mut Option<Box<dyn HeartbeatSubscription>>,
-) -> crate::error::Result<bytes::Bytes> {
+async fn next_message(sub: &mut Option<Reader>) -> crate::error::Result<Bytes> {
     match sub {
-        Some(s) => s.next().await,
+        Some(r) => r.rx.recv().await.unwrap_or_else(|| {
+            Err(crate::Error::Unsupported {
+                transport: "heartbeat reader",
+                what: "reading on after its task ended",
+            })
+        }),
         None => std::future::pending().await,
+    }
+}
+
+/// Messages a reader holds for the loop; past that, heartbeats are dropped
+/// (the loop is busy; the next one says it all again).
+const READ_BUFFER: usize = 1024;
+
+/// Reads a heartbeat subscription in a task of its own, so the loop's
+/// ticks never cancel a read half-way: a transport's read timeout or
+/// keep-alive (which a dropped `next` would restart) keeps running, and a
+/// dead connection is noticed.
+struct Reader {
+    rx: mpsc::Receiver<crate::error::Result<Bytes>>,
+    task: JoinHandle<()>,
+}
+
+impl Reader {
+    fn spawn(mut sub: Box<dyn HeartbeatSubscription>) -> Self {
+        let (tx, rx) = mpsc::channel(READ_BUFFER);
+        let task = tokio::spawn(async move {
+            loop {
+                let next = sub.next().await;
+                if next.is_err() {
+                    // The loop must hear of a broken subscription.
+                    let _ = tx.send(next).await;
+                    return;
+                }
+                match tx.try_send(next) {
+                    Ok(()) | Err(mpsc::error::TrySendError::Full(_)) => {}
+                    Err(mpsc::error::TrySendError::Closed(_)) => return,
+                }
+            }
+        });
+        Reader { rx, task }
+    }
+}
+
+/// The read task goes with the reader: it may be waiting on a broker that
+/// never answers.
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
 
@@ -178,6 +233,9 @@ fn take(shared: &Shared, request: Request, pending: &mut Vec<Pending>) -> bool {
     let Some(target) = request.target else {
         return true;
     };
+    // Raised before the check: a batch applied between the check and the
+    // flag would otherwise not signal, and the answer wait an interval.
+    shared.acks_wanted.store(true, SeqCst);
     if met(&cache.status(), target) {
         return true;
     }

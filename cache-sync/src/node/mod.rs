@@ -500,6 +500,7 @@ impl Shared {
         let interval = self.config.heartbeat_interval;
         Heartbeat {
             node_id: status.node_id,
+            topic: status.topic,
             started_at_us: self.started_at_us,
             sent_at_us: now_us(),
             interval_ms: u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),

@@ -170,9 +170,11 @@ impl<'c, 'e> Run<'c, 'e> {
             && !self.events.is_empty()
         {
             // One span per applied run of events, for tracing subscribers
-            // (an OpenTelemetry exporter among them). Its fields cost a
-            // walk over the events, paid only when a subscriber wants it.
-            let span = tracing::info_span!(
+            // (an OpenTelemetry exporter among them). At debug level: an
+            // application logging at info pays nothing for it. Its fields
+            // cost a walk over the events, paid only when a subscriber
+            // enables it.
+            let span = tracing::debug_span!(
                 "cache_sync.apply",
                 cache = cache.name(),
                 events = self.events.len(),

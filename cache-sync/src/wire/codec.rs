@@ -18,6 +18,12 @@ const HEADER_OVERHEAD: usize = MAX_NAME_BYTES + 64;
 /// has its format byte: `H`.
 const FORMAT_HEARTBEAT: u8 = b'H';
 
+/// The limit on one heartbeat message, whatever the event limit: a node
+/// with a tight `max_event_bytes` must still send its heartbeat (one per
+/// cache is some hundred bytes), and nodes with different event limits
+/// must still read each other's. Fixed, so every party agrees.
+pub(crate) const MAX_HEARTBEAT_BYTES: usize = 1 << 20;
+
 /// How a publisher seals and a node opens events: the size limit and, when
 /// signing or verifying, the keyring. A publisher made by a node shares the
 /// node's codec, so what one seals the other opens.
@@ -136,11 +142,11 @@ impl Codec {
         if let Some(ring) = &self.keyring {
             payload = ring.sign(&payload);
         }
-        if payload.len() > self.max_bytes {
+        if payload.len() > MAX_HEARTBEAT_BYTES {
             return Err(Error::TooLarge {
                 what: "heartbeat",
                 size: payload.len(),
-                limit: self.max_bytes,
+                limit: MAX_HEARTBEAT_BYTES,
             });
         }
         Ok(payload)
@@ -153,10 +159,10 @@ impl Codec {
             Some(ring) => ring.open(payload)?,
             None => strip_unverified(payload),
         };
-        if payload.len() > self.max_bytes {
+        if payload.len() > MAX_HEARTBEAT_BYTES {
             return Err(DecodeError::new(DecodeErrorKind::TooLarge {
                 size: payload.len(),
-                limit: self.max_bytes,
+                limit: MAX_HEARTBEAT_BYTES,
             }));
         }
         match inner.split_first() {

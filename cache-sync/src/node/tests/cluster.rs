@@ -385,9 +385,10 @@ async fn requests_and_garbage_on_the_channel_change_nothing() {
         // A third are roll calls, which every node answers: the
         // early-heartbeat gap must bound the answers.
         let request = if i % 3 == 0 {
-            Request::roll_call()
+            Request::roll_call("cache-sync")
         } else {
             Request {
+                topic: "cache-sync".into(),
                 cache: Some(if i % 2 == 0 { "countries" } else { "nope" }.into()),
                 target: Some(crate::cluster::Target::Seq {
                     publisher: i,
@@ -635,5 +636,153 @@ async fn shutdown_does_not_wait_for_a_heartbeat_channel_that_hangs() {
             .await
             .unwrap_or_else(|_| panic!("shutdown hung (hang_publish: {hang_publish})"))
             .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn two_publishers_in_one_batch_are_both_acknowledged() {
+    let transport = Stalling::default();
+    let a = cache("countries");
+    let node = start("n1", transport.clone(), &[&a]).await;
+    eventually("settled", async || {
+        node.cluster()
+            .settled_at()
+            .is_some_and(|at| Instant::now() >= at)
+    })
+    .await;
+    transport.stalled.store(true, Relaxed);
+    let first = Publisher::new(transport.inner.clone());
+    let second = Publisher::new(transport.inner.clone());
+    let from_first = first
+        .refresh("countries", [("de", "Germany")])
+        .await
+        .unwrap();
+    let from_second = second
+        .refresh("countries", [("fr", "France")])
+        .await
+        .unwrap();
+    // Released together: one batch, one run, two publishers.
+    transport.stalled.store(false, Relaxed);
+    for published in [from_first, from_second] {
+        let acks = published
+            .applied_by(&node.cluster(), Duration::from_secs(5))
+            .await;
+        assert!(acks.is_complete(), "{acks:?}");
+    }
+    node.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_view_that_cannot_hear_the_channel_never_calls_a_publish_complete() {
+    // Subscribing to the heartbeat channel hangs: the node hears nobody,
+    // so it cannot know who else holds the cache.
+    let transport = Hanging::default();
+    let a = cache("countries");
+    let node = start("n1", transport.clone(), &[&a]).await;
+    let published = node
+        .publisher()
+        .refresh("countries", [("de", "Germany")])
+        .await
+        .unwrap();
+    eventually("applied here", async || {
+        holds(&a, "de", Some("Germany")).await
+    })
+    .await;
+    let acks = published
+        .applied_by(&node.cluster(), Duration::from_millis(300))
+        .await;
+    assert!(!acks.is_complete(), "{acks:?}");
+    assert_eq!(acks.applied(), 1, "it did apply it itself");
+    node.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn heartbeats_from_another_topic_are_refused() {
+    let transport = EmbeddedTransport::new();
+    let a = cache("countries");
+    let node = start("n1", transport.clone(), &[&a]).await;
+    eventually("subscribed", async || {
+        node.status().heartbeats_received >= 1
+    })
+    .await;
+    let mut foreign = node.cluster().nodes()[0].clone();
+    foreign.node_id = "elsewhere".into();
+    foreign.topic = "other-topic".into();
+    let plain = Codec::new(1 << 20, None);
+    let payload = crate::cluster::seal_message(&plain, &Message::Heartbeat(foreign)).unwrap();
+    transport
+        .publish_heartbeat("cache-sync", Bytes::from(payload))
+        .await
+        .unwrap();
+    eventually("refused", async || node.status().heartbeats_rejected >= 1).await;
+    assert_eq!(ids(&node.cluster().nodes()), ["n1"]);
+    node.shutdown().await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_forged_endless_interval_still_expires() {
+    let transport = EmbeddedTransport::new();
+    let a = cache("countries");
+    // A long interval of its own: hours pass on the paused clock.
+    let node = Node::builder("n1", transport.clone())
+        .heartbeat_interval(Duration::from_secs(600))
+        .register(&a)
+        .start()
+        .await
+        .unwrap();
+    eventually("subscribed", async || {
+        node.status().heartbeats_received >= 1
+    })
+    .await;
+    let mut forged = node.cluster().nodes()[0].clone();
+    forged.node_id = "forever".into();
+    forged.interval_ms = u64::MAX;
+    forged.started_at_us = u64::MAX;
+    let plain = Codec::new(1 << 20, None);
+    let payload = crate::cluster::seal_message(&plain, &Message::Heartbeat(forged)).unwrap();
+    transport
+        .publish_heartbeat("cache-sync", Bytes::from(payload))
+        .await
+        .unwrap();
+    eventually("seen", async || node.cluster().nodes().len() == 2).await;
+    // The longest interval a node can have is an hour: three of them.
+    tokio::time::sleep(Duration::from_secs(3 * 3600 + 1)).await;
+    assert_eq!(ids(&node.cluster().nodes()), ["n1"]);
+    node.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_node_stuck_while_versions_keep_coming_is_behind_for_as_long_as_it_is_stuck() {
+    let fast = Stalling::default();
+    let slow = Stalling {
+        inner: fast.inner.clone(),
+        stalled: Arc::new(AtomicBool::new(false)),
+    };
+    let (a, b) = (cache("countries"), cache("countries"));
+    let n1 = start("n1", fast.clone(), &[&a]).await;
+    let n2 = start("n2", slow.clone(), &[&b]).await;
+    let publisher = Publisher::new(fast.inner.clone());
+    publisher
+        .refresh_versioned("countries", [("de", "v1", Some(1))])
+        .await
+        .unwrap();
+    eventually("both at 1", async || n1.cluster().view().is_converged()).await;
+    slow.stalled.store(true, Relaxed);
+    let stuck = Instant::now();
+    for v in 2..=12u64 {
+        publisher
+            .refresh_versioned("countries", [("de", "v", Some(v))])
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    let view = n1.cluster().view();
+    let behind = view.node("n2").unwrap().caches[0].behind_ms.unwrap();
+    let floor = u64::try_from(stuck.elapsed().as_millis()).unwrap() - 200;
+    assert!(behind >= floor, "behind {behind} ms, stuck {floor}+ ms");
+    assert!(!view.diverged(Duration::from_millis(400)).is_empty());
+    slow.stalled.store(false, Relaxed);
+    for n in [n1, n2] {
+        n.shutdown().await.unwrap();
     }
 }

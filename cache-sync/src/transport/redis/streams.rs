@@ -80,7 +80,7 @@ return {added, length, last, stream_epoch()}
 /// - **Heartbeats** ([`Transport::publish_heartbeat`]) go to a stream of
 ///   their own beside the topic's, `<stream key>:hb`, so they never take
 ///   the change stream's `MAXLEN` room or its ordinals, and no change
-///   subscription reads them. It keeps about 64 entries (`MAXLEN ~ 64`),
+///   subscription reads them. It keeps about 4096 entries (`MAXLEN ~ 4096`),
 ///   and each publish sets it to expire a minute later, so a topic nobody
 ///   beats on any more leaves no key behind. A heartbeat subscription reads
 ///   it with `XREAD BLOCK` from where it ended when the subscription was
@@ -97,10 +97,12 @@ pub struct RedisStreamsTransport {
 }
 
 /// Entries the heartbeat stream keeps (`MAXLEN ~`, so Redis may keep up to
-/// one more radix-tree node of them, 100 by default): a subscriber reads
-/// only what arrives after it subscribed, so this is slack for a reader
-/// between two `XREAD`s, not history.
-const HEARTBEAT_MAX_LEN: u32 = 64;
+/// one more radix-tree node of them): a subscriber reads only what arrives
+/// after it subscribed, so this is slack for a reader between two
+/// `XREAD`s, not history. A roll call makes every node answer within
+/// milliseconds, so it is sized for a large cluster's burst: entries
+/// trimmed before a reader got them would be heartbeats silently missed.
+const HEARTBEAT_MAX_LEN: u32 = 4096;
 
 /// How long the heartbeat stream outlives its last publish: well above any
 /// heartbeat interval, so it does not blink out between beats, and short
@@ -108,7 +110,7 @@ const HEARTBEAT_MAX_LEN: u32 = 64;
 const HEARTBEAT_TTL: Duration = Duration::from_secs(60);
 
 /// Entries one heartbeat `XREAD` takes.
-const HEARTBEAT_READ: usize = 64;
+const HEARTBEAT_READ: usize = 256;
 
 /// The stream's key, and the keys of its ordinal counter and its epoch.
 #[derive(Debug, Clone)]
