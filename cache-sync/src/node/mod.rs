@@ -305,8 +305,20 @@ impl Node {
 
     /// Whether the node is ready to serve (the readiness probe,
     /// `GET /readyz`): it is consuming, it is caught up with the start
-    /// replay (the transport had nothing more to hand over at once), and
-    /// no cache is quarantined after a loss or a late registration.
+    /// replay (the transport had nothing more to hand over at once: a
+    /// batch shorter than `max_batch`, or 200 ms without one), and no
+    /// cache is quarantined after a loss or a late registration.
+    ///
+    /// A quarantine lasts one [reorder window](NodeBuilder::reorder_window)
+    /// (10 s by default), so after a loss the node is not ready for that
+    /// long; a loss that hits every node at once (a Pub/Sub broker's
+    /// restart) takes them all out of a load balancer together for it.
+    /// With a window of `Duration::MAX` a quarantine never ends, and a
+    /// node with a quarantined cache is never ready again: pick a finite
+    /// window where readiness gates traffic. "Caught up" is judged from
+    /// what the transport hands over, not from the broker's end offset:
+    /// where a transport hands over replayed history in short batches
+    /// (NATS, RocketMQ), it may be judged early.
     pub fn is_ready(&self) -> bool {
         self.not_ready().is_empty()
     }
