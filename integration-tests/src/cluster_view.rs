@@ -8,7 +8,7 @@ use std::time::Duration;
 use cache_sync::{Cluster, Node, Publisher, SyncedCache};
 use tokio::time::Instant;
 
-use crate::conformance::{Fault, Fixture};
+use crate::conformance::Fixture;
 
 /// Short, so the scenarios take seconds; long enough for a broker's latency.
 pub const EVERY: Duration = Duration::from_millis(250);
@@ -21,6 +21,9 @@ async fn node(fixture: &dyn Fixture, id: &str, topic: &str) -> (Node, Cache) {
         .configure(Node::builder(id, fixture.transport().await))
         .topic(topic)
         .heartbeat_interval(EVERY)
+        // No quarantine after start (Pub/Sub has no history to replay):
+        // the scenarios check values land in the caches.
+        .reorder_window(Duration::ZERO)
         .register(&cache)
         .start()
         .await
@@ -60,6 +63,14 @@ pub async fn converges_and_acknowledges(fixture: &mut dyn Fixture) {
         nodes.push(node(fixture, &format!("node-{i}"), &topic).await);
     }
     let started = Instant::now();
+    // RocketMQ's push consumer reads a new subscription from the end only
+    // once its first rebalance has run (seconds): heartbeats sent before
+    // that are not delivered to it, so it is given until then.
+    let bound = if name == "rocketmq" {
+        Duration::from_secs(20)
+    } else {
+        EVERY * 2
+    };
     for view in nodes
         .iter()
         .map(|(n, _)| n.cluster())
@@ -67,8 +78,8 @@ pub async fn converges_and_acknowledges(fixture: &mut dyn Fixture) {
     {
         while view.nodes().len() < 3 {
             assert!(
-                started.elapsed() <= EVERY * 2,
-                "{name}: the view of {:?} holds {:?} after two intervals",
+                started.elapsed() <= bound,
+                "{name}: the view of {:?} holds {:?} after {bound:?}",
                 view.view().observer,
                 view.nodes().iter().map(|h| &h.node_id).collect::<Vec<_>>()
             );
@@ -137,10 +148,13 @@ pub async fn a_stopped_node_is_gone_after_three_intervals(fixture: &mut dyn Fixt
     let topic = topic(fixture, "gone");
     let (a, _ca) = node(fixture, "stays", &topic).await;
     let (b, cb) = node(fixture, "stops", &topic).await;
-    crate::eventually(&format!("{name}: both seen"), async || {
-        a.cluster().nodes().len() == 2
-    })
-    .await;
+    // RocketMQ delivers to a new heartbeat subscription only after its
+    // first rebalance (seconds): `eventually`'s bound is too short there.
+    let seen_by = Instant::now() + Duration::from_secs(60);
+    while a.cluster().nodes().len() < 2 {
+        assert!(Instant::now() < seen_by, "{name}: both never seen");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     // Its last heartbeat may be in flight: time from the one it last sent.
     let last_sent = b.status().heartbeats_sent;
     crate::eventually(&format!("{name}: a fresh heartbeat"), async || {
@@ -170,38 +184,43 @@ pub async fn a_stopped_node_is_gone_after_three_intervals(fixture: &mut dyn Fixt
     a.shutdown().await.expect("shutdown");
 }
 
-/// While the broker is paused past the clients' timeouts the nodes report
-/// themselves not ready (their heartbeats, once the broker is back, say so
-/// too); afterwards they are ready again, and every view holds every node.
+/// While the broker is paused (SIGSTOP), every node reports itself not
+/// ready within the bound its transport documents for an unhealthy broker;
+/// once it is resumed, every node is ready again and every view holds
+/// every node, each saying it is ready.
 pub async fn readiness_follows_a_paused_broker(fixture: &mut dyn Fixture) {
     let name = fixture.name();
-    if fixture.expect(Fault::BrokerPause).is_none() {
-        eprintln!("{name}: no broker to pause");
-        return;
-    }
     let topic = topic(fixture, "ready");
     let (a, _ca) = node(fixture, "ready-a", &topic).await;
     let (b, _cb) = node(fixture, "ready-b", &topic).await;
     for n in [&a, &b] {
         crate::eventually(&format!("{name}: {} ready", n.id()), async || n.is_ready()).await;
     }
-    let seen_down = std::sync::atomic::AtomicBool::new(false);
-    let watch = async {
-        loop {
-            if !a.is_ready() && !b.is_ready() {
-                seen_down.store(true, std::sync::atomic::Ordering::Relaxed);
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
-    tokio::select! {
-        () = fixture.inject(Fault::BrokerPause) => {}
-        () = watch => {}
+    if !fixture.pause() {
+        eprintln!("{name}: no broker to pause");
+        return;
     }
-    assert!(
-        seen_down.load(std::sync::atomic::Ordering::Relaxed),
-        "{name}: the nodes never reported themselves not ready while the broker was paused"
+    let paused = Instant::now();
+    // A paused broker answers nothing; clients notice when a request or a
+    // keep-alive times out, which takes longer than a killed one's reset.
+    let bound = Duration::from_secs(30);
+    for n in [&a, &b] {
+        while n.is_ready() {
+            if paused.elapsed() > bound {
+                fixture.resume();
+                panic!(
+                    "{name}: {} still ready {bound:?} into a broker pause",
+                    n.id()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    eprintln!(
+        "{name}: both nodes not ready {:?} into the pause",
+        paused.elapsed()
     );
+    fixture.resume();
     for n in [&a, &b] {
         crate::eventually(&format!("{name}: {} ready again", n.id()), async || {
             n.is_ready()

@@ -75,6 +75,13 @@ pub trait Fixture: Send + Sync {
     fn kill(&mut self) {}
     /// Starts a killed broker again, on the same data.
     fn revive(&mut self) {}
+    /// Pauses the broker (SIGSTOP) and leaves it paused; false without a
+    /// broker to pause.
+    fn pause(&mut self) -> bool {
+        false
+    }
+    /// Resumes a paused broker.
+    fn resume(&mut self) {}
 }
 
 /// What a broker holds for a topic (see [`Fixture::stored`]).
@@ -1326,12 +1333,15 @@ pub async fn heartbeat_channel(fixture: &mut dyn Fixture) {
     let Some(start) = fixture.stored(topic) else {
         return;
     };
-    for i in 0..200u32 {
+    // More than the channel keeps (Redis Streams: about 4096), so it must
+    // have trimmed.
+    const BEATS: u32 = 6000;
+    for i in 0..BEATS {
         let payload = bytes::Bytes::from(format!("beat {i}"));
         retry(|| publisher.publish_heartbeat(topic, payload.clone())).await;
     }
     let end = fixture.stored(topic).expect("looked at once already");
-    eprintln!("{name}: stored before 200 heartbeats {start:?}, after {end:?}");
+    eprintln!("{name}: stored before {BEATS} heartbeats {start:?}, after {end:?}");
     assert_eq!(
         end.history, start.history,
         "{name}: heartbeats changed the length of the change history"
@@ -1341,8 +1351,8 @@ pub async fn heartbeat_channel(fixture: &mut dyn Fixture) {
         "{name}: the change history holds the one event"
     );
     assert!(
-        end.heartbeats < 200,
-        "{name}: the heartbeat channel kept all 200 heartbeats: {end:?}"
+        end.heartbeats < u64::from(BEATS),
+        "{name}: the heartbeat channel kept all {BEATS} heartbeats: {end:?}"
     );
     if let Some(ttl) = end.heartbeats_expire_in {
         assert!(

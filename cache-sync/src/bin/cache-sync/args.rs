@@ -88,7 +88,10 @@ pub(crate) enum Publish {
         /// The cache's name, e.g. countries
         cache: String,
         /// The keys to drop, of --key-type
-        #[arg(required = true, allow_hyphen_values = true)]
+        // Not `allow_hyphen_values`: on a list it would swallow the options
+        // after it (`--ack 5s` as two more keys). Negative numbers pass;
+        // another key starting with `-` goes after `--`.
+        #[arg(required = true, allow_negative_numbers = true)]
         keys: Vec<String>,
         #[command(flatten)]
         common: PublishArgs,
@@ -183,6 +186,26 @@ mod tests {
         assert!(
             matches!(a.command, Command::Status { max_lag, .. } if max_lag == Duration::from_secs(3600))
         );
+    }
+
+    #[test]
+    fn options_after_the_keys_are_options() {
+        let a = Args::try_parse_from([
+            "cache-sync",
+            "publish",
+            "invalidate",
+            "countries",
+            "de",
+            "-1",
+            "--ack",
+            "5s",
+        ])
+        .unwrap();
+        let Command::Publish(Publish::Invalidate { keys, common, .. }) = a.command else {
+            panic!("not an invalidation: {a:?}");
+        };
+        assert_eq!(keys, ["de", "-1"]);
+        assert_eq!(common.ack, Some(Duration::from_secs(5)));
     }
 
     #[test]
