@@ -173,9 +173,9 @@ pub(super) fn track_behind<'a>(
             };
             if c.version.unwrap_or(0) < best {
                 still.push((h.node_id.as_str(), c.name.as_str()));
-                if !behind.contains_key(&(h.node_id.clone(), c.name.clone())) {
-                    behind.insert((h.node_id.clone(), c.name.clone()), now_us);
-                }
+                behind
+                    .entry((h.node_id.clone(), c.name.clone()))
+                    .or_insert(now_us);
             }
         }
     }
