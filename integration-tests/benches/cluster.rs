@@ -345,7 +345,7 @@ async fn acknowledged(s: Sizes, url: &str) -> AckResult {
     let mut worst: Option<String> = None;
     for i in 1..=s.warmup + s.events {
         for j in 0..2 {
-            let is_acked = (j + i as usize) % 2 == 0;
+            let is_acked = (j + i as usize).is_multiple_of(2);
             let g = if is_acked { &acked } else { &plain };
             let t0 = now_us();
             let started = Instant::now();
