@@ -267,7 +267,9 @@ pub(crate) async fn measure(s: Sizes, systems: Vec<System>) -> Vec<Latency> {
 
 /// A started node with its one cache.
 pub(crate) struct BenchNode {
-    node: Node,
+    // Visible to the benches that start nodes with settings of their own
+    // (the cluster bench's heartbeat intervals).
+    pub(crate) node: Node,
     pub(crate) cache: SyncedCache<u64, u64>,
 }
 

@@ -1,0 +1,518 @@
+//! The cluster view (issue 13): what heartbeats cost the propagation of
+//! changes, and how long an acknowledged publish takes next to a plain one,
+//! at 16 nodes on `RedisStreamsTransport`.
+//!
+//! ```text
+//! cargo bench -p integration-tests --no-default-features --features redis --bench cluster
+//! ```
+//!
+//! Without `--bench` on the command line (as under `cargo test
+//! --all-targets`) it runs a tiny smoke pass over the same code and checks.
+//! It starts its own `redis-server` with persistence off (the usual setup
+//! for a cache-invalidation transport) on a free loopback port, through
+//! `integration_tests::redis_server`.
+//!
+//! Method, briefly (docs/benchmarks.md has the discussion):
+//! - Every node has its own transport client, as separate processes would;
+//!   all nodes, publishers, the watcher and the observer share one tokio
+//!   runtime with one worker per core. Every configuration has its own 16
+//!   nodes, its own publisher and its own topic (so its own heartbeat
+//!   channel), and all of them are started up front.
+//! - Heartbeat cost: three configurations, heartbeats off
+//!   (`Duration::MAX`), on at the default 2 s, and on at 100 ms (a stress
+//!   interval). Events go out one at a time, round-robin between the
+//!   configurations (rotating which goes first), so they share the same
+//!   noisy moments of the machine. The next event is published only once
+//!   every node of the previous one has applied it, as the observer sees on
+//!   waking from a 1 ms timer tick. Each node's own figure is the sample:
+//!   the cache records `now - stamp` (`last_latency_us`, the publisher's
+//!   wall-clock stamp taken just before the transport call) and then bumps
+//!   `events_applied`, as in `redis_propagation`. Every node's sample goes
+//!   into one histogram, the slowest node per event into another.
+//! - Acknowledged publish: two more configurations, heartbeats on at 2 s.
+//!   One has a `Cluster` watcher, started once up front and given 1.5 s to
+//!   hear every node; its events are timed from just before the publish
+//!   call until `applied_by(&watcher, 5 s)` returns. The other's events are
+//!   plain publishes, timed from just before the publish call until the
+//!   last node applied the event (the largest `last_applied_at_us`, the
+//!   node's own clock, so the observer's wake-up delay is not in it).
+//!   The two take turns event by event. Every acked publish must come back
+//!   complete and list all 16 nodes, and every node must really have
+//!   applied the event when it does; the bench counts the ones that do not.
+
+// A benchmark's output is its table: printing to stdout is the point.
+#![allow(clippy::print_stdout)]
+
+// Shared with the propagation benches; this one uses the node, runtime and
+// report helpers only.
+#[allow(dead_code)]
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cache_sync::transport::Transport;
+use cache_sync::{Cluster, Node, Publisher, RedisStreamsTransport, SyncedCache};
+use common::{BenchNode, CACHE, STALL, now_us, p, ratio, run_footer, run_header, stop_nodes};
+use hdrhistogram::Histogram;
+use integration_tests::redis_server::RedisServer;
+
+/// Workload sizes: `FULL` under `cargo bench`, `SMOKE` otherwise.
+#[derive(Debug, Clone, Copy)]
+struct Sizes {
+    nodes: usize,
+    /// Paced events before measuring, per configuration.
+    warmup: u64,
+    /// Paced events measured, per configuration.
+    events: u64,
+}
+
+const FULL: Sizes = Sizes {
+    nodes: 16,
+    warmup: 50,
+    events: 1000,
+};
+
+const SMOKE: Sizes = Sizes {
+    nodes: 4,
+    warmup: 2,
+    events: 5,
+};
+
+/// The default heartbeat interval (`NodeBuilder::heartbeat_interval`).
+const DEFAULT_INTERVAL: Duration = Duration::from_secs(2);
+/// The stress interval: 20 times the default's heartbeat traffic.
+const STRESS_INTERVAL: Duration = Duration::from_millis(100);
+/// What an acked publish waits at most.
+const ACK_TIMEOUT: Duration = Duration::from_secs(5);
+/// Given to the watcher after it starts: its roll call's answers must be
+/// in before an ack can call itself complete (500 ms grace in the library).
+const WATCHER_SETTLE: Duration = Duration::from_millis(1500);
+/// The issue's target: heartbeats cost at most this much of the p99.
+const TARGET_RATIO: f64 = 1.05;
+
+fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 60_000_000, 3).expect("histogram bounds")
+}
+
+async fn transport(url: &str) -> Arc<dyn Transport> {
+    Arc::new(
+        RedisStreamsTransport::connect(url)
+            .await
+            .expect("connect streams transport"),
+    )
+}
+
+/// One configuration: its nodes, on a topic of their own, and a publisher.
+struct Group {
+    label: String,
+    topic: String,
+    publisher: Publisher,
+    nodes: Vec<BenchNode>,
+}
+
+async fn start_group(url: &str, label: &str, n: usize, interval: Duration) -> Group {
+    let topic = format!("cluster-{}-{}", label.replace(' ', "-"), now_us());
+    let mut nodes = Vec::with_capacity(n);
+    for k in 0..n {
+        let cache = SyncedCache::new(CACHE, moka::future::Cache::new(10_000));
+        let node = Node::builder(format!("node-{k}"), transport(url).await)
+            .topic(&topic)
+            .heartbeat_interval(interval)
+            .register(&cache)
+            .start()
+            .await
+            .expect("start node");
+        nodes.push(BenchNode { node, cache });
+    }
+    let publisher = Publisher::builder(transport(url).await)
+        .topic(&topic)
+        .origin("bench")
+        .build()
+        .expect("publisher");
+    Group {
+        label: label.to_owned(),
+        topic,
+        publisher,
+        nodes,
+    }
+}
+
+/// Node `k`'s `(last_latency_us, last_applied_at_us)` once it applied event
+/// `i`, published at `t0` (observer's wall clock, just before the call).
+fn probe(node: &BenchNode, i: u64, t0: u64) -> Option<(u64, u64)> {
+    let st = node.cache.status();
+    let at = st.last_applied_at_us?;
+    (st.events_applied >= i && at >= t0).then(|| (st.last_latency_us.unwrap_or(0), at))
+}
+
+/// Waits until every node applied event `i`, looking after each 1 ms timer
+/// tick as `redis_propagation` does (sleeping, so the observer takes no CPU
+/// from nodes still applying); then each node's `(latency, applied at)`.
+async fn wait_applied(group: &Group, i: u64, t0: u64, started: Instant) -> Vec<(u64, u64)> {
+    let mut seen = vec![None; group.nodes.len()];
+    loop {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        for (node, s) in group.nodes.iter().zip(seen.iter_mut()) {
+            if s.is_none() {
+                *s = probe(node, i, t0);
+            }
+        }
+        if seen.iter().all(Option::is_some) {
+            break;
+        }
+        assert!(
+            started.elapsed() < STALL,
+            "event {i} not applied on every node of {} within {STALL:?}",
+            group.label
+        );
+    }
+    // Nothing more goes to this group until this returns: the figures are final.
+    group
+        .nodes
+        .iter()
+        .map(|n| probe(n, i, t0).expect("applied above"))
+        .collect()
+}
+
+/// Checks the last value and stops the nodes: what they counted as wrong,
+/// and the heartbeats they sent and received in all.
+async fn finish(group: Group, last: u64) -> (String, u64, u64) {
+    let (mut sent, mut received) = (0, 0);
+    for n in &group.nodes {
+        let v = n.cache.peek(&0).await;
+        assert_eq!(v, Some(last), "{} holds the last value", n.node.id());
+        let st = n.node.status();
+        sent += st.heartbeats_sent;
+        received += st.heartbeats_received;
+    }
+    (stop_nodes(group.nodes).await, sent, received)
+}
+
+fn or_zero(problems: &str) -> &str {
+    if problems.is_empty() { "0" } else { problems }
+}
+
+// ------------------------------------------------------------ heartbeat cost
+
+struct Propagation {
+    per_node: Histogram<u64>,
+    slowest: Histogram<u64>,
+    publish_call: Histogram<u64>,
+}
+
+/// p99 of heartbeats off, on at the default, on at the stress interval.
+struct CostResult {
+    off: u64,
+    default: u64,
+    stress: u64,
+    slowest_off: u64,
+    slowest_default: u64,
+    slowest_stress: u64,
+}
+
+async fn heartbeat_cost(s: Sizes, url: &str) -> CostResult {
+    let configs = [
+        ("off", Duration::MAX),
+        ("on, 2 s", DEFAULT_INTERVAL),
+        ("on, 100 ms", STRESS_INTERVAL),
+    ];
+    let mut groups = Vec::new();
+    for (label, interval) in configs {
+        groups.push(start_group(url, label, s.nodes, interval).await);
+    }
+    // The nodes' first heartbeats and subscriptions settle before warm-up.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut out: Vec<Propagation> = groups
+        .iter()
+        .map(|_| Propagation {
+            per_node: histogram(),
+            slowest: histogram(),
+            publish_call: histogram(),
+        })
+        .collect();
+    for i in 1..=s.warmup + s.events {
+        for j in 0..groups.len() {
+            let idx = (j + i as usize) % groups.len();
+            let g = &groups[idx];
+            let t0 = now_us();
+            let started = Instant::now();
+            g.publisher
+                .refresh(CACHE, [(0_u64, i)])
+                .await
+                .expect("publish");
+            let call = started.elapsed();
+            let samples = wait_applied(g, i, t0, started).await;
+            if i <= s.warmup {
+                continue;
+            }
+            let o = &mut out[idx];
+            o.publish_call.saturating_record(call.as_micros() as u64);
+            let mut slowest = 0;
+            for (lat, _) in samples {
+                o.per_node.saturating_record(lat);
+                slowest = slowest.max(lat);
+            }
+            o.slowest.saturating_record(slowest);
+        }
+    }
+
+    println!(
+        "Propagation latency, publish → applied, µs, {} nodes per configuration; {} paced events \
+         each after {} warm-up, round-robin between the configurations; per node = every node's \
+         sample, slowest = the slowest node per event.\n",
+        s.nodes, s.events, s.warmup
+    );
+    println!(
+        "| heartbeats | per node p50 | p99 | p999 | max | slowest node p50 | p99 | max | publish call p50 | heartbeats sent / received | problems |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    let last = s.warmup + s.events;
+    for (g, o) in groups.into_iter().zip(&out) {
+        let label = g.label.clone();
+        let (problems, sent, received) = finish(g, last).await;
+        println!(
+            "| {label} | {} | {} | {} | {} | {} | {} | {} | {} | {sent} / {received} | {} |",
+            p(&o.per_node, 0.50),
+            p(&o.per_node, 0.99),
+            p(&o.per_node, 0.999),
+            o.per_node.max(),
+            p(&o.slowest, 0.50),
+            p(&o.slowest, 0.99),
+            o.slowest.max(),
+            p(&o.publish_call, 0.50),
+            or_zero(&problems),
+        );
+    }
+    CostResult {
+        off: p(&out[0].per_node, 0.99),
+        default: p(&out[1].per_node, 0.99),
+        stress: p(&out[2].per_node, 0.99),
+        slowest_off: p(&out[0].slowest, 0.99),
+        slowest_default: p(&out[1].slowest, 0.99),
+        slowest_stress: p(&out[2].slowest, 0.99),
+    }
+}
+
+// ------------------------------------------------------------ acknowledged
+
+struct AckResult {
+    acked_p50: u64,
+    acked_p99: u64,
+    plain_p50: u64,
+    plain_p99: u64,
+    /// Acked publishes that came back incomplete.
+    incomplete: u64,
+    /// Acked publishes whose acks did not list every node.
+    short: u64,
+    /// Acked publishes that came back complete while some node had not
+    /// applied the event (by its own status).
+    early: u64,
+}
+
+async fn acknowledged(s: Sizes, url: &str) -> AckResult {
+    let acked = start_group(url, "acked", s.nodes, DEFAULT_INTERVAL).await;
+    let plain = start_group(url, "plain", s.nodes, DEFAULT_INTERVAL).await;
+    let topic = acked.topic.clone();
+    let watcher = Cluster::builder(
+        RedisStreamsTransport::connect(url)
+            .await
+            .expect("connect watcher transport"),
+    )
+    .topic(topic)
+    .observer("bench-watcher")
+    .start()
+    .await
+    .expect("start watcher");
+    tokio::time::sleep(WATCHER_SETTLE).await;
+    let known = watcher.nodes().len();
+    println!(
+        "\nWatcher on the acked configuration's topic knows {known} of {} nodes after {:?}.\n",
+        s.nodes, WATCHER_SETTLE
+    );
+
+    // Acked: publish start → applied_by complete; the wait alone
+    // (Acks::elapsed); and, for the same events, when the last node really
+    // applied it (publish start → largest applied-at, the plain measure).
+    let mut acked_total = histogram();
+    let mut acked_wait = histogram();
+    let mut acked_applied = histogram();
+    // What the ack returns after the last node applied: the heartbeat's
+    // trip back through Redis to the watcher, and its wake-up.
+    let mut acked_trail = histogram();
+    let mut plain_total = histogram();
+    let (mut incomplete, mut short, mut early) = (0, 0, 0);
+    let mut worst: Option<String> = None;
+    for i in 1..=s.warmup + s.events {
+        for j in 0..2 {
+            let is_acked = (j + i as usize).is_multiple_of(2);
+            let g = if is_acked { &acked } else { &plain };
+            let t0 = now_us();
+            let started = Instant::now();
+            let published = g
+                .publisher
+                .refresh(CACHE, [(0_u64, i)])
+                .await
+                .expect("publish");
+            if is_acked {
+                let acks = published.applied_by(&watcher, ACK_TIMEOUT).await;
+                let total = now_us().saturating_sub(t0);
+                // Read at once, before waiting: did the nodes really apply it?
+                let applied_now = g.nodes.iter().filter(|n| probe(n, i, t0).is_some()).count();
+                let complete = acks.is_complete();
+                let samples = wait_applied(g, i, t0, started).await;
+                let last_applied = samples.iter().map(|(_, at)| *at).max().unwrap_or(t0) - t0;
+                if i <= s.warmup {
+                    continue;
+                }
+                if !complete {
+                    incomplete += 1;
+                }
+                if acks.nodes.len() != s.nodes {
+                    short += 1;
+                }
+                if complete && applied_now < s.nodes {
+                    early += 1;
+                }
+                if !complete || acks.nodes.len() != s.nodes {
+                    worst.get_or_insert_with(|| format!("event {i}: {acks}"));
+                }
+                acked_total.saturating_record(total);
+                acked_wait.saturating_record(acks.elapsed.as_micros() as u64);
+                acked_applied.saturating_record(last_applied);
+                acked_trail.saturating_record(total.saturating_sub(last_applied));
+            } else {
+                let samples = wait_applied(g, i, t0, started).await;
+                if i <= s.warmup {
+                    continue;
+                }
+                let last_applied = samples.iter().map(|(_, at)| *at).max().unwrap_or(t0) - t0;
+                plain_total.saturating_record(last_applied);
+            }
+        }
+    }
+    watcher.shutdown().await;
+    let last = s.warmup + s.events;
+    let (acked_problems, _, _) = finish(acked, last).await;
+    let (plain_problems, _, _) = finish(plain, last).await;
+
+    println!(
+        "Acknowledged publish against plain, µs, {} nodes each, heartbeats every 2 s; {} events \
+         each after {} warm-up, taking turns.\n",
+        s.nodes, s.events, s.warmup
+    );
+    println!("| what | p50 | p90 | p99 | max | problems |");
+    println!("|---|---:|---:|---:|---:|---|");
+    let row = |what: &str, h: &Histogram<u64>, problems: &str| {
+        println!(
+            "| {what} | {} | {} | {} | {} | {} |",
+            p(h, 0.50),
+            p(h, 0.90),
+            p(h, 0.99),
+            h.max(),
+            or_zero(problems)
+        );
+    };
+    row(
+        "acked: publish start → `applied_by` returns",
+        &acked_total,
+        &acked_problems,
+    );
+    row(
+        "acked: the `applied_by` wait alone (`Acks::elapsed`)",
+        &acked_wait,
+        "",
+    );
+    row(
+        "acked: publish start → last node applied (same events)",
+        &acked_applied,
+        "",
+    );
+    row(
+        "acked: last node applied → `applied_by` returns",
+        &acked_trail,
+        "",
+    );
+    row(
+        "plain: publish start → last node applied",
+        &plain_total,
+        &plain_problems,
+    );
+    println!(
+        "\nAcked publishes: {incomplete} incomplete, {short} not listing all {} nodes, {early} \
+         complete before every node had applied the event{}.",
+        s.nodes,
+        worst.map_or(String::new(), |w| format!("; first bad one: {w}"))
+    );
+    AckResult {
+        acked_p50: p(&acked_total, 0.50),
+        acked_p99: p(&acked_total, 0.99),
+        plain_p50: p(&plain_total, 0.50),
+        plain_p99: p(&plain_total, 0.99),
+        incomplete,
+        short,
+        early,
+    }
+}
+
+// ------------------------------------------------------------ report
+
+async fn run(s: Sizes, full: bool, workers: usize) {
+    let started = Instant::now();
+    run_header(full, workers);
+    let redis = RedisServer::start_with(&["--appendonly", "no"]);
+    let url = redis.url();
+    println!(
+        "Server: redis-server with persistence off (--appendonly no; RDB saves are off too).\n"
+    );
+    let cost = heartbeat_cost(s, &url).await;
+    let ack = acknowledged(s, &url).await;
+    drop(redis);
+
+    let smoke = if full {
+        ""
+    } else {
+        " (smoke sizes: meaningless)"
+    };
+    println!("\n#### Goals{smoke}\n");
+    let r = ratio(cost.default, cost.off);
+    println!(
+        "- heartbeats cost ≤ 5 % of the {}-node p99 (on at 2 s ÷ off): {} µs vs {} µs = {r:.3}× → {}",
+        s.nodes,
+        cost.default,
+        cost.off,
+        if r <= TARGET_RATIO { "PASS" } else { "FAIL" }
+    );
+    println!(
+        "- for reference, on at 100 ms ÷ off: {} µs vs {} µs = {:.3}×; slowest-node p99, 2 s / 100 ms ÷ off: {:.3}× / {:.3}×",
+        cost.stress,
+        cost.off,
+        ratio(cost.stress, cost.off),
+        ratio(cost.slowest_default, cost.slowest_off),
+        ratio(cost.slowest_stress, cost.slowest_off),
+    );
+    println!(
+        "- acked ÷ plain: p50 {} vs {} µs = {:.2}×, p99 {} vs {} µs = {:.2}×",
+        ack.acked_p50,
+        ack.plain_p50,
+        ratio(ack.acked_p50, ack.plain_p50),
+        ack.acked_p99,
+        ack.plain_p99,
+        ratio(ack.acked_p99, ack.plain_p99),
+    );
+    let ok = ack.incomplete == 0 && ack.short == 0 && ack.early == 0;
+    println!(
+        "- every acked publish complete, listing every node, none before the nodes applied it: {} → {}",
+        format_args!(
+            "{} incomplete, {} short, {} early",
+            ack.incomplete, ack.short, ack.early
+        ),
+        if ok { "PASS" } else { "FAIL" }
+    );
+    run_footer(started);
+    assert!(ok, "acknowledged publishes went wrong (see above)");
+}
+
+fn main() {
+    common::main(move |full, workers| run(if full { FULL } else { SMOKE }, full, workers));
+}
