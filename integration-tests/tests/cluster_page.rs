@@ -17,83 +17,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::Duration;
 
-use async_trait::async_trait;
-use bytes::Bytes;
-use cache_sync::transport::{
-    Delivery, HeartbeatSubscription, Position, SubscribeOptions, Subscription, Transport,
-};
-use cache_sync::{EmbeddedTransport, Node, Publisher, Result, SyncedCache};
+use cache_sync::{EmbeddedTransport, Node, Publisher, SyncedCache};
 use fantoccini::ClientBuilder;
 use hyper_util::client::legacy::connect::HttpConnector;
 use serde_json::{Value, json};
 
 const EVERY: Duration = Duration::from_millis(100);
 
-/// Like the embedded transport, but holds back every change event from its
-/// subscribers while `stalled` is set (heartbeats still flow): a node that
-/// lags and says so.
-#[derive(Debug, Clone)]
-struct Stalling {
-    inner: EmbeddedTransport,
-    stalled: Arc<AtomicBool>,
-}
-
-#[derive(Debug)]
-struct StallingSubscription {
-    inner: Box<dyn Subscription>,
-    stalled: Arc<AtomicBool>,
-    /// A delivery fetched while stalled, kept until it is not, so that a
-    /// dropped `next` (it must be cancel-safe) loses nothing.
-    held: Option<Result<Delivery>>,
-}
-
-#[async_trait]
-impl Subscription for StallingSubscription {
-    async fn next(&mut self, max: usize) -> Result<Delivery> {
-        if self.held.is_none() {
-            self.held = Some(self.inner.next(max).await);
-        }
-        while self.stalled.load(Relaxed) {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        self.held.take().expect("filled above")
-    }
-}
-
-#[async_trait]
-impl Transport for Stalling {
-    fn kind(&self) -> &'static str {
-        "stalling"
-    }
-
-    fn filters_by_tag(&self) -> bool {
-        true
-    }
-
-    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
-        self.inner.publish(topic, tag, payload).await
-    }
-
-    async fn subscribe(
-        &self,
-        topic: &str,
-        options: SubscribeOptions,
-    ) -> Result<Box<dyn Subscription>> {
-        Ok(Box::new(StallingSubscription {
-            inner: self.inner.subscribe(topic, options).await?,
-            stalled: self.stalled.clone(),
-            held: None,
-        }))
-    }
-
-    async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
-        self.inner.publish_heartbeat(topic, payload).await
-    }
-
-    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
-        self.inner.subscribe_heartbeats(topic).await
-    }
-}
+use integration_tests::Stalling;
 
 /// A program the test needs, from Debian's packages: on the PATH or in
 /// /usr/bin. Missing, the test fails and says what to install; with `CI`
@@ -163,7 +94,7 @@ impl Drop for Chromedriver {
 
 type Cache = SyncedCache<String, String>;
 
-async fn start(id: &str, transport: Stalling, cache: &Cache) -> Node {
+async fn start(id: &str, transport: Stalling<EmbeddedTransport>, cache: &Cache) -> Node {
     Node::builder(id, transport)
         .heartbeat_interval(EVERY)
         // Ready at once: no quarantine at start to wait out.
