@@ -86,7 +86,14 @@ async fn run(keep_running: bool) -> Result<()> {
         println!("  {} on {addr}", n.node.id());
         println!("    curl -s {base}/cache-sync/status");
         println!("    curl -s {base}/cache-sync/caches/{CACHE}");
-        println!("    curl -s {base}/healthz");
+        println!("    curl -s {base}/readyz");
+    }
+    if let Some(n) = nodes.first() {
+        let base = format!("http://{}", n.status.local_addr());
+        println!("  The whole cluster, as any node sees it (open the first in a browser):");
+        println!("    {base}/cache-sync/");
+        println!("    curl -s {base}/cache-sync/cluster");
+        println!("    curl -s {base}/metrics");
     }
 
     println!("\nWarming the caches through the loader:");
