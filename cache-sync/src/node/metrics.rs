@@ -338,7 +338,6 @@ mod tests {
     use std::collections::BTreeMap;
     use std::io::Write as _;
     use std::process::{Command, Stdio};
-    use std::time::Duration;
 
     use axum::body::Body;
     use axum::http::{Request, StatusCode, header};
@@ -346,6 +345,7 @@ mod tests {
     use http_body_util::BodyExt;
     use tower::ServiceExt;
 
+    use super::super::tests::eventually;
     use super::super::{LOSS_REASONS, loss_index};
     use crate::transport::{DEFAULT_TOPIC, Transport};
     use crate::util::now_us;
@@ -356,18 +356,6 @@ mod tests {
 
     fn cache(name: &str) -> Cache {
         SyncedCache::new(name, moka::future::Cache::new(100))
-    }
-
-    /// Polls until `f` holds; never a fixed sleep.
-    async fn eventually(what: &str, mut f: impl AsyncFnMut() -> bool) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while !f().await {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "timed out waiting for: {what}"
-            );
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
     }
 
     async fn applied(node: &Node, cache: &str) -> u64 {

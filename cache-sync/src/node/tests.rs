@@ -20,7 +20,7 @@ fn cache(name: &str) -> Cache {
 }
 
 /// Polls until `f` holds; tests never sleep a fixed time to "let it settle".
-async fn eventually(what: &str, mut f: impl AsyncFnMut() -> bool) {
+pub(super) async fn eventually(what: &str, mut f: impl AsyncFnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !f().await {
         assert!(
