@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 
 use crate::redis_server::{free_port, signal};
 
+/// Bytes of each server's log a failed test prints.
+const LOG_TAIL: usize = 8 * 1024;
+
 const NAMESRV: &str = "rocketmq-namesrv-rust";
 const BROKER: &str = "rocketmq-broker-rust";
 const BROKER_NAME: &str = "broker-a";
@@ -283,6 +286,19 @@ impl RocketMqServer {
 
 impl Drop for RocketMqServer {
     fn drop(&mut self) {
+        // A failed test's servers say what they saw (at warn: a failed
+        // route registration, a store error), or the evidence goes with the
+        // temporary directory.
+        if std::thread::panicking() {
+            for name in ["namesrv", "broker"] {
+                let log = self.log(name);
+                let from = (log.len().saturating_sub(LOG_TAIL)..log.len())
+                    .find(|&i| log.is_char_boundary(i))
+                    .unwrap_or(log.len());
+                let tail = &log[from..];
+                eprintln!("--- last of the {name} log ---\n{tail}");
+            }
+        }
         if let Some(child) = self.broker.as_ref() {
             signal("-CONT", child.id());
         }

@@ -249,6 +249,7 @@ impl RocketMqBuilder {
             producers_made: AtomicU64::new(0),
             send_failures: Mutex::new(SendFailures::default()),
             topics: tokio::sync::Mutex::new(HashMap::new()),
+            creating: Mutex::new(HashMap::new()),
             names: AtomicU64::new(0),
             closed: AtomicBool::new(false),
         });
@@ -309,6 +310,10 @@ struct Inner {
     /// Topics created (or found) by this transport, with their route's master
     /// brokers then (name to address).
     topics: tokio::sync::Mutex<HashMap<String, TopicBrokers>>,
+    /// One gate per topic being looked up or created, so two calls for one
+    /// topic create it once, while calls for other topics (a heartbeat
+    /// beside a change topic) do not wait behind a slow creation.
+    creating: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     names: AtomicU64,
     closed: AtomicBool,
 }
@@ -394,6 +399,11 @@ const HEARTBEAT_SUFFIX: &str = "%hb";
 /// else, so it only labels them for someone reading the topic by hand.
 const HEARTBEAT_TAG: &str = "heartbeat";
 
+/// How long a created topic's route may take to reach the name server:
+/// longer than the broker's default registration period (30 s), which
+/// repairs a registration that failed.
+const ROUTE_WAIT: Duration = Duration::from_secs(45);
+
 /// Heartbeats a heartbeat subscription takes from its consumer at a time.
 const HEARTBEAT_BATCH: usize = 32;
 
@@ -462,10 +472,29 @@ impl Inner {
     /// Creates the topic with the configured number of queues on every
     /// master broker, once per topic and transport.
     async fn ensure_topic(&self, topic: &str) -> Result<TopicBrokers> {
-        let mut topics = self.topics.lock().await;
-        if let Some(brokers) = topics.get(topic) {
+        if let Some(brokers) = self.topics.lock().await.get(topic) {
             return Ok(brokers.clone());
         }
+        let gate = lock(&self.creating)
+            .entry(topic.to_owned())
+            .or_default()
+            .clone();
+        let _creating = gate.lock().await;
+        // Another call may have finished while this one waited at the gate.
+        if let Some(brokers) = self.topics.lock().await.get(topic) {
+            return Ok(brokers.clone());
+        }
+        let brokers = self.find_or_create_topic(topic).await;
+        lock(&self.creating).remove(topic);
+        let brokers = brokers?;
+        self.topics
+            .lock()
+            .await
+            .insert(topic.to_owned(), brokers.clone());
+        Ok(brokers)
+    }
+
+    async fn find_or_create_topic(&self, topic: &str) -> Result<TopicBrokers> {
         let mut admin = self.admin().await?;
         let result = async {
             let a = admin.get();
@@ -491,22 +520,30 @@ impl Inner {
                         .map_err(err)?;
                 }
                 // The name server learns the route when the broker registers
-                // again: within milliseconds on a quiet machine, but a loaded
-                // one (a debug broker beside a full test run on 2 cores) once
-                // took over 5 s, so the bound is generous.
+                // the topic with it: at once on a quiet machine. That
+                // registration has a 3 s timeout, and one that fails (a
+                // debug broker beside a full test run on 2 cores) is only
+                // repaired by the broker's periodic registration, every 30 s
+                // by default, so the wait outlasts one period.
                 let started = Instant::now();
                 loop {
                     found = route(a, topic).await?;
                     if found.is_some() {
                         break;
                     }
-                    if started.elapsed() > Duration::from_secs(20) {
-                        return Err(Error::disconnected(
-                            KIND,
-                            format!("topic {topic} created but its route never appeared"),
-                        ));
+                    if started.elapsed() > ROUTE_WAIT {
+                        // The name server answers, so this is no disconnect.
+                        return Err(Error::Transport {
+                            transport: KIND,
+                            source: format!(
+                                "topic {topic} was created on the brokers, but the name server \
+                                 had no route for it {} s later",
+                                ROUTE_WAIT.as_secs()
+                            )
+                            .into(),
+                        });
                     }
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             }
             Ok(found
@@ -520,9 +557,7 @@ impl Inner {
         }
         .await;
         admin.shutdown().await;
-        let brokers = result?;
-        topics.insert(topic.to_owned(), brokers.clone());
-        Ok(brokers)
+        result
     }
 
     /// A failed send, classified by what can be reached: the client
