@@ -2,11 +2,12 @@
 //! temporary store, that the test can kill, restart on the same store, and
 //! pause.
 
-use std::io::Read;
+use std::io::{BufRead, BufReader};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::process::ServerProcess;
+use crate::process::{ServerProcess, says_port_taken, start_on_free_ports};
 use std::time::{Duration, Instant};
 
 use crate::redis_server::free_port;
@@ -14,6 +15,7 @@ use crate::redis_server::free_port;
 /// A running `nats-server` with JetStream, stopped on drop.
 #[derive(Debug)]
 pub struct NatsServer {
+    name: String,
     port: u16,
     dir: tempfile::TempDir,
     process: ServerProcess,
@@ -22,20 +24,38 @@ pub struct NatsServer {
 const MISSING: &str = "nats-server is not on PATH. Install it (Debian: `apt-get install nats-server`); \
                        ./scripts/test installs it when it is missing";
 
+/// A server name no other server of any test has.
+fn unique_name() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "cache-sync-test-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
 impl NatsServer {
     /// Starts a server with JetStream and file storage in a temp dir.
     pub fn start() -> Self {
-        let dir = tempfile::tempdir().expect("temp dir for nats-server");
-        let mut server = Self {
-            port: free_port(),
-            dir,
-            process: ServerProcess::default(),
-        };
-        server.spawn();
-        server
+        start_on_free_ports("nats-server", || {
+            let mut server = Self {
+                name: unique_name(),
+                port: free_port(),
+                dir: tempfile::tempdir().expect("temp dir for nats-server"),
+                process: ServerProcess::default(),
+            };
+            server.spawn().map(|()| server)
+        })
     }
 
-    fn spawn(&mut self) {
+    /// Unique to this server (kept over restarts), so its greeting tells it
+    /// from another test's server on a port taken from under it.
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Starts the server on its port; `Err` when another process has it.
+    fn spawn(&mut self) -> Result<(), String> {
         let log = std::fs::File::create(self.dir.path().join("nats.log")).expect("log file");
         let mut cmd = Command::new("nats-server");
         cmd.args([
@@ -44,6 +64,8 @@ impl NatsServer {
             "-p",
             &self.port.to_string(),
             "-js",
+            "--server_name",
+            self.name(),
             "-sd",
         ])
         .arg(self.dir.path().join("store"))
@@ -58,9 +80,20 @@ impl NatsServer {
         self.process.set(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         // The server greets every client with an INFO line once it is ready.
-        while !self.greets() {
+        loop {
+            if let Some(info) = self.greeting() {
+                if info.contains(&format!("\"server_name\":\"{}\"", self.name)) {
+                    return Ok(());
+                }
+                self.process.kill();
+                return Err(format!("another server answers on port {}", self.port));
+            }
             if let Some(status) = self.process.exited() {
-                panic!("nats-server exited with {status}; log:\n{}", self.log());
+                let log = self.log();
+                if says_port_taken(&log) {
+                    return Err(format!("port {} was taken", self.port));
+                }
+                panic!("nats-server exited with {status}; log:\n{log}");
             }
             assert!(
                 Instant::now() < deadline,
@@ -71,13 +104,13 @@ impl NatsServer {
         }
     }
 
-    fn greets(&self) -> bool {
-        let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.port)) else {
-            return false;
-        };
+    /// The INFO line every client is greeted with once the server is ready.
+    fn greeting(&self) -> Option<String> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
         let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
-        let mut buf = [0u8; 4];
-        stream.read_exact(&mut buf).is_ok() && &buf == b"INFO"
+        let mut line = String::new();
+        BufReader::new(&mut stream).read_line(&mut line).ok()?;
+        line.starts_with("INFO").then_some(line)
     }
 
     /// The server's log so far.
@@ -98,7 +131,7 @@ impl NatsServer {
     /// Starts again on the same port and store.
     pub fn restart(&mut self) {
         self.kill();
-        self.spawn();
+        self.spawn().unwrap_or_else(|e| panic!("nats-server: {e}"));
     }
 
     /// `kill -9`, then starts again on the same port with an empty store:
@@ -109,7 +142,7 @@ impl NatsServer {
         if store.exists() {
             std::fs::remove_dir_all(&store).expect("remove the nats store");
         }
-        self.spawn();
+        self.spawn().unwrap_or_else(|e| panic!("nats-server: {e}"));
     }
 
     /// SIGSTOP.
@@ -120,5 +153,26 @@ impl NatsServer {
     /// SIGCONT.
     pub fn resume(&self) {
         self.process.resume();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A port another server holds is reported as taken (for a start on
+    /// other ports), never taken for this server's.
+    #[test]
+    fn a_taken_port_is_noticed() {
+        let other = NatsServer::start();
+        let mut second = NatsServer {
+            name: unique_name(),
+            port: other.port,
+            dir: tempfile::tempdir().expect("temp dir"),
+            process: ServerProcess::default(),
+        };
+        let taken = second.spawn();
+        assert!(taken.is_err(), "started on a port another server holds");
+        assert!(other.greeting().is_some(), "the other server was disturbed");
     }
 }

@@ -27,16 +27,21 @@ impl ServerProcess {
 
     /// SIGSTOP: it keeps its connections open but answers nothing.
     pub(crate) fn pause(&self) {
-        signal("-STOP", self.pid());
+        signal("-STOP", self.running_pid());
     }
 
     /// SIGCONT.
     pub(crate) fn resume(&self) {
-        signal("-CONT", self.pid());
+        signal("-CONT", self.running_pid());
     }
 
-    fn pid(&self) -> u32 {
-        self.0.as_ref().expect("server is running").id()
+    /// Its process id, if it was started and not killed.
+    pub(crate) fn pid(&self) -> Option<u32> {
+        self.0.as_ref().map(Child::id)
+    }
+
+    fn running_pid(&self) -> u32 {
+        self.pid().expect("server is running")
     }
 }
 
@@ -46,21 +51,57 @@ impl Drop for ServerProcess {
         // kill. Not one that has exited (a server that failed to start):
         // `kill` would fail on it, and a panic here, during the test's own
         // panic, aborts the test before the other servers are killed.
+        // Quietly even so: it may exit between the check and the signal.
         if self.exited().is_none()
             && let Some(child) = self.0.as_ref()
         {
-            signal("-CONT", child.id());
+            let _ = try_signal("-CONT", child.id());
         }
         self.kill();
     }
 }
 
+/// Starts a server on fresh ports until `attempt` succeeds, at most
+/// `ATTEMPTS` times. A port found free can be taken before the server
+/// binds it, by another test's server or as the local port of an outgoing
+/// connection (each broker test makes hundreds); `attempt` says so with an
+/// `Err`, and panics on any other failure.
+pub(crate) fn start_on_free_ports<T>(
+    what: &str,
+    mut attempt: impl FnMut() -> Result<T, String>,
+) -> T {
+    const ATTEMPTS: u32 = 5;
+    let mut taken = Vec::new();
+    for n in 1..=ATTEMPTS {
+        match attempt() {
+            Ok(server) => return server,
+            Err(why) => {
+                eprintln!("{what}: {why}; starting again on other ports ({n}/{ATTEMPTS})");
+                taken.push(why);
+            }
+        }
+    }
+    panic!("{what}: a port was taken on each of {ATTEMPTS} tries: {taken:?}");
+}
+
+/// Whether a server's log says its listen address was taken.
+pub(crate) fn says_port_taken(log: &str) -> bool {
+    log.to_ascii_lowercase().contains("address already in use")
+}
+
 /// Sends a signal with `kill`: no unsafe code needed.
 pub fn signal(sig: &str, pid: u32) {
-    let status = Command::new("kill")
+    assert!(try_signal(sig, pid), "kill {sig} {pid} failed");
+}
+
+/// Sends a signal, saying whether it was delivered. For drops: a panic
+/// there, during a failed test's own panic, aborts the whole test binary
+/// before its other servers are killed.
+pub(crate) fn try_signal(sig: &str, pid: u32) -> bool {
+    Command::new("kill")
         .arg(sig)
         .arg(pid.to_string())
+        .stderr(std::process::Stdio::null())
         .status()
-        .expect("run kill");
-    assert!(status.success(), "kill {sig} {pid} failed");
+        .is_ok_and(|s| s.success())
 }

@@ -1,13 +1,13 @@
 //! A `redis-server` of the test's own, on a free loopback port, that the test
 //! can kill, restart on the same data, pause, and cut connections to.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use crate::process::ServerProcess;
 pub use crate::process::signal;
+use crate::process::{ServerProcess, says_port_taken, start_on_free_ports};
 use std::time::{Duration, Instant};
 
 /// A running `redis-server`, stopped on drop.
@@ -31,19 +31,19 @@ impl RedisServer {
 
     /// Starts a server with extra `redis-server` arguments.
     pub fn start_with(extra: &[&str]) -> Self {
-        let dir = tempfile::tempdir().expect("temp dir for redis-server");
-        let port = free_port();
-        let mut server = Self {
-            port,
-            dir,
-            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
-            process: ServerProcess::default(),
-        };
-        server.spawn();
-        server
+        start_on_free_ports("redis-server", || {
+            let mut server = Self {
+                port: free_port(),
+                dir: tempfile::tempdir().expect("temp dir for redis-server"),
+                extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+                process: ServerProcess::default(),
+            };
+            server.spawn().map(|()| server)
+        })
     }
 
-    fn spawn(&mut self) {
+    /// Starts the server on its port; `Err` when another process has it.
+    fn spawn(&mut self) -> Result<(), String> {
         let log = std::fs::File::create(self.dir.path().join("redis.log")).expect("log file");
         let mut cmd = Command::new("redis-server");
         cmd.args([
@@ -74,20 +74,36 @@ impl RedisServer {
             Err(e) => panic!("cannot start redis-server: {e}"),
         };
         self.process.set(child);
-        self.wait_ready();
+        self.wait_ready()
     }
 
-    fn wait_ready(&mut self) {
+    fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             if self
                 .command(&["PING"])
                 .is_ok_and(|r| r.starts_with("+PONG"))
             {
-                return;
+                // Another test's server may answer on a port taken from
+                // under this one.
+                let ours = self
+                    .process
+                    .pid()
+                    .map(|pid| format!("process_id:{pid}\r\n"));
+                return match self.info_server() {
+                    Ok(info) if ours.is_some_and(|p| info.contains(&p)) => Ok(()),
+                    _ => {
+                        self.process.kill();
+                        Err(format!("another server answers on port {}", self.port))
+                    }
+                };
             }
             if let Some(status) = self.process.exited() {
-                panic!("redis-server exited with {status}; log:\n{}", self.log());
+                let log = self.log();
+                if says_port_taken(&log) {
+                    return Err(format!("port {} was taken", self.port));
+                }
+                panic!("redis-server exited with {status}; log:\n{log}");
             }
             assert!(
                 Instant::now() < deadline,
@@ -121,7 +137,7 @@ impl RedisServer {
     /// Starts again on the same port and data directory.
     pub fn restart(&mut self) {
         self.kill();
-        self.spawn();
+        self.spawn().unwrap_or_else(|e| panic!("redis-server: {e}"));
     }
 
     /// `kill -9`, then starts again on the same port with no data at all: a
@@ -142,7 +158,7 @@ impl RedisServer {
                 std::fs::remove_file(&path)
             };
         }
-        self.spawn();
+        self.spawn().unwrap_or_else(|e| panic!("redis-server: {e}"));
     }
 
     /// SIGSTOP: the server holds connections open but answers nothing.
@@ -166,6 +182,24 @@ impl RedisServer {
 
     /// Runs one command and returns the first line of the reply (enough for
     /// status, integer and error replies).
+    /// `INFO server`, whole.
+    fn info_server(&self) -> std::io::Result<String> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        stream.write_all(b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n")?;
+        let mut reader = BufReader::new(&mut stream);
+        let mut header = String::new();
+        reader.read_line(&mut header)?;
+        let len: usize = header
+            .trim_end()
+            .strip_prefix('$')
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| std::io::Error::other(format!("INFO answered {header:?}")))?;
+        let mut body = vec![0; len];
+        reader.read_exact(&mut body)?;
+        Ok(String::from_utf8_lossy(&body).into_owned())
+    }
+
     pub fn command(&self, args: &[&str]) -> std::io::Result<String> {
         let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
         stream.set_read_timeout(Some(Duration::from_secs(5)))?;
@@ -184,4 +218,29 @@ impl RedisServer {
 pub fn free_port() -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
     listener.local_addr().expect("local addr").port()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A port another server holds is reported as taken (for a start on
+    /// other ports), never taken for this server's: whichever comes first,
+    /// the bind failing or the other server answering the probe.
+    #[test]
+    fn a_taken_port_is_noticed() {
+        let other = RedisServer::start();
+        let mut second = RedisServer {
+            port: other.port,
+            dir: tempfile::tempdir().expect("temp dir"),
+            extra: Vec::new(),
+            process: ServerProcess::default(),
+        };
+        let taken = second.spawn();
+        assert!(taken.is_err(), "started on a port another server holds");
+        assert!(
+            other.command(&["PING"]).is_ok_and(|r| r == "+PONG"),
+            "the other server was disturbed"
+        );
+    }
 }

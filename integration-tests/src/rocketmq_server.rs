@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::redis_server::{free_port, signal};
+use crate::process::{ServerProcess, says_port_taken, start_on_free_ports};
+use crate::redis_server::free_port;
 
 /// Bytes of each server's log a failed test prints.
 const LOG_TAIL: usize = 8 * 1024;
@@ -25,8 +26,8 @@ pub struct RocketMqServer {
     namesrv_port: u16,
     broker_port: u16,
     dir: tempfile::TempDir,
-    namesrv: Option<Child>,
-    broker: Option<Child>,
+    namesrv: ServerProcess,
+    broker: ServerProcess,
 }
 
 fn missing(binary: &str) -> String {
@@ -71,6 +72,11 @@ fn broker_port() -> u16 {
 impl RocketMqServer {
     /// Starts a name server and a broker (64 MiB commit log, no message index).
     pub fn start() -> Self {
+        start_on_free_ports("rocketmq", Self::start_once)
+    }
+
+    /// One try at [`start`](Self::start); `Err` when a port was taken.
+    fn start_once() -> Result<Self, String> {
         let dir = tempfile::tempdir().expect("temp dir for rocketmq");
         let namesrv_port = free_port();
         let broker_port = broker_port();
@@ -131,12 +137,19 @@ impl RocketMqServer {
             namesrv_port,
             broker_port,
             dir,
-            namesrv: None,
-            broker: None,
+            namesrv: ServerProcess::default(),
+            broker: ServerProcess::default(),
         };
-        server.spawn_namesrv();
-        server.spawn_broker();
-        server
+        server.spawn_namesrv()?;
+        server.spawn_broker()?;
+        // The broker registered with whatever answers on the name server's
+        // port: that must be this name server, still running.
+        if let Some(status) = server.namesrv.exited() {
+            return Err(format!(
+                "{NAMESRV} exited with {status} (port {namesrv_port} taken?)"
+            ));
+        }
+        Ok(server)
     }
 
     fn log_path(&self, name: &str) -> PathBuf {
@@ -160,19 +173,22 @@ impl RocketMqServer {
             .unwrap_or_else(|e| panic!("cannot start {binary}: {e}"))
     }
 
-    fn spawn_namesrv(&mut self) {
+    fn spawn_namesrv(&mut self) -> Result<(), String> {
         let config = self.dir.path().join("namesrv.toml");
         let child = self.spawn(NAMESRV, &config, "warn", &self.log_path("namesrv"));
-        self.namesrv = Some(child);
+        self.namesrv.set(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         while TcpStream::connect(("127.0.0.1", self.namesrv_port)).is_err() {
-            if let Some(child) = self.namesrv.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
-                panic!(
-                    "{NAMESRV} exited with {status}; log:\n{}",
-                    self.log("namesrv")
-                );
+            if let Some(status) = self.namesrv.exited() {
+                let log = self.log("namesrv");
+                // What it says when its port is taken.
+                if log.contains("Remoting server exited") || says_port_taken(&log) {
+                    return Err(format!(
+                        "{NAMESRV} exited with {status}: port {} taken",
+                        self.namesrv_port
+                    ));
+                }
+                panic!("{NAMESRV} exited with {status}; log:\n{log}");
             }
             assert!(
                 Instant::now() < deadline,
@@ -181,16 +197,18 @@ impl RocketMqServer {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
+        Ok(())
     }
 
-    fn spawn_broker(&mut self) {
+    /// Starts the broker; `Err` when its ports were taken.
+    fn spawn_broker(&mut self) -> Result<(), String> {
         let log = self.log_path("broker");
         let seen = std::fs::read_to_string(&log).map_or(0, |s| s.len());
         let config = self.dir.path().join("broker.toml");
         // Info only from the broker's own startup: at info the store logs a
         // line every 125 ms.
         let child = self.spawn(BROKER, &config, "warn,rocketmq_broker=info", &log);
-        self.broker = Some(child);
+        self.broker.set(child);
         let deadline = Instant::now() + Duration::from_secs(20);
         // The port opens a few ms before the broker registers its routes.
         while !self
@@ -199,10 +217,15 @@ impl RocketMqServer {
             .unwrap_or("")
             .contains(BROKER_READY)
         {
-            if let Some(child) = self.broker.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
+            if let Some(status) = self.broker.exited() {
                 let log = self.log("broker");
+                // What it says when a listen port is taken.
+                if log.contains("could not be started") || says_port_taken(&log) {
+                    return Err(format!(
+                        "{BROKER} exited with {status}: a port of {} taken",
+                        self.broker_port
+                    ));
+                }
                 // The broker refuses to start on a disk over 75 % full (its
                 // diskMaxUsedSpaceRatio), however small its own store.
                 let hint = if log.contains("disk capacity requires reclaim") {
@@ -219,6 +242,7 @@ impl RocketMqServer {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
+        Ok(())
     }
 
     /// A log so far: `"namesrv"` or `"broker"`.
@@ -245,16 +269,14 @@ impl RocketMqServer {
 
     /// `kill -9` the broker.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.broker.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.broker.kill();
     }
 
     /// Starts the broker again on the same ports and store.
     pub fn restart(&mut self) {
         self.kill();
-        self.spawn_broker();
+        self.spawn_broker()
+            .unwrap_or_else(|e| panic!("restart: {e}"));
     }
 
     /// `kill -9` the broker, then starts it again on the same ports with an
@@ -266,21 +288,17 @@ impl RocketMqServer {
         if store.exists() {
             std::fs::remove_dir_all(&store).expect("remove the broker store");
         }
-        self.spawn_broker();
+        self.spawn_broker().unwrap_or_else(|e| panic!("wipe: {e}"));
     }
 
     /// SIGSTOP the broker.
     pub fn pause(&self) {
-        signal("-STOP", self.broker_pid());
+        self.broker.pause();
     }
 
     /// SIGCONT the broker.
     pub fn resume(&self) {
-        signal("-CONT", self.broker_pid());
-    }
-
-    fn broker_pid(&self) -> u32 {
-        self.broker.as_ref().expect("broker is running").id()
+        self.broker.resume();
     }
 }
 
@@ -299,13 +317,8 @@ impl Drop for RocketMqServer {
                 eprintln!("--- last of the {name} log ---\n{tail}");
             }
         }
-        if let Some(child) = self.broker.as_ref() {
-            signal("-CONT", child.id());
-        }
-        self.kill();
-        if let Some(mut child) = self.namesrv.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        // Before the fields drop: the temporary directory goes first.
+        self.broker.kill();
+        self.namesrv.kill();
     }
 }
