@@ -404,6 +404,10 @@ const HEARTBEAT_TAG: &str = "heartbeat";
 /// repairs a registration that failed.
 const ROUTE_WAIT: Duration = Duration::from_secs(45);
 
+/// A route slower than this to appear is logged: the broker's registration
+/// with the name server failed or was slow.
+const ROUTE_WAIT_WARN: Duration = Duration::from_secs(1);
+
 /// Heartbeats a heartbeat subscription takes from its consumer at a time.
 const HEARTBEAT_BATCH: usize = 32;
 
@@ -529,6 +533,14 @@ impl Inner {
                 loop {
                     found = route(a, topic).await?;
                     if found.is_some() {
+                        let waited = started.elapsed();
+                        if waited > ROUTE_WAIT_WARN {
+                            tracing::warn!(
+                                topic,
+                                ?waited,
+                                "a created topic's route was slow to reach the name server"
+                            );
+                        }
                         break;
                     }
                     if started.elapsed() > ROUTE_WAIT {
