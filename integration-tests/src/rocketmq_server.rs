@@ -219,8 +219,10 @@ impl RocketMqServer {
         {
             if let Some(status) = self.broker.exited() {
                 let log = self.log("broker");
-                // What it says when a listen port is taken.
-                if log.contains("could not be started") || says_port_taken(&log) {
+                // What it says when a listen port is taken, in this run's
+                // part of the log (a restart appends to it).
+                let this_run = log.get(seen..).unwrap_or("");
+                if this_run.contains("could not be started") || says_port_taken(this_run) {
                     return Err(format!(
                         "{BROKER} exited with {status}: a port of {} taken",
                         self.broker_port
