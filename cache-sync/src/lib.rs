@@ -96,8 +96,14 @@
 //! A superseded load is retried; concurrent loads of one key are coalesced.
 //! Nor does it return such a value: after
 //! [`max_load_retries`](SyncedCacheBuilder::max_load_retries) superseded
-//! loads, one more runs with the key pinned (other tasks' writes to that key
-//! wait for it), so nothing can overtake it.
+//! loads, one more runs with the key pinned: other tasks' writes to that key
+//! wait for it, up to [`max_pin_wait`](SyncedCacheBuilder::max_pin_wait)
+//! (1 s by default). The node's consumer does not wait: it parks its writes
+//! to that key, applies them in order once the load is done or the bound
+//! passed, and goes on with every other key and cache meanwhile, so a slow
+//! database read holds up that one key only. A write that waited the whole
+//! bound, or a clear, overtakes the pinned load, which then returns the
+//! value now cached, or loads again.
 //!
 //! A loader that reads a lagging replica can still read the row as it was
 //! before a change the node has already applied. A versioned load then

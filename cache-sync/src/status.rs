@@ -129,6 +129,13 @@ pub struct CacheStatus {
     /// cache's type (resynced), and, counted per value, refresh values that
     /// do not decode (that key invalidated; also in `refresh_fallbacks`).
     pub rejected_events: u64,
+    /// Event writes that waited for a pinned load of their key (see
+    /// [`SyncedCacheBuilder::max_pin_wait`](crate::SyncedCacheBuilder::max_pin_wait)):
+    /// parked while the node's consumer went on with other keys, and
+    /// applied in order once the load was done or the bound passed. Absent
+    /// in JSON from nodes older than this field; it reads as 0 then.
+    #[serde(default)]
+    pub writes_parked: u64,
     /// Microseconds since the Unix epoch when the last event was applied.
     pub last_applied_at_us: Option<u64>,
     /// Publish-to-applied time of the last event, in microseconds (across

@@ -11,8 +11,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::Inner;
+use super::park::{Item, Op};
 use super::stats::LatencyHistogram;
-use super::versions::RefreshDecision;
 use crate::status::{AppliedEvent, CacheStatus};
 use crate::util::{lock, now_us};
 use crate::wire::{ChangeView, Header, decode_part};
@@ -59,6 +59,13 @@ pub(crate) trait CacheHandle: Send + Sync {
     /// run of events for the cache, so the boxed future that a dynamic
     /// async call costs is paid per run, not per event.
     async fn apply(&self, events: &[Event<'_>]);
+    /// Whether any event write of this cache waits for a pinned load of its
+    /// key: parked by `apply` (which returned without waiting) and not yet
+    /// applied, in order, by the key's drainer, nor dropped by a clear
+    /// after it. While true, an event `apply` returned from may not be in
+    /// the cache yet, so it must not be reported as applied. Only event
+    /// writes count; local writes waiting for a pin are not events.
+    fn parked(&self) -> bool;
     /// Drops everything, because events may have been lost, and quarantines.
     async fn resync(&self);
     /// Drops everything (on registration; not counted as a loss).
@@ -73,6 +80,9 @@ pub(crate) trait CacheHandle: Send + Sync {
     async fn reject(&self, reason: &str);
     /// Lets moka finish pending bookkeeping, so `entries` is current.
     async fn settle(&self);
+    /// When the cache was last emptied (registered, resynced, cleared):
+    /// every change sent before then is reflected in it.
+    fn emptied_at(&self) -> tokio::time::Instant;
     fn status(&self) -> CacheStatus;
     /// Its publish-to-applied latency histogram, for `GET /metrics`.
     fn latency(&self) -> LatencyHistogram;
@@ -159,6 +169,12 @@ where
         }
     }
 
+    fn parked(&self) -> bool {
+        // Acquire: pairs with the Release of the drainer's count, made
+        // after its write, so a caller that sees 0 sees the writes too.
+        self.parked_items.load(Acquire) != 0
+    }
+
     async fn resync(&self) {
         self.quarantine();
         self.reset().await;
@@ -184,6 +200,10 @@ where
 
     async fn settle(&self) {
         self.cache.run_pending_tasks().await;
+    }
+
+    fn emptied_at(&self) -> tokio::time::Instant {
+        *lock(&self.emptied_at)
     }
 
     fn status(&self) -> CacheStatus {
@@ -230,34 +250,29 @@ where
                             return false;
                         }
                     };
-                    version = version.max(item.version);
-                    if !refresh {
-                        self.invalidate(k, item.version).await;
-                        s.invalidations.fetch_add(1, Relaxed);
-                        continue;
-                    }
-                    match decode_part::<V>(item.value, "value") {
-                        Ok(_) if quarantined && item.version.is_some() => {
-                            self.invalidate(k, item.version).await;
-                            s.refreshes_quarantined.fetch_add(1, Relaxed)
-                        }
-                        Ok(v) => match self.refresh(k, v, item.version).await {
-                            RefreshDecision::Apply => s.refreshes.fetch_add(1, Relaxed),
-                            RefreshDecision::Stale => s.stale_ignored.fetch_add(1, Relaxed),
-                            RefreshDecision::Invalidate => s.invalidations.fetch_add(1, Relaxed),
-                        },
-                        Err(err) => {
-                            // Never drop a failed refresh: the old value would stay.
-                            tracing::warn!(
-                                cache = %self.name, origin = %header.origin, seq = header.seq,
-                                reason = %err, "refresh value did not decode; invalidating the key instead"
-                            );
-                            s.rejected_events.fetch_add(1, Relaxed);
-                            s.refresh_fallbacks.fetch_add(1, Relaxed);
-                            self.invalidate(k, item.version).await;
-                            s.invalidations.fetch_add(1, Relaxed)
+                    let op = if !refresh {
+                        Op::Invalidate
+                    } else {
+                        match decode_part::<V>(item.value, "value") {
+                            Ok(_) if quarantined && item.version.is_some() => Op::Quarantined,
+                            Ok(v) => Op::Refresh(v),
+                            Err(err) => {
+                                // Never drop a failed refresh: the old value would stay.
+                                tracing::warn!(
+                                    cache = %self.name, origin = %header.origin, seq = header.seq,
+                                    reason = %err, "refresh value did not decode; invalidating the key instead"
+                                );
+                                s.rejected_events.fetch_add(1, Relaxed);
+                                s.refresh_fallbacks.fetch_add(1, Relaxed);
+                                Op::Invalidate
+                            }
                         }
                     };
+                    let v = item.version;
+                    // A parked item raises the version once it is applied.
+                    if self.apply_item(k, Item { op, version: v }).await {
+                        version = version.max(v);
+                    }
                 }
             }
         }

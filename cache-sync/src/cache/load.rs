@@ -5,9 +5,10 @@ use std::any::Any;
 use std::future::Future;
 use std::hash::Hash;
 use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering::Relaxed;
 
-use tokio::sync::{Mutex as AsyncMutex, watch};
+use tokio::sync::{Semaphore, watch};
 
 use super::Inner;
 use super::versions::LoadDecision;
@@ -47,38 +48,73 @@ impl<K: Hash + Eq, V> Drop for FlightGuard<'_, K, V> {
     }
 }
 
+/// A locked load's pin on its key (see `load_locked`).
+#[derive(Debug)]
+pub(super) struct Pin {
+    /// Never given a permit: closed when the pin goes, which wakes every
+    /// write waiting for it.
+    gone: Semaphore,
+    /// Writes from other tasks that went past the pin while it stood: a
+    /// local write or parked event writes that waited `max_pin_wait` in
+    /// vain, an event write when that bound is 0, a clear. Each counts
+    /// before its change to the version table, holding the key's stripe
+    /// (a clear: holding the pin map's lock, around its stamp), so the
+    /// load, which reads it under the stripe after its own decision,
+    /// counts every write that superseded it.
+    pub(super) overtaken: AtomicUsize,
+}
+
+impl Pin {
+    fn new() -> Self {
+        Self {
+            gone: Semaphore::new(0),
+            overtaken: AtomicUsize::new(0),
+        }
+    }
+
+    /// Returns once the pin is gone.
+    pub(super) async fn released(&self) {
+        // No permit is ever added: this returns (with an error) once closed.
+        let _ = self.gone.acquire().await;
+    }
+
+    /// Records that another task's write went past the pin.
+    pub(super) fn overtake(&self) {
+        self.overtaken.fetch_add(1, Relaxed);
+    }
+}
+
 /// A locked load's pin on its key: removed, and its waiters woken, when the
 /// load installs, fails or is cancelled.
 pub(super) struct KeyPin<'a, K: Hash + Eq, V> {
     pub(super) inner: &'a Inner<K, V>,
     pub(super) key: &'a K,
-    pub(super) pin: Arc<AsyncMutex<()>>,
-    /// Held for the pin's life; waiters wait for it.
-    pub(super) held: Option<tokio::sync::OwnedMutexGuard<()>>,
+    pub(super) pin: Arc<Pin>,
 }
 
 impl<K: Hash + Eq, V> Drop for KeyPin<'_, K, V> {
     fn drop(&mut self) {
         let mut pins = lock(&self.inner.pins);
         if pins
+            .pins
             .get(self.key)
             .is_some_and(|p| Arc::ptr_eq(p, &self.pin))
         {
-            pins.remove(self.key);
+            pins.pins.remove(self.key);
         }
-        self.inner.pinned.store(pins.len(), Relaxed);
+        self.inner.pinned.store(pins.count(), Relaxed);
         drop(pins);
         // Wakes the writes that waited for the pin; they find it gone.
-        self.held.take();
+        self.pin.gone.close();
     }
 }
 
-pub(super) fn pin_id(pin: &Arc<AsyncMutex<()>>) -> usize {
+pub(super) fn pin_id(pin: &Arc<Pin>) -> usize {
     Arc::as_ptr(pin) as usize
 }
 
 /// Whether the current task is the locked load that holds `pin`.
-pub(super) fn held_by_this_task(pin: &Arc<AsyncMutex<()>>) -> bool {
+pub(super) fn held_by_this_task(pin: &Arc<Pin>) -> bool {
     HELD_PINS
         .try_with(|held| held.contains(&pin_id(pin)))
         .unwrap_or(false)
@@ -154,63 +190,94 @@ where
 
     /// The last resort for a key that kept changing during every load: one
     /// more load with the key pinned, so no write to the key from another
-    /// task (and no clear) can land between the read and the install. Those
-    /// writes wait for the loader meanwhile, the consumer's included; that
-    /// is the price of never returning a value older than a change applied
-    /// during the call. Writes to other keys do not wait.
+    /// task (and no clear) can land between the read and the install
+    /// unless it waited `max_pin_wait` for the pin. Writes to other keys
+    /// do not wait, and the node's consumer never does: it parks its
+    /// writes to the key (see `park.rs`).
+    ///
+    /// A write that went past the pin (at the bound, or a clear) supersedes
+    /// the load, whose value may then be older than that write: the call
+    /// returns what the cache now holds, or, with nothing cached, loads
+    /// again, pinned. A load superseded only by its own task (the loader
+    /// wrote its key itself: a nested `insert`, `get_with` or clear; or,
+    /// the key untracked, another key's eviction raised the floor) returns
+    /// its value uncached, as it did when nothing else could pass the pin:
+    /// a loader that writes its own key must not load for ever.
     pub(super) async fn load_locked<F, Fut, E>(&self, key: &K, loader: &mut F) -> Result<V, Arc<E>>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<(V, Option<u64>), E>>,
     {
         tracing::debug!(cache = %self.name, "key kept changing during loads; loading it pinned");
-        let pin = Arc::new(AsyncMutex::new(()));
-        let pinned = KeyPin {
-            inner: self,
-            key,
-            held: pin.clone().try_lock_owned().ok(),
-            pin: pin.clone(),
-        };
-        let token = {
-            // Pin under the stripe: a write that holds it has either landed
-            // already (before the token) or will see the pin.
-            let _stripe = self.lock_key(key).await;
-            let mut pins = lock(&self.pins);
-            // A nested load of the same key on this task keeps the outer pin.
-            pins.entry(key.clone()).or_insert_with(|| pin.clone());
-            self.pinned.store(pins.len(), Relaxed);
-            lock(&self.table).load_token()
-        };
-        self.stats.loads.fetch_add(1, Relaxed);
-        let mut held = HELD_PINS.try_with(Clone::clone).unwrap_or_default();
-        held.push(pin_id(&pin));
-        let loaded = HELD_PINS.scope(held, loader()).await;
-        let (value, version) = match loaded {
-            Ok(loaded) => loaded,
-            Err(e) => {
-                self.stats.load_failures.fetch_add(1, Relaxed);
-                return Err(Arc::new(e));
-            }
-        };
-        {
-            let _stripe = self.write_locks[self.stripe(key)].lock().await;
-            // Nothing but the loader itself can have written the key
-            // meanwhile; if it did, its write stands and the value is
-            // returned uncached.
-            let decision = lock(&self.table).loaded(key, token, version);
-            match decision {
-                LoadDecision::Install => self.cache.insert(key.clone(), value.clone()).await,
-                LoadDecision::Superseded => {
-                    self.stats.loads_superseded.fetch_add(1, Relaxed);
+        loop {
+            let pin = Arc::new(Pin::new());
+            let pinned = KeyPin {
+                inner: self,
+                key,
+                pin: pin.clone(),
+            };
+            let (token, watched, overtaken_before) = {
+                // Pin under the stripe: a write that holds it has either
+                // landed already (before the token) or will see the pin.
+                let _stripe = self.lock_key(key).await;
+                let mut pins = lock(&self.pins);
+                let watched = match pins.pins.get(key) {
+                    // A nested load of the same key on this task keeps the
+                    // outer pin, which other tasks' writes find and count.
+                    Some(outer) if held_by_this_task(outer) => outer.clone(),
+                    // Another task's pin still here means `lock_key` waited
+                    // `max_pin_wait` for it in vain (and counted that on
+                    // it): this load takes the key over.
+                    _ => {
+                        pins.pins.insert(key.clone(), pin.clone());
+                        pin.clone()
+                    }
+                };
+                self.pinned.store(pins.count(), Relaxed);
+                let before = watched.overtaken.load(Relaxed);
+                (lock(&self.table).load_token(), watched, before)
+            };
+            self.stats.loads.fetch_add(1, Relaxed);
+            let mut held = HELD_PINS.try_with(Clone::clone).unwrap_or_default();
+            held.push(pin_id(&pin));
+            let loaded = HELD_PINS.scope(held, loader()).await;
+            let (value, version) = match loaded {
+                Ok(loaded) => loaded,
+                Err(e) => {
+                    self.stats.load_failures.fetch_add(1, Relaxed);
+                    return Err(Arc::new(e));
                 }
-                LoadDecision::Stale => {}
+            };
+            {
+                let _stripe = self.write_locks[self.stripe(key)].lock().await;
+                let decision = lock(&self.table).loaded(key, token, version);
+                match decision {
+                    LoadDecision::Install => self.cache.insert(key.clone(), value.clone()).await,
+                    LoadDecision::Superseded => {
+                        self.stats.loads_superseded.fetch_add(1, Relaxed);
+                    }
+                    LoadDecision::Stale => {}
+                }
+                // After the decision: every write of another task that
+                // superseded it counted itself first (see `Pin`).
+                let overtaken = watched.overtaken.load(Relaxed) != overtaken_before;
+                // Unpin before the stripe goes, so the next write sees no pin.
+                drop(pinned);
+                match decision {
+                    LoadDecision::Install => return Ok(value),
+                    LoadDecision::Stale => return Ok(self.stale_load(key, value).await),
+                    // Only this task wrote the key: its write stands, and
+                    // the value is returned uncached.
+                    LoadDecision::Superseded if !overtaken => return Ok(value),
+                    LoadDecision::Superseded => {}
+                }
             }
-            // Unpin before the stripe goes, so the next write sees no pin.
-            drop(pinned);
-            if decision == LoadDecision::Stale {
-                return Ok(self.stale_load(key, value).await);
+            // The value may be older than the write that went past the pin:
+            // what that write (or a later one) left is the answer; none left
+            // (an invalidation, a clear), load again.
+            if let Some(v) = self.cache.get(key).await {
+                return Ok(v);
             }
         }
-        Ok(value)
     }
 }

@@ -5,23 +5,25 @@ use std::fmt;
 use std::future::Future;
 use std::hash::Hash;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use tokio::sync::{Mutex as AsyncMutex, watch};
+use tokio::sync::watch;
 
 use crate::status::CacheStatus;
 use crate::table::Table;
-use crate::util::{HashMap, Hasher, check_at_least, lock};
+use crate::util::{HashMap, Hasher, check_at_least, check_duration, lock};
 
 mod apply;
 mod load;
+mod park;
 mod stats;
 mod versions;
 mod write;
 
 pub(crate) use apply::{CacheHandle, Event};
 use load::{Flight, FlightGuard, SharedError};
+use park::Pins;
 use stats::Stats;
 use write::{Stripe, WRITE_STRIPES, Write};
 
@@ -29,6 +31,10 @@ use versions::VersionTable;
 
 /// Default bound on per-key version records; see [`SyncedCacheBuilder::max_tracked_keys`].
 pub(crate) const DEFAULT_MAX_TRACKED_KEYS: usize = 100_000;
+
+/// Default bound on a write's wait for a pinned load; see
+/// [`SyncedCacheBuilder::max_pin_wait`].
+pub(crate) const DEFAULT_MAX_PIN_WAIT: Duration = Duration::from_secs(1);
 
 /// A `moka::future::Cache` kept in step with the rest of the cluster.
 ///
@@ -46,8 +52,12 @@ pub(crate) const DEFAULT_MAX_TRACKED_KEYS: usize = 100_000;
 /// result is installed, the result is discarded and the load is retried, up
 /// to [`max_load_retries`](SyncedCacheBuilder::max_load_retries) times. A key
 /// that changes during every one of those is loaded once more with the key
-/// pinned, so that load cannot be overtaken: `get_with` never returns a value
-/// older than a change applied while it ran.
+/// pinned: other tasks' writes to the key wait for that load, for at most
+/// [`max_pin_wait`](SyncedCacheBuilder::max_pin_wait). A write that waited
+/// that long goes ahead, and so does a clear, which never waits; the pinned
+/// load they overtook then returns the value now cached, or, with none,
+/// loads again. Either way `get_with` never returns a value older than a
+/// change applied while it ran, and never caches one.
 ///
 /// A load that returns its row's version
 /// ([`get_with_versioned`](Self::get_with_versioned)) is held to versions
@@ -55,12 +65,16 @@ pub(crate) const DEFAULT_MAX_TRACKED_KEYS: usize = 100_000;
 /// later cannot replace it, and it is not cached if the node already knows
 /// a newer version of the key.
 ///
-/// During that last load the key is pinned: other tasks' writes to that one
-/// key (the node's consumer included) and clears of the cache wait for the
-/// loader, so a loader must not wait for another task that writes that key
-/// or clears the cache. Writes to other keys never wait for it, and writes
-/// the loader makes itself, on its own task (a nested `get_with`, an
-/// `insert`), go ahead.
+/// While the key is pinned, the node's consumer does not wait: it parks
+/// its writes to that key and goes on with every other key and cache; the
+/// parked writes are applied, in the order they arrived and before any
+/// later event for the key, once the load has installed its value (or at
+/// `max_pin_wait`). Local writes to the key from other tasks (`insert`,
+/// `invalidate`, a load's install) wait, up to `max_pin_wait`; so a loader
+/// that waits for another task's write to its own key waits that long.
+/// Writes to other keys never wait for it, and writes the loader makes
+/// itself, on its own task (a nested `get_with`, an `insert`, an
+/// `invalidate_all`), go ahead.
 ///
 /// Do not write to the wrapped moka cache directly: such writes bypass the
 /// per-key bookkeeping.
@@ -96,6 +110,7 @@ pub struct SyncedCacheBuilder<K, V> {
     cache: moka::future::Cache<K, V>,
     max_tracked_keys: usize,
     max_load_retries: u32,
+    max_pin_wait: Duration,
 }
 
 impl<K, V> fmt::Debug for SyncedCacheBuilder<K, V> {
@@ -104,6 +119,7 @@ impl<K, V> fmt::Debug for SyncedCacheBuilder<K, V> {
             .field("name", &self.name)
             .field("max_tracked_keys", &self.max_tracked_keys)
             .field("max_load_retries", &self.max_load_retries)
+            .field("max_pin_wait", &self.max_pin_wait)
             .finish_non_exhaustive()
     }
 }
@@ -138,17 +154,44 @@ where
         self
     }
 
+    /// How long a write to a key waits for a pinned last load of that key
+    /// (see [`max_load_retries`](Self::max_load_retries) and the type's
+    /// docs) before it is applied anyway. Default 1 s. The node's consumer
+    /// never waits itself: it parks such writes and goes on with other keys
+    /// and caches, and the parked writes are applied, in order, when the
+    /// load installs or at this bound, whichever comes first. Local writes
+    /// from other tasks wait up to this long. A load overtaken at the bound
+    /// returns the newer cached value, or loads again; it never returns or
+    /// caches its own.
+    ///
+    /// `Duration::ZERO` waits for nothing (a pinned load is then overtaken
+    /// by any write to its key); `Duration::MAX` waits as long as the load
+    /// runs, so its key's events wait for the database.
+    pub fn max_pin_wait(mut self, wait: Duration) -> Self {
+        self.max_pin_wait = wait;
+        self
+    }
+
     /// The cache, or [`Error::Config`](crate::Error::Config) for a setting
     /// out of range.
     pub fn build(self) -> crate::Result<SyncedCache<K, V>> {
         check_at_least("max_tracked_keys", self.max_tracked_keys, 1)?;
+        // Every duration is in range: 0 waits for nothing, and a wait too
+        // long for the clock lasts as long as the load (`deadline_after`).
+        check_duration(
+            "max_pin_wait",
+            self.max_pin_wait,
+            Duration::ZERO,
+            Duration::MAX,
+        )?;
         Ok(self.build_checked())
     }
 
     fn build_checked(self) -> SyncedCache<K, V> {
         let hasher = Hasher::default();
         SyncedCache {
-            inner: Arc::new(Inner {
+            inner: Arc::new_cyclic(|me| Inner {
+                me: me.clone(),
                 name: self.name,
                 topic: self.topic,
                 cache: self.cache,
@@ -157,11 +200,14 @@ where
                 hasher,
                 pins: Mutex::default(),
                 pinned: AtomicUsize::new(0),
+                parked_items: AtomicUsize::new(0),
+                max_pin_wait: self.max_pin_wait,
                 flights: Mutex::default(),
                 max_load_retries: self.max_load_retries,
                 owner: AtomicU64::new(0),
                 quarantine_until: Mutex::new(None),
                 quarantine: Mutex::new(Duration::ZERO),
+                emptied_at: Mutex::new(tokio::time::Instant::now()),
                 stats: Stats::default(),
             }),
         }
@@ -169,6 +215,9 @@ where
 }
 
 pub(crate) struct Inner<K, V> {
+    /// Itself, for the drainers of parked writes (`park.rs`), which outlive
+    /// the consumer's call.
+    me: Weak<Inner<K, V>>,
     name: String,
     /// The topic its [`Table`] is pinned to, if any.
     topic: Option<&'static str>,
@@ -188,15 +237,23 @@ pub(crate) struct Inner<K, V> {
     /// The version table's hasher, which also picks the stripe.
     hasher: Hasher,
     /// Keys under a locked last load (see `load_locked`): writes to them
-    /// from other tasks wait until the load has installed its value.
-    /// Entries are added under the key's stripe, so a write that holds the
-    /// stripe sees every pin of its key; they are removed under it after an
-    /// install, and without it when the load fails or is cancelled (a write
-    /// that then finds the pin gone just goes ahead).
-    pins: Mutex<HashMap<K, Arc<AsyncMutex<()>>>>,
-    /// `pins.len()`, read under a stripe so a write skips the map's lock
-    /// while nothing is pinned (nearly always).
+    /// from other tasks wait until the load has installed its value, or
+    /// `max_pin_wait`; the consumer parks its writes to them instead (see
+    /// `park.rs`), in the queues kept here too. Pins and queues are added
+    /// under the key's stripe, so a write that holds the stripe sees every
+    /// pin and queue of its key; queues are removed under it, pins under
+    /// it after an install, and without it when the load fails or is
+    /// cancelled (a write that then finds the pin gone just goes ahead).
+    pins: Mutex<Pins<K, V>>,
+    /// `pins.count()`, pins and queues, stored under the `pins` lock and
+    /// read under a stripe, so a write skips the map's lock while nothing
+    /// is pinned or parked (nearly always): a write that holds its key's
+    /// stripe sees at least the count stored when its key's pin or queue
+    /// was added.
     pinned: AtomicUsize,
+    /// Event writes parked and not yet applied (or dropped by a clear).
+    parked_items: AtomicUsize,
+    max_pin_wait: Duration,
     flights: Mutex<HashMap<K, Arc<Flight<V>>>>,
     max_load_retries: u32,
     /// The node that holds the cache, by its token; 0 when none does.
@@ -206,6 +263,11 @@ pub(crate) struct Inner<K, V> {
     quarantine_until: Mutex<Option<tokio::time::Instant>>,
     /// How long each resync quarantines, set by the node at registration.
     quarantine: Mutex<Duration>,
+    /// When the cache was last emptied (built, registered, resynced or
+    /// cleared): every change sent before then is reflected in it, so a
+    /// node judging whether an event it never received was its to miss
+    /// looks no further back (see `node/seqs.rs`, `Prior`).
+    emptied_at: Mutex<tokio::time::Instant>,
     stats: Stats,
 }
 
@@ -234,6 +296,7 @@ where
             cache,
             max_tracked_keys: DEFAULT_MAX_TRACKED_KEYS,
             max_load_retries: 3,
+            max_pin_wait: DEFAULT_MAX_PIN_WAIT,
         }
     }
 

@@ -26,6 +26,7 @@ pub(super) struct Stats {
     pub(super) clears: AtomicU64,
     pub(super) loss_resyncs: AtomicU64,
     pub(super) rejected_events: AtomicU64,
+    pub(super) writes_parked: AtomicU64,
     pub(super) events_applied: AtomicU64,
     /// Highest version applied; 0 while none.
     pub(super) version: AtomicU64,
@@ -167,6 +168,7 @@ where
             clears: s.clears.load(Relaxed),
             loss_resyncs: s.loss_resyncs.load(Relaxed),
             rejected_events: s.rejected_events.load(Relaxed),
+            writes_parked: s.writes_parked.load(Relaxed),
             last_applied_at_us: (last > 0).then_some(last),
             last_latency_us: (last > 0).then(|| s.last_latency_us.load(Relaxed)),
             version_at_us: (version_at > 0).then_some(version_at),

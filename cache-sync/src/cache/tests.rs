@@ -10,6 +10,7 @@ use crate::cache::Event;
 use crate::util::now_us;
 use crate::wire::{Change, EntryVersion, Header, KeyVersion, encode, encode_part};
 
+mod pinned_writes;
 mod versioned_loads;
 
 type Cache = SyncedCache<String, String>;
@@ -494,6 +495,35 @@ pub(crate) async fn parked_load(
     (load, go_tx)
 }
 
+/// Holds one of `c`'s write stripes until the returned sender is used or
+/// dropped, so a clear (a reset, a resync) waits in its barrier meanwhile:
+/// for tests that need a registration or a resync to take a while, now
+/// that clears no longer wait for pinned loads.
+pub(crate) async fn stall_clears(c: &Cache) -> oneshot::Sender<()> {
+    let (release_tx, release_rx) = oneshot::channel::<()>();
+    let (held_tx, held_rx) = oneshot::channel::<()>();
+    let c = c.clone();
+    tokio::spawn(async move {
+        let _stripe = c.inner.write_locks[0].lock().await;
+        held_tx.send(()).unwrap();
+        let _ = release_rx.await;
+    });
+    held_rx.await.unwrap();
+    release_tx
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_clear_waits_for_a_write_in_progress() {
+    let c = cache();
+    c.insert("k".into(), "v".into()).await;
+    let release = stall_clears(&c).await;
+    let reset = tokio::time::timeout(Duration::from_millis(50), c.inner.reset()).await;
+    assert!(reset.is_err(), "the clear passed a held stripe");
+    drop(release);
+    c.inner.reset().await;
+    assert_eq!(c.peek("k").await, None);
+}
+
 /// Keys other than `k` that share its write stripe, and some that do not.
 fn neighbours(c: &Cache, k: &str) -> (Vec<String>, Vec<String>) {
     let stripe = c.inner.stripe(&k.to_string());
@@ -522,16 +552,19 @@ async fn a_locked_load_holds_up_only_its_own_key() {
         .await
         .expect("writes to other keys waited for the locked load");
 
-    // A write to the key itself waits, and lands after the install.
-    let event = {
-        let c = c.clone();
-        tokio::spawn(async move { invalidate(&c, "k", Some(7)).await })
-    };
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    assert!(!event.is_finished(), "a write to the pinned key went ahead");
+    // An event for the key itself is parked, without holding up the
+    // caller, and lands after the install.
+    invalidate(&c, "k", Some(7)).await;
+    assert!(c.inner.parked(), "a write to the pinned key went ahead");
     go_tx.send(()).unwrap();
     assert_eq!(load.await.unwrap(), "locked");
-    event.await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while c.inner.parked() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("the parked invalidation was never applied");
     assert_eq!(c.get("k").await, None, "the invalidation came last");
     assert_eq!(c.status().loads, 2);
 }

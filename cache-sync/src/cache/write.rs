@@ -5,12 +5,12 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU8;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 
-use tokio::sync::{Mutex as AsyncMutex, Notify};
+use tokio::sync::Notify;
 
 use super::Inner;
-use super::load::held_by_this_task;
-use super::versions::{RefreshDecision, VersionTable};
-use crate::util::lock;
+use super::load::{Pin, held_by_this_task};
+use super::versions::VersionTable;
+use crate::util::{deadline_after, lock};
 
 /// Enough that writes to different keys from a few cores rarely meet.
 pub(super) const WRITE_STRIPES: usize = 64;
@@ -115,70 +115,84 @@ where
         .await;
     }
 
-    pub(super) async fn refresh(&self, key: K, value: V, version: Option<u64>) -> RefreshDecision {
-        let mut decision = RefreshDecision::Stale;
-        self.write(key, |table, k| {
-            decision = table.refresh(k, version);
-            match decision {
-                RefreshDecision::Apply => Write::Put(value),
-                RefreshDecision::Invalidate => Write::Remove,
-                RefreshDecision::Stale => Write::Keep,
-            }
-        })
-        .await;
-        decision
-    }
-
     pub(super) fn stripe(&self, key: &K) -> usize {
         self.hasher.hash_one(key) as usize % WRITE_STRIPES
     }
 
-    /// Takes `key`'s stripe, once no other task's locked load pins the key.
+    /// Takes `key`'s stripe, once no other task's locked load pins the key,
+    /// or once it has waited `max_pin_wait` for such a pin: it then goes
+    /// past the pin, counting that on it, so the load will not return its
+    /// value (see `load_locked`). For local writes and load installs; the
+    /// consumer never waits for a pin (`apply_item`).
     pub(super) async fn lock_key(&self, key: &K) -> StripeGuard<'_> {
         let stripe = &self.write_locks[self.stripe(key)];
+        let mut deadline = None;
         loop {
             let guard = stripe.lock().await;
-            match self.pin_of_another_task(key) {
-                None => return guard,
-                Some(pin) => {
-                    // Wait without the stripe: writes to the stripe's other
-                    // keys go on meanwhile.
-                    drop(guard);
-                    drop(pin.lock().await);
-                }
+            let Some(pin) = self.pin_of_another_task(key) else {
+                return guard;
+            };
+            let deadline = *deadline.get_or_insert_with(|| deadline_after(self.max_pin_wait));
+            if tokio::time::Instant::now() >= deadline {
+                pin.overtake();
+                return guard;
             }
+            // Wait without the stripe: writes to the stripe's other keys go
+            // on meanwhile.
+            drop(guard);
+            let _ = tokio::time::timeout_at(deadline, pin.released()).await;
         }
     }
 
     /// The pin on `key` of a locked load on another task, if any. Call with
     /// the key's stripe held.
-    pub(super) fn pin_of_another_task(&self, key: &K) -> Option<Arc<AsyncMutex<()>>> {
+    pub(super) fn pin_of_another_task(&self, key: &K) -> Option<Arc<Pin>> {
         if self.pinned.load(Relaxed) == 0 {
             return None;
         }
-        let pin = lock(&self.pins).get(key).cloned()?;
+        let pin = lock(&self.pins).pins.get(key).cloned()?;
         (!held_by_this_task(&pin)).then_some(pin)
     }
 
+    /// Empties the cache. Never waits for a pin: the consumer clears on its
+    /// own task (a clear event, a resync) and must not stall behind a
+    /// loader; local clears do the same.
     pub(super) async fn clear(&self, version: Option<u64>) {
-        // First the stamp: from here on no load that started earlier passes
-        // its check. Then a barrier through every stripe, one at a time: a
-        // write that passed its check before the stamp holds its stripe
-        // until moka has its value, so once the barrier is through, every
-        // such value is in moka, and `invalidate_all` (which drops what was
-        // inserted before it runs) removes it. Holding one stripe at a time
-        // means a clear never holds one stripe while waiting for another, so
-        // it cannot deadlock with a write waiting for a pin.
-        lock(&self.table).clear(version);
+        // First, in one step under the pin map's lock (then the table's):
+        // - every other task's pin counts the clear as going past it. A
+        //   locked load that took its token before the stamp is superseded
+        //   by it, and its value may predate the clear, so it must not
+        //   return that value (it returns what is cached, or loads again);
+        //   one that took its token after is not superseded, and needs no
+        //   count. Both happen under this lock, so no pin slips between.
+        // - the stamp: from here on no load that started earlier passes
+        //   its check.
+        // - every parked event write is taken out of its queue
+        //   (`drop_parked`). Each was delivered before this clear (the
+        //   consumer applies in order, and a clear from elsewhere is
+        //   concurrent with them), so applied after it, it would bring back
+        //   what the clear removed; its version is kept as a tombstone.
+        {
+            let mut pins = lock(&self.pins);
+            for pin in pins.pins.values().filter(|p| !held_by_this_task(p)) {
+                pin.overtake();
+            }
+            let mut table = lock(&self.table);
+            table.clear(version);
+            self.drop_parked(&mut pins, &mut table);
+        }
+        *lock(&self.emptied_at) = tokio::time::Instant::now();
+        // Then a barrier through every stripe, one at a time: a write that
+        // passed its check before the stamp (a parked write a drainer took
+        // out before the step above among them) holds its stripe until moka
+        // has its value, so once the barrier is through, every such value
+        // is in moka, and `invalidate_all` (which drops what was inserted
+        // before it runs) removes it. Holding one stripe at a time means a
+        // clear never holds one stripe while waiting for another, and no
+        // stripe is held while waiting for a pin, so the barrier waits only
+        // for writes in progress.
         for stripe in &self.write_locks {
             drop(stripe.lock().await);
-        }
-        // A locked load that took its token before the stamp installs only
-        // once its pin is gone; wait for those too (not for this task's own:
-        // that would be waiting on itself).
-        let pins: Vec<_> = lock(&self.pins).values().cloned().collect();
-        for pin in pins.iter().filter(|p| !held_by_this_task(p)) {
-            drop(pin.lock().await);
         }
         self.cache.invalidate_all();
     }

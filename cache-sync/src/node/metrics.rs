@@ -132,7 +132,7 @@ struct NodeCollector {
 /// help, and the field it reads.
 type CacheCounter = (&'static str, &'static str, fn(&CacheStatus) -> u64);
 
-const CACHE_COUNTERS: [CacheCounter; 15] = [
+const CACHE_COUNTERS: [CacheCounter; 16] = [
     (
         "cache_events_applied",
         "Events applied to the cache.",
@@ -164,6 +164,11 @@ const CACHE_COUNTERS: [CacheCounter; 15] = [
         "cache_refreshes_quarantined",
         "Versioned refreshes applied as invalidations during the quarantine after a loss or registration.",
         |c| c.refreshes_quarantined,
+    ),
+    (
+        "cache_writes_parked",
+        "Event writes that waited for a pinned load of their key.",
+        |c| c.writes_parked,
     ),
     (
         "cache_loss_resyncs",
