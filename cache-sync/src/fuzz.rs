@@ -6,7 +6,7 @@
 //! function takes untrusted bytes, must never panic on them, and asserts
 //! the properties that must hold whatever the bytes are.
 
-use crate::wire::{ChangeView, decode_change, decode_header, decode_part, encode};
+use crate::wire::{ChangeView, decode_change, decode_header_ext, decode_part, encode_ext};
 use crate::wire::{Keyring, strip_unverified};
 
 /// The limit the targets decode under: small, so the fuzzer reaches it.
@@ -16,18 +16,22 @@ pub(crate) const LIMIT: usize = 4096;
 /// decodes re-encodes, and decodes again to the same event. (Not always to
 /// the same bytes: a varint may arrive longer than bincode would write it.)
 pub fn event(data: &[u8]) {
-    let Ok((header, offset)) = decode_header(data, LIMIT) else {
+    let Ok((header, ext, offset)) = decode_header_ext(data, LIMIT, None) else {
         return;
     };
     let Ok(view) = decode_change(data, offset) else {
         return;
     };
     let change = view.to_change();
-    let again = encode(&header, &change).expect("a decoded event encodes");
+    let again = encode_ext(&header, &ext, &change).expect("a decoded event encodes");
     assert!(again.len() <= data.len(), "re-encoding grew the event");
-    let (header2, offset2) = decode_header(&again, LIMIT).expect("a re-encoded header decodes");
+    let (header2, ext2, offset2) =
+        decode_header_ext(&again, LIMIT, None).expect("a re-encoded header decodes");
     let change2 = decode_change(&again, offset2).expect("a re-encoded change decodes");
-    assert_eq!((&header2, change2.to_change()), (&header, change));
+    assert_eq!(
+        (&header2, ext2, change2.to_change()),
+        (&header, ext, change)
+    );
     let parts: Vec<&[u8]> = match view {
         ChangeView::Invalidate(items) => items.map(|i| i.key).collect(),
         ChangeView::Refresh(items) => items.flat_map(|i| [i.key, i.value]).collect(),
@@ -114,7 +118,7 @@ pub fn records(data: &[u8]) {
 mod replay {
     use std::path::Path;
 
-    use crate::wire::{Change, EntryVersion, Header, KeyVersion};
+    use crate::wire::{Change, EntryVersion, Fence, Header, HeaderExt, KeyVersion};
 
     use super::*;
 
@@ -126,7 +130,19 @@ mod replay {
             seq,
             published_at_us: 1_796_000_000_000_000,
         };
-        encode(&header, change).expect("seed encodes")
+        // Every other seed a version 2 event, with the extension's fields.
+        let ext = if seq.is_multiple_of(2) {
+            HeaderExt {
+                since_prev_us: Some(seq * 1000),
+                fence: seq.is_multiple_of(4).then_some(Fence {
+                    scope: 9,
+                    term: seq,
+                }),
+            }
+        } else {
+            HeaderExt::default()
+        };
+        encode_ext(&header, &ext, change).expect("seed encodes")
     }
 
     fn changes() -> Vec<Change> {

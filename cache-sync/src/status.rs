@@ -50,6 +50,13 @@ pub struct NodeStatus {
     /// when the events up to a number the publisher announced did not arrive
     /// within the reorder window.
     pub publisher_gaps: u64,
+    /// Events from an outbox relay that had been replaced (its session
+    /// died while it published, and another relay took over): a higher
+    /// fencing term of the same outbox had been seen for their cache, so
+    /// their refreshes were applied as invalidations, never over the newer
+    /// rows the new relay sent. Each was logged.
+    #[serde(default)]
+    pub events_fenced: u64,
     /// Errors from the transport (each followed by a re-subscription).
     pub transport_errors: u64,
     /// The label of the latest loss's reason (`trimmed`, `history_reset`,

@@ -702,6 +702,343 @@ async fn two_relays_never_publish_a_row_twice_and_keep_order() {
     db.drop_schema().await;
 }
 
+/// When, in a pass of relay A, its database session dies (issue 21,
+/// item 1: a relay that does not know it was replaced).
+#[derive(Debug, Clone, Copy)]
+enum Kill {
+    /// While A waits for its `SELECT` of the rows (the test holds the
+    /// table): after the lock and the term, before any publish.
+    InSelect,
+    /// While A's publish of its `n`th event is slow: that publish lands
+    /// after relay B has taken over and published every row.
+    DuringPublish(usize),
+    /// After A's `n`th publish returned, before its next row.
+    AfterPublish(usize),
+}
+
+/// Relay A's transport: records what A sends, and runs the test's kill at
+/// the chosen publish.
+struct KillAt {
+    inner: EmbeddedTransport,
+    calls: AtomicU32,
+    /// Publishes A made after its session was killed.
+    after_kill: AtomicU32,
+    killed: AtomicBool,
+    at: Kill,
+    /// Kills A's session; with `wait`, then waits until B drained the outbox.
+    kill: Box<dyn Fn(bool) -> BoxFuture<'static, ()> + Send + Sync>,
+}
+
+impl std::fmt::Debug for KillAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KillAt").field("at", &self.at).finish()
+    }
+}
+
+#[async_trait]
+impl Transport for KillAt {
+    fn kind(&self) -> &'static str {
+        "kill-at"
+    }
+
+    async fn publish(
+        &self,
+        topic: &str,
+        tag: &str,
+        payload: Bytes,
+    ) -> cache_sync::Result<Option<Position>> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) as usize + 1;
+        if self.killed.load(Ordering::SeqCst) {
+            self.after_kill.fetch_add(1, Ordering::SeqCst);
+        }
+        match self.at {
+            Kill::DuringPublish(k) if k == n => {
+                (self.kill)(true).await;
+                self.killed.store(true, Ordering::SeqCst);
+                // This one was in flight when the session died: it lands
+                // now, after B's events, as a slow broker call would.
+                self.after_kill.fetch_add(1, Ordering::SeqCst);
+                self.inner.publish(topic, tag, payload).await
+            }
+            Kill::AfterPublish(k) if k == n => {
+                let sent = self.inner.publish(topic, tag, payload).await;
+                (self.kill)(false).await;
+                self.killed.store(true, Ordering::SeqCst);
+                sent
+            }
+            _ => self.inner.publish(topic, tag, payload).await,
+        }
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> cache_sync::Result<Box<dyn Subscription>> {
+        self.inner.subscribe(topic, options).await
+    }
+}
+
+/// Kills every session of `application_name` (a relay's whole pool).
+async fn kill_sessions(pool: &PgPool, application_name: &str) {
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+    )
+    .bind(application_name)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Relay A's session dies at `at`, relay B takes over. Eight unversioned
+/// refreshes of two keys (values 1 to 8, the last of each key 7 and 8).
+/// Whatever the step: A publishes nothing once it could know it lost the
+/// lock (at most the one publish in flight), B publishes every row, and
+/// the node ends with each key's last value or with nothing (a fenced
+/// late row is applied as an invalidation, and the next read loads the
+/// database's row): never an older value.
+async fn a_relay_whose_session_dies(at: Kill) {
+    let db = TestDb::new("fence").await;
+    let outbox = db.outbox();
+    for i in 1..=8u32 {
+        let mut tx = db.pool.begin().await.unwrap();
+        let key = if i % 2 == 1 { "odd" } else { "even" };
+        outbox
+            .refresh_versioned(&mut tx, "t", [(key, marker(i), None)])
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let embedded = EmbeddedTransport::new();
+    let cache = SyncedCache::<String, String>::new("t", moka::future::Cache::new(10));
+    let node = Node::builder("n", embedded.clone())
+        .register(&cache)
+        .start()
+        .await
+        .unwrap();
+
+    let name_a = format!("relay-a-{}", db.schema);
+    let options: sqlx::postgres::PgConnectOptions = database_url().parse().unwrap();
+    let pool_a = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options.application_name(&name_a))
+        .await
+        .unwrap();
+    let (killer, rows_pool, name) = (db.pool.clone(), db.pool.clone(), name_a.clone());
+    let schema = db.schema.clone();
+    let a_transport = Arc::new(KillAt {
+        inner: embedded.clone(),
+        calls: AtomicU32::new(0),
+        after_kill: AtomicU32::new(0),
+        killed: AtomicBool::new(false),
+        at,
+        kill: Box::new(move |wait| {
+            let (killer, rows_pool, name, schema) = (
+                killer.clone(),
+                rows_pool.clone(),
+                name.clone(),
+                schema.clone(),
+            );
+            Box::pin(async move {
+                kill_sessions(&killer, &name).await;
+                // Not `eventually`: its closure's borrows make this future
+                // not `Send` for every lifetime, which a boxed one must be.
+                let count = format!("SELECT count(*) FROM {schema}.outbox");
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+                if !wait {
+                    return;
+                }
+                loop {
+                    let n: i64 = sqlx::query_scalar(&count)
+                        .fetch_one(&rows_pool)
+                        .await
+                        .unwrap();
+                    if n == 0 {
+                        break;
+                    }
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "relay B never drained the outbox"
+                    );
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+        }),
+    });
+    // Held by the test while A selects, for `InSelect`.
+    let mut table_lock = None;
+    if let Kill::InSelect = at {
+        let mut tx = db.pool.begin().await.unwrap();
+        sqlx::query(&format!(
+            "LOCK TABLE {}.outbox IN ACCESS EXCLUSIVE MODE",
+            db.schema
+        ))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        table_lock = Some(tx);
+    }
+    let relay_a = OutboxRelay::builder(pool_a.clone(), Publisher::new(a_transport.clone()))
+        .outbox(db.outbox())
+        .poll_interval(Duration::from_millis(50))
+        .start()
+        .await
+        .unwrap();
+    if let Some(tx) = table_lock.take() {
+        eventually("relay A waits for the table", async || {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
+                 AND wait_event_type = 'Lock'",
+            )
+            .bind(&name_a)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+            waiting == 1
+        })
+        .await;
+        kill_sessions(&db.pool, &name_a).await;
+        a_transport.killed.store(true, Ordering::SeqCst);
+        tx.rollback().await.unwrap();
+    }
+    // B starts once A holds its pass (or has died in it).
+    eventually("relay A started its pass", async || {
+        a_transport.calls.load(Ordering::SeqCst) > 0 || a_transport.killed.load(Ordering::SeqCst)
+    })
+    .await;
+    let b_transport = Recorder::new();
+    b_transport.fail_after.store(-1, Ordering::SeqCst);
+    let b_publisher = Publisher::new(ForwardTo(b_transport.clone(), embedded.clone()));
+    let relay_b = db.relay(b_publisher).await;
+    eventually("the outbox is drained", async || db.rows().await == 0).await;
+    eventually("relay A was killed", async || {
+        a_transport.killed.load(Ordering::SeqCst)
+    })
+    .await;
+    // Everything either relay will ever send has been sent once both
+    // stopped; every event is then applied, in order.
+    relay_b.shutdown().await;
+    relay_a.shutdown().await;
+    let sent = a_transport.calls.load(Ordering::SeqCst) as u64 + b_transport.events().len() as u64;
+    eventually("the node read every event", async || {
+        node.status().events_received >= sent
+    })
+    .await;
+    let after_kill = a_transport.after_kill.load(Ordering::SeqCst);
+    assert!(
+        after_kill <= u32::from(matches!(at, Kill::DuringPublish(_))),
+        "{at:?}: relay A published {after_kill} events after its session died"
+    );
+    assert_eq!(
+        b_transport.events().len(),
+        8,
+        "{at:?}: relay B publishes every row A did not delete"
+    );
+    for (key, last) in [("odd", 7), ("even", 8)] {
+        let held = cache.peek(key).await;
+        assert!(
+            held.is_none() || held == Some(marker(last)),
+            "{at:?}: the node holds {held:?} for {key}, the database {}",
+            marker(last)
+        );
+    }
+    if let Kill::DuringPublish(_) = at {
+        assert_eq!(
+            node.status().events_fenced,
+            1,
+            "{at:?}: {:?}",
+            node.status()
+        );
+    }
+    node.shutdown().await.unwrap();
+    pool_a.close().await;
+    db.drop_schema().await;
+}
+
+/// An outbox made by the release before the fence has only the first
+/// migration: a relay refuses to start on it, naming the fix, and
+/// `migrate` brings it up to date (idempotently).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_needs_the_second_migration_and_migrate_adds_it() {
+    let db = TestDb::new("upgrade").await;
+    for object in ["TABLE {s}.relay", "SEQUENCE {s}.relay_term_seq"] {
+        let object = object.replace("{s}", &db.schema);
+        sqlx::query(&format!("DROP {object}"))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    let err = OutboxRelay::builder(db.pool.clone(), Publisher::new(EmbeddedTransport::new()))
+        .outbox(db.outbox())
+        .start()
+        .await
+        .unwrap_err();
+    assert!(err.is_database(), "{err}");
+    assert!(err.to_string().contains("Outbox::migrate"), "{err}");
+    db.outbox().migrate(&db.pool).await.unwrap();
+    db.outbox().migrate(&db.pool).await.unwrap();
+    let relay = db.relay(Publisher::new(EmbeddedTransport::new())).await;
+    relay.shutdown().await;
+    db.drop_schema().await;
+}
+
+/// A recorder that also delivers to another transport (the node's).
+#[derive(Debug)]
+struct ForwardTo(Arc<Recorder>, EmbeddedTransport);
+
+#[async_trait]
+impl Transport for ForwardTo {
+    fn kind(&self) -> &'static str {
+        "forward-to"
+    }
+
+    async fn publish(
+        &self,
+        topic: &str,
+        tag: &str,
+        payload: Bytes,
+    ) -> cache_sync::Result<Option<Position>> {
+        self.0.publish(topic, tag, payload.clone()).await?;
+        self.1.publish(topic, tag, payload).await
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> cache_sync::Result<Box<dyn Subscription>> {
+        self.1.subscribe(topic, options).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_session_dies_in_its_select_publishes_nothing() {
+    a_relay_whose_session_dies(Kill::InSelect).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_session_dies_during_its_first_publish_is_fenced() {
+    a_relay_whose_session_dies(Kill::DuringPublish(1)).await;
+}
+
+/// The case seen on the wire: `[1, 1, 2, 3, 4, 2, 3]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_session_dies_during_a_slow_publish_is_fenced() {
+    a_relay_whose_session_dies(Kill::DuringPublish(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_session_dies_between_publishes_publishes_no_more() {
+    a_relay_whose_session_dies(Kill::AfterPublish(3)).await;
+}
+
+/// After its last publish, before its DELETE and COMMIT: B publishes the
+/// rows again; duplicates, in order, are harmless.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_session_dies_before_its_commit_loses_nothing() {
+    a_relay_whose_session_dies(Kill::AfterPublish(8)).await;
+}
+
 #[cfg(feature = "redis")]
 mod redis {
     use super::*;

@@ -57,7 +57,11 @@ pub(super) async fn consume_loop(
         names: mut subscribed_names,
     } = initial;
     let mut seqs = PublisherSeqs::default();
+    seqs.margin = cfg.reorder_window;
     let mut caught_up = shared.caught_up.load(Relaxed);
+    if caught_up {
+        seqs.live_since = Some(tokio::time::Instant::now());
+    }
     let mut fetched = subscription.position();
     let mut sub = Some(subscription);
     let mut backoff = Duration::ZERO;
@@ -163,6 +167,7 @@ pub(super) async fn consume_loop(
             () = async { tokio::time::sleep(CAUGHT_UP_AFTER_IDLE).await }, if !caught_up => {
                 caught_up = true;
                 shared.caught_up.store(true, Relaxed);
+                seqs.live_since = Some(tokio::time::Instant::now());
                 continue;
             }
             next = s.next(cfg.max_batch) => next,

@@ -227,7 +227,7 @@ const CACHE_GAUGES: [CacheGauge; 4] = [
 /// A node-wide counter, as [`CacheCounter`].
 type NodeCounter = (&'static str, &'static str, fn(&NodeStatus) -> u64);
 
-const NODE_COUNTERS: [NodeCounter; 8] = [
+const NODE_COUNTERS: [NodeCounter; 9] = [
     (
         "node_events_received",
         "Records read from the transport.",
@@ -247,6 +247,11 @@ const NODE_COUNTERS: [NodeCounter; 8] = [
         "node_publisher_gaps",
         "Gaps found in a publisher's sequence numbers.",
         |n| n.publisher_gaps,
+    ),
+    (
+        "node_events_fenced",
+        "Events from a replaced outbox relay, applied as invalidations.",
+        |n| n.events_fenced,
     ),
     (
         "node_transport_errors",

@@ -26,6 +26,7 @@ use crate::wire::{Codec, DEFAULT_MAX_EVENT_BYTES};
 
 mod builder;
 mod consume;
+mod fences;
 mod heartbeat;
 mod http;
 mod maintenance;
@@ -164,6 +165,8 @@ struct NodeStats {
     /// `losses` split by reason, indexed by `loss_index`; they sum to it.
     losses_by_reason: [AtomicU64; LOSS_REASONS.len()],
     publisher_gaps: AtomicU64,
+    /// Events from a replaced outbox relay, applied as invalidations.
+    fenced: AtomicU64,
     transport_errors: AtomicU64,
     last_loss: Mutex<Option<(String, u64)>>,
 }
@@ -493,6 +496,7 @@ impl Shared {
                 .map(|(reason, n)| (reason.label().to_owned(), n.load(Relaxed)))
                 .collect(),
             publisher_gaps: s.stats.publisher_gaps.load(Relaxed),
+            events_fenced: s.stats.fenced.load(Relaxed),
             transport_errors: s.stats.transport_errors.load(Relaxed),
             last_loss_reason: last_loss.as_ref().map(|(r, _)| r.clone()),
             last_loss_at_us: last_loss.map(|(_, at)| at),

@@ -3,21 +3,25 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
 
 use tracing::Instrument as _;
 
-use super::seqs::{Missing, PublisherSeqs};
+use super::seqs::{Missing, Prior, PublisherSeqs};
 use super::{CacheMap, Shared};
 use crate::cache::{CacheHandle, Event};
 use crate::transport::{LossReason, Record};
 use crate::util::{deadline_after, now_us};
-use crate::wire::{ChangeView, Header, Refused};
+use crate::wire::{ChangeView, Header, HeaderExt, Refused};
 
 pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, records: Vec<Record>) {
     // Every record here was published before this snapshot, so a cache
     // registered after it has nothing in this batch that its own reset and
     // first loads would not already reflect.
     let caches = shared.caches();
+    // When the batch arrived, for the ages messages carry (see `Prior`):
+    // one clock read per batch.
+    let received = tokio::time::Instant::now();
     let mut run = Run::default();
     let mut last: Option<(&str, &Arc<dyn CacheHandle>)> = None;
     for record in &records {
@@ -75,20 +79,36 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
                 }
             },
         };
-        let change = opened.change();
+        let mut change = opened.change();
+        let prior = || prior(&opened.ext, received, cache);
         if let Ok(ChangeView::Announce) = change {
             // Authentic (or the node does not verify), like every event:
             // a forged announcement is refused above and changes nothing.
             let deadline = deadline_after(shared.config.reorder_window);
             if let Some(missing) =
-                seqs.announced(header.publisher, header.cache, header.seq, deadline)
+                seqs.announced_after(header.publisher, header.cache, header.seq, deadline, prior)
             {
                 run.flush().await;
                 tail_lost(shared, seqs, cache, &missing).await;
             }
             continue;
         }
-        if let Some(missed) = seqs.observe(header.publisher, header.cache, header.seq) {
+        if let Some(fence) = opened.ext.fence
+            && seqs.fences.fenced(header.cache, fence)
+        {
+            // From an outbox relay that was replaced (its session died
+            // while it published): what it sends now may be older than
+            // what its successor already sent. Removal is never stale, so
+            // its refreshes land as invalidations of their keys.
+            shared.stats.fenced.fetch_add(1, Relaxed);
+            tracing::warn!(node = %shared.id, cache = %header.cache, origin = %header.origin,
+                term = fence.term, "event from a replaced outbox relay; applying it as an invalidation");
+            if let Ok(ChangeView::Refresh(items)) = change {
+                change = Ok(ChangeView::Invalidate(items));
+            }
+        }
+        if let Some(missed) = seqs.observe_after(header.publisher, header.cache, header.seq, prior)
+        {
             shared.stats.publisher_gaps.fetch_add(1, Relaxed);
             shared.record_loss(LossReason::PublisherGap);
             tracing::warn!(node = %shared.id, cache = %header.cache, origin = %header.origin,
@@ -119,6 +139,23 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
         }
     }
     run.flush().await;
+}
+
+/// What a message says of its publisher's previous event, on this node's
+/// clock: sent by `received` less the age the publisher measured, into a
+/// cache that has held every event since it was last emptied. Computed
+/// only when the message carries an age; an age beyond the clock's reach
+/// says nothing.
+fn prior(
+    ext: &HeaderExt,
+    received: tokio::time::Instant,
+    cache: &Arc<dyn CacheHandle>,
+) -> Option<Prior> {
+    let age = Duration::from_micros(ext.since_prev_us?);
+    Some(Prior {
+        sent_by: received.checked_sub(age)?,
+        covered: cache.emptied_at(),
+    })
 }
 
 /// Answers the announcement checks that fell due: their events did not

@@ -2,21 +2,46 @@
 
 use std::collections::VecDeque;
 use std::hash::BuildHasher;
+use std::sync::Arc;
+use std::time::Duration;
 
 use hashbrown::HashTable;
 use tokio::time::Instant;
 
+use super::fences::Fences;
 use crate::util::{HashSet, Hasher};
 
 /// Last sequence number seen per (publisher, cache), to detect gaps.
 /// Keyed by publisher first, so a lookup by `&str` allocates nothing.
 #[derive(Default)]
 pub(super) struct PublisherSeqs {
-    /// (publisher, cache, last seq), found with one hash of both: a
-    /// table keyed by the pair would need an owned key to look up.
-    last: HashTable<(u64, String, u64)>,
+    /// Per (publisher, cache), found with one hash of both: a table keyed
+    /// by the pair would need an owned key to look up.
+    last: HashTable<Baseline>,
     hasher: Hasher,
     pub(super) tracked: usize,
+    /// The cache names baselines point to, one copy each: only caches the
+    /// node holds reach this table, so a baseline costs some 50 bytes
+    /// whatever the names' length, and `MAX_TRACKED_PUBLISHERS` of them a
+    /// few megabytes.
+    names: HashSet<Arc<str>>,
+    /// Bumped by every loss that resynced every cache: a baseline from an
+    /// earlier epoch still says what was applied (for acknowledgements),
+    /// but its publisher's next number is no gap, and counts as a first.
+    epoch: u32,
+    /// Observations so far: each baseline's age, for `forget_oldest`.
+    touches: u64,
+    /// Since when the consumer has read live (its start replay done), so
+    /// that a message's age in transit is short: `None` until then, and
+    /// unknown publishers are then taken on trust.
+    pub(super) live_since: Option<Instant>,
+    /// When baselines were last forgotten for room: a publisher unknown
+    /// now may be one forgotten then, whose earlier events did arrive.
+    forgot_at: Option<Instant>,
+    /// How late a live message may arrive: the node's reorder window. An
+    /// unknown publisher's previous event counts as lost only if it was
+    /// sent more than this after the node was holding every event.
+    pub(super) margin: Duration,
     /// Caches whose unknown publishers are not taken on trust: every cache
     /// held when the subscription last resumed, until it is resynced.
     pub(super) distrusted: HashSet<String>,
@@ -27,6 +52,34 @@ pub(super) struct PublisherSeqs {
     /// since, and the end of the reorder window after the announcement that
     /// raised it to that number).
     checking: HashTable<(u64, String, u64, Instant)>,
+    /// Outbox relays' fences, per cache.
+    pub(super) fences: Fences,
+}
+
+/// The last number seen from one publisher for one cache.
+struct Baseline {
+    publisher: u64,
+    cache: Arc<str>,
+    last: u64,
+    /// When last touched, counted in observations, not time: see
+    /// `forget_oldest`.
+    touched: u64,
+    /// The loss epoch it was last seen in (see `PublisherSeqs::epoch`).
+    epoch: u32,
+}
+
+/// What a message says of its publisher's previous event (the one numbered
+/// `seq - 1`, or for an announcement the one it announces), on the node's
+/// clock, for a publisher the node does not know: it was sent at or before
+/// `sent_by` (the receive time minus the age the publisher measured; the
+/// message's time in transit makes the real moment earlier), and the node
+/// has held every event for the cache since `covered` (when the cache was
+/// last emptied, by a registration or a resync: events before that are
+/// reflected in it).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Prior {
+    pub(super) sent_by: Instant,
+    pub(super) covered: Instant,
 }
 
 /// A publisher announced `seq` for `cache` while the node's last was below
@@ -60,13 +113,34 @@ pub(super) const MAX_TRACKED_PUBLISHERS: usize = 100_000;
 pub(super) const MAX_PENDING_CHECKS: usize = 10_000;
 
 impl PublisherSeqs {
-    /// After a loss every cache was resynced: nothing before now matters.
+    /// After a loss every cache was resynced: what any publisher sent
+    /// before now is reflected, and its next number is no gap. Its baseline
+    /// stays, from an older epoch, to answer acknowledgements: what it says
+    /// was applied still was.
     pub(super) fn clear(&mut self) {
-        self.last.clear();
-        self.tracked = 0;
+        self.epoch = self.epoch.wrapping_add(1);
         self.distrusted.clear();
         self.checks.clear();
         self.checking.clear();
+    }
+
+    /// Whether an unknown publisher's previous event, sent by `prior`, was
+    /// sent while this node held every event for the cache, so that it
+    /// should have arrived and did not. Only once the node reads live, and
+    /// with the reorder window's margin for the message's time in transit;
+    /// never across baselines forgotten for room (those publishers' events
+    /// may well have arrived).
+    fn missed_since(&self, prior: impl FnOnce() -> Option<Prior>) -> bool {
+        let Some(live) = self.live_since else {
+            return false;
+        };
+        let Some(prior) = prior() else {
+            return false;
+        };
+        let since = prior.covered.max(live).max(self.forgot_at.unwrap_or(live));
+        since
+            .checked_add(self.margin)
+            .is_some_and(|bound| prior.sent_by > bound)
     }
 
     /// The subscription resumed from a position. Had the transport's history
@@ -101,7 +175,7 @@ impl PublisherSeqs {
         }
         self.checks.retain(|c| c.cache != cache);
         for (publisher, newest) in covered {
-            let _ = self.observe(publisher, cache, newest);
+            self.set_last(publisher, cache, newest);
         }
     }
 
@@ -114,12 +188,25 @@ impl PublisherSeqs {
         self.checks.insert(at, check);
     }
 
-    /// The last number seen from `publisher` for `cache`, if known.
-    fn last(&self, publisher: u64, cache: &str) -> Option<u64> {
+    fn find(&self, publisher: u64, cache: &str) -> Option<&Baseline> {
         let hash = self.hasher.hash_one((publisher, cache));
         self.last
-            .find(hash, |e| e.0 == publisher && e.1 == cache)
-            .map(|e| e.2)
+            .find(hash, |e| e.publisher == publisher && &*e.cache == cache)
+    }
+
+    /// The last number seen from `publisher` for `cache` since the last
+    /// loss, if any: what gaps are judged from.
+    fn last(&self, publisher: u64, cache: &str) -> Option<u64> {
+        self.find(publisher, cache)
+            .filter(|e| e.epoch == self.epoch)
+            .map(|e| e.last)
+    }
+
+    /// The last number applied from `publisher` to `cache`, or covered by a
+    /// resync of the cache since, losses or not: what an acknowledgement is
+    /// answered from.
+    pub(super) fn applied(&self, publisher: u64, cache: &str) -> Option<u64> {
+        self.find(publisher, cache).map(|e| e.last)
     }
 
     /// `publisher` announced `seq` as its last number for `cache`. Returns
@@ -141,12 +228,32 @@ impl PublisherSeqs {
     /// would never come while a publisher keeps announcing higher numbers
     /// whose events are all lost; a deadline kept for the newest number
     /// would count its events, still inside their window, as lost.
+    #[cfg(test)]
     pub(super) fn announced(
         &mut self,
         publisher: u64,
         cache: &str,
         seq: u64,
         deadline: Instant,
+    ) -> Option<Missing> {
+        self.announced_after(publisher, cache, seq, deadline, || None)
+    }
+
+    /// [`announced`](Self::announced), told when the announced event was
+    /// sent (see [`Prior`]; asked only for a publisher the node does not
+    /// know): an unknown publisher whose announced event was
+    /// sent while this node was holding every event of the cache lost it on
+    /// the way here (a one-shot publisher, its only event lost), and the
+    /// numbers up to it are answered as lost at once. Otherwise its number
+    /// becomes a baseline, as before: events sent before the node listened
+    /// are not its to miss.
+    pub(super) fn announced_after(
+        &mut self,
+        publisher: u64,
+        cache: &str,
+        seq: u64,
+        deadline: Instant,
+        prior: impl FnOnce() -> Option<Prior>,
     ) -> Option<Missing> {
         let missing = |from| Missing {
             publisher,
@@ -159,9 +266,9 @@ impl PublisherSeqs {
             return None;
         }
         let Some(last) = self.last(publisher, cache) else {
-            let distrusted = self.distrusted.contains(cache);
-            let _ = self.observe(publisher, cache, seq);
-            return distrusted.then(|| missing(1));
+            let lost = self.distrusted.contains(cache) || self.missed_since(prior);
+            self.set_last(publisher, cache, seq);
+            return lost.then(|| missing(1));
         };
         if last >= seq {
             return None;
@@ -178,7 +285,7 @@ impl PublisherSeqs {
             return None;
         }
         if self.checks.len() >= MAX_PENDING_CHECKS {
-            let _ = self.observe(publisher, cache, seq);
+            self.set_last(publisher, cache, seq);
             return Some(missing(last.saturating_add(1)));
         }
         let hasher = &self.hasher;
@@ -232,7 +339,7 @@ impl PublisherSeqs {
                 continue;
             }
             entry.remove();
-            let _ = self.observe(check.publisher, &check.cache, newest);
+            self.set_last(check.publisher, &check.cache, newest);
             return Some(Missing {
                 publisher: check.publisher,
                 from: last.saturating_add(1),
@@ -246,27 +353,123 @@ impl PublisherSeqs {
     /// Records `seq`; returns how many events may have been missed before
     /// it, if any. Checked arithmetic throughout: `seq` comes off the wire.
     pub(super) fn observe(&mut self, publisher: u64, cache: &str, seq: u64) -> Option<u64> {
+        self.observe_after(publisher, cache, seq, || None)
+    }
+
+    /// [`observe`](Self::observe), told when the publisher's previous event
+    /// was sent (see [`Prior`]; asked only for a publisher the node does not
+    /// know): such a publisher, whose event before this one was sent while
+    /// the node held every event of the cache, lost it (and maybe more) on
+    /// the way here.
+    pub(super) fn observe_after(
+        &mut self,
+        publisher: u64,
+        cache: &str,
+        seq: u64,
+        prior: impl FnOnce() -> Option<Prior>,
+    ) -> Option<u64> {
         let hash = self.hasher.hash_one((publisher, cache));
-        let same = |e: &(u64, String, u64)| e.0 == publisher && e.1 == cache;
-        if let Some((.., last)) = self.last.find_mut(hash, same) {
+        let touches = self.touches.wrapping_add(1);
+        self.touches = touches;
+        let epoch = self.epoch;
+        if let Some(e) = self
+            .last
+            .find_mut(hash, |e| e.publisher == publisher && &*e.cache == cache)
+        {
+            e.touched = touches;
+            let known = e.epoch == epoch;
+            e.epoch = epoch;
             // A redelivery (seq <= last) is applied again but does not move back.
-            let missed = seq.checked_sub(*last).and_then(|d| d.checked_sub(1));
-            *last = (*last).max(seq);
-            return missed.filter(|&m| m > 0);
+            let missed = seq.checked_sub(e.last).and_then(|d| d.checked_sub(1));
+            e.last = e.last.max(seq);
+            if known {
+                return missed.filter(|&m| m > 0);
+            }
+            // The first number since a loss: judged as a first event.
+            return self.first_missed(cache, seq, prior);
         }
+        let missed = self.first_missed(cache, seq, prior);
+        self.insert(hash, publisher, cache, seq);
+        missed
+    }
+
+    /// How many events before `seq`, a publisher's first number the node
+    /// sees (since it started, or since a loss), were lost: none for its
+    /// first event (number 1 vouches for everything before it), else all
+    /// of them if the cache is distrusted after a resume or the one before
+    /// was sent while the node held every event of the cache.
+    fn first_missed(
+        &self,
+        cache: &str,
+        seq: u64,
+        prior: impl FnOnce() -> Option<Prior>,
+    ) -> Option<u64> {
+        let lost = seq > 1 && (self.distrusted.contains(cache) || self.missed_since(prior));
+        lost.then(|| seq.saturating_sub(1))
+    }
+
+    /// Sets the baseline of (publisher, cache) to at least `seq`, as seen.
+    fn set_last(&mut self, publisher: u64, cache: &str, seq: u64) {
+        let hash = self.hasher.hash_one((publisher, cache));
+        let touches = self.touches.wrapping_add(1);
+        self.touches = touches;
+        let epoch = self.epoch;
+        match self
+            .last
+            .find_mut(hash, |e| e.publisher == publisher && &*e.cache == cache)
+        {
+            Some(e) => {
+                // A publisher's numbers never go back: the larger stands,
+                // whatever the epoch.
+                e.last = e.last.max(seq);
+                e.touched = touches;
+                e.epoch = epoch;
+            }
+            None => self.insert(hash, publisher, cache, seq),
+        }
+    }
+
+    fn insert(&mut self, hash: u64, publisher: u64, cache: &str, seq: u64) {
         if self.tracked >= MAX_TRACKED_PUBLISHERS {
-            // Forgetting baselines is safe here, not after a resume: the
-            // caches stay distrusted.
-            self.last.clear();
-            self.tracked = 0;
+            self.forget_oldest();
         }
+        let cache = match self.names.get(cache) {
+            Some(name) => name.clone(),
+            None => {
+                let name: Arc<str> = Arc::from(cache);
+                self.names.insert(name.clone());
+                name
+            }
+        };
         let hasher = &self.hasher;
-        self.last
-            .insert_unique(hash, (publisher, cache.to_owned(), seq), |e| {
-                hasher.hash_one((e.0, e.1.as_str()))
-            });
+        self.last.insert_unique(
+            hash,
+            Baseline {
+                publisher,
+                cache,
+                last: seq,
+                touched: self.touches,
+                epoch: self.epoch,
+            },
+            |e| hasher.hash_one((e.publisher, &*e.cache)),
+        );
         self.tracked = self.tracked.saturating_add(1);
-        // A publisher's first event (seq 1) vouches for everything before it.
-        (seq > 1 && self.distrusted.contains(cache)).then(|| seq.saturating_sub(1))
+    }
+
+    /// Forgets the older half of the baselines (by when each was last
+    /// touched), so the bound costs one pass per half a bound of new
+    /// publishers, and the publishers heard from lately stay known.
+    /// Forgetting is safe: it never raises a false gap at a later event
+    /// (the caches stay distrusted after a resume, and `forgot_at` keeps a
+    /// forgotten publisher's next message from looking like a loss); it only
+    /// delays detection for those publishers until their next event.
+    fn forget_oldest(&mut self) {
+        let half = u64::try_from(MAX_TRACKED_PUBLISHERS / 2).unwrap_or(u64::MAX);
+        let cutoff = self.touches.saturating_sub(half);
+        self.last.retain(|e| e.touched > cutoff);
+        self.tracked = self.last.len();
+        // A cache name no baseline points to any more goes too.
+        self.names.retain(|name| Arc::strong_count(name) > 1);
+        self.forgot_at = Some(Instant::now());
     }
 }

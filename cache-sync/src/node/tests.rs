@@ -7,10 +7,11 @@ use bytes::Bytes;
 use super::seqs::PublisherSeqs;
 use super::*;
 use crate::transport::Delivery;
-use crate::wire::{Change, EntryVersion, Header, encode, encode_part};
+use crate::wire::{Change, EntryVersion, Header, encode_part};
 use crate::{EmbeddedTransport, Keyring};
 
 mod cluster;
+mod fence;
 mod tail;
 
 type Cache = SyncedCache<String, String>;
@@ -36,6 +37,23 @@ async fn holds(c: &Cache, k: &str, v: Option<&str>) -> bool {
 }
 
 fn raw_event(cache: &str, publisher: u64, seq: u64, change: &Change) -> Bytes {
+    raw_event_ext(
+        cache,
+        publisher,
+        seq,
+        crate::wire::HeaderExt::default(),
+        change,
+    )
+}
+
+/// [`raw_event`], with a header extension (an age, a relay's fence).
+fn raw_event_ext(
+    cache: &str,
+    publisher: u64,
+    seq: u64,
+    ext: crate::wire::HeaderExt,
+    change: &Change,
+) -> Bytes {
     let header = Header {
         cache,
         origin: crate::wire::Origin(b"forger"),
@@ -43,7 +61,7 @@ fn raw_event(cache: &str, publisher: u64, seq: u64, change: &Change) -> Bytes {
         seq,
         published_at_us: now_us(),
     };
-    Bytes::from(encode(&header, change).unwrap())
+    Bytes::from(crate::wire::encode_ext(&header, &ext, change).unwrap())
 }
 
 fn refresh_change(k: &str, v: &str) -> Change {

@@ -48,10 +48,13 @@ const MAX_SCHEMA_BYTES: usize = 63;
 /// and the payload tells relays of other schemas to ignore it.
 pub(crate) const CHANNEL: &str = "cache_sync_outbox";
 
-/// The migration, with `{schema}` for the schema's name;
-/// `migrations/0001_outbox.sql` is this with `cache_sync` (a test keeps them
-/// the same).
-const MIGRATION: &str = include_str!("migration.sql.in");
+/// The migrations, in order, with `{schema}` for the schema's name;
+/// `migrations/0001_outbox.sql` and `migrations/0002_relay_fence.sql` are
+/// these with `cache_sync` (a test keeps them the same).
+const MIGRATIONS: [&str; 2] = [
+    include_str!("migration_0001.sql.in"),
+    include_str!("migration_0002.sql.in"),
+];
 
 /// Writes change events into an outbox table inside the caller's own
 /// transaction; an [`OutboxRelay`] publishes them once committed.
@@ -82,7 +85,7 @@ const MIGRATION: &str = include_str!("migration.sql.in");
 ///
 /// # async fn run(pool: sqlx::PgPool, publisher: Publisher) -> cache_sync::Result<()> {
 /// let outbox = Outbox::new();
-/// outbox.migrate(&pool).await?; // or run migrations/0001_outbox.sql yourself
+/// outbox.migrate(&pool).await?; // or run migrations/*.sql yourself, in order
 ///
 /// // In the admin service, in the transaction that writes the row:
 /// let countries = outbox.dictionary(COUNTRIES);
@@ -245,17 +248,19 @@ impl Outbox {
         self.inner.max_event_bytes
     }
 
-    /// The SQL [`migrate`](Self::migrate) runs.
-    fn migration_sql(&self) -> String {
-        MIGRATION.replace("{schema}", &self.inner.schema)
+    /// The SQL [`migrate`](Self::migrate) runs, one string per migration.
+    fn migration_sql(&self) -> [String; 2] {
+        MIGRATIONS.map(|m| m.replace("{schema}", &self.inner.schema))
     }
 
-    /// Creates the schema, tables, sequence and trigger where missing
-    /// (`migrations/0001_outbox.sql`, in this outbox's schema), in one
-    /// transaction. Safe to run at every start and from several processes
-    /// at once: an advisory lock on the schema's name lets one run at a
-    /// time, and every statement is idempotent. Needs PostgreSQL 14 or
-    /// later.
+    /// Creates the schema, tables, sequences and trigger where missing
+    /// (`migrations/0001_outbox.sql` and `0002_relay_fence.sql`, in this
+    /// outbox's schema), in one transaction. Safe to run at every start and
+    /// from several processes at once: an advisory lock on the schema's
+    /// name lets one run at a time, and every statement is idempotent, so
+    /// it also brings an outbox made by an earlier release up to date (a
+    /// relay refuses to start on a schema without the second migration).
+    /// Needs PostgreSQL 14 or later.
     pub async fn migrate(&self, pool: &PgPool) -> Result<()> {
         let mut tx = pool.begin().await.map_err(db)?;
         sqlx::query(LOCK_SQL)
@@ -266,11 +271,12 @@ impl Outbox {
         // A plain string runs as one simple query, several statements in
         // it. (Not `raw_sql`: its future is not `Send` for every lifetime,
         // so a migrate could not be spawned.)
-        let sql = self.migration_sql();
-        let conn: &mut PgConnection = &mut tx;
-        sqlx::Executor::execute(conn, sql.as_str())
-            .await
-            .map_err(db)?;
+        for sql in self.migration_sql() {
+            let conn: &mut PgConnection = &mut tx;
+            sqlx::Executor::execute(conn, sql.as_str())
+                .await
+                .map_err(db)?;
+        }
         tx.commit().await.map_err(db)
     }
 
@@ -634,15 +640,19 @@ mod tests {
     use crate::wire::MAX_EVENT_BYTES_CEILING;
 
     #[test]
-    fn the_shipped_migration_is_what_migrate_runs_for_cache_sync() {
+    fn the_shipped_migrations_are_what_migrate_runs_for_cache_sync() {
         assert_eq!(
             Outbox::new().migration_sql(),
-            include_str!("../../migrations/0001_outbox.sql")
+            [
+                include_str!("../../migrations/0001_outbox.sql"),
+                include_str!("../../migrations/0002_relay_fence.sql"),
+            ]
         );
         let other = Outbox::builder().schema("tenant_7").build().unwrap();
-        let sql = other.migration_sql();
+        let sql = other.migration_sql().join("\n");
         assert!(!sql.contains("{schema}") && !sql.contains("cache_sync."));
         assert!(sql.contains("CREATE TABLE IF NOT EXISTS tenant_7.outbox"));
+        assert!(sql.contains("CREATE SEQUENCE IF NOT EXISTS tenant_7.relay_term_seq"));
     }
 
     #[test]

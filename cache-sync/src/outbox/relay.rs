@@ -15,11 +15,17 @@ use super::{CHANNEL, Outbox, db, decode_row};
 use crate::error::{Error, Result};
 use crate::publish::Publisher;
 use crate::util::lock;
+use crate::wire::Fence;
 
 /// Backoff after a failed pass (broker or database down): doubling from
 /// the first to the second, then staying there.
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// How long the relay waits for the database to confirm, before each
+/// publish, that its pass (and so its leader lock) is still alive. A
+/// database that does not answer in time ends the pass, as an error would.
+const LEADER_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Publishes the rows an [`Outbox`] wrote, once their transactions commit.
 ///
@@ -45,6 +51,19 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 ///   publish one row at the same time. `FOR UPDATE SKIP LOCKED` was not
 ///   used: it lets two relays take different rows of one cache and publish
 ///   them in either order.
+/// - **A replaced relay is fenced.** The lock lives as long as the pass's
+///   database session. A session that dies while a publish is slow (killed,
+///   `idle_in_transaction_session_timeout`, a network cut) releases it,
+///   and another relay can take over and publish the same rows and newer
+///   ones before the first relay's slow publish lands. So before each
+///   publish the relay asks the database whether its pass is still alive
+///   (within 5 s, or the pass ends), and publishes nothing once it is not;
+///   and each pass takes a term from a database sequence and every event
+///   it sends carries it (with a random number naming the outbox). A node
+///   that has seen a higher term of this outbox for a cache applies an
+///   event of a lower one as an invalidation of its keys: the one publish
+///   that can be in flight when a session dies can never put an older row
+///   over a newer one (see `docs/design.md`, "Relay leader").
 /// - **Failures.** A publish that fails (the broker is down) ends the pass:
 ///   the rows published before it are deleted, the rest stay, and the
 ///   relay retries them after a backoff (100 ms doubling to 5 s), so order
@@ -124,6 +143,8 @@ struct Shared {
     pool: PgPool,
     publisher: Publisher,
     outbox: Outbox,
+    /// Names this outbox in every fence its relays send.
+    scope: u64,
     poll_interval: Duration,
     batch_size: i64,
     counters: Counters,
@@ -151,10 +172,11 @@ impl OutboxRelayBuilder {
         self
     }
 
-    /// Checks the settings, connects the listener and starts the relay's
-    /// task on the current tokio runtime. [`Error::Config`] for a setting
-    /// out of range, [`Error::Database`] when the database cannot be
-    /// reached.
+    /// Checks the settings, reads the outbox's fencing scope, connects the
+    /// listener and starts the relay's task on the current tokio runtime.
+    /// [`Error::Config`] for a setting out of range, [`Error::Database`]
+    /// when the database cannot be reached or the outbox's schema lacks its
+    /// second migration ([`Outbox::migrate`] adds it).
     pub async fn start(self) -> Result<OutboxRelay> {
         if self.poll_interval < Duration::from_millis(1)
             || self.poll_interval > Duration::from_secs(3600)
@@ -173,12 +195,27 @@ impl OutboxRelayBuilder {
                 )));
             }
         };
+        let schema = self.outbox.schema();
+        let scope: i64 = sqlx::query_scalar(&format!("SELECT scope FROM {schema}.relay"))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| {
+                Error::Database(
+                    format!(
+                        "reading the outbox's fencing scope from {schema}.relay: {e}; an outbox made \
+                         by an earlier release needs its second migration: run Outbox::migrate, or \
+                         migrations/0002_relay_fence.sql, on this schema"
+                    )
+                    .into(),
+                )
+            })?;
         let mut listener = PgListener::connect_with(&self.pool).await.map_err(db)?;
         listener.listen(CHANNEL).await.map_err(db)?;
         let shared = Arc::new(Shared {
             pool: self.pool,
             publisher: self.publisher,
             outbox: self.outbox,
+            scope: scope.cast_unsigned(),
             poll_interval: self.poll_interval,
             batch_size,
             counters: Counters::default(),
@@ -311,21 +348,30 @@ async fn wait(shared: &Shared, listener: &mut PgListener, pause: Option<Duration
 }
 
 impl Shared {
-    /// One transaction: the leader lock, a batch of due rows in id order,
-    /// each published, and the published ones deleted.
+    /// One transaction: the leader lock and a fencing term, a batch of due
+    /// rows in id order, each published while the pass is confirmed alive,
+    /// and the published ones deleted.
     async fn pass(&self) -> Result<Pass> {
         let schema = self.outbox.schema();
         let mut tx = self.pool.begin().await.map_err(db)?;
-        let leader: bool =
-            sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))")
-                .bind(format!("cache-sync relay\n{schema}"))
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(db)?;
-        if !leader {
+        // The term only when the lock was taken (CASE evaluates in order):
+        // a relay that is not the leader draws none.
+        let term: Option<i64> = sqlx::query_scalar(&format!(
+            "SELECT CASE WHEN pg_try_advisory_xact_lock(hashtextextended($1, 0)) \
+             THEN nextval('{schema}.relay_term_seq') END"
+        ))
+        .bind(format!("cache-sync relay\n{schema}"))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db)?;
+        let Some(term) = term else {
             tx.rollback().await.map_err(db)?;
             return Ok(Pass::NotLeader);
-        }
+        };
+        let fence = Fence {
+            scope: self.scope,
+            term: term.cast_unsigned(),
+        };
         let rows: Vec<(i64, String, Vec<u8>)> = sqlx::query_as(&format!(
             "SELECT id, cache, change FROM {schema}.outbox \
              WHERE not_before IS NULL OR not_before <= clock_timestamp() \
@@ -339,7 +385,34 @@ impl Shared {
         let mut done = Vec::with_capacity(rows.len());
         let mut failure = None;
         for (id, cache, change) in rows {
-            match self.publish_row(id, &cache, &change).await {
+            // The pass is the lock: a session that died since the last
+            // statement took the lock with it, and another relay may be
+            // publishing these rows now. Only a pass the database just
+            // answered for may publish; the fence covers the one publish
+            // that can be in flight when the session dies.
+            let alive = tokio::time::timeout(
+                LEADER_CHECK_TIMEOUT,
+                sqlx::query("SELECT 1").execute(&mut *tx),
+            )
+            .await;
+            match alive {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    failure = Some(db(e));
+                    break;
+                }
+                Err(_) => {
+                    failure = Some(Error::Database(
+                        format!(
+                            "the database did not confirm the relay's pass within {LEADER_CHECK_TIMEOUT:?}; \
+                             stopped publishing, as another relay may have taken over"
+                        )
+                        .into(),
+                    ));
+                    break;
+                }
+            }
+            match self.publish_row(id, &cache, &change, fence).await {
                 Ok(()) => done.push(id),
                 Err(e) => {
                     failure = Some(e);
@@ -374,11 +447,15 @@ impl Shared {
     }
 
     /// Publishes one row; `Ok` when it may be deleted.
-    async fn publish_row(&self, id: i64, cache: &str, row: &[u8]) -> Result<()> {
+    async fn publish_row(&self, id: i64, cache: &str, row: &[u8], fence: Fence) -> Result<()> {
         let why = match decode_row(row, self.outbox.max_event_bytes()) {
             Ok(change) => {
                 let sent = match self.publisher.resplit(change) {
-                    Ok(changes) => self.publisher.send(cache, changes).await.map(|_| ()),
+                    Ok(changes) => self
+                        .publisher
+                        .send_fenced(cache, changes, fence)
+                        .await
+                        .map(|_| ()),
                     Err(e) => Err(e),
                 };
                 match sent {
@@ -389,11 +466,18 @@ impl Shared {
             }
             Err(e) => Error::Decode(e),
         };
-        self.replace_by_clear(id, cache, &why).await
+        self.replace_by_clear(id, cache, &why, fence).await
     }
 
-    async fn replace_by_clear(&self, id: i64, cache: &str, why: &Error) -> Result<()> {
-        match self.publisher.clear(cache).await {
+    async fn replace_by_clear(
+        &self,
+        id: i64,
+        cache: &str,
+        why: &Error,
+        fence: Fence,
+    ) -> Result<()> {
+        let clear = vec![crate::wire::Change::Clear { version: None }];
+        match self.publisher.send_fenced(cache, clear, fence).await {
             Ok(_) => tracing::error!(
                 schema = self.outbox.schema(),
                 id,

@@ -187,7 +187,7 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
         check_topic(&self.cache, self.topic, &self.publisher.inner.topic)?;
         let (_, v) = self
             .publisher
-            .send_with(&self.cache, || {
+            .send_with(&self.cache, None, || {
                 let v = match version {
                     Some(v) => {
                         self.clock.observe(v);

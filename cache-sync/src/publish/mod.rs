@@ -17,7 +17,8 @@ use crate::table::Table;
 use crate::transport::{DEFAULT_TOPIC, Position, Transport};
 use crate::util::{MAX_TIMEOUT, check_duration, deadline_after, lock, now_us};
 use crate::wire::{
-    Change, Codec, DEFAULT_MAX_EVENT_BYTES, Header, Keyring, Origin, check_max_event_bytes,
+    Change, Codec, DEFAULT_MAX_EVENT_BYTES, Fence, Header, HeaderExt, Keyring, Origin,
+    check_max_event_bytes,
 };
 
 /// Publishes change events for named caches.
@@ -63,7 +64,7 @@ struct PublisherInner {
     origin: String,
     id: u64,
     codec: Codec,
-    seqs: Mutex<HashMap<String, Arc<tokio::sync::Mutex<u64>>>>,
+    seqs: Mutex<HashMap<String, Arc<tokio::sync::Mutex<SeqState>>>>,
     /// `Duration::MAX`: no announcements.
     announce_interval: Duration,
     /// Whether an announcing task is running (or spawned, not yet run).
@@ -77,6 +78,27 @@ struct PublisherInner {
     again: Mutex<AgainQueue>,
     /// Each change is sent a second time, as an invalidation, this much later.
     again_after: Option<Duration>,
+}
+
+/// A cache's numbering at this publisher, behind the cache's publish lock.
+#[derive(Debug, Default)]
+struct SeqState {
+    /// The last number used; 0 before the first event.
+    seq: u64,
+    /// When the event numbered `seq` was handed to the transport, on this
+    /// process's monotonic clock: every later message for the cache says
+    /// how long ago that was (`HeaderExt::since_prev_us`), so a node that
+    /// never heard of this publisher can tell a lost event from one sent
+    /// before it listened, without comparing clocks.
+    sent_at: Option<tokio::time::Instant>,
+}
+
+impl SeqState {
+    /// Microseconds since the event numbered `seq` was sent, if one was.
+    fn since_prev_us(&self) -> Option<u64> {
+        self.sent_at
+            .map(|at| u64::try_from(at.elapsed().as_micros()).unwrap_or(u64::MAX))
+    }
 }
 
 /// How often a publisher announces its last sequence numbers by default.
@@ -440,7 +462,20 @@ impl Publisher {
     }
 
     pub(crate) async fn send(&self, cache: &str, changes: Vec<Change>) -> Result<Published> {
-        self.send_with(cache, || Ok((changes, ())))
+        self.send_with(cache, None, || Ok((changes, ())))
+            .await
+            .map(|(p, ())| p)
+    }
+
+    /// [`send`](Self::send) under an outbox relay's fencing token.
+    #[cfg(feature = "postgres")]
+    pub(crate) async fn send_fenced(
+        &self,
+        cache: &str,
+        changes: Vec<Change>,
+        fence: Fence,
+    ) -> Result<Published> {
+        self.send_with(cache, Some(fence), || Ok((changes, ())))
             .await
             .map(|(p, ())| p)
     }
@@ -450,6 +485,7 @@ impl Publisher {
     async fn send_with<T>(
         &self,
         cache: &str,
+        fence: Option<Fence>,
         build: impl FnOnce() -> Result<(Vec<Change>, T)>,
     ) -> Result<(Published, T)> {
         self.inner.transport.check_tag(cache)?;
@@ -457,7 +493,7 @@ impl Publisher {
         // Held across the publish so numbers reach the transport in order.
         let mut seq = seq.lock().await;
         let (changes, out) = build()?;
-        let published = self.publish_locked(cache, &mut seq, &changes).await;
+        let published = self.publish_locked(cache, &mut seq, fence, &changes).await;
         drop(seq);
         // After the number was used, failed publish or not: an announcing
         // task that ends from now on finds it due (see `announce_loop`).
@@ -482,7 +518,7 @@ impl Publisher {
     }
 
     /// The cache's sequence number, behind its publish lock.
-    fn seq(&self, cache: &str) -> Arc<tokio::sync::Mutex<u64>> {
+    fn seq(&self, cache: &str) -> Arc<tokio::sync::Mutex<SeqState>> {
         let mut seqs = lock(&self.inner.seqs);
         seqs.entry(cache.to_owned()).or_default().clone()
     }
@@ -491,7 +527,8 @@ impl Publisher {
     async fn publish_locked(
         &self,
         cache: &str,
-        seq: &mut u64,
+        state: &mut SeqState,
+        fence: Option<Fence>,
         changes: &[Change],
     ) -> Result<Published> {
         let mut published = Published {
@@ -502,15 +539,23 @@ impl Publisher {
         for change in changes {
             // 2^64 publishes to one cache from one publisher will not happen;
             // saturating keeps the numbers from ever going back regardless.
-            *seq = seq.saturating_add(1);
+            state.seq = state.seq.saturating_add(1);
             let header = Header {
                 cache,
                 origin: Origin(self.inner.origin.as_bytes()),
                 publisher: self.inner.id,
-                seq: *seq,
+                seq: state.seq,
                 published_at_us: now_us(),
             };
-            let payload = self.inner.codec.seal(&header, change)?;
+            let ext = HeaderExt {
+                since_prev_us: state.since_prev_us(),
+                fence,
+            };
+            let payload = self.inner.codec.seal_ext(&header, &ext, change)?;
+            // Before the call: whether or not it fails, the number is used
+            // and the event may have reached some nodes.
+            let sent_at = tokio::time::Instant::now();
+            state.sent_at = Some(sent_at);
             let position = self
                 .inner
                 .transport
@@ -621,7 +666,7 @@ async fn announce_loop(mut respawn: Respawn, every: Duration) {
             };
             // Under the publish lock: the announcement reaches the
             // transport after every event it vouches for, and takes no number.
-            let n = *seq;
+            let n = seq.seq;
             let times = match lock(&inner.announced).get(cache.as_str()) {
                 Some(&(m, times)) if m == n => times,
                 _ => 0,
@@ -629,7 +674,7 @@ async fn announce_loop(mut respawn: Respawn, every: Duration) {
             if n == 0 || times >= QUIET_ANNOUNCEMENTS {
                 continue;
             }
-            match inner.announce(&cache, n).await {
+            match inner.announce(&cache, n, seq.since_prev_us()).await {
                 Ok(()) => {
                     lock(&inner.announced).insert(cache, (n, times.saturating_add(1)));
                 }
@@ -698,7 +743,10 @@ async fn again_loop(mut guard: AgainGuard) {
         let mut seq = seq.lock().await;
         // A failure used up its number: nodes see the gap and resync
         // this cache, which is what the second invalidation was for.
-        if let Err(e) = publisher.publish_locked(&cache, &mut seq, &again).await {
+        if let Err(e) = publisher
+            .publish_locked(&cache, &mut seq, None, &again)
+            .await
+        {
             tracing::warn!(cache = %cache, error = %e, "the delayed second invalidation failed");
         }
         drop(seq);
@@ -725,7 +773,7 @@ impl Drop for AgainGuard {
 impl PublisherInner {
     /// The caches with numbers not yet announced `QUIET_ANNOUNCEMENTS`
     /// times; a cache being published to now counts, it will need it.
-    fn due(&self) -> Vec<(String, Arc<tokio::sync::Mutex<u64>>)> {
+    fn due(&self) -> Vec<(String, Arc<tokio::sync::Mutex<SeqState>>)> {
         let sent = lock(&self.announced);
         lock(&self.seqs)
             .iter()
@@ -733,18 +781,18 @@ impl PublisherInner {
                 let Ok(seq) = seq.try_lock() else {
                     return true;
                 };
-                *seq > 0
+                seq.seq > 0
                     && sent
                         .get(cache.as_str())
-                        .is_none_or(|&(n, times)| n != *seq || times < QUIET_ANNOUNCEMENTS)
+                        .is_none_or(|&(n, times)| n != seq.seq || times < QUIET_ANNOUNCEMENTS)
             })
             .map(|(cache, seq)| (cache.clone(), seq.clone()))
             .collect()
     }
 
     /// Sends `seq` again for `cache`, as an announcement (see `wire`),
-    /// sealed like an event.
-    async fn announce(&self, cache: &str, seq: u64) -> Result<()> {
+    /// sealed like an event, saying how long ago its event was sent.
+    async fn announce(&self, cache: &str, seq: u64, since_prev_us: Option<u64>) -> Result<()> {
         let header = Header {
             cache,
             origin: Origin(self.origin.as_bytes()),
@@ -752,7 +800,11 @@ impl PublisherInner {
             seq,
             published_at_us: now_us(),
         };
-        let payload = self.codec.seal(&header, &Change::ANNOUNCE)?;
+        let ext = HeaderExt {
+            since_prev_us,
+            fence: None,
+        };
+        let payload = self.codec.seal_ext(&header, &ext, &Change::ANNOUNCE)?;
         self.transport
             .publish(&self.topic, cache, Bytes::from(payload))
             .await?;

@@ -3,8 +3,8 @@
 
 use super::keyring::SIGNED_OVERHEAD;
 use super::{
-    Change, ChangeView, Header, Keyring, MAX_NAME_BYTES, decode_change, decode_header,
-    decode_header_expecting, encode, strip_unverified,
+    Change, ChangeView, Header, HeaderExt, Keyring, MAX_NAME_BYTES, decode_change,
+    decode_header, decode_header_ext, encode_ext, strip_unverified,
 };
 use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
 
@@ -38,6 +38,7 @@ pub(crate) struct Codec {
 #[derive(Debug)]
 pub(crate) struct Opened<'a> {
     pub(crate) header: Header<'a>,
+    pub(crate) ext: HeaderExt,
     event: &'a [u8],
     body: usize,
 }
@@ -83,10 +84,22 @@ impl Codec {
             .saturating_sub(signed)
     }
 
-    /// The bytes to publish: encoded, signed when there is a keyring, and
-    /// refused with [`Error::TooLarge`] over the limit.
+    /// [`seal_ext`](Self::seal_ext) with an empty extension.
+    #[cfg(test)]
     pub(crate) fn seal(&self, header: &Header<'_>, change: &Change) -> Result<Vec<u8>> {
-        let mut payload = encode(header, change)?;
+        self.seal_ext(header, &HeaderExt::default(), change)
+    }
+
+    /// The bytes to publish: encoded (with the header's extension), signed
+    /// when there is a keyring, and refused with [`Error::TooLarge`] over
+    /// the limit.
+    pub(crate) fn seal_ext(
+        &self,
+        header: &Header<'_>,
+        ext: &HeaderExt,
+        change: &Change,
+    ) -> Result<Vec<u8>> {
+        let mut payload = encode_ext(header, ext, change)?;
         if let Some(ring) = &self.keyring {
             payload = ring.sign(&payload);
         }
@@ -121,9 +134,10 @@ impl Codec {
             });
             return Err(Refused::Unreadable { error, event });
         }
-        match decode_header_expecting(event, self.max_bytes, tag) {
-            Ok((header, body)) => Ok(Opened {
+        match decode_header_ext(event, self.max_bytes, tag) {
+            Ok((header, ext, body)) => Ok(Opened {
                 header,
+                ext,
                 event,
                 body,
             }),
@@ -224,8 +238,16 @@ mod tests {
                         version: Some(u64::MAX),
                     }],
                 };
+                // The largest extension there is.
+                let ext = HeaderExt {
+                    since_prev_us: Some(u64::MAX),
+                    fence: Some(crate::wire::Fence {
+                        scope: u64::MAX,
+                        term: u64::MAX,
+                    }),
+                };
                 let sealed = codec
-                    .seal(&header(&"c".repeat(255), &origin), &change)
+                    .seal_ext(&header(&"c".repeat(255), &origin), &ext, &change)
                     .unwrap_or_else(|e| panic!("signed {signed}, limit {max}: {e}"));
                 assert!(sealed.len() <= max);
             }

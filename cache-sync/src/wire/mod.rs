@@ -7,6 +7,16 @@
 //! after reading only the header, and reject one bad value without losing the
 //! rest of the batch.
 //!
+//! Two formats are read. Version 1 is the format byte 1, the header and the
+//! change. Version 2 (format byte 2) puts a [`HeaderExt`] between the
+//! header and the change: how long ago the publisher sent its previous
+//! event for the cache (so a node can tell a lost event from one published
+//! before it listened, without comparing clocks), and an outbox relay's
+//! fence. An event with nothing in its extension is written as version 1,
+//! which nodes built before version 2 read; they refuse a version 2 event
+//! as unreadable and resync its cache, which is safe: upgrade nodes before
+//! publishers.
+//!
 //! A publisher's announcement of the last sequence number it used for a
 //! cache is an empty invalidation (`Change::Invalidate` with no keys)
 //! carrying that number again: a publisher never sends an empty
@@ -42,8 +52,10 @@ pub(crate) use keyring::strip_unverified;
 /// transport's resource names, and a bound on the header's size.
 pub(crate) const MAX_NAME_BYTES: usize = 255;
 
-/// The only wire format this build reads and writes.
+/// The first wire format: the header, then the change.
 pub(crate) const FORMAT_V1: u8 = 1;
+/// The header, its [`HeaderExt`], then the change.
+pub(crate) const FORMAT_V2: u8 = 2;
 
 /// The default limit on one encoded event: 1 MiB.
 pub(crate) const DEFAULT_MAX_EVENT_BYTES: usize = 1 << 20;
@@ -88,6 +100,43 @@ pub(crate) struct Header<'a> {
     pub(crate) seq: u64,
     /// Microseconds since the Unix epoch, publisher's clock. Used for latency only.
     pub(crate) published_at_us: u64,
+}
+
+/// What a version 2 event adds to its header. Empty (the default) for
+/// events that need neither field; such events are written as version 1.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[cfg_attr(test, derive(serde::Deserialize))]
+pub(crate) struct HeaderExt {
+    /// Microseconds, on the publisher's own clock, from its previous event
+    /// for this cache (number `seq - 1`; for an announcement, the event
+    /// number `seq` it announces) to this message. A duration, never a
+    /// time of day: a node compares it with its own receive times only.
+    /// `None` for a publisher's first event, or one that does not say.
+    pub(crate) since_prev_us: Option<u64>,
+    /// The outbox relay's term that sent it: see [`Fence`].
+    pub(crate) fence: Option<Fence>,
+}
+
+impl HeaderExt {
+    fn is_empty(&self) -> bool {
+        *self == HeaderExt::default()
+    }
+}
+
+/// An outbox relay's fencing token. Every pass of a relay that holds the
+/// outbox's leader lock takes a new `term` from a database sequence, so a
+/// relay that lost the lock without knowing (its session died while a
+/// publish was slow) sends under a lower term than the relay that replaced
+/// it. A node that has seen a higher term of the same `scope` (one outbox)
+/// for a cache applies what a lower one sends as invalidations: it may be
+/// older than what the new relay already published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[cfg_attr(test, derive(serde::Deserialize))]
+pub(crate) struct Fence {
+    /// Random per outbox, made when its schema is migrated.
+    pub(crate) scope: u64,
+    /// Increases with every pass of every relay of the outbox.
+    pub(crate) term: u64,
 }
 
 /// The publisher's name, as it came: only ever written to logs, so it is not
@@ -422,14 +471,25 @@ impl<'a> Reader<'a> {
     }
 }
 
+#[cfg(test)]
 pub(crate) fn encode(header: &Header<'_>, change: &Change) -> Result<Vec<u8>> {
+    encode_ext(header, &HeaderExt::default(), change)
+}
+
+/// Encodes an event with an extension: as version 2, or as version 1 when
+/// the extension is empty (so nodes that read only version 1 read it).
+pub(crate) fn encode_ext(header: &Header<'_>, ext: &HeaderExt, change: &Change) -> Result<Vec<u8>> {
     let encode_err = |e: bincode::error::EncodeError| Error::Encode {
         what: "event",
         message: e.to_string(),
     };
     let mut out = Vec::with_capacity(64);
-    out.push(FORMAT_V1);
+    let v1 = ext.is_empty();
+    out.push(if v1 { FORMAT_V1 } else { FORMAT_V2 });
     bincode::serde::encode_into_std_write(header, &mut out, wire_config()).map_err(encode_err)?;
+    if !v1 {
+        bincode::serde::encode_into_std_write(ext, &mut out, wire_config()).map_err(encode_err)?;
+    }
     bincode::serde::encode_into_std_write(change, &mut out, wire_config()).map_err(encode_err)?;
     Ok(out)
 }
@@ -440,17 +500,19 @@ pub(crate) fn decode_header(
     bytes: &[u8],
     limit: usize,
 ) -> Result<(Header<'_>, usize), DecodeError> {
-    decode_header_expecting(bytes, limit, None)
+    decode_header_ext(bytes, limit, None).map(|(header, _, offset)| (header, offset))
 }
 
-/// [`decode_header`], told the cache name the event most likely carries
-/// (its transport tag's): a name equal to it byte for byte is valid UTF-8
+/// Checks the format byte and size, and reads the header and its extension
+/// (empty for version 1); returns them and the offset where the change
+/// begins. `expected` is the cache name the event most likely carries (its
+/// transport tag's): a name equal to it byte for byte is valid UTF-8
 /// without checking again.
-pub(crate) fn decode_header_expecting<'a>(
+pub(crate) fn decode_header_ext<'a>(
     bytes: &'a [u8],
     limit: usize,
     expected: Option<&'a str>,
-) -> Result<(Header<'a>, usize), DecodeError> {
+) -> Result<(Header<'a>, HeaderExt, usize), DecodeError> {
     let Some((&format, rest)) = bytes.split_first() else {
         return Err(DecodeError::new(DecodeErrorKind::Empty));
     };
@@ -460,7 +522,7 @@ pub(crate) fn decode_header_expecting<'a>(
             limit,
         }));
     }
-    if format != FORMAT_V1 {
+    if format != FORMAT_V1 && format != FORMAT_V2 {
         return Err(DecodeError::new(DecodeErrorKind::UnknownFormat(format)));
     }
     let mut r = Reader { rest };
@@ -471,7 +533,22 @@ pub(crate) fn decode_header_expecting<'a>(
         seq: r.u64()?,
         published_at_us: r.u64()?,
     };
-    Ok((header, bytes.len().saturating_sub(r.rest.len())))
+    let ext = if format == FORMAT_V2 {
+        HeaderExt {
+            since_prev_us: r.option_u64()?,
+            fence: match r.byte()? {
+                0 => None,
+                1 => Some(Fence {
+                    scope: r.u64()?,
+                    term: r.u64()?,
+                }),
+                b => return Err(Reader::malformed(&format!("invalid option tag {b}"))),
+            },
+        }
+    } else {
+        HeaderExt::default()
+    };
+    Ok((header, ext, bytes.len().saturating_sub(r.rest.len())))
 }
 
 /// Reads (and checks) the change that follows the header, rejecting
@@ -506,8 +583,17 @@ pub(crate) fn decode_change(bytes: &[u8], offset: usize) -> Result<ChangeView<'_
 /// Decodes a whole event.
 #[cfg(test)]
 pub(crate) fn decode(bytes: &[u8], limit: usize) -> Result<(Header<'_>, Change), DecodeError> {
-    let (header, offset) = decode_header(bytes, limit)?;
-    Ok((header, decode_change(bytes, offset)?.to_change()))
+    decode_ext(bytes, limit).map(|(header, _, change)| (header, change))
+}
+
+/// Decodes a whole event, its extension included.
+#[cfg(test)]
+pub(crate) fn decode_ext(
+    bytes: &[u8],
+    limit: usize,
+) -> Result<(Header<'_>, HeaderExt, Change), DecodeError> {
+    let (header, ext, offset) = decode_header_ext(bytes, limit, None)?;
+    Ok((header, ext, decode_change(bytes, offset)?.to_change()))
 }
 
 /// Encodes one key or value.
@@ -591,6 +677,45 @@ mod tests {
         }
     }
 
+    /// An empty extension is written as version 1, which older nodes read;
+    /// any field in it makes the event version 2, and both read back whole.
+    #[test]
+    fn the_extension_round_trips_and_picks_the_format() {
+        let plain = encode(&header(), &refresh()).unwrap();
+        assert_eq!(plain[0], FORMAT_V1);
+        assert_eq!(
+            decode_ext(&plain, DEFAULT_MAX_EVENT_BYTES).unwrap(),
+            (header(), HeaderExt::default(), refresh())
+        );
+        for ext in [
+            HeaderExt {
+                since_prev_us: Some(0),
+                fence: None,
+            },
+            HeaderExt {
+                since_prev_us: None,
+                fence: Some(Fence {
+                    scope: u64::MAX,
+                    term: 1,
+                }),
+            },
+            HeaderExt {
+                since_prev_us: Some(u64::MAX),
+                fence: Some(Fence {
+                    scope: 7,
+                    term: u64::MAX,
+                }),
+            },
+        ] {
+            let bytes = encode_ext(&header(), &ext, &refresh()).unwrap();
+            assert_eq!(bytes[0], FORMAT_V2);
+            assert_eq!(
+                decode_ext(&bytes, DEFAULT_MAX_EVENT_BYTES).unwrap(),
+                (header(), ext, refresh())
+            );
+        }
+    }
+
     /// An announcement is an empty invalidation on the wire, so a node
     /// built before announcements reads it as a change of nothing; this
     /// build reads it as `Announce`, and a non-empty one as before.
@@ -629,8 +754,8 @@ mod tests {
         ));
         bytes.push(0);
         assert_eq!(kind(&bytes, 1024), DecodeErrorKind::TrailingBytes(1));
-        bytes[0] = 2;
-        assert_eq!(kind(&bytes, 1024), DecodeErrorKind::UnknownFormat(2));
+        bytes[0] = 3;
+        assert_eq!(kind(&bytes, 1024), DecodeErrorKind::UnknownFormat(3));
     }
 
     #[test]
@@ -685,15 +810,38 @@ mod tests {
         assert!(framed_len(&[&e[0].key, &e[0].value]) >= real);
     }
 
-    /// bincode's own reading of the bytes after the format byte: the
+    /// bincode's own reading of an event, format byte included: the
     /// reference the hand-written reader must agree with.
-    fn bincode_decode(rest: &[u8]) -> Option<(Header<'_>, Change)> {
+    fn bincode_decode(bytes: &[u8]) -> Option<(Header<'_>, HeaderExt, Change)> {
         let config = wire_config();
+        let (&format, rest) = bytes.split_first()?;
         let (header, used) =
             bincode::serde::borrow_decode_from_slice::<Header<'_>, _>(rest, config).ok()?;
-        let rest = &rest[used..];
+        let mut rest = &rest[used..];
+        let ext = match format {
+            FORMAT_V1 => HeaderExt::default(),
+            FORMAT_V2 => {
+                let (ext, used) =
+                    bincode::serde::decode_from_slice::<HeaderExt, _>(rest, config).ok()?;
+                rest = &rest[used..];
+                ext
+            }
+            _ => return None,
+        };
         let (change, used) = bincode::serde::decode_from_slice::<Change, _>(rest, config).ok()?;
-        (used == rest.len()).then_some((header, change))
+        (used == rest.len()).then_some((header, ext, change))
+    }
+
+    fn arbitrary_ext() -> impl Strategy<Value = HeaderExt> {
+        let number = prop_oneof![0u64..300, any::<u64>(), Just(u64::MAX)];
+        (
+            proptest::option::of(number.clone()),
+            proptest::option::of((number.clone(), number)),
+        )
+            .prop_map(|(since_prev_us, fence)| HeaderExt {
+                since_prev_us,
+                fence: fence.map(|(scope, term)| Fence { scope, term }),
+            })
     }
 
     fn arbitrary_event() -> impl Strategy<Value = (String, String, u64, u64, u64, Change)> {
@@ -755,17 +903,26 @@ mod tests {
             },
             Change::Clear { version: None },
         ];
+        let ext = HeaderExt {
+            since_prev_us: Some(70_000),
+            fence: Some(Fence {
+                scope: u64::MAX,
+                term: 300,
+            }),
+        };
         for change in changes {
-            let bytes = encode(&header(), &change).unwrap();
-            for i in 1..bytes.len() {
-                for b in 0..=255u8 {
-                    let mut changed = bytes.clone();
-                    changed[i] = b;
-                    assert_eq!(
-                        decode(&changed, MAX_EVENT_BYTES_CEILING).ok(),
-                        bincode_decode(&changed[1..]),
-                        "byte {i} set to {b} in {change:?}"
-                    );
+            for ext in [HeaderExt::default(), ext] {
+                let bytes = encode_ext(&header(), &ext, &change).unwrap();
+                for i in 0..bytes.len() {
+                    for b in 0..=255u8 {
+                        let mut changed = bytes.clone();
+                        changed[i] = b;
+                        assert_eq!(
+                            decode_ext(&changed, MAX_EVENT_BYTES_CEILING).ok(),
+                            bincode_decode(&changed),
+                            "byte {i} set to {b} in {change:?}, {ext:?}"
+                        );
+                    }
                 }
             }
         }
@@ -779,26 +936,27 @@ mod tests {
         #[test]
         fn the_reader_agrees_with_bincode(
             (cache, origin, publisher, seq, at, change) in arbitrary_event(),
+            ext in arbitrary_ext(),
             cut in any::<prop::sample::Index>(),
             flip in any::<prop::sample::Index>(),
             byte in any::<u8>(),
             how in 0u8..3,
         ) {
             let header = Header { cache: &cache, origin: Origin(origin.as_bytes()), publisher, seq, published_at_us: at };
-            let mut bytes = encode(&header, &change).unwrap();
+            let mut bytes = encode_ext(&header, &ext, &change).unwrap();
             match how {
                 0 => {}
                 1 => bytes.truncate(1 + cut.index(bytes.len())),
                 _ => {
-                    let i = 1 + flip.index(bytes.len() - 1);
+                    let i = flip.index(bytes.len());
                     bytes[i] = byte;
                 }
             }
-            let ours = decode(&bytes, MAX_EVENT_BYTES_CEILING).ok();
-            let theirs = bincode_decode(&bytes[1..]);
+            let ours = decode_ext(&bytes, MAX_EVENT_BYTES_CEILING).ok();
+            let theirs = bincode_decode(&bytes);
             prop_assert_eq!(&ours, &theirs);
             if how == 0 {
-                prop_assert_eq!(ours, Some((header, change)));
+                prop_assert_eq!(ours, Some((header, ext, change)));
             }
         }
 

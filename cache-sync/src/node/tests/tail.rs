@@ -848,3 +848,251 @@ async fn checks_fall_due_during_an_outage() {
     let s = node.status();
     assert_eq!((s.publisher_gaps, s.losses), (1, 1), "{s:?}");
 }
+
+/// Issue 21, item 2: a fresh publisher (one per request, the CLI) whose
+/// only event is lost, followed by all of its announcements. The node had
+/// never heard of it, and took its first announcement as a baseline: stale
+/// for good, with `publisher_gaps = 0`. The announcement now says how long
+/// ago its event was sent; sent while the node held every event of the
+/// cache, it should have arrived, so the numbers up to it are lost.
+#[tokio::test(start_paused = true)]
+async fn a_one_shot_publishers_lost_only_event_is_found_by_its_announcement() {
+    for window in [Duration::from_secs(10), Duration::ZERO] {
+        let transport = Lossy::default();
+        let nodes = nodes(&transport, window, 2).await;
+        // The nodes have been up for longer than their reorder window.
+        tokio::time::sleep(window + INTERVAL).await;
+        for (_, c) in &nodes {
+            c.insert("k".into(), "old".into()).await;
+        }
+        transport
+            .drop
+            .lock()
+            .unwrap()
+            .push(transport.publishes.load(Relaxed) + 1);
+        let one_shot = Publisher::builder(transport.clone())
+            .announce_interval(INTERVAL)
+            .build()
+            .unwrap();
+        one_shot.refresh("t", [("k", "new")]).await.unwrap();
+        drop(one_shot);
+        let sent = Instant::now();
+        for (node, c) in &nodes {
+            let at = wait_for("the loss is found", || resyncs(node) == 1).await;
+            // At its first announcement: nothing to wait for.
+            assert!(
+                at - sent <= INTERVAL + Duration::from_millis(2),
+                "{:?}",
+                at - sent
+            );
+            let s = node.status();
+            assert_eq!(
+                (s.publisher_gaps, s.losses),
+                (1, 1),
+                "window {window:?}: {s:?}"
+            );
+            assert_eq!(c.peek("k").await, None, "the stale value is gone");
+        }
+        wait_for("the repeats", || transport.announcements() == 3).await;
+        tokio::time::sleep(window + INTERVAL).await;
+        for (node, _) in &nodes {
+            assert_eq!(resyncs(node), 1, "answered once");
+        }
+    }
+}
+
+/// A one-shot publisher whose first event is lost and second arrives: the
+/// second says the first was sent a moment ago, while the node listened.
+#[tokio::test(start_paused = true)]
+async fn an_unknown_publishers_first_event_above_one_is_a_gap_if_the_one_before_was_its_to_miss() {
+    let transport = Lossy::default();
+    let window = Duration::from_secs(2);
+    let nodes = nodes(&transport, window, 1).await;
+    tokio::time::sleep(window + INTERVAL).await;
+    let (node, c) = &nodes[0];
+    transport
+        .drop
+        .lock()
+        .unwrap()
+        .push(transport.publishes.load(Relaxed) + 1);
+    let p = Publisher::builder(transport.clone())
+        .announce_interval(Duration::MAX)
+        .build()
+        .unwrap();
+    p.refresh("t", [("k", "first")]).await.unwrap();
+    c.insert("other".into(), "cached".into()).await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    p.refresh("t", [("j", "second")]).await.unwrap();
+    eventually("the second event applies", async || {
+        holds(c, "j", Some("second")).await
+    })
+    .await;
+    let s = node.status();
+    assert_eq!((s.publisher_gaps, resyncs(node)), (1, 1), "{s:?}");
+    assert_eq!(c.peek("other").await, None);
+}
+
+/// No false alarm: an ordinary first announcement, from a publisher whose
+/// last event was sent before the node started (and, with no look-back,
+/// never replayed to it), is a baseline, not a loss; so is one whose event
+/// was sent within the reorder window after the node started listening.
+#[tokio::test(start_paused = true)]
+async fn an_announcement_of_an_event_sent_before_the_node_listened_is_no_loss() {
+    for window in [Duration::ZERO, Duration::from_secs(3)] {
+        let transport = Lossy::default();
+        let p = Publisher::builder(transport.clone())
+            .announce_interval(INTERVAL)
+            .build()
+            .unwrap();
+        p.refresh("t", [("k", "v")]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let c = cache("t");
+        let node = Node::builder("late", transport.clone())
+            .reorder_window(window)
+            .start_from(crate::transport::StartFrom::Latest)
+            .register(&c)
+            .start()
+            .await
+            .unwrap();
+        wait_for("the repeats", || transport.announcements() == 3).await;
+        tokio::time::sleep(window + INTERVAL).await;
+        let s = node.status();
+        assert_eq!(
+            (s.publisher_gaps, s.losses, s.caches[0].loss_resyncs),
+            (0, 0, 0),
+            "window {window:?}: {s:?}"
+        );
+        node.shutdown().await.unwrap();
+    }
+}
+
+/// The rule in isolation: only once the node reads live; the previous
+/// event must have been sent more than the margin after the cache was
+/// last emptied; never across baselines forgotten for room; ages beyond
+/// the clock's reach say nothing.
+#[test]
+fn an_unknown_publishers_previous_event_counts_as_missed_only_when_it_was_ours_to_miss() {
+    use super::super::seqs::{MAX_TRACKED_PUBLISHERS, Prior};
+    let t0 = Instant::now();
+    let at = |ms| t0 + Duration::from_millis(ms);
+    let prior = |sent_by, covered| move || Some(Prior { sent_by, covered });
+    let mut seqs = PublisherSeqs::default();
+    seqs.margin = Duration::from_millis(100);
+    // Not live yet: taken on trust.
+    assert_eq!(
+        seqs.announced_after(1, "a", 1, at(0), prior(at(5000), at(0))),
+        None
+    );
+    seqs.live_since = Some(at(1000));
+    let lost = |p, to| Missing {
+        publisher: p,
+        cache: "a".into(),
+        from: 1,
+        to,
+    };
+    // Sent well after the node was live and the cache emptied: lost.
+    assert_eq!(
+        seqs.announced_after(2, "a", 3, at(0), prior(at(5000), at(0))),
+        Some(lost(2, 3))
+    );
+    // Within the margin of going live, or of the cache being emptied: no.
+    assert_eq!(
+        seqs.announced_after(3, "a", 1, at(0), prior(at(1100), at(0))),
+        None
+    );
+    assert_eq!(
+        seqs.announced_after(4, "a", 1, at(0), prior(at(5000), at(4950))),
+        None
+    );
+    assert_eq!(
+        seqs.observe_after(5, "a", 4, prior(at(5000), at(4950))),
+        None
+    );
+    // An event: the one before it was missed; a first event vouches for
+    // itself.
+    assert_eq!(
+        seqs.observe_after(6, "a", 4, prior(at(5000), at(0))),
+        Some(3)
+    );
+    assert_eq!(seqs.observe_after(7, "a", 1, prior(at(5000), at(0))), None);
+    // A known publisher: the numbers decide, as always.
+    assert_eq!(seqs.observe_after(6, "a", 5, prior(at(9000), at(0))), None);
+    // Baselines forgotten for room: their publishers' next messages are
+    // judged only after the forgetting (plus the margin).
+    seqs.margin = Duration::ZERO;
+    seqs.live_since = Some(t0);
+    let before = Instant::now();
+    for p in 100..100 + MAX_TRACKED_PUBLISHERS as u64 {
+        seqs.observe(p, "b", 1);
+    }
+    assert!(seqs.tracked < MAX_TRACKED_PUBLISHERS, "some were forgotten");
+    assert_eq!(
+        seqs.announced_after(100, "b", 1, at(0), prior(before, at(0))),
+        None,
+        "forgotten, not lost"
+    );
+    let after = Instant::now() + Duration::from_millis(1);
+    assert!(
+        seqs.announced_after(1, "b", 1, at(0), prior(after, at(0)))
+            .is_some()
+    );
+}
+
+/// A publisher's wall clock an hour off, either way, changes no loss
+/// decision: the node reads only the age the publisher measured on its own
+/// clock (`since_prev_us`), never its time of day (`published_at_us`,
+/// used for latency figures alone).
+#[tokio::test(start_paused = true)]
+async fn a_publishers_wall_clock_changes_no_loss_decision() {
+    use crate::wire::{Header, HeaderExt, encode_ext};
+    const HOUR_US: u64 = 3_600_000_000;
+    for skewed in [now_us() + HOUR_US, now_us() - HOUR_US] {
+        let transport = EmbeddedTransport::new();
+        let window = Duration::from_secs(2);
+        let c = cache("t");
+        let node = Node::builder("n1", transport.clone())
+            .reorder_window(window)
+            .register(&c)
+            .start()
+            .await
+            .unwrap();
+        tokio::time::sleep(window * 3).await;
+        let send = |publisher, seq, since_prev_us, change: Change| {
+            let t = transport.clone();
+            let header = Header {
+                cache: "t",
+                origin: crate::wire::Origin(b"skewed"),
+                publisher,
+                seq,
+                published_at_us: skewed,
+            };
+            let ext = HeaderExt {
+                since_prev_us,
+                fence: None,
+            };
+            let payload = Bytes::from(encode_ext(&header, &ext, &change).unwrap());
+            async move { t.publish(DEFAULT_TOPIC, "t", payload).await.unwrap() }
+        };
+        // An ordinary publisher: its events arrive, the announcement
+        // follows; nothing is lost.
+        send(1, 1, None, refresh_change("a", "1")).await;
+        send(1, 2, Some(1_000), refresh_change("a", "2")).await;
+        send(1, 2, Some(1_000_000), Change::ANNOUNCE).await;
+        // A one-shot publisher whose only event was lost: its
+        // announcement says the event went out a second ago.
+        c.insert("b".into(), "stale".into()).await;
+        send(2, 1, Some(1_000_000), Change::ANNOUNCE).await;
+        eventually("four records read", async || {
+            node.status().events_received == 4
+        })
+        .await;
+        let s = node.status();
+        assert_eq!(
+            (s.publisher_gaps, s.caches[0].loss_resyncs),
+            (1, 1),
+            "clock {skewed}: {s:?}"
+        );
+        assert_eq!(c.peek("b").await, None);
+        node.shutdown().await.unwrap();
+    }
+}
