@@ -1,7 +1,7 @@
 //! The admin service of the multi-process demo: publishes one change to the
 //! `countries` table to every running `node` example over Redis, NATS or
 //! RocketMQ, prints the version it was published at and how many nodes
-//! applied it how soon (from the nodes' heartbeats), and exits.
+//! applied it how soon (each running node answers once it has), and exits.
 //!
 //! ```text
 //! cargo run -p cache-sync-examples --features brokers --example admin -- --redis redis://127.0.0.1:6379/ upsert de Deutschland
@@ -134,8 +134,9 @@ fn row(row: &str) -> Result<(String, String), String> {
 
 async fn run(args: Args) -> Result<()> {
     let transport = args.transport.connect().await?;
-    // Watches the nodes' heartbeats, to tell which applied each change
-    // (on a transport without a heartbeat channel, it cannot tell).
+    // Watches the nodes' heartbeats, to know who holds the table, and asks
+    // them to answer once they applied each change (on a transport without
+    // a heartbeat channel, it cannot tell).
     let cluster = match Cluster::builder(transport.clone())
         .observer("admin")
         .start()
@@ -174,7 +175,7 @@ async fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// What a change goes out through, and who reports it applied.
+/// What a change goes out through, and who answers it applied.
 struct Admin<'a> {
     table: &'a Table,
     cluster: Option<&'a Cluster>,

@@ -49,13 +49,28 @@ pub fn event(data: &[u8]) {
 /// panicking; what is read seals and opens to itself, and a verifying
 /// party opens nothing the ring did not sign.
 pub fn heartbeat(data: &[u8]) {
-    use crate::cluster::{open_message, seal_message};
+    use crate::cluster::{OpenedMessage, open_message, seal_ack_message, seal_message};
     use crate::wire::Codec;
     let plain = Codec::new(LIMIT, None);
-    if let Ok(message) = open_message(&plain, data)
-        && let Ok(sealed) = seal_message(&plain, &message)
+    if let Ok(opened) = open_message(&plain, data) {
+        let sealed = match &opened {
+            OpenedMessage::Message(m) => seal_message(&plain, m),
+            OpenedMessage::Ack { asker, ack } => seal_ack_message(&plain, *asker, ack),
+        };
+        if let Ok(sealed) = sealed {
+            assert_eq!(open_message(&plain, &sealed).ok(), Some(opened));
+        }
+    }
+    // Skipping another party's answer reads only what opening would: an
+    // answer that names an asker opens as an answer to that asker, or not
+    // at all.
+    if let Some(asker) = Codec::ack_for(data)
+        && let Ok(opened) = open_message(&plain, data)
     {
-        assert_eq!(open_message(&plain, &sealed).ok(), Some(message));
+        assert!(
+            matches!(opened, OpenedMessage::Ack { asker: a, .. } if a == asker),
+            "{opened:?} was skipped as an answer for {asker}"
+        );
     }
     let verifying = Codec::new(LIMIT, Some(ring()));
     if let Ok(message) = open_message(&verifying, data) {
@@ -265,16 +280,11 @@ mod replay {
                 name: "countries".into(),
                 version: Some(12),
                 version_at_us: None,
+                version_age_ms: Some(1_500),
                 entries: 240,
                 loss_resyncs: 1,
                 quarantined: true,
                 last_latency_us: Some(830),
-                recent: vec![crate::status::AppliedEvent {
-                    publisher: 42,
-                    seq: 7,
-                    published_at_us: 1,
-                    applied_at_us: u64::MAX,
-                }],
             }],
         };
         let messages = [
@@ -288,12 +298,16 @@ mod replay {
                     seq: 8,
                 }),
                 within_ms: 5000,
+                asker: 7,
+                id: 9,
             }),
             crate::cluster::Message::Request(crate::cluster::Request {
                 topic: "cache-sync".into(),
                 cache: Some("c".into()),
                 target: Some(crate::cluster::Target::Version(u64::MAX)),
                 within_ms: u64::MAX,
+                asker: u64::MAX,
+                id: 0,
             }),
         ];
         let plain = crate::wire::Codec::new(LIMIT, None);
@@ -303,6 +317,16 @@ mod replay {
             write("heartbeat", n, &sealed);
             let signed = crate::cluster::seal_message(&signing, m).expect("seed signs");
             write("heartbeat", n + 10, &signed);
+        }
+        let ack = crate::cluster::Ack {
+            topic: "cache-sync".into(),
+            node_id: "node-1".into(),
+            ids: vec![1, u64::MAX],
+        };
+        for (n, codec) in [&plain, &signing].into_iter().enumerate() {
+            let sealed =
+                crate::cluster::seal_ack_message(codec, 0x0102_0304_0506_0708, &ack).expect("seed");
+            write("heartbeat", n + 20, &sealed);
         }
         // Records: plain (mode 0) and verifying (mode 1, and with small
         // version tables), tagged and not, in order, with gaps and garbage.

@@ -124,7 +124,13 @@
 //!   new history past a paused node's offset is caught, not resumed into.
 //! - The consumer sees a gap in a publisher's sequence numbers. After a
 //!   re-subscription, a publisher the node has not heard from yet whose
-//!   first event is not its first counts as a gap too.
+//!   first event is not its first counts as a gap too. So does a publisher
+//!   the node has not heard from (one per request, a command-line tool)
+//!   whose first message says its previous event was sent while the node
+//!   held every event of the cache: each message carries how long ago, on
+//!   the publisher's own clock, it sent its previous event, and the node
+//!   compares that with its own receive time, never with another machine's
+//!   clock, allowing its reorder window for the message's time in transit.
 //! - A publisher announces the last sequence number it used (see
 //!   [`PublisherBuilder::announce_interval`]), and the events up to it have
 //!   not arrived within the node's [reorder
@@ -137,7 +143,11 @@
 //!   after its last publish (three intervals, for the repeats that cover a
 //!   lost announcement), even if the `Publisher` itself is dropped, and the
 //!   transport delivers one of the three announcements; a node that is
-//!   re-subscribing after a transport error still resyncs on time. It holds
+//!   re-subscribing after a transport error still resyncs on time. A node
+//!   that never heard of the publisher (a one-shot publisher whose only
+//!   event was lost) resyncs at the first announcement it receives, if it
+//!   had been live for longer than its reorder window when that event was
+//!   sent. It holds
 //!   for every number announced: a newer announcement during a pending
 //!   check gets a full reorder window of its own. With announcements off
 //!   (`Duration::MAX`) there is no bound, and the loss is found at the
@@ -211,9 +221,9 @@
 //! ## Heartbeats and the cluster view
 //! Every node publishes a heartbeat every 2 s by default
 //! ([`NodeBuilder::heartbeat_interval`]; `Duration::MAX` turns them off): its
-//! id and start time, its position and readiness, and per cache its version,
-//! entries, resyncs, quarantine, last latency and the last event applied from
-//! each recent publisher. No key or value is in it.
+//! id and start time, its position and readiness, and per cache its version
+//! (and how long ago it rose, on its own clock), entries, resyncs,
+//! quarantine and last latency. No key or value is in it.
 //! - Heartbeats travel on the transport's heartbeat channel
 //!   ([`Transport::publish_heartbeat`](transport::Transport::publish_heartbeat)),
 //!   a resource apart from the change history: they never trim change
@@ -226,15 +236,27 @@
 //! - [`Node::cluster`] (and a [`Cluster`] watcher, for parties that are not
 //!   nodes) holds every live node's last heartbeat: a node is live until three
 //!   of its own intervals pass without one, then listed as gone for five
-//!   minutes. `GET /cache-sync/cluster` serves the [`ClusterView`] as JSON.
+//!   minutes. `GET /cache-sync/cluster` serves the [`ClusterView`] as JSON,
+//!   `GET /cache-sync/` as a page for people, a page at a time. A view is
+//!   bounded (10,000 nodes, 256 KiB each, 128 MiB in all: see [`Cluster`]);
+//!   a heartbeat past a bound is dropped and counted. How long a node has
+//!   been behind ([`NodeCacheView::behind_ms`]) is a lower bound timed on the
+//!   observer's own clock, from when heartbeats arrive and how long ago each
+//!   node says its version rose: a skewed clock on another machine changes
+//!   nothing.
 //! - [`Published::applied_by`] waits until every live node holding the cache
-//!   reports the publish applied, or a timeout, and says which did with their
-//!   latencies; [`Cluster::applied_version`] does the same for a version (an
-//!   outbox's). Nodes answer the request with a heartbeat as soon as they have
-//!   applied the event, so it completes about one transport round trip after
-//!   the slowest node applies, not a heartbeat interval later. Its set of
-//!   nodes is what the heartbeats tell, so a node that started a moment ago
-//!   may be missing from it.
+//!   answers that it applied the publish, or a timeout, and says which did,
+//!   how long after the publish each answer arrived, and why not all if not
+//!   ([`Acks::incomplete`]); [`Cluster::applied_version`] does the same for a
+//!   version (an outbox's). Each node answers as soon as it has applied the
+//!   event, with a message of a few dozen bytes that only the asking party
+//!   reads, so it completes about one transport round trip after the
+//!   slowest node applies. A node judges from the publisher's sequence
+//!   numbers it tracks (up to 100 000 publishers), so a publish stays
+//!   acknowledged however many publishers came after it. Its set of nodes
+//!   is what the heartbeats tell: a view that may not know every live node
+//!   (settling, not reading the channel, or full to its bounds) never calls
+//!   a publish complete.
 //!
 //! ## Probes
 //! `GET /livez` answers 200 while the node's consume task runs (also while
@@ -263,7 +285,7 @@
 //! | `redis` | `RedisStreamsTransport` (durable, replayable; recommended) and `RedisPubSubTransport` (lowest latency, lossy) |
 //! | `nats` | `NatsJetStreamTransport` (durable, replayable) |
 //! | `rocketmq` | `RocketMqTransport` (durable, replayable; broker-side tag filtering, per-cache order) |
-//! | `postgres` | not a transport: the transactional outbox on PostgreSQL 14+ (`Outbox`, `OutboxDictionary`, `OutboxRelay`, through `sqlx` 0.8): change events written in the caller's own transaction and published, in commit order per cache, once it commits, so a crash or a broker outage between commit and publish loses nothing |
+//! | `postgres` | not a transport: the transactional outbox on PostgreSQL 14+ (`Outbox`, `OutboxDictionary`, `OutboxRelay`, through `sqlx` 0.8): change events written in the caller's own transaction and published, in commit order per cache, once it commits, so a crash or a broker outage between commit and publish loses nothing; several relays may run, one publishes at a time, and nodes fence a relay replaced while it published, so its late events never land over its successor's |
 //!
 //! The crate builds on its declared `rust-version` (1.89) with every feature
 //! but `rocketmq`: the RocketMQ client 1.0 needs Rust 1.95.
@@ -299,7 +321,7 @@ pub use cache::{SyncedCache, SyncedCacheBuilder};
 #[doc(inline)]
 pub use cluster::{
     Acks, CacheHeartbeat, CacheSummary, Cluster, ClusterBuilder, ClusterView, GoneNode, Heartbeat,
-    NodeAck, NodeCacheView, NodeView,
+    Incomplete, NodeAck, NodeCacheView, NodeView,
 };
 #[doc(inline)]
 pub use error::{DecodeError, DecodeErrorKind, Error, Result};
@@ -313,7 +335,7 @@ pub use outbox::{
 #[doc(inline)]
 pub use publish::{DictionaryPublisher, Published, Publisher, PublisherBuilder};
 #[doc(inline)]
-pub use status::{AppliedEvent, CacheStatus, NodeStatus};
+pub use status::{CacheStatus, NodeStatus};
 #[doc(inline)]
 pub use table::Table;
 #[doc(inline)]

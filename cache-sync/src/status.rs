@@ -72,6 +72,12 @@ pub struct NodeStatus {
     /// Of those, refused: unsigned or forged on a verifying node,
     /// oversized, or unreadable. They change nothing.
     pub heartbeats_rejected: u64,
+    /// Heartbeats this node's cluster view took in but had no room for
+    /// (past its node cap or byte budget; see
+    /// [`Cluster`](crate::Cluster)): their nodes may be missing from the
+    /// view. Absent in JSON from nodes older than this field.
+    #[serde(default)]
+    pub heartbeats_dropped: u64,
     /// Each registered cache, by name.
     pub caches: Vec<CacheStatus>,
 }
@@ -154,26 +160,4 @@ pub struct CacheStatus {
     /// after a loss or a late registration (see
     /// [`NodeBuilder::reorder_window`](crate::NodeBuilder::reorder_window)).
     pub quarantined: bool,
-    /// The last event applied from each of the most recent publishers (up
-    /// to 16), newest first. An acknowledged publish
-    /// ([`Published::applied_by`](crate::Published::applied_by)) is done on a
-    /// node once the publisher's number here reaches its own: numbers run
-    /// per publisher and cache, and a node applies them in order or
-    /// resyncs the cache when one is missing.
-    pub recent: Vec<AppliedEvent>,
-}
-
-/// The last event a node applied to a cache from one publisher.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[non_exhaustive]
-pub struct AppliedEvent {
-    /// The publisher instance (random per [`Publisher`](crate::Publisher)).
-    pub publisher: u64,
-    /// Its sequence number for this cache.
-    pub seq: u64,
-    /// Microseconds since the Unix epoch when it was published, on the
-    /// publisher's clock.
-    pub published_at_us: u64,
-    /// Microseconds since the Unix epoch when this node applied it.
-    pub applied_at_us: u64,
 }

@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use super::Inner;
 use super::park::{Item, Op};
 use super::stats::LatencyHistogram;
-use crate::status::{AppliedEvent, CacheStatus};
+use crate::status::CacheStatus;
 use crate::util::{lock, now_us};
 use crate::wire::{ChangeView, Header, decode_part};
 
@@ -146,22 +146,6 @@ where
             s.latency.observe_us(latency_us);
             if s.version.load(Relaxed) > version_before {
                 s.version_at_us.store(now, Relaxed);
-            }
-            // The last event of each publisher's stretch in the run (a run
-            // is one cache's events, from any number of publishers; a later
-            // stretch of the same publisher overwrites with a higher
-            // number). A run from one publisher, the usual kind, records once.
-            let next = events.iter().skip(1).map(Some).chain([None]);
-            for (event, next) in events.iter().zip(next) {
-                if next.is_some_and(|n| n.header.publisher == event.header.publisher) {
-                    continue;
-                }
-                s.applied(AppliedEvent {
-                    publisher: event.header.publisher,
-                    seq: event.header.seq,
-                    published_at_us: event.header.published_at_us,
-                    applied_at_us: now,
-                });
             }
             // Last, and with Release (read with Acquire): a poller that sees
             // the new count also sees these events' time and latency.

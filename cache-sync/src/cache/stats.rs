@@ -1,13 +1,12 @@
 //! The cache's counters, and the status snapshot made of them.
 
 use std::hash::Hash;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::Acquire, Ordering::Relaxed};
 
 use prometheus_client::metrics::histogram::Histogram;
 
 use super::Inner;
-use crate::status::{AppliedEvent, CacheStatus};
+use crate::status::CacheStatus;
 use crate::util::lock;
 
 #[derive(Default)]
@@ -34,33 +33,7 @@ pub(super) struct Stats {
     pub(super) last_latency_us: AtomicU64,
     /// When `version` last rose (µs since the epoch); 0 while it never did.
     pub(super) version_at_us: AtomicU64,
-    /// The last event applied from each recent publisher, newest first.
-    pub(super) recent: Mutex<Vec<AppliedEvent>>,
     pub(super) latency: LatencyHistogram,
-}
-
-/// Publishers whose last applied event a cache remembers: enough for the
-/// admin services and relays writing one table, bounded against a stream
-/// of short-lived publishers.
-pub(crate) const RECENT_PUBLISHERS: usize = 16;
-
-impl Stats {
-    /// Records the last event of a run: one lock per run, not per event.
-    pub(super) fn applied(&self, event: AppliedEvent) {
-        let mut recent = lock(&self.recent);
-        match recent.iter().position(|e| e.publisher == event.publisher) {
-            Some(i) => {
-                recent[..=i].rotate_right(1);
-                recent[0] = event;
-            }
-            None => {
-                if recent.len() >= RECENT_PUBLISHERS {
-                    recent.pop();
-                }
-                recent.insert(0, event);
-            }
-        }
-    }
 }
 
 /// Publish-to-applied latency, for `GET /metrics`: one observation per run
@@ -173,7 +146,6 @@ where
             last_latency_us: (last > 0).then(|| s.last_latency_us.load(Relaxed)),
             version_at_us: (version_at > 0).then_some(version_at),
             quarantined: self.quarantined(),
-            recent: lock(&s.recent).clone(),
         }
     }
 }

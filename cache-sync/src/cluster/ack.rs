@@ -1,16 +1,24 @@
-//! Acknowledged publishes: wait until every live node that holds a cache
-//! reports, in its heartbeat, that it applied a publish.
+//! Acknowledged publishes: ask every node that holds a cache to say when it
+//! has applied a publish, and wait until every live one did.
+//!
+//! The request names the cache, the target (a publisher's sequence number,
+//! or a version) and this party; each node answers once, with a message of
+//! a few dozen bytes that only this party reads (see `message::Ack`), so
+//! an acknowledged publish costs the channel one request and one answer per
+//! node, and nobody decodes what is not theirs.
 
 use std::fmt;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use super::{Cluster, Heartbeat, Message, Request, Target};
-use crate::util::deadline_after;
+use super::{Ack, Cluster, Message, Request, Target};
+use crate::util::{HashMap, deadline_after, lock};
 
-/// Which nodes applied a publish, as their heartbeats report it.
+/// Which nodes applied a publish, as they answered.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct Acks {
@@ -23,11 +31,46 @@ pub struct Acks {
     /// until the timeout.
     #[serde(with = "micros")]
     pub elapsed: Duration,
-    /// Whether every live node holding the cache applied it, as far as a
-    /// view that could be trusted to know every live node tells: false
-    /// when the view was still settling or not reading the heartbeat
-    /// channel when the wait ended, or no node holds the cache.
-    pub complete: bool,
+    /// Why the wait cannot call the publish applied everywhere, if it
+    /// cannot: see [`Incomplete`]. `None`: every live node that holds the
+    /// cache applied it, as a view that could be trusted to know every live
+    /// node tells.
+    pub incomplete: Option<Incomplete>,
+}
+
+/// Why an acknowledged publish is not complete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum Incomplete {
+    /// Some live node holding the cache had not answered that it applied
+    /// the publish when the wait ended.
+    Pending,
+    /// No live node holds the cache.
+    NoNode,
+    /// The view started reading the heartbeat channel too recently to know
+    /// every live node: it needs 1.5 heartbeat intervals, or 500 ms after
+    /// its roll call, whichever comes first.
+    Settling,
+    /// The view is not reading the heartbeat channel (its subscription
+    /// broke, or the transport has none): any node may be missing from it.
+    NotListening,
+    /// The view is at its member cap or its byte budget, or lately had to
+    /// drop a node's heartbeat for lack of room: a live node holding the
+    /// cache may be missing from it, so its answer would not be waited for.
+    ViewFull,
+}
+
+impl fmt::Display for Incomplete {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Incomplete::Pending => "some nodes had not applied it",
+            Incomplete::NoNode => "no live node holds the cache",
+            Incomplete::Settling => "the cluster view may not know every node yet",
+            Incomplete::NotListening => "the cluster view is not reading the heartbeat channel",
+            Incomplete::ViewFull => "the cluster view is full and may be missing nodes",
+        })
+    }
 }
 
 /// One node in [`Acks`].
@@ -36,12 +79,12 @@ pub struct Acks {
 pub struct NodeAck {
     /// The node's id.
     pub node_id: String,
-    /// Whether it reported the publish applied.
+    /// Whether it answered that it applied the publish.
     pub applied: bool,
-    /// Publish-to-applied time on that node, across clocks (includes their
-    /// skew). When the node reported a later event of the same publisher
-    /// instead, the time is that event's: an upper bound. `None` if not
-    /// applied, or applied by version (through an outbox).
+    /// From the publish (or, for [`Cluster::applied_version`], the start of
+    /// the wait) until its answer arrived here, on this party's clock: an
+    /// upper bound on the node's publish-to-applied time, with no clock
+    /// skew in it. `None` if not applied.
     #[serde(with = "micros_opt")]
     pub latency: Option<Duration>,
 }
@@ -53,14 +96,14 @@ impl Acks {
             cache: String::new(),
             nodes: Vec::new(),
             elapsed: Duration::ZERO,
-            complete: true,
+            incomplete: None,
         }
     }
 
     /// Whether every live node that holds the cache applied it: see
-    /// [`complete`](Self::complete).
+    /// [`incomplete`](Self::incomplete).
     pub fn is_complete(&self) -> bool {
-        self.complete
+        self.incomplete.is_none()
     }
 
     /// How many nodes applied it.
@@ -77,7 +120,8 @@ impl Acks {
     }
 }
 
-/// `applied on 12/12 nodes in 3 ms`.
+/// `applied on 12/12 nodes in 3 ms`, and why not complete when it is not:
+/// `applied on 2/3 nodes in 5000 ms (incomplete: some nodes had not applied it)`.
 impl fmt::Display for Acks {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
@@ -86,71 +130,170 @@ impl fmt::Display for Acks {
             self.applied(),
             self.nodes.len(),
             self.elapsed.as_millis()
-        )
+        )?;
+        match self.incomplete {
+            Some(why) => write!(f, " (incomplete: {why})"),
+            None => Ok(()),
+        }
     }
 }
 
-/// What a node must report for the wait to count it.
+/// What a node must have applied, and since when the wait counts.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Goal {
     pub(crate) target: Target,
-    /// When the publish was sent, for latencies (publisher's clock).
-    pub(crate) published_at_us: Option<u64>,
+    /// When the publish went out, on this party's clock; latencies count
+    /// from it (from the start of the wait when `None`).
+    pub(crate) since: Option<Instant>,
 }
 
-impl Goal {
-    /// Whether `h` reports the goal met for `cache`, and the latency.
-    fn met(&self, h: &Heartbeat, cache: &str) -> Option<(bool, Option<Duration>)> {
-        let c = h.caches.iter().find(|c| c.name == cache)?;
-        Some(match self.target {
-            Target::Seq { publisher, seq } => {
-                match c.recent.iter().find(|e| e.publisher == publisher) {
-                    Some(e) if e.seq >= seq => {
-                        let from = self.published_at_us.unwrap_or(e.published_at_us);
-                        let us = e.applied_at_us.saturating_sub(from);
-                        (true, Some(Duration::from_micros(us)))
-                    }
-                    _ => (false, None),
-                }
+/// Answers a node gives to one request, at most this many kept: more live
+/// nodes than a view keeps members cannot be waited for anyway.
+const MAX_ANSWERS: usize = super::MAX_MEMBERS;
+/// A node id longer than this in an answer is no node a view keeps.
+const MAX_NODE_ID_BYTES: usize = 4096;
+
+/// The requests a party waits on, and the answers in: by request id, each
+/// answering node with when its answer arrived. An entry lives while its
+/// wait does (`Registered` takes it out).
+#[derive(Default)]
+pub(crate) struct Waiters {
+    requests: Mutex<HashMap<u64, HashMap<String, Instant>>>,
+}
+
+impl Waiters {
+    /// Takes an answer in: for each request of this party it names that is
+    /// still waited on, the node counts from now. Whether anything changed.
+    pub(crate) fn answered(&self, ack: &Ack) -> bool {
+        if ack.node_id.len() > MAX_NODE_ID_BYTES {
+            return false;
+        }
+        let now = Instant::now();
+        let mut requests = lock(&self.requests);
+        let mut changed = false;
+        for id in &ack.ids {
+            if let Some(answers) = requests.get_mut(id)
+                && answers.len() < MAX_ANSWERS
+                && !answers.contains_key(&ack.node_id)
+            {
+                answers.insert(ack.node_id.clone(), now);
+                changed = true;
             }
-            Target::Version(v) => (c.version.is_some_and(|have| have >= v), None),
-        })
+        }
+        changed
+    }
+
+    fn register(&self) -> Registered<'_> {
+        let mut requests = lock(&self.requests);
+        // Random, so another party's answers never match by chance, and
+        // a forger cannot guess which requests are out.
+        let mut id = RandomState::new().hash_one(Instant::now());
+        while id == 0 || requests.contains_key(&id) {
+            id = id.wrapping_add(1);
+        }
+        requests.insert(id, HashMap::default());
+        Registered { waiters: self, id }
+    }
+
+    fn answers(&self, id: u64) -> HashMap<String, Instant> {
+        lock(&self.requests).get(&id).cloned().unwrap_or_default()
     }
 }
 
-/// Asks the nodes to report, then waits until every live node holding
-/// `cache` reports the goal met, or `timeout`.
+/// A request waited on; its answers go with it.
+struct Registered<'a> {
+    waiters: &'a Waiters,
+    id: u64,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        lock(&self.waiters.requests).remove(&self.id);
+    }
+}
+
+/// Asks the nodes that hold `cache` to answer once they have applied the
+/// goal, then waits until every live one did, or `timeout`.
 pub(crate) async fn wait(cluster: &Cluster, cache: &str, goal: Goal, timeout: Duration) -> Acks {
     let started = Instant::now();
+    let since = goal.since.unwrap_or(started);
     let deadline = deadline_after(timeout);
     let mut updates = cluster.updates();
+    let waiters = cluster.waiters();
+    let registered = waiters.register();
     let within_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-    cluster
-        .send(&Message::Request(Request {
-            topic: cluster.topic().to_owned(),
-            cache: Some(cache.to_owned()),
-            target: Some(goal.target),
-            within_ms,
-        }))
-        .await;
+    let request = Message::Request(Request {
+        topic: cluster.topic().to_owned(),
+        cache: Some(cache.to_owned()),
+        target: Some(goal.target),
+        within_ms,
+        asker: cluster.asker(),
+        id: registered.id,
+    });
+    cluster.send(&request).await;
+    // The channel may lose the request (a lossy transport, a node that was
+    // subscribing as it went out), and a node may join during the wait:
+    // sent again after 100 ms, then at doubling gaps up to one heartbeat
+    // interval. Nodes answer every copy, so a lost answer is made good too.
+    let mut resend_gap = RESEND_FIRST;
+    let mut resend_at = started.checked_add(resend_gap).unwrap_or(started);
     loop {
-        // A young view, or one not reading the channel, may not know every
-        // node: it is not trusted to be complete until it settles.
-        let now = Instant::now();
-        let known = cluster.settled_at().is_some_and(|at| now >= at);
-        let mut acks = tally(cluster, cache, goal, started);
-        acks.complete = known && !acks.nodes.is_empty() && acks.nodes.iter().all(|n| n.applied);
-        if acks.complete || now >= deadline {
-            return acks;
+        if Instant::now() >= resend_at {
+            cluster.send(&request).await;
+            resend_gap = resend_gap
+                .saturating_mul(2)
+                .min(cluster.interval().max(RESEND_FIRST));
+            resend_at = Instant::now().checked_add(resend_gap).unwrap_or(resend_at);
         }
-        // Woken by every heartbeat taken in, and at least every few
-        // milliseconds besides: a node's own view (without heartbeats, or
-        // while it settles) changes with no heartbeat arriving.
-        let wake = now.checked_add(RECHECK).unwrap_or(now).min(deadline);
+        let now = Instant::now();
+        let answers = waiters.answers(registered.id);
+        let mut nodes: Vec<NodeAck> = cluster
+            .holders(cache)
+            .into_iter()
+            .map(|node_id| {
+                let at = answers.get(&node_id);
+                NodeAck {
+                    applied: at.is_some(),
+                    latency: at.map(|at| at.saturating_duration_since(since)),
+                    node_id,
+                }
+            })
+            .collect();
+        nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+        // Whether the view may be missing a live node, first: then no
+        // tally of the nodes it knows can be complete.
+        let incomplete = match cluster.settled_at() {
+            None => Some(Incomplete::NotListening),
+            Some(_) if cluster.overflowing() => Some(Incomplete::ViewFull),
+            Some(at) if now < at => Some(Incomplete::Settling),
+            Some(_) if nodes.is_empty() => Some(Incomplete::NoNode),
+            Some(_) if nodes.iter().any(|n| !n.applied) => Some(Incomplete::Pending),
+            Some(_) => None,
+        };
+        if incomplete.is_none() || now >= deadline {
+            return Acks {
+                cache: cache.to_owned(),
+                nodes,
+                elapsed: started.elapsed(),
+                incomplete,
+            };
+        }
+        // Woken by every heartbeat and answer taken in, and at least every
+        // few milliseconds besides: a view settles with nothing arriving.
+        let wake = now
+            .checked_add(RECHECK)
+            .unwrap_or(now)
+            .min(deadline)
+            .min(resend_at);
         tokio::select! {
             changed = updates.changed() => {
                 if changed.is_err() {
-                    return acks;
+                    return Acks {
+                        cache: cache.to_owned(),
+                        nodes,
+                        elapsed: started.elapsed(),
+                        incomplete,
+                    };
                 }
             }
             () = tokio::time::sleep_until(wake) => {}
@@ -160,27 +303,8 @@ pub(crate) async fn wait(cluster: &Cluster, cache: &str, goal: Goal, timeout: Du
 
 /// How often a wait looks again without a heartbeat to wake it.
 const RECHECK: Duration = Duration::from_millis(10);
-
-fn tally(cluster: &Cluster, cache: &str, goal: Goal, started: Instant) -> Acks {
-    let mut nodes: Vec<NodeAck> = cluster
-        .nodes()
-        .iter()
-        .filter_map(|h| {
-            goal.met(h, cache).map(|(applied, latency)| NodeAck {
-                node_id: h.node_id.clone(),
-                applied,
-                latency,
-            })
-        })
-        .collect();
-    nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
-    Acks {
-        cache: cache.to_owned(),
-        nodes,
-        elapsed: started.elapsed(),
-        complete: false,
-    }
-}
+/// When a wait first sends its request again, if still incomplete.
+const RESEND_FIRST: Duration = Duration::from_millis(100);
 
 impl Cluster {
     /// Waits until every live node that holds `cache` reports its version
@@ -197,7 +321,7 @@ impl Cluster {
     pub async fn applied_version(&self, cache: &str, version: u64, timeout: Duration) -> Acks {
         let goal = Goal {
             target: Target::Version(version),
-            published_at_us: None,
+            since: None,
         };
         wait(self, cache, goal, timeout).await
     }

@@ -1,7 +1,9 @@
 //! What goes over the heartbeat channel, and how it is sealed and opened.
 //!
 //! A message is JSON behind the heartbeat format byte, signed like an event
-//! when the sender has a keyring. JSON rather than bincode: a heartbeat is
+//! when the sender has a keyring. An answer to an acknowledgement request
+//! ([`Ack`]) is JSON too, behind its own format byte and the id of the party
+//! that asked, so that every other party skips it unread. JSON rather than bincode: a heartbeat is
 //! small and rare (one per node per interval), and a self-describing format
 //! lets nodes of different versions share a channel during a rolling
 //! upgrade (unknown fields are ignored, missing new ones take defaults).
@@ -13,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use super::Heartbeat;
 use crate::error::{DecodeError, DecodeErrorKind, Result};
-use crate::wire::Codec;
+use crate::wire::{Channel, Codec};
 
 /// One message on the heartbeat channel.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -26,9 +28,10 @@ pub(crate) enum Message {
     Request(Request),
 }
 
-/// Asks every node that holds `cache` (every node, for a roll call) to
-/// send a heartbeat now, and another once it has applied `target`, for up
-/// to `within_ms`.
+/// A roll call (no cache: every node sends a heartbeat now), or an
+/// acknowledgement request: every node that holds `cache` answers the
+/// party `asker` with an [`Ack`] naming `id` once it has applied `target`,
+/// waiting for up to `within_ms`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Request {
     /// The topic whose nodes are asked: signed, so a request replayed into
@@ -42,6 +45,32 @@ pub(crate) struct Request {
     /// most a minute).
     #[serde(default)]
     pub(crate) within_ms: u64,
+    /// The asking party (random per `Cluster`), which answers name.
+    #[serde(default)]
+    pub(crate) asker: u64,
+    /// The request, among the asker's (random).
+    #[serde(default)]
+    pub(crate) id: u64,
+}
+
+/// A node's answer to acknowledgement requests of one asker: it has
+/// applied what each request in `ids` named. A few dozen bytes; only the
+/// asker reads it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Ack {
+    /// The topic: signed, as in a request.
+    pub(crate) topic: String,
+    /// The node that applied.
+    pub(crate) node_id: String,
+    /// The requests it answers.
+    pub(crate) ids: Vec<u64>,
+}
+
+/// What a payload on the heartbeat channel held.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Opened {
+    Message(Message),
+    Ack { asker: u64, ack: Ack },
 }
 
 /// What a node must have applied to a cache.
@@ -67,6 +96,8 @@ impl Request {
             cache: None,
             target: None,
             within_ms: 0,
+            asker: 0,
+            id: 0,
         }
     }
 }
@@ -77,12 +108,23 @@ pub(crate) fn seal(codec: &Codec, message: &Message) -> Result<Vec<u8>> {
     codec.seal_heartbeat(&json)
 }
 
+pub(crate) fn seal_ack(codec: &Codec, asker: u64, ack: &Ack) -> Result<Vec<u8>> {
+    let json = serde_json::to_vec(ack)
+        .map_err(|e| crate::Error::Config(format!("acknowledgement: {e}")))?;
+    codec.seal_ack(asker, &json)
+}
+
 /// Authenticates (when verifying), checks the size, then parses.
-pub(crate) fn open(codec: &Codec, payload: &[u8]) -> Result<Message, DecodeError> {
-    let json = codec.open_heartbeat(payload)?;
-    serde_json::from_slice(json).map_err(|e| {
-        DecodeError::new(DecodeErrorKind::Malformed(format!(
-            "heartbeat message: {e}"
-        )))
-    })
+pub(crate) fn open(codec: &Codec, payload: &[u8]) -> Result<Opened, DecodeError> {
+    let malformed = |what: &str, e: serde_json::Error| {
+        DecodeError::new(DecodeErrorKind::Malformed(format!("{what}: {e}")))
+    };
+    match codec.open_channel(payload)? {
+        Channel::Message(json) => serde_json::from_slice(json)
+            .map(Opened::Message)
+            .map_err(|e| malformed("heartbeat message", e)),
+        Channel::Ack { asker, message } => serde_json::from_slice(message)
+            .map(|ack| Opened::Ack { asker, ack })
+            .map_err(|e| malformed("acknowledgement", e)),
+    }
 }

@@ -19,20 +19,26 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::error::{Error, Result};
-use crate::status::AppliedEvent;
 use crate::transport::{DEFAULT_TOPIC, Position, Transport};
-use crate::util::{HashMap, check_duration, lock, now_us};
+use crate::util::{check_duration, lock, now_us};
 use crate::wire::{Codec, DEFAULT_MAX_EVENT_BYTES, Keyring};
+use message::Opened;
 
 mod ack;
+mod members;
 mod message;
+#[cfg(test)]
+mod tests;
 mod view;
 
-pub use ack::{Acks, NodeAck};
+pub use ack::{Acks, Incomplete, NodeAck};
 pub(crate) use ack::{Goal, wait};
-pub(crate) use message::{Message, Request, Target};
+pub(crate) use message::{Ack, Message, Request, Target};
 #[cfg(any(test, feature = "_fuzz"))]
-pub(crate) use message::{open as open_message, seal as seal_message};
+pub(crate) use message::{
+    Opened as OpenedMessage, open as open_message, seal as seal_message,
+    seal_ack as seal_ack_message,
+};
 pub use view::{CacheSummary, ClusterView, GoneNode, NodeCacheView, NodeView};
 
 /// How often a node sends its heartbeat unless told otherwise.
@@ -50,8 +56,23 @@ const ROLL_CALL_GRACE: Duration = Duration::from_millis(500);
 /// How long a gone node is still listed as gone (not as live).
 const GONE_KEPT: Duration = Duration::from_secs(300);
 /// Bounds the members a view keeps, against a flood of made-up node ids
-/// on a bus whose heartbeats are not signed.
+/// on a bus whose heartbeats are not signed (and the nodes gone lately
+/// listed, likewise).
 const MAX_MEMBERS: usize = 10_000;
+/// Bounds what one member's summary may take, in bytes as the view
+/// accounts them (its cache names counted in full): room for a node of
+/// about 1,300 caches. A heartbeat
+/// may be 1 MiB of JSON; kept whole, it took about 2 MB.
+const MAX_MEMBER_BYTES: usize = 256 << 10;
+/// Bounds what the whole view takes, in bytes as accounted: members,
+/// cache names with their indexes, nodes gone lately (given up first).
+/// Room for the 10,000 members of the cap at 13 KiB each: a node of one
+/// cache is accounted about 0.7 KiB, of 10 caches 2.2 KiB, of 100 caches
+/// 18 KiB (`benches/cluster_view.rs` measured 0.6, 1.8 and 14 KiB).
+const MAX_TOTAL_BYTES: usize = 128 << 20;
+/// The longest a heartbeat's `version_age_ms` is believed: it comes off
+/// the wire. Besides, never longer than the sender's own uptime.
+const MAX_VERSION_AGE: Duration = Duration::from_secs(24 * 3600);
 
 /// One node's heartbeat: who it is, how far it got, and what its caches
 /// hold. No key or value appears in it.
@@ -97,9 +118,18 @@ pub struct CacheHeartbeat {
     /// [`CacheStatus::version`](crate::CacheStatus::version)).
     pub version: Option<u64>,
     /// Microseconds since the Unix epoch when `version` last rose, on the
-    /// node's clock.
+    /// node's clock. For display: another machine's clock may be off, so
+    /// no party compares it with its own.
     #[serde(default)]
     pub version_at_us: Option<u64>,
+    /// How long ago `version` last rose, in milliseconds, on the node's own
+    /// clock: a duration, so it means the same to a party whose clock is
+    /// off. Whoever receives it learns that the version has been known for
+    /// at least that long (believed up to the node's own uptime, and a
+    /// day), which times another node's lag even for a party that just
+    /// started. Absent from older nodes.
+    #[serde(default)]
+    pub version_age_ms: Option<u64>,
     /// Entries held (approximate).
     pub entries: u64,
     /// Times the cache was invalidated because a change may have been missed.
@@ -109,9 +139,6 @@ pub struct CacheHeartbeat {
     /// Publish-to-applied time of the last event, in microseconds.
     #[serde(default)]
     pub last_latency_us: Option<u64>,
-    /// The last event applied from each recent publisher, newest first.
-    #[serde(default)]
-    pub recent: Vec<AppliedEvent>,
 }
 
 /// The cluster as one party on the bus sees it: every node's last
@@ -120,6 +147,18 @@ pub struct CacheHeartbeat {
 ///
 /// Cheap to clone; clones share the view. A watcher stops when
 /// [`shutdown`](Self::shutdown) is called or its last clone is dropped.
+///
+/// # Bounds
+/// A view keeps a summary of each live node's last heartbeat (what
+/// [`nodes`](Self::nodes) and [`view`](Self::view) return: a heartbeat
+/// that lists a cache twice keeps the first), and holds at most 10,000
+/// nodes, 256 KiB per node and 128 MiB in all, as it accounts bytes (an
+/// estimate of its heap, over rather than under). A heartbeat that does
+/// not fit is dropped: counted in `heartbeats_dropped`
+/// ([`NodeStatus`](crate::NodeStatus), `/metrics`), logged at warn at most
+/// once per interval, and an acknowledged publish does not call itself
+/// complete while the view may be missing a node for it. Taking a
+/// heartbeat in costs `O(c log n)` for c caches and n nodes.
 #[derive(Clone)]
 pub struct Cluster {
     inner: Arc<Inner>,
@@ -137,6 +176,11 @@ impl fmt::Debug for Cluster {
 /// Builds the heartbeat of the node that owns a view, fresh at each call.
 pub(crate) type LocalHeartbeat = Box<dyn Fn() -> Option<Heartbeat> + Send + Sync>;
 
+/// Hands an acknowledgement request this view sends to the node that owns
+/// it, which answers its own requests directly: the channel need not echo
+/// what a party sends.
+pub(crate) type LocalRequest = Box<dyn Fn(Request) + Send + Sync>;
+
 pub(crate) struct Inner {
     pub(crate) observer: String,
     pub(crate) topic: String,
@@ -150,15 +194,19 @@ pub(crate) struct Inner {
     /// Since when the heartbeat channel has been read without a break,
     /// and whether a roll call went out then; `None` while it is not read.
     listening: Mutex<Option<(Instant, bool)>>,
-    members: Mutex<HashMap<String, Member>>,
-    /// Per (node, cache): when this view first saw it behind, for
-    /// `NodeCacheView::behind_ms`.
-    behind: Mutex<HashMap<(String, String), u64>>,
-    gone: Mutex<HashMap<String, u64>>,
+    /// The members, their indexes, the nodes gone lately: one lock.
+    members: Mutex<members::Members>,
     /// Bumped at every heartbeat taken in, so waiters can re-check.
     updates: watch::Sender<u64>,
     /// The owning node's own heartbeat, built when asked.
     local: Option<LocalHeartbeat>,
+    /// The owning node's intake of this view's own acknowledgement requests.
+    local_request: Option<LocalRequest>,
+    /// Names this party in its acknowledgement requests; answers for any
+    /// other party are skipped unread (random per view).
+    asker: u64,
+    /// This party's acknowledgement requests waiting for answers.
+    waiters: ack::Waiters,
     /// A watcher's task, stopped with the view.
     task: Mutex<Option<(watch::Sender<bool>, JoinHandle<()>)>>,
     pub(crate) stats: ClusterStats,
@@ -177,25 +225,10 @@ impl Drop for Inner {
 pub(crate) struct ClusterStats {
     pub(crate) received: AtomicU64,
     pub(crate) rejected: AtomicU64,
+    /// Heartbeats the view had no room for.
+    pub(crate) dropped: AtomicU64,
     pub(crate) sent: AtomicU64,
     pub(crate) send_failures: AtomicU64,
-}
-
-struct Member {
-    heartbeat: Heartbeat,
-    seen: Instant,
-    seen_at_us: u64,
-}
-
-impl Member {
-    /// Gone after three of its own intervals without a heartbeat.
-    fn live(&self, now: Instant) -> bool {
-        // The sender's own interval, within the range a node can be given:
-        // a forged `u64::MAX` must not make an entry immortal.
-        let interval =
-            Duration::from_millis(self.heartbeat.interval_ms.max(1)).min(crate::util::MAX_TIMEOUT);
-        now.saturating_duration_since(self.seen) <= interval.saturating_mul(MISSED_INTERVALS)
-    }
 }
 
 /// Configures a [`Cluster`] watcher.
@@ -270,6 +303,7 @@ impl ClusterBuilder {
             Codec::new(self.max_bytes, self.keyring),
             self.interval,
             None,
+            None,
         );
         let (stop, stopped) = watch::channel(false);
         let task = tokio::spawn(watch_loop(
@@ -313,7 +347,11 @@ impl Cluster {
         codec: Codec,
         interval: Duration,
         local: Option<LocalHeartbeat>,
+        local_request: Option<LocalRequest>,
     ) -> Self {
+        use std::hash::{BuildHasher, RandomState};
+        // Never 0, which requests from older parties carry.
+        let asker = RandomState::new().hash_one(&observer) | 1;
         Cluster {
             inner: Arc::new(Inner {
                 observer,
@@ -323,10 +361,11 @@ impl Cluster {
                 interval,
                 listening: Mutex::new(None),
                 members: Mutex::default(),
-                behind: Mutex::default(),
-                gone: Mutex::default(),
                 updates: watch::Sender::new(0),
                 local,
+                local_request,
+                asker,
+                waiters: ack::Waiters::default(),
                 task: Mutex::new(None),
                 stats: ClusterStats::default(),
             }),
@@ -345,12 +384,20 @@ impl Cluster {
 
     /// Every live node's last heartbeat, by node id. The node that owns
     /// this view (if any) is always in it, with its heartbeat as of now.
+    /// Others' are as the view keeps them: a cache listed twice appears
+    /// once (the first), and `version_age_ms` is not kept.
     pub fn nodes(&self) -> Vec<Heartbeat> {
-        let mut nodes: Vec<Heartbeat> = self
-            .members_now()
-            .into_iter()
-            .map(|(heartbeat, _, _)| heartbeat)
-            .collect();
+        let own = self.own();
+        let mut nodes: Vec<Heartbeat> = {
+            let members = self.members(Instant::now());
+            let own_id = own.as_ref().map(|o| o.node_id.as_str());
+            members
+                .iter()
+                .filter(|m| Some(m.id.as_ref()) != own_id)
+                .map(|m| m.to_heartbeat(&self.inner.topic))
+                .collect()
+        };
+        nodes.extend(own);
         nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
         nodes
     }
@@ -359,126 +406,153 @@ impl Cluster {
     /// version any node reports, the nodes gone lately, and per cache the
     /// newest version and who is behind it.
     pub fn view(&self) -> ClusterView {
-        // Members first: it moves those that just expired to `gone`.
-        let members = self.members_now();
-        let gone = lock(&self.inner.gone)
-            .iter()
-            .map(|(id, at)| (id.clone(), *at))
-            .collect();
-        let mut behind = lock(&self.inner.behind);
+        let own = self.own();
+        let now = Instant::now();
+        let at_us = now_us();
+        let mut members = self.members(now);
+        let own = own.map(|h| {
+            members.learn(&h, now);
+            members::Member::detached(h, now, at_us)
+        });
         view::build(
             &self.inner.observer,
             &self.inner.topic,
-            members,
-            gone,
-            &mut behind,
+            &members,
+            own.as_ref(),
+            now,
+            at_us,
         )
     }
 
-    /// Live members, each with when it was seen (µs since the epoch, and
-    /// how long ago); moves those gone for three intervals to `gone`.
-    fn members_now(&self) -> Vec<(Heartbeat, u64, Duration)> {
-        let now = Instant::now();
-        let now_us = now_us();
-        let own = self.inner.local.as_ref().and_then(|f| f());
-        let mut out = Vec::new();
-        {
-            let mut members = lock(&self.inner.members);
-            let mut gone = lock(&self.inner.gone);
-            members.retain(|id, m| {
-                if m.live(now) {
-                    return true;
-                }
-                tracing::info!(observer = %self.inner.observer, node = %id,
-                    "node gone: no heartbeat for three of its intervals");
-                gone.insert(id.clone(), m.seen_at_us);
-                false
-            });
-            let keep_us = u64::try_from(GONE_KEPT.as_micros()).unwrap_or(u64::MAX);
-            gone.retain(|id, at| {
-                now_us.saturating_sub(*at) <= keep_us && !members.contains_key(id)
-            });
-            for m in members.values() {
-                if own
-                    .as_ref()
-                    .is_some_and(|o| o.node_id == m.heartbeat.node_id)
-                {
-                    continue;
-                }
-                out.push((
-                    m.heartbeat.clone(),
-                    m.seen_at_us,
-                    now.saturating_duration_since(m.seen),
-                ));
-            }
+    /// The owning node's heartbeat, fresh (built before the members are
+    /// locked: it reads the node's caches).
+    fn own(&self) -> Option<Heartbeat> {
+        self.inner.local.as_ref().and_then(|f| f())
+    }
+
+    /// The members, those expired moved to the nodes gone.
+    fn members(&self, now: Instant) -> std::sync::MutexGuard<'_, members::Members> {
+        let mut members = lock(&self.inner.members);
+        for id in members.expire(now) {
+            tracing::info!(observer = %self.inner.observer, node = %id,
+                "node gone: no heartbeat for three of its intervals");
         }
-        if let Some(own) = own {
-            out.push((own, now_us, Duration::ZERO));
-        }
-        out
+        members
     }
 
     /// Takes a heartbeat in. The newest per node wins: one that was sent
-    /// before the node's last (a redelivery, a reordering) is dropped.
+    /// before the node's last (a redelivery, a reordering) is dropped, and
+    /// so is one the view has no room for (counted, and logged at most
+    /// once per interval). The owning node's echo is kept like any
+    /// other, for how long its versions have been known (its entry is
+    /// built fresh when asked), but takes no room under the member cap.
     pub(crate) fn observe(&self, heartbeat: Heartbeat) {
-        {
-            let mut members = lock(&self.inner.members);
-            // The newest per node wins, by its own clock; but an entry that
-            // has expired here is replaced whatever its stamps say, so a
-            // heartbeat stamped far in the future cannot shadow the node.
-            if let Some(m) = members.get(&heartbeat.node_id)
-                && m.live(Instant::now())
-                && (m.heartbeat.started_at_us, m.heartbeat.sent_at_us)
-                    > (heartbeat.started_at_us, heartbeat.sent_at_us)
-            {
-                return;
+        let now = Instant::now();
+        let interval_ms = heartbeat.interval_ms;
+        let stored = {
+            let mut members = self.members(now);
+            match members.observe(heartbeat, now, now_us(), self.owner()) {
+                members::Intake::Stored => true,
+                members::Intake::Stale => false,
+                members::Intake::Dropped(why, node) => {
+                    self.inner.stats.dropped.fetch_add(1, Relaxed);
+                    // At most one line per interval (and per second), for
+                    // however many are dropped meanwhile.
+                    let every = self.inner.interval.max(Duration::from_secs(1));
+                    if let Some(dropped) = members.note_drop(now, interval_ms, every) {
+                        tracing::warn!(observer = %self.inner.observer, node = %node,
+                            reason = why.reason(), dropped, members = members.len(),
+                            bytes = members.bytes(),
+                            "cluster view: heartbeats dropped for lack of room (an acknowledged publish may miss their nodes)");
+                    }
+                    false
+                }
             }
-            if members.len() >= MAX_MEMBERS && !members.contains_key(&heartbeat.node_id) {
-                tracing::warn!(observer = %self.inner.observer, node = %heartbeat.node_id,
-                    "cluster view full; heartbeat of a new node dropped");
-                return;
-            }
-            members.insert(
-                heartbeat.node_id.clone(),
-                Member {
-                    heartbeat,
-                    seen: Instant::now(),
-                    seen_at_us: now_us(),
-                },
-            );
-            let own = self.inner.local.as_ref().and_then(|f| f());
-            let all = members
-                .values()
-                .map(|m| &m.heartbeat)
-                .filter(|h| own.as_ref().is_none_or(|o| o.node_id != h.node_id))
-                .chain(own.as_ref());
-            view::track_behind(all, &mut lock(&self.inner.behind), now_us());
+        };
+        if stored {
+            self.inner.updates.send_modify(|n| *n = n.wrapping_add(1));
         }
-        self.inner.updates.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Whether the view may be missing a live node for lack of room: it is
+    /// at its member cap, has less room left than one node may take, or
+    /// dropped a heartbeat for lack of room within the last three
+    /// intervals of that heartbeat's sender (clamped as liveness is). An
+    /// acknowledged publish is not complete while this holds.
+    pub(crate) fn overflowing(&self) -> bool {
+        let now = Instant::now();
+        self.members(now).overflowing(now, self.owner())
+    }
+
+    /// The owning node's id, if a node owns this view: its observer.
+    fn owner(&self) -> Option<&str> {
+        self.inner
+            .local
+            .as_ref()
+            .map(|_| self.inner.observer.as_str())
+    }
+
+    /// The live nodes whose last heartbeat lists `cache`, by id, this
+    /// party's own node included if it holds it; from the cache's index,
+    /// `O(h log h)` for h holders.
+    pub(crate) fn holders(&self, cache: &str) -> Vec<String> {
+        let own = self.own();
+        let own_id = own.as_ref().map(|o| o.node_id.as_str());
+        let mut ids: Vec<String> = self
+            .members(Instant::now())
+            .index(cache)
+            .map(|i| {
+                i.holders()
+                    .filter(|id| Some(id.as_ref()) != own_id)
+                    .map(|id| id.to_string())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if let Some(o) = own
+            && o.caches.iter().any(|c| c.name == cache)
+        {
+            ids.push(o.node_id);
+        }
+        ids.sort();
+        ids
     }
 
     /// Reads one message off the heartbeat channel: a heartbeat is taken
-    /// in, a request is handed back. Refused ones (unsigned or forged on a
+    /// in, an answer to one of this party's acknowledgement requests too, a
+    /// request is handed back. Answers for other parties are skipped on
+    /// their first bytes, unread. Refused ones (unsigned or forged on a
     /// verifying party, oversized, unreadable) are counted and dropped.
     pub(crate) fn receive(&self, payload: &Bytes) -> Option<Request> {
         let stats = &self.inner.stats;
         stats.received.fetch_add(1, Relaxed);
+        if Codec::ack_for(payload).is_some_and(|asker| asker != self.inner.asker) {
+            // Not ours: nothing to verify or parse, and nothing changes.
+            return None;
+        }
         match message::open(&self.inner.codec, payload) {
             // Another topic's, replayed here (one keyring may sign several
             // topics): not this cluster's.
-            Ok(Message::Heartbeat(h)) if h.topic != self.inner.topic => {
+            Ok(Opened::Message(Message::Heartbeat(h))) if h.topic != self.inner.topic => {
                 stats.rejected.fetch_add(1, Relaxed);
                 None
             }
-            Ok(Message::Request(r)) if r.topic != self.inner.topic => {
+            Ok(Opened::Message(Message::Request(r))) if r.topic != self.inner.topic => {
                 stats.rejected.fetch_add(1, Relaxed);
                 None
             }
-            Ok(Message::Heartbeat(h)) => {
+            Ok(Opened::Ack { ack, .. }) if ack.topic != self.inner.topic => {
+                stats.rejected.fetch_add(1, Relaxed);
+                None
+            }
+            Ok(Opened::Message(Message::Heartbeat(h))) => {
                 self.observe(h);
                 None
             }
-            Ok(Message::Request(r)) => Some(r),
+            Ok(Opened::Message(Message::Request(r))) => Some(r),
+            Ok(Opened::Ack { ack, .. }) => {
+                self.answered(&ack);
+                None
+            }
             Err(e) => {
                 stats.rejected.fetch_add(1, Relaxed);
                 tracing::debug!(observer = %self.inner.observer, error = %e,
@@ -488,10 +562,57 @@ impl Cluster {
         }
     }
 
+    /// Names this party in its acknowledgement requests.
+    pub(crate) fn asker(&self) -> u64 {
+        self.inner.asker
+    }
+
+    pub(crate) fn waiters(&self) -> &ack::Waiters {
+        &self.inner.waiters
+    }
+
+    /// Takes in a node's answer to this party's acknowledgement requests,
+    /// waking the waits.
+    pub(crate) fn answered(&self, ack: &Ack) {
+        if self.inner.waiters.answered(ack) {
+            self.inner.updates.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// Publishes an answer for the party `asker`; best effort, as `send`.
+    pub(crate) async fn send_ack(&self, asker: u64, ack: &Ack) {
+        let stats = &self.inner.stats;
+        let sent = match message::seal_ack(&self.inner.codec, asker, ack) {
+            Ok(payload) => {
+                self.inner
+                    .transport
+                    .publish_heartbeat(&self.inner.topic, Bytes::from(payload))
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        match sent {
+            Ok(()) => {
+                stats.sent.fetch_add(1, Relaxed);
+            }
+            Err(e) => {
+                stats.send_failures.fetch_add(1, Relaxed);
+                tracing::debug!(observer = %self.inner.observer, error = %e,
+                    "heartbeat channel: could not send an acknowledgement");
+            }
+        }
+    }
+
     /// Publishes a message on the heartbeat channel; a failure is counted
     /// and logged, never returned: heartbeats are best effort.
     pub(crate) async fn send(&self, message: &Message) -> bool {
         let stats = &self.inner.stats;
+        // The owning node answers its own view's requests directly.
+        if let (Message::Request(r), Some(local)) = (message, &self.inner.local_request)
+            && r.target.is_some()
+        {
+            local(r.clone());
+        }
         let sent = match message::seal(&self.inner.codec, message) {
             Ok(payload) => self
                 .inner
@@ -525,6 +646,11 @@ impl Cluster {
     /// A receiver that changes at every heartbeat taken in.
     pub(crate) fn updates(&self) -> watch::Receiver<u64> {
         self.inner.updates.subscribe()
+    }
+
+    /// The heartbeat interval this party expects of nodes.
+    pub(crate) fn interval(&self) -> Duration {
+        self.inner.interval
     }
 
     /// The heartbeat channel is read from now on; `roll_call` says whether

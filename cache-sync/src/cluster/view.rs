@@ -2,13 +2,16 @@
 //! CLI): live nodes, their lag behind the newest version, the nodes gone.
 
 use std::collections::BTreeMap;
+use std::mem::size_of;
+use std::ops::Bound;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
 
-use super::Heartbeat;
+use super::members::{CacheIndex, Member, Members};
 use crate::transport::Position;
-use crate::util::{HashMap, now_us};
+use crate::util::HashMap;
 
 /// The whole cluster, as one observer sees it. No key or value appears.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,10 +72,15 @@ pub struct NodeCacheView {
     /// How many versions it is behind the newest any live node reports for
     /// this cache (0 when level; `None` while no version is known).
     pub lag: Option<u64>,
-    /// How long it has been behind, in milliseconds: since the observer
-    /// first saw it behind, or since the first node now above its version
-    /// reached the version it holds (on that node's clock), whichever is
-    /// earlier. A lower bound: it may have been behind before either.
+    /// How long it has been behind, in milliseconds: a lower bound, as long
+    /// as a version above the one it holds has been known. Measured on the
+    /// observer's own clock, never by comparing two machines' clocks: from
+    /// when the observer received a heartbeat reporting such a version,
+    /// or earlier by the age that heartbeat gave for it (how long ago the
+    /// version rose on the node that reported it, a duration on that
+    /// node's own clock, at most its uptime and a day), and never longer
+    /// than this node has been up. 0 when level; `None` while no node
+    /// reports a version.
     pub behind_ms: Option<u64>,
     /// Entries held (approximate).
     pub entries: u64,
@@ -140,178 +148,280 @@ impl ClusterView {
     }
 }
 
-/// Per cache: the newest version, and when the first node reached it.
-#[derive(Default)]
-struct Newest {
-    version: Option<u64>,
-    at_us: Option<u64>,
+/// How long each version of one cache has been known, on this party's own
+/// clock: a staircase of (version, since when a version at least this high
+/// has been known), the later the higher. A step another makes useless (a
+/// version as high, known as long) is dropped; past `MAX_STEPS`, two
+/// neighbours are merged (see [`learn`](Self::learn)).
+///
+/// Two lower bounds feed it, neither comparing one machine's clock with
+/// another's: the instant this party received a heartbeat reporting a
+/// version, and that instant less the age the heartbeat gave for it
+/// (`version_age_ms`: how long ago the version rose on that node, a
+/// duration on the node's own clock). A node at version `u` lacks every
+/// version above `u`, so it has been behind for at least as long as the
+/// first step above `u` has been known.
+#[derive(Debug, Default)]
+pub(super) struct Staircase {
+    steps: BTreeMap<u64, Step>,
 }
 
-/// Notes, per (node, cache), when it was first seen behind the newest
-/// version any member reports, and forgets those level again: run at
-/// every heartbeat taken in, so a listening observer times a lag from when
-/// it began, not from when someone first looked.
-pub(super) fn track_behind<'a>(
-    members: impl Iterator<Item = &'a Heartbeat> + Clone,
-    behind: &mut HashMap<(String, String), u64>,
-    now_us: u64,
-) {
-    let mut newest: BTreeMap<&str, u64> = BTreeMap::new();
-    for h in members.clone() {
-        for c in &h.caches {
-            if let Some(v) = c.version {
-                let n = newest.entry(c.name.as_str()).or_insert(v);
-                *n = (*n).max(v);
+#[derive(Debug, Clone, Copy)]
+struct Step {
+    /// Since when a version at least this step's has been known.
+    since: Instant,
+    /// The earliest `since` of the steps merged into this one: how early
+    /// the true answer for the versions it now covers may be.
+    floor: Instant,
+}
+
+impl Staircase {
+    /// Steps kept per cache. Merging keeps the relative error of any
+    /// answer small where it matters: versions rising every second while
+    /// a node is stuck for an hour (3,600 steps) come down to 64 spaced
+    /// about geometrically, each answer within about a tenth of the truth,
+    /// and always under it.
+    pub(super) const MAX_STEPS: usize = 64;
+    /// What a full staircase is accounted: a B-tree entry per step, its
+    /// nodes down to half full.
+    pub(super) const BYTES: usize = 2 * Self::MAX_STEPS * size_of::<(u64, Step)>();
+
+    /// Learns that `version` has been known since `since`. `O(log s)`,
+    /// `O(s)` (s at most `MAX_STEPS`) when a merge is due.
+    pub(super) fn learn(&mut self, version: u64, since: Instant, now: Instant) {
+        // The first step at or above `version` is the earliest known of
+        // those: if it is no later, this tells nothing new.
+        if let Some((_, s)) = self.steps.range(version..).next()
+            && s.since <= since
+        {
+            return;
+        }
+        // The steps at or below `version` known no earlier go.
+        let mut floor = since;
+        while let Some((&v, s)) = self.steps.range(..=version).next_back() {
+            if s.since < since {
+                break;
             }
+            floor = floor.min(s.floor);
+            self.steps.remove(&v);
+        }
+        self.steps.insert(version, Step { since, floor });
+        if self.steps.len() > Self::MAX_STEPS {
+            self.merge_one(now);
         }
     }
-    let mut still: Vec<(&str, &str)> = Vec::new();
-    for h in members {
-        for c in &h.caches {
-            let Some(&best) = newest.get(c.name.as_str()) else {
+
+    /// The earliest instant at which a version above `version` was known.
+    pub(super) fn behind_since(&self, version: u64) -> Option<Instant> {
+        self.steps
+            .range((Bound::Excluded(version), Bound::Unbounded))
+            .next()
+            .map(|(_, s)| s.since)
+    }
+
+    /// Drops what no holder can ask: steps below `lowest` (a node at `v`
+    /// asks for the first step above `v`), and steps above `newest`, a
+    /// version no live node holds any more (say a forged one, or one from
+    /// a history replaced since), which must not stand for those below
+    /// it. The newest is then known since `now` at least, unless a step
+    /// for it survived.
+    pub(super) fn keep_between(&mut self, lowest: u64, newest: u64, now: Instant) {
+        if self
+            .steps
+            .last_key_value()
+            .is_some_and(|(v, _)| *v > newest)
+        {
+            if let Some(above) = newest.checked_add(1) {
+                drop(self.steps.split_off(&above));
+            }
+            if self.steps.range(newest..).next().is_none() {
+                self.steps.insert(
+                    newest,
+                    Step {
+                        since: now,
+                        floor: now,
+                    },
+                );
+            }
+        }
+        if self
+            .steps
+            .first_key_value()
+            .is_some_and(|(v, _)| *v < lowest)
+        {
+            self.steps = self.steps.split_off(&lowest);
+        }
+    }
+
+    pub(super) fn clear(&mut self) {
+        self.steps.clear();
+    }
+
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.steps.len()
+    }
+
+    /// Merges the step whose merge into the next (above it) costs the
+    /// least relative error: its versions then answer with the next
+    /// step's `since`, later than the truth by at most
+    /// `next.since - floor`, out of `now - floor` behind. The last step is
+    /// never merged away.
+    fn merge_one(&mut self, now: Instant) {
+        let steps: Vec<(u64, Step)> = self.steps.iter().map(|(v, s)| (*v, *s)).collect();
+        let mut best: Option<(u64, u64, f64)> = None;
+        for pair in steps.windows(2) {
+            let [(v, cur), (next_v, next)] = pair else {
                 continue;
             };
-            if c.version.unwrap_or(0) < best {
-                still.push((h.node_id.as_str(), c.name.as_str()));
-                behind
-                    .entry((h.node_id.clone(), c.name.clone()))
-                    .or_insert(now_us);
+            let off = next
+                .since
+                .saturating_duration_since(cur.floor)
+                .as_secs_f64();
+            let behind = now.saturating_duration_since(cur.floor).as_secs_f64();
+            let error = if behind > 0.0 {
+                off / behind
+            } else {
+                f64::INFINITY
+            };
+            if best.is_none_or(|(_, _, e)| error < e) {
+                best = Some((*v, *next_v, error));
             }
         }
+        let Some((v, next_v, _)) = best else {
+            return;
+        };
+        if let Some(merged) = self.steps.remove(&v)
+            && let Some(next) = self.steps.get_mut(&next_v)
+        {
+            next.floor = next.floor.min(merged.floor);
+        }
     }
-    behind.retain(|(node, cache), _| still.contains(&(node.as_str(), cache.as_str())));
 }
 
-/// Builds the view. `behind` remembers, per (node, cache), when this
-/// observer first saw it behind; it is updated here.
+/// Builds the view from the members (expired ones gone already) and the
+/// owning node's own heartbeat, fresh (it replaces the node's entry among
+/// the members, an echo of an earlier one). `O(n·c·log)`: per node and
+/// cache, one look-up in the cache's index and one in its staircase.
 pub(super) fn build(
     observer: &str,
     topic: &str,
-    members: Vec<(Heartbeat, u64, Duration)>,
-    gone: Vec<(String, u64)>,
-    behind: &mut HashMap<(String, String), u64>,
+    members: &Members,
+    own: Option<&Member>,
+    now: Instant,
+    at_us: u64,
 ) -> ClusterView {
-    let at_us = now_us();
-    let mut still_behind: Vec<(String, String)> = Vec::new();
-    let mut newest: BTreeMap<&str, Newest> = BTreeMap::new();
-    for (h, _, _) in &members {
-        for c in &h.caches {
-            let n = newest.entry(c.name.as_str()).or_default();
-            match (c.version, n.version) {
-                (Some(v), Some(best)) if v < best => {}
-                (Some(v), Some(best)) if v == best => {
-                    n.at_us = min_some(n.at_us, c.version_at_us);
-                }
-                (Some(v), _) => {
-                    n.version = Some(v);
-                    n.at_us = c.version_at_us;
-                }
-                (None, _) => {}
-            }
-        }
-    }
-    let mut summaries: BTreeMap<&str, CacheSummary> = BTreeMap::new();
-    let mut nodes: Vec<NodeView> = members
+    let own_id = own.map(|o| o.id.as_ref());
+    let mut list: Vec<(&Member, Duration)> = members
         .iter()
-        .map(|(h, _, age)| {
-            let caches: Vec<NodeCacheView> = h
-                .caches
-                .iter()
-                .map(|c| {
-                    let best = newest.get(c.name.as_str());
-                    let lag = best
-                        .and_then(|b| b.version)
-                        .map(|b| b.saturating_sub(c.version.unwrap_or(0)));
-                    // How long behind: the longer of two lower bounds, this
-                    // observer's own sighting and the earliest time a node
-                    // now above this one's version reached its version (on
-                    // that node's clock). The first alone misses a node
-                    // that was behind before the observer started; the
-                    // second alone, a node stuck while newer versions keep
-                    // coming.
-                    let behind_ms = match lag {
-                        Some(l) if l > 0 => {
-                            let key = (h.node_id.clone(), c.name.clone());
-                            let seen = *behind.entry(key.clone()).or_insert(at_us);
-                            still_behind.push(key);
-                            let above = members
-                                .iter()
-                                .filter_map(|(o, _, _)| {
-                                    o.caches.iter().find(|oc| oc.name == c.name)
-                                })
-                                .filter(|oc| oc.version > c.version)
-                                .filter_map(|oc| oc.version_at_us)
-                                .min();
-                            let since = above.map_or(seen, |a| a.min(seen));
-                            Some(at_us.saturating_sub(since) / 1000)
-                        }
-                        Some(_) => Some(0),
-                        None => None,
-                    };
-                    let s = summaries
-                        .entry(c.name.as_str())
-                        .or_insert_with(|| CacheSummary {
-                            name: c.name.clone(),
-                            newest_version: best.and_then(|b| b.version),
-                            nodes: 0,
-                            behind: 0,
-                        });
-                    s.nodes = s.nodes.saturating_add(1);
-                    if lag.unwrap_or(0) > 0 {
-                        s.behind = s.behind.saturating_add(1);
-                    }
-                    NodeCacheView {
-                        name: c.name.clone(),
-                        version: c.version,
-                        lag,
-                        behind_ms,
-                        entries: c.entries,
-                        loss_resyncs: c.loss_resyncs,
-                        quarantined: c.quarantined,
-                        last_latency_us: c.last_latency_us,
-                    }
-                })
-                .collect();
-            let lagging = !h.ready || caches.iter().any(|c| c.lag.unwrap_or(0) > 0);
-            NodeView {
-                node_id: h.node_id.clone(),
-                transport: h.transport.clone(),
-                started_at_us: h.started_at_us,
-                age_ms: u64::try_from(age.as_millis()).unwrap_or(u64::MAX),
-                interval_ms: h.interval_ms,
-                consuming: h.consuming,
-                ready: h.ready,
-                position: h.position.clone(),
-                losses: h.losses,
-                lagging,
-                caches,
-            }
-        })
+        .filter(|m| Some(m.id.as_ref()) != own_id)
+        .map(|m| (m, now.saturating_duration_since(m.seen)))
+        .chain(own.map(|o| (o, Duration::ZERO)))
         .collect();
-    nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
-    // Forget sightings of caches level again, and of nodes gone.
-    behind.retain(|key, _| still_behind.contains(key));
-    let mut gone: Vec<GoneNode> = gone
-        .into_iter()
-        .map(|(node_id, last_seen_at_us)| GoneNode {
-            node_id,
-            last_seen_at_us,
+    list.sort_by(|a, b| a.0.id.cmp(&b.0.id));
+    // The owning node's versions are fresher than its echo in the index.
+    let own_versions: HashMap<&str, u64> = own
+        .map(|o| {
+            o.caches
+                .iter()
+                .filter_map(|c| Some((c.name.as_ref(), c.version?)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut summaries: HashMap<&str, CacheSummary> = HashMap::default();
+    let mut nodes = Vec::with_capacity(list.len());
+    for (m, age) in &list {
+        // A node cannot have been behind for longer than it has run: its
+        // uptime at its heartbeat (its own clock against itself), plus
+        // the time since (this party's).
+        let uptime = Duration::from_micros(m.sent_at_us.saturating_sub(m.started_at_us))
+            .saturating_add(*age);
+        let mut lagging = !m.ready;
+        let caches: Vec<NodeCacheView> = m
+            .caches
+            .iter()
+            .map(|c| {
+                let index = members.index(&c.name);
+                let newest = max_some(
+                    index.and_then(CacheIndex::newest),
+                    own_versions.get(c.name.as_ref()).copied(),
+                );
+                let have = c.version.unwrap_or(0);
+                let lag = newest.map(|n| n.saturating_sub(have));
+                let behind_ms = match lag {
+                    Some(l) if l > 0 => {
+                        let since = index.and_then(|i| i.staircase.behind_since(have));
+                        let behind = since
+                            .map_or(Duration::ZERO, |s| now.saturating_duration_since(s))
+                            .min(uptime);
+                        Some(u64::try_from(behind.as_millis()).unwrap_or(u64::MAX))
+                    }
+                    Some(_) => Some(0),
+                    None => None,
+                };
+                let behind = lag.unwrap_or(0) > 0;
+                lagging |= behind;
+                let s = summaries
+                    .entry(c.name.as_ref())
+                    .or_insert_with(|| CacheSummary {
+                        name: c.name.to_string(),
+                        newest_version: newest,
+                        nodes: 0,
+                        behind: 0,
+                    });
+                s.nodes = s.nodes.saturating_add(1);
+                if behind {
+                    s.behind = s.behind.saturating_add(1);
+                }
+                NodeCacheView {
+                    name: c.name.to_string(),
+                    version: c.version,
+                    lag,
+                    behind_ms,
+                    entries: c.entries,
+                    loss_resyncs: c.loss_resyncs,
+                    quarantined: c.quarantined,
+                    last_latency_us: c.last_latency_us,
+                }
+            })
+            .collect();
+        nodes.push(NodeView {
+            node_id: m.id.to_string(),
+            transport: m.transport.to_string(),
+            started_at_us: m.started_at_us,
+            age_ms: u64::try_from(age.as_millis()).unwrap_or(u64::MAX),
+            interval_ms: m.interval_ms,
+            consuming: m.consuming,
+            ready: m.ready,
+            position: m.position(),
+            losses: m.losses,
+            lagging,
+            caches,
+        });
+    }
+    let mut gone: Vec<GoneNode> = members
+        .gone()
+        .map(|(id, at)| GoneNode {
+            node_id: id.to_owned(),
+            last_seen_at_us: at,
         })
         .collect();
     gone.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+    let mut caches: Vec<CacheSummary> = summaries.into_values().collect();
+    caches.sort_by(|a, b| a.name.cmp(&b.name));
     ClusterView {
         observer: observer.to_owned(),
         topic: topic.to_owned(),
         at_us,
         nodes,
         gone,
-        caches: summaries.into_values().collect(),
+        caches,
     }
 }
 
-fn min_some(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+fn max_some(a: Option<u64>, b: Option<u64>) -> Option<u64> {
     match (a, b) {
-        (Some(a), Some(b)) => Some(a.min(b)),
+        (Some(a), Some(b)) => Some(a.max(b)),
         (a, b) => a.or(b),
     }
 }

@@ -11,8 +11,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::{Notify, watch};
 
+use super::acks::AckQueue;
 use super::consume::{Subscribed, consume_loop};
-use super::heartbeat::heartbeat_loop;
+use super::heartbeat::{heartbeat_loop, take};
 use super::maintenance::maintenance_loop;
 use super::{Config, Handle, MIN_BACKOFF, NEXT_NODE_TOKEN, Node, NodeStats, OffsetStore, Shared};
 use crate::cache::{CacheHandle, SyncedCache};
@@ -298,12 +299,19 @@ impl NodeBuilder {
                     let weak = weak.clone();
                     Box::new(move || weak.upgrade().map(|s| s.heartbeat()))
                 }),
+                Some({
+                    let weak = weak.clone();
+                    Box::new(move |request| {
+                        if let Some(shared) = weak.upgrade() {
+                            let _ = take(&shared, request);
+                        }
+                    })
+                }),
             ),
             started_at_us: now_us(),
             alive: AtomicBool::new(false),
             caught_up: AtomicBool::new(false),
-            acks_wanted: AtomicBool::new(false),
-            acks: Notify::new(),
+            ack_queue: AckQueue::default(),
             id: self.id,
             topic: self.topic,
             transport: self.transport,

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::{Relaxed, SeqCst};
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -89,6 +89,11 @@ pub(super) async fn consume_loop(
                         () = check_due(seqs.next_deadline()) => {
                             expire_checks(&shared, &mut seqs).await;
                         }
+                        // What the node applied before the outage is still
+                        // applied: a request it meets is answered now.
+                        () = shared.ack_queue.requested.notified() => {
+                            shared.ack_queue.check(&seqs, &shared);
+                        }
                     }
                 }
             }
@@ -112,6 +117,9 @@ pub(super) async fn consume_loop(
                     subscribed = &mut subscribing => break subscribed,
                     () = check_due(seqs.next_deadline()) => {
                         expire_checks(&shared, &mut seqs).await;
+                    }
+                    () = shared.ack_queue.requested.notified() => {
+                        shared.ack_queue.check(&seqs, &shared);
                     }
                 }
             };
@@ -160,6 +168,12 @@ pub(super) async fn consume_loop(
                 expire_checks(&shared, &mut seqs).await;
                 continue;
             }
+            // An acknowledgement request: answered now if met, else after
+            // the batch that meets it.
+            () = shared.ack_queue.requested.notified() => {
+                shared.ack_queue.check(&seqs, &shared);
+                continue;
+            }
             // Until the start replay is done: a fetch that waits this long
             // found the end of what the transport holds.
             // In an async block: a disabled branch's expression is still
@@ -178,11 +192,13 @@ pub(super) async fn consume_loop(
                 if !caught_up && records.len() < cfg.max_batch {
                     caught_up = true;
                     shared.caught_up.store(true, Relaxed);
+                    // From the next batch on: this one is the replay's end.
+                    seqs.live_since = Some(tokio::time::Instant::now());
                 }
                 apply_records(&shared, &mut seqs, records).await;
                 shared.applied.notify_one();
-                if shared.acks_wanted.load(SeqCst) {
-                    shared.acks.notify_one();
+                if shared.ack_queue.any_pending() {
+                    shared.ack_queue.check(&seqs, &shared);
                 }
                 fetched
                     .get_or_insert_with(Position::default)

@@ -1,9 +1,9 @@
 //! The heartbeat task: sends this node's heartbeat every interval, takes the
-//! other nodes' in, and answers requests for an early one (a watcher that
-//! starts, an acknowledged publish waiting for this node).
+//! other nodes' in, answers roll calls with an early heartbeat, takes
+//! acknowledgement requests in (the consume task decides when they are met,
+//! see `acks.rs`) and sends their answers.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,25 +12,20 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 
 use super::Shared;
-use crate::cluster::{Message, Request, Target, next_backoff};
-use crate::status::CacheStatus;
+use crate::cluster::{Ack, Message, Request, next_backoff};
 use crate::transport::HeartbeatSubscription;
 use crate::util::deadline_after;
 
-/// The longest a node keeps a request it cannot answer yet.
-const MAX_REQUEST_WAIT: Duration = Duration::from_secs(60);
-/// Requests kept at once; past that the oldest goes (its asker times out).
-const MAX_PENDING: usize = 1024;
-/// The least time between two heartbeats sent early: a flood of requests
+/// The least time between two heartbeats sent early: a flood of roll calls
 /// (forged ones, on a bus that does not sign) cannot make a node flood the
 /// channel in turn.
 const MIN_EARLY_GAP: Duration = Duration::from_millis(5);
-
-struct Pending {
-    cache: String,
-    target: Target,
-    until: Instant,
-}
+/// The least time between two rounds of answers to acknowledgement
+/// requests: a round carries every answer ready by then, one message per
+/// asker, so a flood of requests costs the channel at most a round per
+/// millisecond per node, while a single acknowledged publish is answered
+/// at once.
+const MIN_ACK_GAP: Duration = Duration::from_millis(1);
 
 pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     let every = shared.config.heartbeat_interval;
@@ -45,7 +40,9 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
     // node without waiting an interval.
     let mut tick = std::pin::pin!(sleep_until(Instant::now()));
     let mut last_sent: Option<Instant> = None;
-    let mut pending: Vec<Pending> = Vec::new();
+    let mut last_answered: Option<Instant> = None;
+    // Answers are ready, to go out once the gap since the last round passed.
+    let mut answers_due = false;
     let mut stopped = std::pin::pin!(async move {
         let _ = stop.wait_for(|s| *s).await;
     });
@@ -83,10 +80,9 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
             }
         }
         let mut early = false;
-        // Pending requests are checked again only after a batch was applied
-        // (or when one expires): a flood of messages costs no re-checks.
-        let mut recheck = false;
-        let first_due = pending.iter().map(|p| p.until).min();
+        let answer_at = last_answered
+            .and_then(|at| at.checked_add(MIN_ACK_GAP))
+            .unwrap_or_else(Instant::now);
         tokio::select! {
             () = &mut stopped => break,
             () = &mut tick => {
@@ -98,12 +94,23 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
                 continue;
             }
             () = sleep_until(retry_at), if sub.is_none() => continue,
-            () = shared.acks.notified(), if !pending.is_empty() => recheck = true,
-            () = sleep_until(first_due.unwrap_or(retry_at)), if first_due.is_some() => recheck = true,
+            () = shared.ack_queue.answered.notified(), if !answers_due => {
+                answers_due = true;
+                continue;
+            }
+            () = sleep_until(answer_at), if answers_due => {
+                answers_due = false;
+                last_answered = Some(Instant::now());
+                tokio::select! {
+                    () = &mut stopped => break,
+                    () = answer(&shared) => {}
+                }
+                continue;
+            }
             next = next_message(&mut sub) => match next {
                 Ok(payload) => {
                     if let Some(request) = cluster.receive(&payload) {
-                        early |= take(&shared, request, &mut pending);
+                        early |= take(&shared, request);
                     }
                 }
                 Err(e) => {
@@ -116,28 +123,8 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
                 }
             },
         }
-        let now = Instant::now();
-        if recheck {
-            // One status per cache, however many requests wait on it.
-            let mut statuses: Vec<(String, Option<CacheStatus>)> = Vec::new();
-            pending.retain(|p| {
-                if !statuses.iter().any(|(name, _)| *name == p.cache) {
-                    let status = shared.cache(&p.cache).map(|c| c.status());
-                    statuses.push((p.cache.clone(), status));
-                }
-                let status = statuses
-                    .iter()
-                    .find(|(name, _)| *name == p.cache)
-                    .and_then(|(_, s)| s.as_ref());
-                if status.is_some_and(|s| met(s, p.target)) {
-                    early = true;
-                    return false;
-                }
-                p.until > now
-            });
-        }
-        shared.acks_wanted.store(!pending.is_empty(), Relaxed);
         if early {
+            let now = Instant::now();
             match last_sent.and_then(|at| at.checked_add(MIN_EARLY_GAP)) {
                 Some(allowed) if allowed > now => {
                     // Sent a moment ago: the next tick comes at once after
@@ -152,6 +139,21 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
                 },
             }
         }
+    }
+}
+
+/// Sends the answers the consume task found met: one message per asker,
+/// naming its requests.
+async fn answer(shared: &Shared) {
+    let mut ready = shared.ack_queue.take_ready();
+    ready.sort_unstable();
+    for group in ready.chunk_by(|a, b| a.0 == b.0) {
+        let ack = Ack {
+            topic: shared.topic.clone(),
+            node_id: shared.id.clone(),
+            ids: group.iter().map(|(_, id)| *id).collect(),
+        };
+        shared.cluster.send_ack(group[0].0, &ack).await;
     }
 }
 
@@ -218,49 +220,19 @@ async fn send(shared: &Shared, last_sent: &mut Option<Instant>) {
 }
 
 /// Takes a request in: whether to answer with a heartbeat now (a roll
-/// call, or a target this node already met), keeping it if this node holds
-/// the cache and has not met its target yet. Not answering at once
-/// otherwise keeps the early-heartbeat gap free for the answer that
-/// matters: the asker knows of this node already (from its periodic
-/// heartbeats, or its answer to the roll call).
-fn take(shared: &Shared, request: Request, pending: &mut Vec<Pending>) -> bool {
-    let Some(cache_name) = request.cache else {
+/// call, or a request for a heartbeat from the nodes holding a cache this
+/// node holds). An acknowledgement request for a cache this node holds is
+/// handed to the consume task, which answers it once met.
+pub(super) fn take(shared: &Shared, request: Request) -> bool {
+    let Some(cache) = request.cache.clone() else {
         return true;
     };
-    let Some(cache) = shared.cache(&cache_name) else {
+    if shared.cache(&cache).is_none() {
         return false;
-    };
+    }
     let Some(target) = request.target else {
         return true;
     };
-    // Raised before the check: a batch applied between the check and the
-    // flag would otherwise not signal, and the answer wait an interval.
-    shared.acks_wanted.store(true, SeqCst);
-    if met(&cache.status(), target) {
-        return true;
-    }
-    {
-        if pending.len() >= MAX_PENDING {
-            pending.remove(0);
-        }
-        let wait = Duration::from_millis(request.within_ms).min(MAX_REQUEST_WAIT);
-        pending.push(Pending {
-            cache: cache_name,
-            target,
-            until: deadline_after(wait),
-        });
-        shared.acks_wanted.store(true, Relaxed);
-    }
+    shared.ack_queue.take(request, cache, target);
     false
-}
-
-/// Whether a cache with this status has applied `target`.
-fn met(status: &CacheStatus, target: Target) -> bool {
-    match target {
-        Target::Seq { publisher, seq } => status
-            .recent
-            .iter()
-            .any(|e| e.publisher == publisher && e.seq >= seq),
-        Target::Version(v) => status.version.is_some_and(|have| have >= v),
-    }
 }

@@ -16,8 +16,9 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
 use super::Node;
-use crate::cluster::ClusterView;
+use crate::cluster::{ClusterView, NodeView};
 use crate::status::{CacheStatus, NodeStatus};
+use crate::util::HashSet;
 
 /// Every family's name starts with this (and `_`).
 const PREFIX: &str = "cache_sync";
@@ -67,7 +68,19 @@ struct ClusterCollector {
 impl Collector for ClusterCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let view = &self.view;
-        ConstGauge::new(i64::try_from(view.nodes.len()).unwrap_or(i64::MAX)).encode(
+        // Each label set once, whatever the heartbeats said: the view lists
+        // each node once (its own entry replacing any echo or forgery of
+        // it) and each node's caches once (the first of a name), and the
+        // encoder escapes `\`, `"` and newlines one-to-one, so distinct ids
+        // stay distinct. These sets hold the line all the same.
+        let mut nodes: HashSet<&str> = HashSet::default();
+        let mut pairs: HashSet<(&str, &str)> = HashSet::default();
+        let view_nodes: Vec<&NodeView> = view
+            .nodes
+            .iter()
+            .filter(|n| nodes.insert(n.node_id.as_str()))
+            .collect();
+        ConstGauge::new(i64::try_from(view_nodes.len()).unwrap_or(i64::MAX)).encode(
             encoder.encode_descriptor(
                 "cluster_nodes",
                 "Live nodes in this node's cluster view (itself included).",
@@ -81,7 +94,7 @@ impl Collector for ClusterCollector {
             Some(&Unit::Seconds),
             MetricType::Gauge,
         )?;
-        for n in &view.nodes {
+        for n in &view_nodes {
             // Milliseconds to seconds; exact for any age below 2^53 ms.
             ConstGauge::new(n.age_ms as f64 / 1e3)
                 .encode(family.encode_family(&[("node", n.node_id.as_str())])?)?;
@@ -92,8 +105,11 @@ impl Collector for ClusterCollector {
             None,
             MetricType::Gauge,
         )?;
-        for n in &view.nodes {
+        for n in &view_nodes {
             for c in &n.caches {
+                if !pairs.insert((n.node_id.as_str(), c.name.as_str())) {
+                    continue;
+                }
                 if let Some(lag) = c.lag {
                     ConstGauge::new(i64::try_from(lag).unwrap_or(i64::MAX)).encode(
                         family.encode_family(&[
@@ -110,7 +126,7 @@ impl Collector for ClusterCollector {
             None,
             MetricType::Gauge,
         )?;
-        for n in &view.nodes {
+        for n in &view_nodes {
             ConstGauge::new(i64::from(n.ready))
                 .encode(family.encode_family(&[("node", n.node_id.as_str())])?)?;
         }
@@ -227,7 +243,7 @@ const CACHE_GAUGES: [CacheGauge; 4] = [
 /// A node-wide counter, as [`CacheCounter`].
 type NodeCounter = (&'static str, &'static str, fn(&NodeStatus) -> u64);
 
-const NODE_COUNTERS: [NodeCounter; 9] = [
+const NODE_COUNTERS: [NodeCounter; 10] = [
     (
         "node_events_received",
         "Records read from the transport.",
@@ -270,6 +286,11 @@ const NODE_COUNTERS: [NodeCounter; 9] = [
         "node_heartbeats_rejected",
         "Messages on the heartbeat channel refused (unsigned or forged on a verifying node, oversized, unreadable).",
         |n| n.heartbeats_rejected,
+    ),
+    (
+        "node_heartbeats_dropped",
+        "Heartbeats the cluster view had no room for (past its node cap or byte budget): their nodes may be missing from it.",
+        |n| n.heartbeats_dropped,
     ),
 ];
 
@@ -624,6 +645,70 @@ mod tests {
             let series = format!(r#"cache_sync_cache_events_applied_total{{cache="{escaped}"}}"#);
             assert_eq!(value(&s, &series), 1.0, "{name}");
         }
+    }
+
+    /// Whatever heartbeats say (a cache listed twice, node ids that differ
+    /// only in what the encoder escapes, one claiming to be this node),
+    /// each (name, labels) appears on one line, and the counter of
+    /// heartbeats dropped is there.
+    #[tokio::test]
+    async fn every_series_appears_once_whatever_the_heartbeats_say() {
+        use crate::cluster::{Message, seal_message};
+        let transport = EmbeddedTransport::new();
+        let a = cache("a");
+        let node = Node::builder("n1", transport.clone())
+            .register(&a)
+            .start()
+            .await
+            .unwrap();
+        eventually("subscribed", async || {
+            node.status().heartbeats_received >= 1
+        })
+        .await;
+        let template = node.cluster().nodes().remove(0);
+        let ids = ["dup", "x\"y", "x\\y", "x\ny", "x\\ny", "", "n1"];
+        let plain = crate::wire::Codec::new(1 << 20, None);
+        for id in ids {
+            let mut h = template.clone();
+            h.node_id = id.into();
+            let mut first = h.caches[0].clone();
+            first.version = Some(1);
+            let mut second = first.clone();
+            second.version = Some(2);
+            let mut b = first.clone();
+            b.name = "b".into();
+            h.caches = vec![first, second, b.clone(), b];
+            let payload = seal_message(&plain, &Message::Heartbeat(h)).unwrap();
+            transport
+                .publish_heartbeat(DEFAULT_TOPIC, Bytes::from(payload))
+                .await
+                .unwrap();
+        }
+        eventually("all seen", async || {
+            node.cluster().nodes().len() == ids.len()
+        })
+        .await;
+        let text = scrape(&node).await;
+        promtool_check(&text);
+        let mut seen = std::collections::HashSet::new();
+        for line in text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+        {
+            let (series, _) = line.rsplit_once(' ').unwrap();
+            assert!(seen.insert(series.to_owned()), "twice: {series}\n{text}");
+        }
+        let s = samples(&text);
+        assert_eq!(value(&s, "cache_sync_cluster_nodes"), ids.len() as f64);
+        for escaped in ["dup", r#"x\"y"#, r"x\\y", r"x\ny", r"x\\ny", ""] {
+            // The first "a" (version 1) was kept: 1 behind the 2 nobody
+            // holds any more is no lag at all.
+            let series =
+                format!(r#"cache_sync_cluster_cache_lag_versions{{node="{escaped}",cache="a"}}"#);
+            assert_eq!(value(&s, &series), 0.0, "{series}");
+        }
+        assert_eq!(value(&s, "cache_sync_node_heartbeats_dropped_total"), 0.0);
+        node.shutdown().await.unwrap();
     }
 
     #[test]

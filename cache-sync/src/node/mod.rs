@@ -24,6 +24,7 @@ use crate::transport::{
 use crate::util::{HashMap, lock, now_us};
 use crate::wire::{Codec, DEFAULT_MAX_EVENT_BYTES};
 
+mod acks;
 mod builder;
 mod consume;
 mod fences;
@@ -131,10 +132,10 @@ struct Shared {
     /// The start replay is done: the transport had no more to give at once
     /// (see `consume_loop`).
     caught_up: AtomicBool,
-    /// The heartbeat task waits for requests: the consumer signals `acks`
-    /// after each batch (one relaxed load per batch otherwise).
-    acks_wanted: AtomicBool,
-    acks: Notify,
+    /// Acknowledgement requests between the heartbeat task, which takes
+    /// them in and sends the answers, and the consume task, which decides
+    /// when each is met.
+    ack_queue: acks::AckQueue,
     started_at_us: u64,
     /// What this node sees of the cluster, its own heartbeat included.
     cluster: Cluster,
@@ -420,8 +421,10 @@ impl Node {
     /// `cache_sync_node_losses_total` labelled `reason` (every
     /// [`LossReason`] label, zeros included: [`NodeStatus::losses`] split by
     /// reason), `_heartbeats_sent_total`, `_heartbeats_received_total`,
-    /// `_heartbeats_rejected_total`; gauges `cache_sync_node_consuming`, 1
-    /// while [`is_consuming`](Self::is_consuming), else 0, and
+    /// `_heartbeats_rejected_total`, `_heartbeats_dropped_total` (taken in
+    /// but past the cluster view's bounds); gauges
+    /// `cache_sync_node_consuming`, 1 while
+    /// [`is_consuming`](Self::is_consuming), else 0, and
     /// `cache_sync_node_ready`, 1 while [`is_ready`](Self::is_ready). Per
     /// cache also the gauge `cache_sync_cache_quarantined` (0 or 1).
     ///
@@ -503,6 +506,7 @@ impl Shared {
             heartbeats_sent: s.cluster.stats().sent.load(Relaxed),
             heartbeats_received: s.cluster.stats().received.load(Relaxed),
             heartbeats_rejected: s.cluster.stats().rejected.load(Relaxed),
+            heartbeats_dropped: s.cluster.stats().dropped.load(Relaxed),
             caches,
         }
     }
@@ -514,11 +518,12 @@ impl Shared {
             && self.caught_up.load(Relaxed)
             && status.caches.iter().all(|c| !c.quarantined);
         let interval = self.config.heartbeat_interval;
+        let now = now_us();
         Heartbeat {
             node_id: status.node_id,
             topic: status.topic,
             started_at_us: self.started_at_us,
-            sent_at_us: now_us(),
+            sent_at_us: now,
             interval_ms: u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
             transport: status.transport,
             consuming: status.consuming,
@@ -532,11 +537,14 @@ impl Shared {
                     name: c.name,
                     version: c.version,
                     version_at_us: c.version_at_us,
+                    // A duration on this node's clock alone: what others
+                    // time lags by (they never read `version_at_us`
+                    // against their own clock).
+                    version_age_ms: c.version_at_us.map(|at| now.saturating_sub(at) / 1000),
                     entries: c.entries,
                     loss_resyncs: c.loss_resyncs,
                     quarantined: c.quarantined,
                     last_latency_us: c.last_latency_us,
-                    recent: c.recent,
                 })
                 .collect(),
         }

@@ -1,24 +1,47 @@
 //! The cluster page, `GET /cache-sync/`: the cluster view of
-//! `GET /cache-sync/cluster` as an HTML table for people, nodes by caches,
-//! with the nodes that lag or are not ready highlighted.
+//! `GET /cache-sync/cluster` as HTML for people, with the nodes that lag or
+//! are not ready highlighted (by class, and in words).
+//!
+//! Its size is bounded whatever the cluster: a table of the caches (newest
+//! version, holders, how many behind and for how long), 100 a page
+//! (`?caches=N`); then the nodes, lagging ones first, 50 a page
+//! (`?page=N`): with up to 20 caches, a column per cache; past that, each
+//! node lists its lagging caches, at most 10 ("and 4 more"). Every cell is
+//! found through a map, so a page costs `O(n·c)` for the whole view at
+//! most. The nodes gone lately are listed up to 50, the latest first.
 //!
 //! The template (`templates/cluster.html`) is compiled in by askama, which
 //! escapes everything it prints for HTML: node ids and cache names are
 //! whatever some node put in its heartbeat. Everything the template shows
 //! is worked out here, as text, so it holds no logic beyond ifs and loops.
 
+use std::cmp::Reverse;
+
 use askama::Template;
-use axum::extract::State;
+use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse, Response};
 
 use super::Node;
 use crate::cluster::{ClusterView, NodeCacheView, NodeView};
+use crate::util::HashMap;
 
 /// How often the page reloads itself, in seconds: a couple of heartbeat
 /// intervals at the default, without hammering a node that many people
 /// watch.
 const REFRESH_SECS: u32 = 2;
+/// Nodes per page of the node table (`?page=N`).
+const NODES_PER_PAGE: usize = 50;
+/// Up to this many caches, the node table has a column per cache; past
+/// it, each node lists only its lagging caches.
+const MAX_GRID_CACHES: usize = 20;
+/// Lagging caches listed per node past `MAX_GRID_CACHES`; the rest are
+/// counted ("and 4 more").
+const MAX_LISTED: usize = 10;
+/// Caches per page of the cache table (`?caches=N`).
+const CACHES_PER_PAGE: usize = 100;
+/// Gone nodes listed, the latest first; the rest are counted.
+const MAX_GONE_LISTED: usize = 50;
 
 #[derive(Template)]
 #[template(path = "cluster.html")]
@@ -29,12 +52,49 @@ struct ClusterPage<'a> {
     at: String,
     converged: bool,
     refresh_secs: u32,
+    live: usize,
+    lagging: usize,
+    /// Per cache, this page's share.
+    caches: Vec<Summary<'a>>,
+    cache_pages: Pager,
+    /// A column per cache (few caches), or a list of each node's lagging
+    /// caches.
+    grid: bool,
+    /// The columns, in grid mode.
     columns: Vec<Column<'a>>,
+    /// This page's nodes, the lagging first.
     rows: Vec<Row<'a>>,
+    node_pages: Pager,
     gone: Vec<Gone<'a>>,
+    gone_total: usize,
+    /// Gone nodes not listed.
+    gone_more: usize,
 }
 
-/// A cache: one column.
+/// Where a table's page sits among its pages, with links to its
+/// neighbours (query strings, the other table's page kept).
+struct Pager {
+    page: usize,
+    pages: usize,
+    /// 1-based, inclusive; `first > last` when there is nothing.
+    first: usize,
+    last: usize,
+    total: usize,
+    prev: Option<String>,
+    next: Option<String>,
+}
+
+/// A cache across the live nodes: one row of the cache table.
+struct Summary<'a> {
+    name: &'a str,
+    newest: String,
+    holders: usize,
+    behind: usize,
+    /// The longest any holder has been behind, or empty.
+    longest: String,
+}
+
+/// A cache: one column, in grid mode.
 struct Column<'a> {
     name: &'a str,
     newest: String,
@@ -55,8 +115,14 @@ struct Row<'a> {
     age: String,
     interval: String,
     losses: u64,
-    /// One per column, in the columns' order.
+    /// Caches it holds, and of those behind.
+    held: usize,
+    behind: usize,
+    /// Grid mode: one per column, in the columns' order. List mode: its
+    /// lagging caches, the longest behind first, at most `MAX_LISTED`.
     cells: Vec<Cell<'a>>,
+    /// List mode: lagging caches not listed.
+    more: usize,
 }
 
 /// A cache on a node.
@@ -79,8 +145,9 @@ struct Gone<'a> {
     ago: String,
 }
 
-pub(super) async fn cluster_page(State(node): State<Node>) -> Response {
-    match render(&node.cluster().view()) {
+pub(super) async fn cluster_page(State(node): State<Node>, RawQuery(query): RawQuery) -> Response {
+    let (page, cache_page) = pages(query.as_deref());
+    match render(&node.cluster().view(), page, cache_page) {
         Ok(html) => Html(html).into_response(),
         Err(e) => {
             // Only a formatting error can land here (askama checked the
@@ -95,51 +162,179 @@ pub(super) async fn cluster_page(State(node): State<Node>) -> Response {
     }
 }
 
-fn render(view: &ClusterView) -> askama::Result<String> {
-    let columns: Vec<Column<'_>> = view
-        .caches
-        .iter()
-        .map(|c| Column {
+/// The node page (`page`) and the cache page (`caches`) asked for, 1 for
+/// anything missing or unreadable (a page past the last shows the last).
+fn pages(query: Option<&str>) -> (usize, usize) {
+    let (mut page, mut caches) = (1, 1);
+    for pair in query.unwrap_or("").split('&') {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let n = value.parse::<usize>().unwrap_or(1).max(1);
+        match key {
+            "page" => page = n,
+            "caches" => caches = n,
+            _ => {}
+        }
+    }
+    (page, caches)
+}
+
+/// `items` cut into pages of `per`: the page asked for (clamped), its
+/// 1-based range, and the links either side.
+fn pager(total: usize, per: usize, asked: usize, link: impl Fn(usize) -> String) -> Pager {
+    let pages = total.div_ceil(per).max(1);
+    let page = asked.clamp(1, pages);
+    let skip = page.saturating_sub(1).saturating_mul(per);
+    Pager {
+        page,
+        pages,
+        first: skip.saturating_add(1),
+        last: skip.saturating_add(per).min(total),
+        total,
+        prev: (page > 1).then(|| link(page.saturating_sub(1))),
+        next: (page < pages).then(|| link(page.saturating_add(1))),
+    }
+}
+
+fn render(view: &ClusterView, page: usize, cache_page: usize) -> askama::Result<String> {
+    // Per cache, the longest any holder has been behind: one pass.
+    let mut longest: HashMap<&str, u64> = HashMap::default();
+    for n in &view.nodes {
+        for c in n.caches.iter().filter(|c| c.lag.unwrap_or(0) > 0) {
+            let l = longest.entry(c.name.as_str()).or_insert(0);
+            *l = (*l).max(c.behind_ms.unwrap_or(u64::MAX));
+        }
+    }
+    // Caches with nodes behind first, then by name.
+    let mut summaries: Vec<_> = view.caches.iter().collect();
+    summaries.sort_by_key(|c| (c.behind == 0, c.name.as_str()));
+    let node_pages = pager(view.nodes.len(), NODES_PER_PAGE, page, |p| {
+        format!("?page={p}&caches={cache_page}")
+    });
+    let cache_pages = pager(summaries.len(), CACHES_PER_PAGE, cache_page, |p| {
+        format!("?page={}&caches={p}", node_pages.page)
+    });
+    let caches = summaries
+        .into_iter()
+        .skip(cache_pages.first.saturating_sub(1))
+        .take(CACHES_PER_PAGE)
+        .map(|c| Summary {
             name: &c.name,
-            newest: c
-                .newest_version
-                .map_or_else(|| "unknown".to_owned(), |v| format!("v{v}")),
-            nodes: c.nodes,
+            newest: version(c.newest_version, "unknown"),
+            holders: c.nodes,
             behind: c.behind,
+            longest: longest
+                .get(c.name.as_str())
+                .map_or_else(String::new, |&ms| {
+                    if ms == u64::MAX {
+                        "an unknown time".to_owned()
+                    } else {
+                        human_ms(ms)
+                    }
+                }),
         })
         .collect();
-    let rows = view
-        .nodes
-        .iter()
-        .map(|n| row(n, &view.observer, &columns))
+    let grid = view.caches.len() <= MAX_GRID_CACHES;
+    let columns: Vec<Column<'_>> = if grid {
+        view.caches
+            .iter()
+            .map(|c| Column {
+                name: &c.name,
+                newest: version(c.newest_version, "unknown"),
+                nodes: c.nodes,
+                behind: c.behind,
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    // Lagging nodes first, then by id.
+    let mut nodes: Vec<&NodeView> = view.nodes.iter().collect();
+    nodes.sort_by_key(|n| (!n.lagging, n.node_id.as_str()));
+    let rows = nodes
+        .into_iter()
+        .skip(node_pages.first.saturating_sub(1))
+        .take(NODES_PER_PAGE)
+        .map(|n| row(n, &view.observer, grid.then_some(&columns[..])))
         .collect();
-    let gone = view
-        .gone
-        .iter()
+    let mut gone: Vec<_> = view.gone.iter().collect();
+    gone.sort_by_key(|g| (Reverse(g.last_seen_at_us), g.node_id.as_str()));
+    let gone_total = gone.len();
+    let gone = gone
+        .into_iter()
+        .take(MAX_GONE_LISTED)
         .map(|g| Gone {
             id: &g.node_id,
             ago: human_ms(view.at_us.saturating_sub(g.last_seen_at_us) / 1000),
         })
-        .collect();
+        .collect::<Vec<_>>();
     ClusterPage {
         observer: &view.observer,
         topic: &view.topic,
         at: time_of_day(view.at_us),
         converged: view.is_converged(),
         refresh_secs: REFRESH_SECS,
+        live: view.nodes.len(),
+        lagging: view.nodes.iter().filter(|n| n.lagging).count(),
+        caches,
+        cache_pages,
+        grid,
         columns,
         rows,
+        node_pages,
+        gone_more: gone_total.saturating_sub(gone.len()),
         gone,
+        gone_total,
     }
     .render()
 }
 
-fn row<'a>(n: &'a NodeView, observer: &str, columns: &[Column<'a>]) -> Row<'a> {
+/// "v5", or `none` without a version.
+fn version(v: Option<u64>, none: &str) -> String {
+    v.map_or_else(|| none.to_owned(), |v| format!("v{v}"))
+}
+
+/// A node's row: with `columns` a cell per column, each found through a
+/// map of the node's caches; without, its lagging caches.
+fn row<'a>(n: &'a NodeView, observer: &str, columns: Option<&[Column<'a>]>) -> Row<'a> {
     let behind = n.caches.iter().filter(|c| c.lag.unwrap_or(0) > 0).count();
     let marker = match (n.ready, behind) {
         (false, 0) => "lagging: not ready".to_owned(),
         (false, b) => format!("lagging: not ready, {b} cache(s) behind"),
         (true, b) => format!("lagging: {b} cache(s) behind"),
+    };
+    let (cells, more) = match columns {
+        Some(columns) => {
+            let held: HashMap<&str, &NodeCacheView> =
+                n.caches.iter().map(|c| (c.name.as_str(), c)).collect();
+            let cells = columns
+                .iter()
+                .map(|col| match held.get(col.name) {
+                    Some(c) => cell(c),
+                    None => Cell {
+                        name: col.name,
+                        held: false,
+                        lagging: false,
+                        version: String::new(),
+                        lag: String::new(),
+                        entries: 0,
+                        resyncs: 0,
+                        quarantined: false,
+                    },
+                })
+                .collect();
+            (cells, 0)
+        }
+        None => {
+            let mut lagging: Vec<&NodeCacheView> =
+                n.caches.iter().filter(|c| c.lag.unwrap_or(0) > 0).collect();
+            // The longest behind first (unknown counts as longest).
+            lagging.sort_by_key(|c| (Reverse(c.behind_ms.unwrap_or(u64::MAX)), c.name.as_str()));
+            let more = lagging.len().saturating_sub(MAX_LISTED);
+            (
+                lagging.into_iter().take(MAX_LISTED).map(cell).collect(),
+                more,
+            )
+        }
     };
     Row {
         id: &n.node_id,
@@ -152,22 +347,10 @@ fn row<'a>(n: &'a NodeView, observer: &str, columns: &[Column<'a>]) -> Row<'a> {
         age: human_ms(n.age_ms),
         interval: human_ms(n.interval_ms),
         losses: n.losses,
-        cells: columns
-            .iter()
-            .map(|col| match n.caches.iter().find(|c| c.name == col.name) {
-                Some(c) => cell(c),
-                None => Cell {
-                    name: col.name,
-                    held: false,
-                    lagging: false,
-                    version: String::new(),
-                    lag: String::new(),
-                    entries: 0,
-                    resyncs: 0,
-                    quarantined: false,
-                },
-            })
-            .collect(),
+        held: n.caches.len(),
+        behind,
+        cells,
+        more,
     }
 }
 
@@ -182,9 +365,7 @@ fn cell(c: &NodeCacheView) -> Cell<'_> {
         name: &c.name,
         held: true,
         lagging: c.lag.unwrap_or(0) > 0,
-        version: c
-            .version
-            .map_or_else(|| "no version".to_owned(), |v| format!("v{v}")),
+        version: version(c.version, "no version"),
         lag,
         entries: c.entries,
         resyncs: c.loss_resyncs,
@@ -388,7 +569,7 @@ mod tests {
                 behind: 1,
             }],
         };
-        let html = render(&view).unwrap();
+        let html = render(&view, 1, 1).unwrap();
         assert!(
             html.contains("<tr class=\"node\" data-node=\"n1\">"),
             "{html}"
@@ -404,6 +585,115 @@ mod tests {
         assert!(html.contains("n0: last heartbeat 1 min 1 s ago"), "{html}");
         assert!(html.contains("at 01:01:01 UTC"), "{html}");
         assert!(html.contains("1 of 3 behind"), "{html}");
+    }
+
+    /// A heartbeat of `id` holding caches `c000`.. `c{caches - 1}`, the
+    /// first `behind` of them one version behind the others.
+    fn crafted(id: &str, caches: usize, behind: usize) -> crate::Heartbeat {
+        crate::Heartbeat {
+            node_id: id.into(),
+            topic: "cache-sync".into(),
+            started_at_us: 1,
+            sent_at_us: 2,
+            interval_ms: 60_000,
+            transport: "embedded".into(),
+            consuming: true,
+            ready: true,
+            position: crate::transport::Position::default(),
+            losses: 0,
+            caches: (0..caches)
+                .map(|i| crate::CacheHeartbeat {
+                    name: format!("c{i:03}"),
+                    version: Some(if i < behind { 99 } else { 100 }),
+                    version_at_us: None,
+                    version_age_ms: None,
+                    entries: 10,
+                    loss_resyncs: 0,
+                    quarantined: false,
+                    last_latency_us: None,
+                })
+                .collect(),
+        }
+    }
+
+    fn watcher() -> crate::Cluster {
+        crate::Cluster::new(
+            "watcher".into(),
+            "cache-sync".into(),
+            std::sync::Arc::new(EmbeddedTransport::new()),
+            crate::wire::Codec::new(1 << 20, None),
+            std::time::Duration::from_secs(2),
+            None,
+            None,
+        )
+    }
+
+    /// 1,000 nodes by 100 caches, every other node lagging on 30 caches:
+    /// the page stays small and quick (the page took 9 to 22 s at
+    /// 40 by 1,000), the lagging nodes first, each listing 10 of its
+    /// lagging caches and counting the rest.
+    #[test]
+    fn a_thousand_nodes_by_a_hundred_caches_make_a_small_page_quickly() {
+        let cluster = watcher();
+        let started = std::time::Instant::now();
+        for i in 0..1_000 {
+            let behind = if i % 2 == 0 { 30 } else { 0 };
+            cluster.observe(crafted(&format!("node-{i:04}"), 100, behind));
+        }
+        let taken_in = started.elapsed();
+        let started = std::time::Instant::now();
+        let view = cluster.view();
+        let html = render(&view, 1, 1).unwrap();
+        let rendered = started.elapsed();
+        eprintln!(
+            "1,000 heartbeats taken in: {taken_in:?}; view and page: {rendered:?}, {} bytes",
+            html.len()
+        );
+        assert!(html.len() <= 512 << 10, "{} bytes", html.len());
+        // Generous for a debug build on a busy machine; the quadratic view
+        // and page took seconds at a small fraction of this.
+        assert!(
+            rendered <= std::time::Duration::from_secs(2),
+            "{rendered:?}"
+        );
+        assert!(
+            taken_in <= std::time::Duration::from_secs(5),
+            "{taken_in:?}"
+        );
+        assert_eq!(html.matches("<tr class=\"node lagging\"").count(), 50);
+        assert_eq!(html.matches("<tr class=\"node\"").count(), 0);
+        assert!(html.contains("data-node=\"node-0000\""));
+        assert!(html.contains("30 of 100 held behind"), "{html}");
+        assert_eq!(html.matches("and 20 more").count(), 50);
+        assert!(html.contains("page 1 of 20"), "{html}");
+        assert!(html.contains("Caches 1–100 of 100") || !html.contains("id=\"cache-pages\""));
+        // The cache table: the 30 lagging caches first, 100 of 100 held.
+        assert!(html.contains("500 of 1000 behind"), "{html}");
+        // Past the last page, the last.
+        let html = render(&view, 99, 1).unwrap();
+        assert!(html.contains("page 20 of 20"), "{html}");
+        assert_eq!(html.matches("<tr class=\"node\"").count(), 50);
+        assert!(html.contains("href=\"?page=19&#38;caches=1\""), "{html}");
+    }
+
+    #[test]
+    fn many_caches_page_too() {
+        let cluster = watcher();
+        cluster.observe(crafted("a", 250, 120));
+        cluster.observe(crafted("b", 250, 0));
+        let view = cluster.view();
+        let html = render(&view, 1, 3).unwrap();
+        assert!(html.contains("Caches 201–250 of 250"), "{html}");
+        assert_eq!(html.matches("<tr class=\"summary\"").count(), 50);
+        let html = render(&view, 1, 1).unwrap();
+        assert_eq!(html.matches("<tr class=\"summary behind\"").count(), 100);
+        assert!(html.contains("href=\"?page=1&#38;caches=2\""), "{html}");
+        // Few nodes, many caches: no grid.
+        assert!(!html.contains("not held"));
+        assert!(html.contains("and 110 more"), "{html}");
+        assert_eq!(pages(Some("page=3&caches=x&other=1")), (3, 1));
+        assert_eq!(pages(Some("page=0")), (1, 1));
+        assert_eq!(pages(None), (1, 1));
     }
 
     #[test]

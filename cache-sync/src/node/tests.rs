@@ -10,6 +10,7 @@ use crate::transport::Delivery;
 use crate::wire::{Change, EntryVersion, Header, encode_part};
 use crate::{EmbeddedTransport, Keyring};
 
+mod acks;
 mod cluster;
 mod fence;
 mod tail;

@@ -308,24 +308,32 @@ struct Sent {
     cache: String,
     publisher: u64,
     seq: u64,
-    published_at_us: u64,
+    /// When it was handed to the transport, on this process's clock:
+    /// acknowledgement latencies count from here.
+    at: tokio::time::Instant,
 }
 
 impl Published {
-    /// Waits until every live node in `cluster` that holds the cache
-    /// reports (in a heartbeat it sends as soon as it has) that it applied
-    /// this publish, or until `timeout`; then says which nodes did, with
-    /// each one's publish-to-applied latency.
+    /// Asks every node that holds the cache to answer `cluster` once it
+    /// has applied this publish, and waits until every live one did, or
+    /// until `timeout`; then says which nodes did, with the time from the
+    /// publish to each one's answer, and why not all if not
+    /// ([`Acks::incomplete`]).
     ///
-    /// A node counts once it applied this publish's last event, or a later
-    /// one from the same publisher (a node applies a publisher's numbers in
-    /// order, or resyncs the cache when one is missing). The live nodes are
-    /// those `cluster` has heard from in their last three heartbeat
-    /// intervals. A view that may not know every node yet (a node's own
-    /// younger than 1.5 heartbeat intervals; a watcher that has given the
-    /// nodes less than 500 ms to answer the roll call it sent as it
-    /// started) is not trusted to be complete until then. An empty
-    /// publish (no event) resolves at once, with no node.
+    /// A node answers once it has applied this publish's last event, or
+    /// covered it (a node applies a publisher's numbers in order, or
+    /// resyncs the cache when one is missing), judged from the publisher's
+    /// sequence numbers the node tracks (up to 100 000 publishers per node),
+    /// not from a short list of recent ones; events it has taken in but
+    /// whose writes still wait for a pinned load do not count until they
+    /// land. The live nodes are those `cluster` has heard from in their
+    /// last three heartbeat intervals. A view that may not know every node
+    /// (a node's own younger than 1.5 heartbeat intervals; a watcher that
+    /// has given the nodes less than 500 ms to answer the roll call it sent
+    /// as it started; a view that is not reading the heartbeat channel; a
+    /// view full to its member or byte bound, or that dropped a node's
+    /// heartbeat for lack of room lately) never calls it complete, and says
+    /// so. An empty publish (no event) resolves at once, with no node.
     ///
     /// ```no_run
     /// # async fn run(publisher: cache_sync::Publisher, cluster: cache_sync::Cluster) -> cache_sync::Result<()> {
@@ -344,7 +352,7 @@ impl Published {
                 publisher: last.publisher,
                 seq: last.seq,
             },
-            published_at_us: Some(last.published_at_us),
+            since: Some(last.at),
         };
         crate::cluster::wait(cluster, &last.cache, goal, timeout).await
     }
@@ -567,7 +575,7 @@ impl Publisher {
                 cache: cache.to_owned(),
                 publisher: header.publisher,
                 seq: header.seq,
-                published_at_us: header.published_at_us,
+                at: sent_at,
             });
         }
         Ok(published)

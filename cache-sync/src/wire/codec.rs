@@ -3,20 +3,27 @@
 
 use super::keyring::SIGNED_OVERHEAD;
 use super::{
-    Change, ChangeView, Header, HeaderExt, Keyring, MAX_NAME_BYTES, decode_change,
-    decode_header, decode_header_ext, encode_ext, strip_unverified,
+    Change, ChangeView, Header, HeaderExt, Keyring, MAX_NAME_BYTES, decode_change, decode_header,
+    decode_header_ext, encode_ext, strip_unverified,
 };
 use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
 
 /// Room the header takes besides the origin: the cache name (at most
-/// `MAX_NAME_BYTES`), the three numbers as varints (at most 10 bytes each),
-/// the two length prefixes, the format byte and the change's variant tag,
-/// rounded up.
-const HEADER_OVERHEAD: usize = MAX_NAME_BYTES + 64;
+/// `MAX_NAME_BYTES`), the three numbers as varints (at most 9 bytes each),
+/// the two length prefixes, the extension (two option tags and three
+/// numbers), the format byte and the change's variant tag, rounded up.
+const HEADER_OVERHEAD: usize = MAX_NAME_BYTES + 96;
 
 /// The first byte of a heartbeat message (see `cluster`), where an event
 /// has its format byte: `H`.
 const FORMAT_HEARTBEAT: u8 = b'H';
+
+/// The first byte of an answer to an acknowledgement request, then the
+/// asking party's id (8 bytes, little-endian): every party on the channel
+/// receives every answer, and all but the asker skip it on those bytes,
+/// unparsed and unverified (skipping changes nothing), so an acknowledged
+/// publish costs the other parties nothing to decode.
+const FORMAT_ACK: u8 = b'A';
 
 /// The limit on one heartbeat message, whatever the event limit: a node
 /// with a tight `max_event_bytes` must still send its heartbeat (one per
@@ -48,6 +55,16 @@ impl<'a> Opened<'a> {
     pub(crate) fn change(&self) -> Result<ChangeView<'a>, DecodeError> {
         decode_change(self.event, self.body)
     }
+}
+
+/// What a payload on the heartbeat channel holds (see
+/// [`Codec::open_channel`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Channel<'a> {
+    /// A heartbeat or a request, JSON.
+    Message(&'a [u8]),
+    /// An answer to an acknowledgement request, for the party `asker`.
+    Ack { asker: u64, message: &'a [u8] },
 }
 
 /// Why a payload could not be opened.
@@ -150,15 +167,33 @@ impl Codec {
     /// signed heartbeat from ever opening as an event, and the other way
     /// round), refused with [`Error::TooLarge`] over the limit.
     pub(crate) fn seal_heartbeat(&self, message: &[u8]) -> Result<Vec<u8>> {
-        let mut payload = Vec::with_capacity(message.len().saturating_add(1));
-        payload.push(FORMAT_HEARTBEAT);
+        self.seal_on_channel(&[FORMAT_HEARTBEAT], message, "heartbeat")
+    }
+
+    /// An answer for the party `asker` to publish on the heartbeat channel:
+    /// the ack format byte, `asker`, the message, signed when there is a
+    /// keyring, refused with [`Error::TooLarge`] over the heartbeat limit.
+    pub(crate) fn seal_ack(&self, asker: u64, message: &[u8]) -> Result<Vec<u8>> {
+        let mut prefix = [FORMAT_ACK; 9];
+        prefix[1..].copy_from_slice(&asker.to_le_bytes());
+        self.seal_on_channel(&prefix, message, "acknowledgement")
+    }
+
+    fn seal_on_channel(
+        &self,
+        prefix: &[u8],
+        message: &[u8],
+        what: &'static str,
+    ) -> Result<Vec<u8>> {
+        let mut payload = Vec::with_capacity(message.len().saturating_add(prefix.len()));
+        payload.extend_from_slice(prefix);
         payload.extend_from_slice(message);
         if let Some(ring) = &self.keyring {
             payload = ring.sign(&payload);
         }
         if payload.len() > MAX_HEARTBEAT_BYTES {
             return Err(Error::TooLarge {
-                what: "heartbeat",
+                what,
                 size: payload.len(),
                 limit: MAX_HEARTBEAT_BYTES,
             });
@@ -166,9 +201,20 @@ impl Codec {
         Ok(payload)
     }
 
-    /// The message inside a delivered heartbeat payload: authenticated
-    /// first when verifying, then checked for its size and format byte.
-    pub(crate) fn open_heartbeat<'a>(&self, payload: &'a [u8]) -> Result<&'a [u8], DecodeError> {
+    /// The party an answer on the heartbeat channel is for, read without
+    /// verifying anything: only to skip answers for others. `None` for
+    /// anything that is not an answer.
+    pub(crate) fn ack_for(payload: &[u8]) -> Option<u64> {
+        match strip_unverified(payload).split_first() {
+            Some((&FORMAT_ACK, rest)) => rest.first_chunk().map(|b| u64::from_le_bytes(*b)),
+            _ => None,
+        }
+    }
+
+    /// What a delivered payload on the heartbeat channel holds, once
+    /// authenticated (when verifying) and checked for its size: a message
+    /// (`H`), or an answer (`A`) with the asker it names.
+    pub(crate) fn open_channel<'a>(&self, payload: &'a [u8]) -> Result<Channel<'a>, DecodeError> {
         let inner = match &self.keyring {
             Some(ring) => ring.open(payload)?,
             None => strip_unverified(payload),
@@ -180,7 +226,16 @@ impl Codec {
             }));
         }
         match inner.split_first() {
-            Some((&FORMAT_HEARTBEAT, message)) => Ok(message),
+            Some((&FORMAT_HEARTBEAT, message)) => Ok(Channel::Message(message)),
+            Some((&FORMAT_ACK, rest)) => match rest.split_first_chunk() {
+                Some((asker, message)) => Ok(Channel::Ack {
+                    asker: u64::from_le_bytes(*asker),
+                    message,
+                }),
+                None => Err(DecodeError::new(DecodeErrorKind::Malformed(
+                    "acknowledgement without its asker".into(),
+                ))),
+            },
             Some((&format, _)) => Err(DecodeError::new(DecodeErrorKind::UnknownFormat(format))),
             None => Err(DecodeError::new(DecodeErrorKind::Empty)),
         }

@@ -39,7 +39,7 @@ mod keyring;
 #[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
 mod row;
 
-pub(crate) use codec::{Codec, Refused};
+pub(crate) use codec::{Channel, Codec, Refused};
 #[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
 pub(crate) use row::{decode_row, encode_row};
 

@@ -134,11 +134,17 @@ async fn ack(published: &Published, cluster: &Cluster, timeout: Duration) -> Exi
         return ExitCode::FAILURE;
     }
     let pending: Vec<&str> = acks.pending().collect();
-    if pending.is_empty() {
-        ExitCode::SUCCESS
-    } else {
+    if !pending.is_empty() {
         eprintln!("not applied (yet) on: {}", pending.join(", "));
-        ExitCode::FAILURE
+    }
+    // Every node answering is not enough: the view must be one that
+    // knows every live node (settled, listening, not full).
+    match acks.incomplete {
+        None => ExitCode::SUCCESS,
+        Some(why) => {
+            eprintln!("not confirmed: {why}");
+            ExitCode::FAILURE
+        }
     }
 }
 

@@ -15,7 +15,8 @@ pub(crate) enum Verdict {
     /// No live node at all: a probe must not pass on an empty cluster.
     Empty,
     /// These caches have been behind for longer than `max_lag`, one line
-    /// each: `node cache: N versions behind for T`.
+    /// each: `node cache: N versions behind for at least T` (how long is a
+    /// lower bound: see `NodeCacheView::behind_ms`).
     Diverged(Vec<String>),
 }
 
@@ -45,7 +46,7 @@ pub(crate) fn verdict(view: &ClusterView, max_lag: Duration) -> Verdict {
                 let since = if behind == Duration::MAX {
                     "for an unknown time".to_owned()
                 } else {
-                    format!("for {}", show(behind))
+                    format!("for at least {}", show(behind))
                 };
                 format!(
                     "{} {}: {lag} version{} behind {since}",
@@ -247,7 +248,10 @@ mod tests {
         let Verdict::Diverged(lines) = verdict(&v, Duration::from_secs(1)) else {
             panic!("1.5 s behind is beyond 1 s");
         };
-        assert_eq!(lines, ["slow countries: 2 versions behind for 1.5 s"]);
+        assert_eq!(
+            lines,
+            ["slow countries: 2 versions behind for at least 1.5 s"]
+        );
         let table = render(&v);
         assert!(table.contains("* slow"), "{table}");
         assert!(table.contains("1 lagging"), "{table}");

@@ -392,6 +392,8 @@ async fn requests_and_garbage_on_the_channel_change_nothing() {
                     seq: u64::MAX,
                 }),
                 within_ms: u64::MAX,
+                asker: i,
+                id: i,
             }
         };
         let payload = crate::cluster::seal_message(&plain, &Message::Request(request)).unwrap();
@@ -784,4 +786,212 @@ async fn a_node_stuck_while_versions_keep_coming_is_behind_for_as_long_as_it_is_
     for n in [n1, n2] {
         n.shutdown().await.unwrap();
     }
+}
+
+// The view's lag timing: never one machine's clock against another's.
+
+const HOUR_US: u64 = 3_600_000_000;
+
+/// A heartbeat as a node whose clock reads `skew_us` ahead of the true
+/// time (behind, if negative) would send it: it started two hours ago, and
+/// its one cache reached `version` `age_ms` ago. Every stamp on its clock;
+/// the age a duration.
+fn skewed(id: &str, skew_us: i64, version: u64, age_ms: u64) -> Heartbeat {
+    let clock = now_us().saturating_add_signed(skew_us);
+    Heartbeat {
+        node_id: id.into(),
+        topic: "cache-sync".into(),
+        started_at_us: clock - 2 * HOUR_US,
+        sent_at_us: clock,
+        interval_ms: 10_000,
+        transport: "embedded".into(),
+        consuming: true,
+        ready: true,
+        position: Position::default(),
+        losses: 0,
+        caches: vec![crate::cluster::CacheHeartbeat {
+            name: "countries".into(),
+            version: Some(version),
+            version_at_us: Some(clock.saturating_sub(age_ms.saturating_mul(1000))),
+            version_age_ms: Some(age_ms),
+            entries: 1,
+            loss_resyncs: 0,
+            quarantined: false,
+            last_latency_us: None,
+        }],
+    }
+}
+
+async fn forge(transport: &EmbeddedTransport, h: Heartbeat) {
+    let plain = Codec::new(1 << 20, None);
+    let payload = crate::cluster::seal_message(&plain, &Message::Heartbeat(h)).unwrap();
+    transport
+        .publish_heartbeat("cache-sync", Bytes::from(payload))
+        .await
+        .unwrap();
+}
+
+async fn fresh_watcher(transport: &EmbeddedTransport) -> Cluster {
+    Cluster::builder(transport.clone())
+        .heartbeat_interval(EVERY)
+        .start()
+        .await
+        .unwrap()
+}
+
+/// How long the watcher says `node`'s cache has been behind, once it sees
+/// `count` nodes.
+async fn behind_ms(watcher: &Cluster, node: &str, count: usize) -> u64 {
+    eventually("every node seen", async || {
+        watcher.view().nodes.len() == count
+    })
+    .await;
+    let view = watcher.view();
+    let c = &view.node(node).unwrap().caches[0];
+    assert!(c.lag.unwrap() > 0, "{view:?}");
+    c.behind_ms.unwrap()
+}
+
+#[tokio::test]
+async fn a_skewed_clock_neither_inflates_nor_deflates_how_long_a_node_is_behind() {
+    for skew in [-(HOUR_US as i64), HOUR_US as i64] {
+        for age_ms in [400, 30_000] {
+            let transport = EmbeddedTransport::new();
+            let watcher = fresh_watcher(&transport).await;
+            let started = Instant::now();
+            // "ahead" took version 10 `age_ms` ago and its clock is off by
+            // an hour; "behind" holds 9, its clock off the other way.
+            forge(&transport, skewed("ahead", skew, 10, age_ms)).await;
+            forge(&transport, skewed("behind", -skew, 9, 5)).await;
+            let behind = behind_ms(&watcher, "behind", 2).await;
+            let slack = u64::try_from(started.elapsed().as_millis()).unwrap() + 50;
+            assert!(
+                behind >= age_ms && behind <= age_ms + slack,
+                "skew {skew} µs, age {age_ms} ms: behind for {behind} ms"
+            );
+            let view = watcher.view();
+            let lag = Duration::from_millis(age_ms);
+            assert!(view.diverged(lag + Duration::from_secs(5)).is_empty());
+            assert_eq!(view.diverged(lag / 2).len(), 1);
+            // Its next heartbeat, its clock 300 ms on, the age too: the
+            // same instant, so the same answer as time goes by.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let mut next = skewed("ahead", skew + 300_000, 10, age_ms + 300);
+            next.started_at_us -= 300_000;
+            let sent = next.sent_at_us;
+            forge(&transport, next).await;
+            eventually("the next heartbeat", async || {
+                watcher
+                    .nodes()
+                    .iter()
+                    .any(|h| h.node_id == "ahead" && h.sent_at_us == sent)
+            })
+            .await;
+            let behind = watcher.view().node("behind").unwrap().caches[0]
+                .behind_ms
+                .unwrap();
+            let elapsed = u64::try_from(started.elapsed().as_millis()).unwrap();
+            assert!(
+                behind >= age_ms + 300 && behind <= age_ms + elapsed + 50,
+                "skew {skew}: {behind} ms after {elapsed} ms"
+            );
+            watcher.shutdown().await;
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_newest_heartbeat_of_a_skewed_node_still_wins() {
+    for skew in [-(HOUR_US as i64), HOUR_US as i64] {
+        let transport = EmbeddedTransport::new();
+        let watcher = fresh_watcher(&transport).await;
+        let first = skewed("n", skew, 4, 10);
+        let mut second = first.clone();
+        second.sent_at_us += 100_000;
+        second.caches[0].version = Some(5);
+        forge(&transport, first.clone()).await;
+        forge(&transport, second).await;
+        // A redelivery of the first, after the second.
+        forge(&transport, first).await;
+        let version = async || {
+            watcher
+                .nodes()
+                .into_iter()
+                .find(|h| h.node_id == "n")
+                .and_then(|h| h.caches.first().cloned())
+                .and_then(|c| c.version)
+        };
+        eventually("the second heartbeat", async || version().await == Some(5)).await;
+        // The channel is ordered: once a later message is in, so is the
+        // redelivery; it changed nothing.
+        forge(&transport, skewed("marker", 0, 1, 1)).await;
+        eventually("read past it", async || watcher.nodes().len() == 2).await;
+        assert_eq!(version().await, Some(5), "skew {skew}");
+        watcher.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn a_watcher_that_just_started_sees_a_node_stuck_for_an_hour() {
+    let transport = EmbeddedTransport::new();
+    let watcher = fresh_watcher(&transport).await;
+    forge(&transport, skewed("ahead", 0, 10, 3_600_000)).await;
+    forge(&transport, skewed("stuck", 0, 9, 3_700_000)).await;
+    let behind = behind_ms(&watcher, "stuck", 2).await;
+    assert!((3_600_000..3_610_000).contains(&behind), "{behind}");
+    assert_eq!(
+        watcher.view().diverged(Duration::from_secs(59 * 60)).len(),
+        1
+    );
+    watcher.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_forged_age_is_believed_only_up_to_the_uptime_and_a_day() {
+    // An age beyond the sender's uptime (two hours): two hours.
+    let transport = EmbeddedTransport::new();
+    let watcher = fresh_watcher(&transport).await;
+    forge(&transport, skewed("liar", 0, 10, u64::MAX)).await;
+    let mut stuck = skewed("stuck", 0, 9, 1);
+    stuck.started_at_us = 0;
+    forge(&transport, stuck.clone()).await;
+    let behind = behind_ms(&watcher, "stuck", 2).await;
+    assert!((7_200_000..7_210_000).contains(&behind), "{behind}");
+    watcher.shutdown().await;
+    // And one whose stamps claim decades of uptime: a day.
+    let transport = EmbeddedTransport::new();
+    let watcher = fresh_watcher(&transport).await;
+    let mut liar = skewed("liar", 0, 10, u64::MAX);
+    liar.started_at_us = 0;
+    forge(&transport, liar).await;
+    forge(&transport, stuck).await;
+    let behind = behind_ms(&watcher, "stuck", 2).await;
+    assert!((86_400_000..86_410_000).contains(&behind), "{behind}");
+    // A node is never behind for longer than it has been up: two hours.
+    forge(&transport, {
+        let mut h = skewed("young", 0, 9, 1);
+        h.sent_at_us += 1;
+        h
+    })
+    .await;
+    let behind = behind_ms(&watcher, "young", 3).await;
+    assert!((7_200_000..7_210_000).contains(&behind), "{behind}");
+    watcher.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_heartbeat_gives_how_long_ago_each_version_rose() {
+    let transport = EmbeddedTransport::new();
+    let a = cache("countries");
+    let node = start("n1", transport.clone(), &[&a]).await;
+    Publisher::new(transport.clone())
+        .refresh_versioned("countries", [("de", "Germany", Some(3))])
+        .await
+        .unwrap();
+    eventually("applied", async || holds(&a, "de", Some("Germany")).await).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let own = node.cluster().nodes().remove(0);
+    let age = own.caches[0].version_age_ms.unwrap();
+    assert!((200..10_000).contains(&age), "{age}");
+    node.shutdown().await.unwrap();
 }
