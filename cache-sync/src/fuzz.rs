@@ -300,6 +300,7 @@ mod replay {
                 within_ms: 5000,
                 asker: 7,
                 id: 9,
+                reply: true,
             }),
             crate::cluster::Message::Request(crate::cluster::Request {
                 topic: "cache-sync".into(),
@@ -308,6 +309,7 @@ mod replay {
                 within_ms: u64::MAX,
                 asker: u64::MAX,
                 id: 0,
+                reply: false,
             }),
         ];
         let plain = crate::wire::Codec::new(LIMIT, None);
@@ -322,6 +324,11 @@ mod replay {
             topic: "cache-sync".into(),
             node_id: "node-1".into(),
             ids: vec![1, u64::MAX],
+            progress: vec![crate::cluster::Progress {
+                cache: "countries".into(),
+                publisher: Some(42),
+                at: 7,
+            }],
         };
         for (n, codec) in [&plain, &signing].into_iter().enumerate() {
             let sealed =

@@ -1361,3 +1361,83 @@ pub async fn heartbeat_channel(fixture: &mut dyn Fixture) {
         );
     }
 }
+
+/// A party's reply channel (answers to its acknowledgement requests): what
+/// is published for a party reaches that party's reply subscription byte
+/// for byte, and no other party's, nor the topic's heartbeat channel, nor
+/// a change subscription; each topic's replies are its own. A transport
+/// without reply channels declares it on both sides (`Unsupported`): its
+/// answers then go on the heartbeat channel.
+pub async fn reply_channel(fixture: &mut dyn Fixture) {
+    let name = fixture.name();
+    let publisher = fixture.transport().await;
+    let (one, two) = (fixture.transport().await, fixture.transport().await);
+    let topic = "replies";
+    let mut mine = match one.subscribe_replies(topic, 1).await {
+        Ok(sub) => sub,
+        Err(e) if e.is_unsupported() => {
+            let published = publisher
+                .publish_reply(topic, 1, bytes::Bytes::from_static(b"answer"))
+                .await;
+            assert!(
+                published.as_ref().is_err_and(|e| e.is_unsupported()),
+                "{name}: reply subscriptions are unsupported, publishing is {published:?}"
+            );
+            return;
+        }
+        Err(e) => panic!("{name}: subscribe_replies: {e}"),
+    };
+    let mut other_party = two
+        .subscribe_replies(topic, 2)
+        .await
+        .unwrap_or_else(|e| panic!("{name}: subscribe_replies: {e}"));
+    let mut shared = two
+        .subscribe_heartbeats(topic)
+        .await
+        .unwrap_or_else(|e| panic!("{name}: subscribe_heartbeats: {e}"));
+    let mut changes = two
+        .subscribe(topic, SubscribeOptions::new(StartFrom::Latest))
+        .await
+        .unwrap_or_else(|e| panic!("{name}: subscribe: {e}"));
+    // Party 1 on another topic, whose name reads like this one's channels.
+    let lookalike = "replies.hb";
+    let mut elsewhere = match one.check_topic(lookalike) {
+        Ok(()) => Some(
+            one.subscribe_replies(lookalike, 1)
+                .await
+                .unwrap_or_else(|e| panic!("{name}: subscribe_replies: {e}")),
+        ),
+        Err(_) => None,
+    };
+    let answer: bytes::Bytes = (0..=255u8).collect::<Vec<_>>().into();
+    retry(|| publisher.publish_reply(topic, 1, answer.clone())).await;
+    assert_eq!(
+        next_heartbeat(name, "party 1's reply channel", &mut mine).await,
+        answer,
+        "{name}: party 1 got another payload"
+    );
+    no_more_heartbeats(name, "party 1's reply channel", &mut mine).await;
+    no_more_heartbeats(name, "party 2's reply channel", &mut other_party).await;
+    no_more_heartbeats(name, "the heartbeat channel", &mut shared).await;
+    if let Some(sub) = &mut elsewhere {
+        no_more_heartbeats(name, "party 1 on another topic", sub).await;
+    }
+    match tokio::time::timeout(AT_HAND, changes.next(1000)).await {
+        Err(_) => {}
+        Ok(Ok(Delivery::Batch { records, .. })) if records.is_empty() => {}
+        Ok(stray) => panic!("{name}: a change subscription got {stray:?}"),
+    }
+    // Nobody subscribed: no error, and nothing left that a later
+    // subscriber would get.
+    retry(|| publisher.publish_reply(topic, 3, bytes::Bytes::from_static(b"lost"))).await;
+    let mut late = two
+        .subscribe_replies(topic, 3)
+        .await
+        .unwrap_or_else(|e| panic!("{name}: subscribe_replies: {e}"));
+    retry(|| publisher.publish_reply(topic, 3, bytes::Bytes::from_static(b"kept"))).await;
+    assert_eq!(
+        next_heartbeat(name, "party 3's reply channel", &mut late).await,
+        bytes::Bytes::from_static(b"kept"),
+        "{name}: a reply sent before the subscription was delivered to it"
+    );
+}

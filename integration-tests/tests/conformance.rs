@@ -21,7 +21,7 @@ use integration_tests::cluster_view;
 use integration_tests::conformance::{
     Expect, Fault, Fixture, a_refusal_is_no_disconnect, health_follows_the_broker,
     heartbeat_channel, names_map_one_to_one, normal_path, publish_cut_at_the_tail,
-    publish_cut_mid_flight, regrow, retry, survives,
+    publish_cut_mid_flight, regrow, reply_channel, retry, survives,
 };
 #[cfg(feature = "nats")]
 use integration_tests::nats_server::NatsServer;
@@ -530,6 +530,11 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn heartbeat_channel_beside_the_change_history() {
                 heartbeat_channel(&mut $fixture).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn replies_reach_only_their_party() {
+                reply_channel(&mut $fixture).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,8 +9,11 @@
 
 use std::fmt;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::Mutex;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Mutex, Weak};
 use std::time::Duration;
+
+use tokio::sync::watch;
 
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
@@ -155,39 +158,93 @@ const MAX_NODE_ID_BYTES: usize = 4096;
 
 /// The requests a party waits on, and the answers in: by request id, each
 /// answering node with when its answer arrived. An entry lives while its
-/// wait does (`Registered` takes it out).
+/// wait does (`Registered` takes it out). Beside them, what the nodes told
+/// of the things this party follows (see `node/acks.rs`): per (cache,
+/// publisher or version), each node's last value and when it arrived. Only
+/// things a wait of this party asked for are kept, and each goes once no
+/// wait has asked for it for a while, so forged answers cannot grow it.
 #[derive(Default)]
 pub(crate) struct Waiters {
     requests: Mutex<HashMap<u64, HashMap<String, Instant>>>,
+    followed: Mutex<HashMap<(String, Option<u64>), Followed>>,
 }
+
+/// What the nodes told of one thing this party follows.
+struct Followed {
+    /// Per node: its last value, and when that arrived here.
+    nodes: HashMap<String, (u64, Instant)>,
+    /// When a wait last asked for it.
+    asked: Instant,
+}
+
+/// How long a party keeps what the nodes tell of something no wait asked
+/// for since: longer than the nodes keep telling it (10 s).
+const FOLLOWED_KEPT: Duration = Duration::from_secs(30);
 
 impl Waiters {
     /// Takes an answer in: for each request of this party it names that is
-    /// still waited on, the node counts from now. Whether anything changed.
+    /// still waited on, the node counts from now; and what it tells of the
+    /// things this party follows. Whether anything changed.
     pub(crate) fn answered(&self, ack: &Ack) -> bool {
         if ack.node_id.len() > MAX_NODE_ID_BYTES {
             return false;
         }
         let now = Instant::now();
-        let mut requests = lock(&self.requests);
         let mut changed = false;
-        for id in &ack.ids {
-            if let Some(answers) = requests.get_mut(id)
-                && answers.len() < MAX_ANSWERS
-                && !answers.contains_key(&ack.node_id)
-            {
-                answers.insert(ack.node_id.clone(), now);
-                changed = true;
+        {
+            let mut requests = lock(&self.requests);
+            for id in &ack.ids {
+                if let Some(answers) = requests.get_mut(id)
+                    && answers.len() < MAX_ANSWERS
+                    && !answers.contains_key(&ack.node_id)
+                {
+                    answers.insert(ack.node_id.clone(), now);
+                    changed = true;
+                }
+            }
+        }
+        if !ack.progress.is_empty() {
+            let mut followed = lock(&self.followed);
+            for p in &ack.progress {
+                let Some(f) = followed.get_mut(&(p.cache.clone(), p.publisher)) else {
+                    continue;
+                };
+                let room = f.nodes.len() < MAX_ANSWERS;
+                match f.nodes.get_mut(&ack.node_id) {
+                    Some(last) if last.0 >= p.at => {}
+                    Some(last) => {
+                        *last = (p.at, now);
+                        changed = true;
+                    }
+                    None if room => {
+                        f.nodes.insert(ack.node_id.clone(), (p.at, now));
+                        changed = true;
+                    }
+                    None => {}
+                }
             }
         }
         changed
     }
 
-    fn register(&self) -> Registered<'_> {
+    fn register(&self, cache: &str, target: Target) -> Registered<'_> {
+        let now = Instant::now();
+        {
+            let mut followed = lock(&self.followed);
+            followed.retain(|_, f| now.saturating_duration_since(f.asked) <= FOLLOWED_KEPT);
+            let (publisher, _) = target.followed();
+            followed
+                .entry((cache.to_owned(), publisher))
+                .or_insert_with(|| Followed {
+                    nodes: HashMap::default(),
+                    asked: now,
+                })
+                .asked = now;
+        }
         let mut requests = lock(&self.requests);
         // Random, so another party's answers never match by chance, and
         // a forger cannot guess which requests are out.
-        let mut id = RandomState::new().hash_one(Instant::now());
+        let mut id = RandomState::new().hash_one(now);
         while id == 0 || requests.contains_key(&id) {
             id = id.wrapping_add(1);
         }
@@ -195,8 +252,22 @@ impl Waiters {
         Registered { waiters: self, id }
     }
 
-    fn answers(&self, id: u64) -> HashMap<String, Instant> {
-        lock(&self.requests).get(&id).cloned().unwrap_or_default()
+    /// When each node that applied `target` told so: by answering the
+    /// request `id`, or by telling a value at or past it of what this party
+    /// follows (the earlier of the two).
+    fn applied(&self, id: u64, cache: &str, target: Target) -> HashMap<String, Instant> {
+        let mut out = lock(&self.requests).get(&id).cloned().unwrap_or_default();
+        let (publisher, wanted) = target.followed();
+        if let Some(f) = lock(&self.followed).get(&(cache.to_owned(), publisher)) {
+            for (node, (value, at)) in &f.nodes {
+                if *value >= wanted {
+                    out.entry(node.clone())
+                        .and_modify(|t| *t = (*t).min(*at))
+                        .or_insert(*at);
+                }
+            }
+        }
+        out
     }
 }
 
@@ -220,17 +291,24 @@ pub(crate) async fn wait(cluster: &Cluster, cache: &str, goal: Goal, timeout: Du
     let deadline = deadline_after(timeout);
     let mut updates = cluster.updates();
     let waiters = cluster.waiters();
-    let registered = waiters.register();
+    let registered = waiters.register(cache, goal.target);
     let within_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-    let request = Message::Request(Request {
+    let mut request = Message::Request(Request {
         topic: cluster.topic().to_owned(),
         cache: Some(cache.to_owned()),
         target: Some(goal.target),
         within_ms,
         asker: cluster.asker(),
         id: registered.id,
+        reply: cluster.reads_replies(),
     });
-    cluster.send(&request).await;
+    // Not waited for: what the nodes follow for this party may already say
+    // the publish is applied (see `node/acks.rs`), and the request's round
+    // trip would only delay the answer.
+    {
+        let (cluster, request) = (cluster.clone(), request.clone());
+        tokio::spawn(async move { cluster.send(&request).await });
+    }
     // The channel may lose the request (a lossy transport, a node that was
     // subscribing as it went out), and a node may join during the wait:
     // sent again after 100 ms, then at doubling gaps up to one heartbeat
@@ -239,6 +317,11 @@ pub(crate) async fn wait(cluster: &Cluster, cache: &str, goal: Goal, timeout: Du
     let mut resend_at = started.checked_add(resend_gap).unwrap_or(started);
     loop {
         if Instant::now() >= resend_at {
+            // Where answers should go may have changed meanwhile (the reply
+            // channel broke, or came up).
+            if let Message::Request(r) = &mut request {
+                r.reply = cluster.reads_replies();
+            }
             cluster.send(&request).await;
             resend_gap = resend_gap
                 .saturating_mul(2)
@@ -246,7 +329,7 @@ pub(crate) async fn wait(cluster: &Cluster, cache: &str, goal: Goal, timeout: Du
             resend_at = Instant::now().checked_add(resend_gap).unwrap_or(resend_at);
         }
         let now = Instant::now();
-        let answers = waiters.answers(registered.id);
+        let answers = waiters.applied(registered.id, cache, goal.target);
         let mut nodes: Vec<NodeAck> = cluster
             .holders(cache)
             .into_iter()
@@ -298,6 +381,77 @@ pub(crate) async fn wait(cluster: &Cluster, cache: &str, goal: Goal, timeout: Du
             }
             () = tokio::time::sleep_until(wake) => {}
         }
+    }
+}
+
+/// Reads this party's reply channel, where nodes send the answers to its
+/// acknowledgement requests (see `Transport::publish_reply`), for as long
+/// as the party lives: subscribes again after an error, with a backoff,
+/// and says meanwhile that it does not read it, so requests ask for the
+/// heartbeat channel instead. Ends at once on a transport without reply
+/// channels.
+pub(crate) async fn reply_loop(cluster: Weak<super::Inner>, mut stop: watch::Receiver<bool>) {
+    let mut backoff = Duration::ZERO;
+    loop {
+        let Some(inner) = cluster.upgrade() else {
+            return;
+        };
+        let (transport, topic, asker) = (inner.transport.clone(), inner.topic.clone(), inner.asker);
+        drop(inner);
+        // A broker that is down can take its timeout to answer: the stop
+        // must not wait for that.
+        let subscribed = tokio::select! {
+            _ = stop.wait_for(|s| *s) => return,
+            subscribed = transport.subscribe_replies(&topic, asker) => subscribed,
+        };
+        let mut sub = match subscribed {
+            Ok(sub) => sub,
+            Err(e) if e.is_unsupported() => return,
+            Err(e) => {
+                backoff = super::next_backoff(backoff);
+                tracing::debug!(error = %e, retry_in = ?backoff, "reply channel: subscribe failed");
+                tokio::select! {
+                    _ = stop.wait_for(|s| *s) => return,
+                    () = tokio::time::sleep(backoff) => continue,
+                }
+            }
+        };
+        backoff = Duration::ZERO;
+        set_replies(&cluster, true);
+        loop {
+            let next = tokio::select! {
+                _ = stop.wait_for(|s| *s) => {
+                    set_replies(&cluster, false);
+                    return;
+                }
+                next = sub.next() => next,
+            };
+            let Some(inner) = cluster.upgrade() else {
+                return;
+            };
+            match next {
+                Ok(payload) => {
+                    let _ = Cluster { inner }.receive(&payload);
+                }
+                Err(e) => {
+                    inner.replies.store(false, Relaxed);
+                    backoff = super::next_backoff(backoff);
+                    tracing::debug!(error = %e, retry_in = ?backoff,
+                        "reply channel: subscription failed; subscribing again");
+                    break;
+                }
+            }
+        }
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => return,
+            () = tokio::time::sleep(backoff) => {}
+        }
+    }
+}
+
+fn set_replies(cluster: &Weak<super::Inner>, on: bool) {
+    if let Some(inner) = cluster.upgrade() {
+        inner.replies.store(on, Relaxed);
     }
 }
 

@@ -51,11 +51,16 @@ pub(crate) struct Request {
     /// The request, among the asker's (random).
     #[serde(default)]
     pub(crate) id: u64,
+    /// Whether the asker reads its reply channel
+    /// ([`Transport::publish_reply`](crate::transport::Transport::publish_reply)):
+    /// answers go there, else on the heartbeat channel.
+    #[serde(default)]
+    pub(crate) reply: bool,
 }
 
-/// A node's answer to acknowledgement requests of one asker: it has
-/// applied what each request in `ids` named. A few dozen bytes; only the
-/// asker reads it.
+/// A node's answer to one asker: it has applied what each request in
+/// `ids` named, and how far it got with what the asker follows
+/// (`progress`). A few dozen bytes; only the asker reads it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Ack {
     /// The topic: signed, as in a request.
@@ -64,6 +69,34 @@ pub(crate) struct Ack {
     pub(crate) node_id: String,
     /// The requests it answers.
     pub(crate) ids: Vec<u64>,
+    /// Where the node stands with each thing the asker follows, told as it
+    /// moves.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) progress: Vec<Progress>,
+}
+
+/// What an asker follows on a node for a while after each request (see
+/// `node/acks.rs`): a publisher's numbers for a cache, or, with no
+/// publisher, the cache's version; and how far the node got with it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Progress {
+    pub(crate) cache: String,
+    /// `None`: the cache's version.
+    pub(crate) publisher: Option<u64>,
+    /// The last number applied from the publisher (or covered by a
+    /// resync), or the cache's version.
+    pub(crate) at: u64,
+}
+
+impl Target {
+    /// What a request for this target follows: the publisher, or `None`
+    /// for a version; and the value it waits for.
+    pub(crate) fn followed(self) -> (Option<u64>, u64) {
+        match self {
+            Target::Seq { publisher, seq } => (Some(publisher), seq),
+            Target::Version(v) => (None, v),
+        }
+    }
 }
 
 /// What a payload on the heartbeat channel held.
@@ -98,6 +131,7 @@ impl Request {
             within_ms: 0,
             asker: 0,
             id: 0,
+            reply: false,
         }
     }
 }

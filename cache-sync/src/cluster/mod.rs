@@ -8,7 +8,7 @@
 //! nodes.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -33,7 +33,7 @@ mod view;
 
 pub use ack::{Acks, Incomplete, NodeAck};
 pub(crate) use ack::{Goal, wait};
-pub(crate) use message::{Ack, Message, Request, Target};
+pub(crate) use message::{Ack, Message, Progress, Request, Target};
 #[cfg(any(test, feature = "_fuzz"))]
 pub(crate) use message::{
     Opened as OpenedMessage, open as open_message, seal as seal_message,
@@ -181,6 +181,10 @@ pub(crate) type LocalHeartbeat = Box<dyn Fn() -> Option<Heartbeat> + Send + Sync
 /// what a party sends.
 pub(crate) type LocalRequest = Box<dyn Fn(Request) + Send + Sync>;
 
+/// A watcher's stop signal, and its tasks: reading the heartbeat channel,
+/// and its reply channel.
+type WatcherTasks = (watch::Sender<bool>, Vec<JoinHandle<()>>);
+
 pub(crate) struct Inner {
     pub(crate) observer: String,
     pub(crate) topic: String,
@@ -208,7 +212,9 @@ pub(crate) struct Inner {
     /// This party's acknowledgement requests waiting for answers.
     waiters: ack::Waiters,
     /// A watcher's task, stopped with the view.
-    task: Mutex<Option<(watch::Sender<bool>, JoinHandle<()>)>>,
+    task: Mutex<Option<WatcherTasks>>,
+    /// Whether this party reads its reply channel now (`ack::reply_loop`).
+    pub(crate) replies: AtomicBool,
     pub(crate) stats: ClusterStats,
 }
 
@@ -309,9 +315,10 @@ impl ClusterBuilder {
         let task = tokio::spawn(watch_loop(
             Arc::downgrade(&cluster.inner),
             subscription,
-            stopped,
+            stopped.clone(),
         ));
-        *lock(&cluster.inner.task) = Some((stop, task));
+        let replies = tokio::spawn(ack::reply_loop(Arc::downgrade(&cluster.inner), stopped));
+        *lock(&cluster.inner.task) = Some((stop, vec![task, replies]));
         // Ask every node for a heartbeat now, rather than wait an interval.
         let sent = cluster
             .send(&Message::Request(Request::roll_call(&topic)))
@@ -367,6 +374,7 @@ impl Cluster {
                 asker,
                 waiters: ack::Waiters::default(),
                 task: Mutex::new(None),
+                replies: AtomicBool::new(false),
                 stats: ClusterStats::default(),
             }),
         }
@@ -567,6 +575,17 @@ impl Cluster {
         self.inner.asker
     }
 
+    /// Whether this party reads its reply channel now.
+    pub(crate) fn reads_replies(&self) -> bool {
+        self.inner.replies.load(Relaxed)
+    }
+
+    /// Starts reading this party's reply channel, until `stop` (a node's
+    /// view; a watcher starts its own).
+    pub(crate) fn read_replies(&self, stop: watch::Receiver<bool>) -> JoinHandle<()> {
+        tokio::spawn(ack::reply_loop(Arc::downgrade(&self.inner), stop))
+    }
+
     pub(crate) fn waiters(&self) -> &ack::Waiters {
         &self.inner.waiters
     }
@@ -579,15 +598,28 @@ impl Cluster {
         }
     }
 
-    /// Publishes an answer for the party `asker`; best effort, as `send`.
-    pub(crate) async fn send_ack(&self, asker: u64, ack: &Ack) {
+    /// Publishes an answer for the party `asker`, on its reply channel if
+    /// it reads one (`reply`), else on the heartbeat channel; best effort,
+    /// as `send`.
+    pub(crate) async fn send_ack(&self, asker: u64, reply: bool, ack: &Ack) {
         let stats = &self.inner.stats;
+        let transport = &self.inner.transport;
+        let topic = &self.inner.topic;
         let sent = match message::seal_ack(&self.inner.codec, asker, ack) {
             Ok(payload) => {
-                self.inner
-                    .transport
-                    .publish_heartbeat(&self.inner.topic, Bytes::from(payload))
-                    .await
+                let payload = Bytes::from(payload);
+                if reply {
+                    match transport.publish_reply(topic, asker, payload.clone()).await {
+                        // A transport of another kind than the asker's
+                        // says it has none: the shared channel, then.
+                        Err(e) if e.is_unsupported() => {
+                            transport.publish_heartbeat(topic, payload).await
+                        }
+                        other => other,
+                    }
+                } else {
+                    transport.publish_heartbeat(topic, payload).await
+                }
             }
             Err(e) => Err(e),
         };
@@ -682,9 +714,11 @@ impl Cluster {
     /// Stops a watcher's task (a node's view stops with the node).
     pub async fn shutdown(&self) {
         let task = lock(&self.inner.task).take();
-        if let Some((stop, task)) = task {
+        if let Some((stop, tasks)) = task {
             stop.send_replace(true);
-            let _ = task.await;
+            for task in tasks {
+                let _ = task.await;
+            }
         }
     }
 }

@@ -197,7 +197,7 @@ pub(super) async fn consume_loop(
                 }
                 apply_records(&shared, &mut seqs, records).await;
                 shared.applied.notify_one();
-                if shared.ack_queue.any_pending() {
+                if shared.ack_queue.active() {
                     shared.ack_queue.check(&seqs, &shared);
                 }
                 fetched

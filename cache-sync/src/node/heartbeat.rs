@@ -1,7 +1,7 @@
 //! The heartbeat task: sends this node's heartbeat every interval, takes the
-//! other nodes' in, answers roll calls with an early heartbeat, takes
+//! other nodes' in, answers roll calls with an early heartbeat, and takes
 //! acknowledgement requests in (the consume task decides when they are met,
-//! see `acks.rs`) and sends their answers.
+//! see `acks.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +12,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 
 use super::Shared;
-use crate::cluster::{Ack, Message, Request, next_backoff};
+use crate::cluster::{Message, Request, next_backoff};
 use crate::transport::HeartbeatSubscription;
 use crate::util::deadline_after;
 
@@ -20,12 +20,6 @@ use crate::util::deadline_after;
 /// (forged ones, on a bus that does not sign) cannot make a node flood the
 /// channel in turn.
 const MIN_EARLY_GAP: Duration = Duration::from_millis(5);
-/// The least time between two rounds of answers to acknowledgement
-/// requests: a round carries every answer ready by then, one message per
-/// asker, so a flood of requests costs the channel at most a round per
-/// millisecond per node, while a single acknowledged publish is answered
-/// at once.
-const MIN_ACK_GAP: Duration = Duration::from_millis(1);
 
 pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     let every = shared.config.heartbeat_interval;
@@ -33,6 +27,8 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
         return;
     }
     let cluster = shared.cluster.clone();
+    // The answers other nodes send to this node's own view's requests.
+    let replies = cluster.read_replies(stop.clone());
     let mut sub: Option<Reader> = None;
     let mut backoff = Duration::ZERO;
     let mut retry_at = Instant::now();
@@ -40,9 +36,6 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
     // node without waiting an interval.
     let mut tick = std::pin::pin!(sleep_until(Instant::now()));
     let mut last_sent: Option<Instant> = None;
-    let mut last_answered: Option<Instant> = None;
-    // Answers are ready, to go out once the gap since the last round passed.
-    let mut answers_due = false;
     let mut stopped = std::pin::pin!(async move {
         let _ = stop.wait_for(|s| *s).await;
     });
@@ -80,9 +73,6 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
             }
         }
         let mut early = false;
-        let answer_at = last_answered
-            .and_then(|at| at.checked_add(MIN_ACK_GAP))
-            .unwrap_or_else(Instant::now);
         tokio::select! {
             () = &mut stopped => break,
             () = &mut tick => {
@@ -94,19 +84,6 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
                 continue;
             }
             () = sleep_until(retry_at), if sub.is_none() => continue,
-            () = shared.ack_queue.answered.notified(), if !answers_due => {
-                answers_due = true;
-                continue;
-            }
-            () = sleep_until(answer_at), if answers_due => {
-                answers_due = false;
-                last_answered = Some(Instant::now());
-                tokio::select! {
-                    () = &mut stopped => break,
-                    () = answer(&shared) => {}
-                }
-                continue;
-            }
             next = next_message(&mut sub) => match next {
                 Ok(payload) => {
                     if let Some(request) = cluster.receive(&payload) {
@@ -140,21 +117,7 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
             }
         }
     }
-}
-
-/// Sends the answers the consume task found met: one message per asker,
-/// naming its requests.
-async fn answer(shared: &Shared) {
-    let mut ready = shared.ack_queue.take_ready();
-    ready.sort_unstable();
-    for group in ready.chunk_by(|a, b| a.0 == b.0) {
-        let ack = Ack {
-            topic: shared.topic.clone(),
-            node_id: shared.id.clone(),
-            ids: group.iter().map(|(_, id)| *id).collect(),
-        };
-        shared.cluster.send_ack(group[0].0, &ack).await;
-    }
+    let _ = replies.await;
 }
 
 async fn next_message(sub: &mut Option<Reader>) -> crate::error::Result<Bytes> {

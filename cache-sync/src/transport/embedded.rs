@@ -52,6 +52,9 @@ struct Topic {
     /// trim change history, and keeping nothing (a subscriber that lags
     /// behind its buffer skips ahead; heartbeats may be lost).
     heartbeats: broadcast::Sender<Bytes>,
+    /// Reply channels, by the party they are for: made by a subscription,
+    /// gone once nobody listens (at the next publish or subscription).
+    replies: Mutex<HashMap<u64, broadcast::Sender<Bytes>>>,
 }
 
 /// Heartbeat messages buffered per subscriber: some seconds of a large
@@ -163,6 +166,7 @@ impl EmbeddedTransport {
                     log: Mutex::default(),
                     end_tx: watch::Sender::new(0),
                     heartbeats: broadcast::Sender::new(HEARTBEAT_BUFFER),
+                    replies: Mutex::default(),
                 })
             })
             .clone()
@@ -270,6 +274,33 @@ impl Transport for EmbeddedTransport {
         Ok(Box::new(EmbeddedHeartbeats(
             self.topic(topic).heartbeats.subscribe(),
         )))
+    }
+
+    async fn publish_reply(&self, topic: &str, to: u64, payload: Bytes) -> Result<()> {
+        let topic = self.topic(topic);
+        let mut replies = lock(&topic.replies);
+        if let Some(channel) = replies.get(&to)
+            && channel.send(payload).is_err()
+        {
+            // Its party stopped listening.
+            replies.remove(&to);
+        }
+        Ok(())
+    }
+
+    async fn subscribe_replies(
+        &self,
+        topic: &str,
+        to: u64,
+    ) -> Result<Box<dyn HeartbeatSubscription>> {
+        let topic = self.topic(topic);
+        let mut replies = lock(&topic.replies);
+        // Parties gone without a last reply leave no channel behind.
+        replies.retain(|_, channel| channel.receiver_count() > 0);
+        let channel = replies
+            .entry(to)
+            .or_insert_with(|| broadcast::Sender::new(HEARTBEAT_BUFFER));
+        Ok(Box::new(EmbeddedHeartbeats(channel.subscribe())))
     }
 }
 

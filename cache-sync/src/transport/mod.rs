@@ -388,6 +388,41 @@ pub trait Transport: Send + Sync + 'static {
             what: "heartbeats",
         })
     }
+
+    /// Publishes one encoded message on the reply channel of the party `to`
+    /// (a random id per party), beside the topic's heartbeat channel: what
+    /// nodes answer to an acknowledgement request reaches only the party
+    /// that asked, so an acknowledged publish costs the transport one
+    /// delivery per node, not one per node and party. Like the heartbeat
+    /// channel, it may drop messages (the asker asks again) and keeps little
+    /// or nothing; nobody subscribed is no error.
+    ///
+    /// The default refuses with [`Error::Unsupported`](crate::Error): the
+    /// answers then go on the heartbeat channel, where every other party
+    /// skips them unread.
+    async fn publish_reply(&self, topic: &str, to: u64, payload: Bytes) -> Result<()> {
+        let _ = (topic, to, payload);
+        Err(crate::Error::Unsupported {
+            transport: self.kind(),
+            what: "reply channels",
+        })
+    }
+
+    /// Subscribes to the reply channel of the party `to`: what is published
+    /// on it from now on.
+    ///
+    /// The default refuses with [`Error::Unsupported`](crate::Error).
+    async fn subscribe_replies(
+        &self,
+        topic: &str,
+        to: u64,
+    ) -> Result<Box<dyn HeartbeatSubscription>> {
+        let _ = (topic, to);
+        Err(crate::Error::Unsupported {
+            transport: self.kind(),
+            what: "reply channels",
+        })
+    }
 }
 
 /// A live subscription to a topic's heartbeat channel. Unlike a
@@ -449,6 +484,18 @@ impl<T: Transport + ?Sized> Transport for std::sync::Arc<T> {
 
     async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
         (**self).subscribe_heartbeats(topic).await
+    }
+
+    async fn publish_reply(&self, topic: &str, to: u64, payload: Bytes) -> Result<()> {
+        (**self).publish_reply(topic, to, payload).await
+    }
+
+    async fn subscribe_replies(
+        &self,
+        topic: &str,
+        to: u64,
+    ) -> Result<Box<dyn HeartbeatSubscription>> {
+        (**self).subscribe_replies(topic, to).await
     }
 }
 

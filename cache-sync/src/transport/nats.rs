@@ -253,6 +253,13 @@ impl NatsJetStreamTransport {
         format!("{}.hb", self.subject(topic))
     }
 
+    /// `<subject>.hb.r.<to, 16 hex digits>`, a party's reply subject:
+    /// longer still, so no stream stores it, and no subscription to the
+    /// heartbeat subject (which has no wildcard) takes it.
+    fn reply_subject(&self, topic: &str, to: u64) -> String {
+        format!("{}.r.{to:016x}", self.heartbeat_subject(topic))
+    }
+
     /// `<prefix>_<topic>`, each escaped to letters, digits and `-` (others
     /// as `=XX`), so the one `_` between them keeps the name injective:
     /// `tenant.a` and `tenant_a` get streams of their own. Names made of
@@ -539,9 +546,37 @@ impl Transport for NatsJetStreamTransport {
 
     async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
         self.check_topic(topic)?;
+        self.publish_beat(self.heartbeat_subject(topic), payload)
+            .await
+    }
+
+    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
+        self.check_topic(topic)?;
+        self.subscribe_beats(self.heartbeat_subject(topic)).await
+    }
+
+    async fn publish_reply(&self, topic: &str, to: u64, payload: Bytes) -> Result<()> {
+        self.check_topic(topic)?;
+        self.publish_beat(self.reply_subject(topic, to), payload)
+            .await
+    }
+
+    async fn subscribe_replies(
+        &self,
+        topic: &str,
+        to: u64,
+    ) -> Result<Box<dyn HeartbeatSubscription>> {
+        self.check_topic(topic)?;
+        self.subscribe_beats(self.reply_subject(topic, to)).await
+    }
+}
+
+impl NatsJetStreamTransport {
+    /// Publishes on a core subject (a heartbeat or reply subject).
+    async fn publish_beat(&self, subject: String, payload: Bytes) -> Result<()> {
         let sent = async {
             self.client
-                .publish(self.heartbeat_subject(topic), payload)
+                .publish(subject, payload)
                 .await
                 .map_err(|e| self.err(e))?;
             // `publish` only queues the message; the flush shows a failure
@@ -553,16 +588,16 @@ impl Transport for NatsJetStreamTransport {
             .map_err(|e| self.err(e))?
     }
 
-    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
-        self.check_topic(topic)?;
+    /// Subscribes to a core subject (a heartbeat or reply subject).
+    async fn subscribe_beats(&self, subject: String) -> Result<Box<dyn HeartbeatSubscription>> {
         let subscriber = self
             .client
-            .subscribe(self.heartbeat_subject(topic))
+            .subscribe(subject)
             .await
             .map_err(|e| self.err(e))?;
         // One round trip on the same connection: the server handles a
         // connection's messages in order, so once it answers, the SUB is
-        // in place and a heartbeat published from now on reaches it. A
+        // in place and a message published from now on reaches it. A
         // request to a fresh inbox nobody listens on is answered at once
         // by the server itself, with "no responders".
         match self

@@ -4,8 +4,11 @@
 
 use std::time::Duration;
 
+use async_trait::async_trait;
+
 use super::*;
 use crate::cluster::{Ack, Message, Request, Target};
+use crate::transport::HeartbeatSubscription;
 use crate::{Cluster, Incomplete};
 
 const EVERY: Duration = Duration::from_millis(100);
@@ -145,6 +148,7 @@ async fn answers_are_small_and_only_their_asker_reads_them() {
         topic: "cache-sync".into(),
         node_id: "n1".into(),
         ids: vec![u64::MAX],
+        progress: Vec::new(),
     };
     let sealed = crate::cluster::seal_ack_message(&plain, 42, &ack).unwrap();
     assert!(sealed.len() < 80, "{} bytes", sealed.len());
@@ -211,6 +215,7 @@ async fn requests_are_answered_when_met_and_again_when_repeated() {
             within_ms: 60_000,
             asker: 77,
             id: seq,
+            reply: false,
         })
     };
     let mut answers = transport.subscribe_heartbeats("cache-sync").await.unwrap();
@@ -276,4 +281,97 @@ fn a_loss_keeps_what_was_applied_for_acknowledgements() {
     assert_eq!(seqs.applied(1, "a"), Some(9));
     assert_eq!(seqs.observe(1, "a", 11), Some(1), "gaps count again");
     assert_eq!(seqs.applied(2, "a"), None);
+}
+
+/// The embedded transport, whose heartbeat channel drops every
+/// acknowledgement request once `drop_requests` is set.
+#[derive(Debug, Clone, Default)]
+struct DeafToRequests {
+    inner: EmbeddedTransport,
+    drop_requests: Arc<AtomicBool>,
+}
+
+#[async_trait]
+impl Transport for DeafToRequests {
+    fn kind(&self) -> &'static str {
+        "deaf-to-requests"
+    }
+
+    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        self.inner.publish(topic, tag, payload).await
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        self.inner.subscribe(topic, options).await
+    }
+
+    async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
+        let request = payload.windows(16).any(|w| w == b"\"type\":\"request\"");
+        if request && self.drop_requests.load(Relaxed) {
+            return Ok(());
+        }
+        self.inner.publish_heartbeat(topic, payload).await
+    }
+
+    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
+        self.inner.subscribe_heartbeats(topic).await
+    }
+
+    async fn publish_reply(&self, topic: &str, to: u64, payload: Bytes) -> Result<()> {
+        self.inner.publish_reply(topic, to, payload).await
+    }
+
+    async fn subscribe_replies(
+        &self,
+        topic: &str,
+        to: u64,
+    ) -> Result<Box<dyn HeartbeatSubscription>> {
+        self.inner.subscribe_replies(topic, to).await
+    }
+}
+
+/// Issue 21, item 11: an acknowledged publish used to cost a request's
+/// round trip after the publish. A node now follows, for a while after a
+/// request, what it asked about, and tells the asker as each batch moves it
+/// on: the next publish's acknowledgement completes from that, with no
+/// request reaching the node at all; once the follow lapses, only a request
+/// can.
+#[tokio::test(start_paused = true)]
+async fn a_followed_publisher_is_acknowledged_as_it_is_applied() {
+    let transport = DeafToRequests::default();
+    let a = cache("countries");
+    let node = Node::builder("n1", transport.clone())
+        .heartbeat_interval(EVERY)
+        .reorder_window(Duration::ZERO)
+        .register(&a)
+        .start()
+        .await
+        .unwrap();
+    let watcher = Cluster::builder(transport.clone())
+        .heartbeat_interval(EVERY)
+        .start()
+        .await
+        .unwrap();
+    let publisher = Publisher::new(transport.inner.clone());
+    let first = publisher.refresh("countries", [("de", "1")]).await.unwrap();
+    let acks = first.applied_by(&watcher, Duration::from_secs(10)).await;
+    assert!(acks.is_complete(), "{acks:?}");
+    // From now on no request reaches any node.
+    transport.drop_requests.store(true, Relaxed);
+    let second = publisher.refresh("countries", [("de", "2")]).await.unwrap();
+    let acks = second.applied_by(&watcher, Duration::from_secs(5)).await;
+    assert!(acks.is_complete(), "told as it applied: {acks:?}");
+    assert!(acks.nodes[0].latency.is_some());
+    // The follow lapses 10 s after the last request the node got.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let third = publisher.refresh("countries", [("de", "3")]).await.unwrap();
+    eventually("applied", async || holds(&a, "de", Some("3")).await).await;
+    let acks = third.applied_by(&watcher, Duration::from_secs(2)).await;
+    assert_eq!(acks.incomplete, Some(Incomplete::Pending), "{acks:?}");
+    watcher.shutdown().await;
+    node.shutdown().await.unwrap();
 }

@@ -394,6 +394,7 @@ async fn requests_and_garbage_on_the_channel_change_nothing() {
                 within_ms: u64::MAX,
                 asker: i,
                 id: i,
+                reply: i % 2 == 0,
             }
         };
         let payload = crate::cluster::seal_message(&plain, &Message::Request(request)).unwrap();

@@ -175,6 +175,11 @@ impl RedisPubSubTransport {
         format!("{}:hb", self.channel(topic))
     }
 
+    /// `<channel>:hb:r:<to, 16 hex digits>`: a party's reply channel.
+    fn reply_channel(&self, topic: &str, to: u64) -> String {
+        format!("{}:r:{to:016x}", self.heartbeat_channel(topic))
+    }
+
     /// A pub/sub connection subscribed to `channel`, each step bounded by
     /// the response timeout.
     async fn listen(
@@ -263,7 +268,30 @@ impl Transport for RedisPubSubTransport {
 
     async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
         self.check_topic(topic)?;
-        let (sink, stream) = self.listen(&self.heartbeat_channel(topic)).await?;
+        self.listen_beats(&self.heartbeat_channel(topic)).await
+    }
+
+    async fn publish_reply(&self, topic: &str, to: u64, payload: Bytes) -> Result<()> {
+        self.check_topic(topic)?;
+        self.publish_to(self.reply_channel(topic, to), &payload)
+            .await
+    }
+
+    async fn subscribe_replies(
+        &self,
+        topic: &str,
+        to: u64,
+    ) -> Result<Box<dyn HeartbeatSubscription>> {
+        self.check_topic(topic)?;
+        self.listen_beats(&self.reply_channel(topic, to)).await
+    }
+}
+
+impl RedisPubSubTransport {
+    /// A heartbeat or reply channel's subscription, on a connection of its
+    /// own.
+    async fn listen_beats(&self, channel: &str) -> Result<Box<dyn HeartbeatSubscription>> {
+        let (sink, stream) = self.listen(channel).await?;
         Ok(Box::new(PubSubHeartbeats {
             sink,
             stream,

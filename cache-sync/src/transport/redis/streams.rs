@@ -84,7 +84,9 @@ return {added, length, last, stream_epoch()}
 ///   and each publish sets it to expire a minute later, so a topic nobody
 ///   beats on any more leaves no key behind. A heartbeat subscription reads
 ///   it with `XREAD BLOCK` from where it ended when the subscription was
-///   made.
+///   made. A party's reply channel ([`Transport::publish_reply`]) is a
+///   stream of the same kind, `<stream key>:hb:r:<party, 16 hex digits>`,
+///   read only by that party.
 ///
 /// Needs Redis 7.0 or later (`entries-added` in `XINFO STREAM`).
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
@@ -253,6 +255,13 @@ impl RedisStreamsTransport {
     /// Made apart from [`keys`](Self::keys), which every publish calls.
     fn heartbeat_key(&self, topic: &str) -> String {
         format!("{}{}:hb", self.config.key_prefix, key_part(topic))
+    }
+
+    /// `<stream key>:hb:r:<to, 16 hex digits>`: a party's reply stream,
+    /// after the heartbeat stream's key, so no other key of this or
+    /// another topic.
+    fn reply_key(&self, topic: &str, to: u64) -> String {
+        format!("{}:r:{to:016x}", self.heartbeat_key(topic))
     }
 
     fn block_ms(&self) -> u64 {
@@ -530,7 +539,33 @@ impl Transport for RedisStreamsTransport {
 
     async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
         self.check_topic(topic)?;
-        let key = self.heartbeat_key(topic);
+        self.publish_beat(self.heartbeat_key(topic), &payload).await
+    }
+
+    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
+        self.check_topic(topic)?;
+        self.read_beats(self.heartbeat_key(topic)).await
+    }
+
+    async fn publish_reply(&self, topic: &str, to: u64, payload: Bytes) -> Result<()> {
+        self.check_topic(topic)?;
+        self.publish_beat(self.reply_key(topic, to), &payload).await
+    }
+
+    async fn subscribe_replies(
+        &self,
+        topic: &str,
+        to: u64,
+    ) -> Result<Box<dyn HeartbeatSubscription>> {
+        self.check_topic(topic)?;
+        self.read_beats(self.reply_key(topic, to)).await
+    }
+}
+
+impl RedisStreamsTransport {
+    /// Appends to a heartbeat or reply stream, which expires a while after
+    /// its last message, so a channel nobody uses any more leaves no key.
+    async fn publish_beat(&self, key: String, payload: &[u8]) -> Result<()> {
         let ttl_ms = u64::try_from(HEARTBEAT_TTL.as_millis()).unwrap_or(u64::MAX);
         let mut conn = self.publisher.clone();
         // In one MULTI: the key never lives on without its expiry.
@@ -543,7 +578,7 @@ impl Transport for RedisStreamsTransport {
             .arg(HEARTBEAT_MAX_LEN)
             .arg("*")
             .arg("p")
-            .arg(payload.as_ref())
+            .arg(payload)
             .cmd("PEXPIRE")
             .arg(&key)
             .arg(ttl_ms)
@@ -553,9 +588,8 @@ impl Transport for RedisStreamsTransport {
         Ok(())
     }
 
-    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
-        self.check_topic(topic)?;
-        let key = self.heartbeat_key(topic);
+    /// Reads a heartbeat or reply stream from where it ends now.
+    async fn read_beats(&self, key: String) -> Result<Box<dyn HeartbeatSubscription>> {
         let mut conn = self.reader().await?;
         // The end is fixed now, not by the first `XREAD` with `$`: what is
         // published between this return and the first `next` is delivered.
