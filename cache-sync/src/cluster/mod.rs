@@ -53,6 +53,8 @@ pub(crate) const MISSED_INTERVALS: u32 = 3;
 /// heartbeat intervals are sooner): a node answers at once, so this covers
 /// the transport's round trip with room to spare.
 const ROLL_CALL_GRACE: Duration = Duration::from_millis(500);
+/// Nodes gone at once that get a log line each; the rest one line in all.
+const GONE_LOGGED: usize = 10;
 /// How long a gone node is still listed as gone (not as live).
 const GONE_KEPT: Duration = Duration::from_secs(300);
 /// Bounds the members a view keeps, against a flood of made-up node ids
@@ -441,9 +443,16 @@ impl Cluster {
     /// The members, those expired moved to the nodes gone.
     fn members(&self, now: Instant) -> std::sync::MutexGuard<'_, members::Members> {
         let mut members = lock(&self.inner.members);
-        for id in members.expire(now) {
+        let went = members.expire(now);
+        // A line per node, but not 10,000 of them when a flood of made-up
+        // ids (an unsigned bus) expires at once.
+        for id in went.iter().take(GONE_LOGGED) {
             tracing::info!(observer = %self.inner.observer, node = %id,
                 "node gone: no heartbeat for three of its intervals");
+        }
+        if let Some(more) = went.len().checked_sub(GONE_LOGGED).filter(|&n| n > 0) {
+            tracing::info!(observer = %self.inner.observer, more,
+                "more nodes gone at once: no heartbeat for three of their intervals");
         }
         members
     }
