@@ -20,8 +20,8 @@ use cache_sync::{RedisPubSubTransport, RedisStreamsTransport};
 use integration_tests::cluster_view;
 use integration_tests::conformance::{
     Expect, Fault, Fixture, a_refusal_is_no_disconnect, health_follows_the_broker,
-    heartbeat_channel, names_map_one_to_one, normal_path, publish_cut_at_the_tail,
-    publish_cut_mid_flight, regrow, reply_channel, retry, survives,
+    heartbeat_channel, heartbeats_take_no_room_in_the_history, names_map_one_to_one, normal_path,
+    publish_cut_at_the_tail, publish_cut_mid_flight, regrow, reply_channel, retry, survives,
 };
 #[cfg(feature = "nats")]
 use integration_tests::nats_server::NatsServer;
@@ -350,6 +350,11 @@ impl Fixture for Nats {
         Some(Duration::from_secs(5))
     }
 
+    fn max_message_bytes(&self) -> Option<usize> {
+        // The server's default `max_payload`.
+        Some(1 << 20)
+    }
+
     fn kill(&mut self) {
         self.server.kill();
     }
@@ -432,6 +437,11 @@ impl Fixture for RocketMq {
         Some(Duration::from_secs(5))
     }
 
+    fn max_message_bytes(&self) -> Option<usize> {
+        // The broker's default `maxMessageSize`.
+        Some(4 << 20)
+    }
+
     fn kill(&mut self) {
         self.server.kill();
     }
@@ -462,130 +472,240 @@ async fn pause(server: &RedisServer) {
     server.resume();
 }
 
+/// Every scenario, once: a test named after it runs this on `$fixture`.
+/// A name missing here is a compile error where a transport lists it.
+macro_rules! case {
+    ($f:expr, normal_path_every_node_gets_every_event_in_order) => {
+        normal_path(&mut $f).await
+    };
+    ($f:expr, broker_killed_and_restarted) => {
+        survives(&mut $f, Fault::BrokerRestart).await
+    };
+    ($f:expr, broker_paused_past_client_timeouts) => {
+        survives(&mut $f, Fault::BrokerPause).await
+    };
+    ($f:expr, connections_killed) => {
+        survives(&mut $f, Fault::ConnectionKill).await
+    };
+    ($f:expr, history_trimmed_past_a_reader) => {
+        survives(&mut $f, Fault::TrimPastReader).await
+    };
+    ($f:expr, slow_subscriber_disconnected_by_buffer_limit) => {
+        survives(&mut $f, Fault::BufferLimitDisconnect).await
+    };
+    ($f:expr, node_process_restarted) => {
+        survives(&mut $f, Fault::NodeRestart).await
+    };
+    ($f:expr, broker_wiped_while_a_node_was_paused) => {
+        survives(&mut $f, Fault::WipeWhilePaused).await
+    };
+    ($f:expr, health_follows_a_killed_broker) => {
+        health_follows_the_broker(&mut $f).await
+    };
+    ($f:expr, publish_cut_mid_flight_resyncs_only_that_cache) => {
+        publish_cut_mid_flight(&mut $f).await
+    };
+    ($f:expr, publish_cut_at_the_tail_is_found_by_the_announcement) => {
+        publish_cut_at_the_tail(&mut $f).await
+    };
+    ($f:expr, names_map_one_to_one_onto_broker_resources) => {
+        names_map_one_to_one(&mut $f).await
+    };
+    ($f:expr, heartbeat_channel_beside_the_change_history) => {
+        heartbeat_channel(&mut $f).await
+    };
+    ($f:expr, heartbeats_take_no_room_in_the_change_history) => {
+        heartbeats_take_no_room_in_the_history(&mut $f).await
+    };
+    ($f:expr, replies_reach_only_their_party) => {
+        reply_channel(&mut $f).await
+    };
+    ($f:expr, a_refused_publish_is_no_disconnect) => {
+        a_refusal_is_no_disconnect(&mut $f).await
+    };
+    ($f:expr, cluster_view_converges_and_publishes_are_acknowledged) => {
+        cluster_view::converges_and_acknowledges(&mut $f).await
+    };
+    ($f:expr, a_stopped_node_leaves_the_cluster_view) => {
+        cluster_view::a_stopped_node_is_gone_after_three_intervals(&mut $f).await
+    };
+    ($f:expr, readiness_follows_a_paused_broker) => {
+        cluster_view::readiness_follows_a_paused_broker(&mut $f).await
+    };
+}
+
+/// The scenarios every transport lists, each either run or ignored with
+/// its reason (`scripts/test` counts both per transport).
+const SCENARIOS: &[&str] = &[
+    "normal_path_every_node_gets_every_event_in_order",
+    "broker_killed_and_restarted",
+    "broker_paused_past_client_timeouts",
+    "connections_killed",
+    "history_trimmed_past_a_reader",
+    "slow_subscriber_disconnected_by_buffer_limit",
+    "node_process_restarted",
+    "broker_wiped_while_a_node_was_paused",
+    "health_follows_a_killed_broker",
+    "publish_cut_mid_flight_resyncs_only_that_cache",
+    "publish_cut_at_the_tail_is_found_by_the_announcement",
+    "names_map_one_to_one_onto_broker_resources",
+    "heartbeat_channel_beside_the_change_history",
+    "heartbeats_take_no_room_in_the_change_history",
+    "replies_reach_only_their_party",
+    "a_refused_publish_is_no_disconnect",
+    "cluster_view_converges_and_publishes_are_acknowledged",
+    "a_stopped_node_leaves_the_cluster_view",
+    "readiness_follows_a_paused_broker",
+];
+
+/// A module of tests for one transport: every scenario in [`SCENARIOS`],
+/// those its fixture cannot produce marked `ignore` with the reason, so
+/// that `cargo test` prints them as ignored rather than `ok`. The fixture
+/// agrees: an ignored case run anyway fails (`conformance::cannot_run`).
 macro_rules! conformance {
-    ($module:ident, $fixture:expr) => {
+    ($module:ident, $fixture:expr, { $($name:ident $(= ignore $why:literal)?),* $(,)? }) => {
         mod $module {
             use super::*;
 
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn normal_path_every_node_gets_every_event_in_order() {
-                normal_path(&mut $fixture).await;
-            }
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                $(#[ignore = $why])?
+                async fn $name() {
+                    case!($fixture, $name)
+                }
+            )*
 
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn broker_killed_and_restarted() {
-                survives(&mut $fixture, Fault::BrokerRestart).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn broker_paused_past_client_timeouts() {
-                survives(&mut $fixture, Fault::BrokerPause).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn connections_killed() {
-                survives(&mut $fixture, Fault::ConnectionKill).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn history_trimmed_past_a_reader() {
-                survives(&mut $fixture, Fault::TrimPastReader).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn slow_subscriber_disconnected_by_buffer_limit() {
-                survives(&mut $fixture, Fault::BufferLimitDisconnect).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn node_process_restarted() {
-                survives(&mut $fixture, Fault::NodeRestart).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn broker_wiped_while_a_node_was_paused() {
-                survives(&mut $fixture, Fault::WipeWhilePaused).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn health_follows_a_killed_broker() {
-                health_follows_the_broker(&mut $fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn publish_cut_mid_flight_resyncs_only_that_cache() {
-                publish_cut_mid_flight(&mut $fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn publish_cut_at_the_tail_is_found_by_the_announcement() {
-                publish_cut_at_the_tail(&mut $fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn names_map_one_to_one_onto_broker_resources() {
-                names_map_one_to_one(&mut $fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn heartbeat_channel_beside_the_change_history() {
-                heartbeat_channel(&mut $fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn replies_reach_only_their_party() {
-                reply_channel(&mut $fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_refused_publish_is_no_disconnect() {
-                a_refusal_is_no_disconnect(&mut $fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn cluster_view_converges_and_publishes_are_acknowledged() {
-                cluster_view::converges_and_acknowledges(&mut $fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_stopped_node_leaves_the_cluster_view() {
-                cluster_view::a_stopped_node_is_gone_after_three_intervals(&mut $fixture).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn readiness_follows_a_paused_broker() {
-                cluster_view::readiness_follows_a_paused_broker(&mut $fixture).await;
+            #[test]
+            fn every_scenario_is_listed_once() {
+                let mut listed = vec![$(stringify!($name)),*];
+                listed.sort_unstable();
+                let mut all = SCENARIOS.to_vec();
+                all.sort_unstable();
+                assert_eq!(listed, all, "{}: run or ignore each scenario once", stringify!($module));
             }
         }
     };
 }
 
-conformance!(embedded, Embedded::new());
+conformance!(embedded, Embedded::new(), {
+    normal_path_every_node_gets_every_event_in_order,
+    broker_killed_and_restarted = ignore "in-process: no broker to kill",
+    broker_paused_past_client_timeouts = ignore "in-process: no broker to pause",
+    connections_killed = ignore "in-process: no connection to kill",
+    history_trimmed_past_a_reader,
+    slow_subscriber_disconnected_by_buffer_limit =
+        ignore "a reader that falls behind keeps its place until the history is trimmed",
+    node_process_restarted,
+    broker_wiped_while_a_node_was_paused = ignore "in-process: no broker to wipe",
+    health_follows_a_killed_broker = ignore "in-process: no broker to kill",
+    publish_cut_mid_flight_resyncs_only_that_cache,
+    publish_cut_at_the_tail_is_found_by_the_announcement,
+    names_map_one_to_one_onto_broker_resources,
+    heartbeat_channel_beside_the_change_history,
+    heartbeats_take_no_room_in_the_change_history =
+        ignore "in-process: no broker whose storage the suite can look at",
+    replies_reach_only_their_party,
+    a_refused_publish_is_no_disconnect,
+    cluster_view_converges_and_publishes_are_acknowledged,
+    a_stopped_node_leaves_the_cluster_view,
+    readiness_follows_a_paused_broker = ignore "in-process: no broker to pause",
+});
+
 #[cfg(feature = "redis")]
-conformance!(
-    redis_streams,
-    Streams {
-        server: RedisServer::start()
-    }
-);
+conformance!(redis_streams, Streams { server: RedisServer::start() }, {
+    normal_path_every_node_gets_every_event_in_order,
+    broker_killed_and_restarted,
+    broker_paused_past_client_timeouts,
+    connections_killed,
+    history_trimmed_past_a_reader,
+    slow_subscriber_disconnected_by_buffer_limit =
+        ignore "a reader that falls behind stays in the stream; only trimming loses",
+    node_process_restarted,
+    broker_wiped_while_a_node_was_paused,
+    health_follows_a_killed_broker,
+    publish_cut_mid_flight_resyncs_only_that_cache,
+    publish_cut_at_the_tail_is_found_by_the_announcement,
+    names_map_one_to_one_onto_broker_resources,
+    heartbeat_channel_beside_the_change_history,
+    heartbeats_take_no_room_in_the_change_history,
+    replies_reach_only_their_party,
+    a_refused_publish_is_no_disconnect,
+    cluster_view_converges_and_publishes_are_acknowledged,
+    a_stopped_node_leaves_the_cluster_view,
+    readiness_follows_a_paused_broker,
+});
+
 #[cfg(feature = "redis")]
-conformance!(
-    redis_pubsub,
-    PubSub {
-        server: RedisServer::start()
-    }
-);
+conformance!(redis_pubsub, PubSub { server: RedisServer::start() }, {
+    normal_path_every_node_gets_every_event_in_order,
+    broker_killed_and_restarted,
+    broker_paused_past_client_timeouts,
+    connections_killed,
+    history_trimmed_past_a_reader = ignore "Pub/Sub keeps no history to trim",
+    slow_subscriber_disconnected_by_buffer_limit,
+    node_process_restarted,
+    broker_wiped_while_a_node_was_paused,
+    health_follows_a_killed_broker,
+    publish_cut_mid_flight_resyncs_only_that_cache,
+    publish_cut_at_the_tail_is_found_by_the_announcement,
+    names_map_one_to_one_onto_broker_resources,
+    heartbeat_channel_beside_the_change_history,
+    heartbeats_take_no_room_in_the_change_history =
+        ignore "Pub/Sub stores neither heartbeats nor history",
+    replies_reach_only_their_party,
+    a_refused_publish_is_no_disconnect,
+    cluster_view_converges_and_publishes_are_acknowledged,
+    a_stopped_node_leaves_the_cluster_view,
+    readiness_follows_a_paused_broker,
+});
+
 #[cfg(feature = "nats")]
-conformance!(
-    nats_jetstream,
-    Nats {
-        server: NatsServer::start()
-    }
-);
+conformance!(nats_jetstream, Nats { server: NatsServer::start() }, {
+    normal_path_every_node_gets_every_event_in_order,
+    broker_killed_and_restarted,
+    broker_paused_past_client_timeouts,
+    connections_killed = ignore "the server has no command to cut one client off",
+    history_trimmed_past_a_reader,
+    slow_subscriber_disconnected_by_buffer_limit =
+        ignore "a consumer that falls behind stays in the stream; only its limits lose",
+    node_process_restarted,
+    broker_wiped_while_a_node_was_paused,
+    health_follows_a_killed_broker,
+    publish_cut_mid_flight_resyncs_only_that_cache,
+    publish_cut_at_the_tail_is_found_by_the_announcement,
+    names_map_one_to_one_onto_broker_resources,
+    heartbeat_channel_beside_the_change_history,
+    heartbeats_take_no_room_in_the_change_history =
+        ignore "heartbeats are core NATS messages, which the server never stores",
+    replies_reach_only_their_party,
+    a_refused_publish_is_no_disconnect,
+    cluster_view_converges_and_publishes_are_acknowledged,
+    a_stopped_node_leaves_the_cluster_view,
+    readiness_follows_a_paused_broker,
+});
+
 #[cfg(feature = "rocketmq")]
-conformance!(
-    rocketmq,
-    RocketMq {
-        server: RocketMqServer::start()
-    }
-);
+conformance!(rocketmq, RocketMq { server: RocketMqServer::start() }, {
+    normal_path_every_node_gets_every_event_in_order,
+    broker_killed_and_restarted,
+    broker_paused_past_client_timeouts,
+    connections_killed = ignore "the broker has no command to cut one client off",
+    history_trimmed_past_a_reader =
+        ignore "the broker deletes commit-log files only on its retention schedule",
+    slow_subscriber_disconnected_by_buffer_limit =
+        ignore "a slow reader is held back (its queue suspended), never dropped",
+    node_process_restarted,
+    broker_wiped_while_a_node_was_paused,
+    health_follows_a_killed_broker,
+    publish_cut_mid_flight_resyncs_only_that_cache,
+    publish_cut_at_the_tail_is_found_by_the_announcement,
+    names_map_one_to_one_onto_broker_resources,
+    heartbeat_channel_beside_the_change_history,
+    heartbeats_take_no_room_in_the_change_history =
+        ignore "heartbeats go to a topic of their own, and the suite has no look into the broker's store",
+    replies_reach_only_their_party,
+    a_refused_publish_is_no_disconnect,
+    cluster_view_converges_and_publishes_are_acknowledged,
+    a_stopped_node_leaves_the_cluster_view,
+    readiness_follows_a_paused_broker = ignore "the client notices a hung (SIGSTOPped) broker only when a connection closes: nodes stay ready through a pause (docs/transports.md)",
+});
