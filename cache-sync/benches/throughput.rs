@@ -11,7 +11,7 @@
 //! Without `--bench` on the command line (as under `cargo test
 //! --all-targets`) it runs a tiny smoke pass over the same code and checks.
 //!
-//! Method, briefly (docs/benchmarks.md has the discussion):
+//! Method, briefly (docs/benchmarks/throughput.md has the discussion):
 //! - Everything runs as tasks on a hand-built multi-thread runtime with one
 //!   worker per core. The driver is itself a task, so it shares the cores with
 //!   what it measures instead of getting a thread of its own.

@@ -14,7 +14,7 @@
 //! for a cache-invalidation transport) on a free loopback port, through
 //! `integration_tests::redis_server`.
 //!
-//! Method, briefly (docs/benchmarks.md has the discussion):
+//! Method, briefly (docs/benchmarks/heartbeats.md and acks.md have the discussion):
 //! - Every node has its own transport client, as separate processes would;
 //!   all nodes, publishers, the watcher and the observer share one tokio
 //!   runtime with one worker per core. Every configuration has its own 16

@@ -16,7 +16,7 @@
 //! It starts its own `redis-server` on a free loopback port (never the
 //! system one on 6379), through `integration_tests::redis_server`.
 //!
-//! Method, briefly (docs/benchmarks.md has the discussion):
+//! Method, briefly (docs/benchmarks/redis.md has the discussion):
 //! - Every node has its own transport client (its own connections), as separate
 //!   processes would; all of them, the publisher and the observer share one
 //!   tokio runtime with one worker per core.
