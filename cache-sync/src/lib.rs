@@ -215,7 +215,9 @@
 //! `Duration::MAX` means "as long as the process runs" where a duration is
 //! a window; settings out of range (a zero capacity, a transport timeout
 //! over an hour) are refused with [`Error::Config`] when the builder
-//! finishes, never silently clamped. An automatic row
+//! finishes, never clamped, except where a setter's docs name its ceiling
+//! ([`SyncedCacheBuilder::max_tracked_keys`] counts values above 2³² − 2 as
+//! that). An automatic row
 //! version after `u64::MAX` is [`Error::VersionExhausted`].
 //!
 //! ## Heartbeats and the cluster view

@@ -384,6 +384,8 @@ impl Node {
     /// - `GET /cache-sync/caches/{name}`: one [`CacheStatus`](crate::CacheStatus), or 404;
     /// - `GET /cache-sync/cluster`: [`cluster`](Self::cluster)'s
     ///   [`ClusterView`](crate::ClusterView) as JSON;
+    /// - `GET /cache-sync/` (and `/cache-sync`): the cluster page, an HTML
+    ///   view of the same for a browser, paged past a size (`?page=N`);
     /// - `GET /livez`: 200 while [`is_alive`](Self::is_alive), else 503;
     /// - `GET /readyz`: 200 while [`is_ready`](Self::is_ready), else 503
     ///   with the reasons;

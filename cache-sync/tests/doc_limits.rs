@@ -1,0 +1,383 @@
+//! The defaults and limits that `docs/design.md` and `docs/transports.md`
+//! state, checked against the constants in the code, in the style of
+//! `tests/layers.rs`: each row names a constant, reads its value from the
+//! source, and requires the doc to say it in the row's words. A changed
+//! constant fails here until its doc says the new value.
+
+use std::collections::HashMap;
+use std::fs;
+use std::path::Path;
+
+/// A constant's value: a count, or a duration in milliseconds.
+type Value = u128;
+
+/// Evaluates the right-hand side of a `const` the way the rows need:
+/// integers (with `_`), `<<`, `*`, `-`, parentheses, `Duration::from_secs`,
+/// `from_millis`, and other constants of the same file or crate.
+fn eval(expr: &str, known: &HashMap<String, String>, depth: u32) -> Value {
+    assert!(
+        depth < 8,
+        "constants refer to each other too deeply: {expr}"
+    );
+    let expr = expr.trim();
+    for (call, scale) in [
+        ("Duration::from_secs(", 1000),
+        ("Duration::from_millis(", 1),
+    ] {
+        if let Some(inner) = expr.strip_prefix(call).and_then(|e| e.strip_suffix(')')) {
+            return eval(inner, known, depth + 1) * scale;
+        }
+    }
+    if let Some(inner) = expr.strip_prefix('(').and_then(|e| e.strip_suffix(')')) {
+        return eval(inner, known, depth + 1);
+    }
+    for (op, f) in [
+        (" << ", (|a, b| a << b) as fn(Value, Value) -> Value),
+        (" - ", |a, b| a - b),
+        (" * ", |a, b| a * b),
+    ] {
+        if let Some((a, b)) = expr.rsplit_once(op) {
+            return f(eval(a, known, depth + 1), eval(b, known, depth + 1));
+        }
+    }
+    if let Ok(n) = expr.replace('_', "").parse() {
+        return n;
+    }
+    let name = expr.rsplit("::").next().unwrap();
+    let rhs = known
+        .get(name)
+        .unwrap_or_else(|| panic!("cannot evaluate {expr:?}"));
+    eval(rhs, known, depth + 1)
+}
+
+/// The value of a name two constants of different values share.
+const AMBIGUOUS: &str = "<two constants of this name>";
+
+/// Every `const NAME: T = EXPR;` on one line in the crate's sources.
+fn constants() -> HashMap<String, String> {
+    fn walk(dir: &Path, out: &mut HashMap<String, String>) {
+        for entry in fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                for line in fs::read_to_string(&path).unwrap().lines() {
+                    let line = line.trim_start();
+                    let line = line
+                        .strip_prefix("pub(crate) ")
+                        .or_else(|| line.strip_prefix("pub(super) "))
+                        .or_else(|| line.strip_prefix("pub "))
+                        .unwrap_or(line);
+                    let Some(rest) = line.strip_prefix("const ") else {
+                        continue;
+                    };
+                    let (Some((name, _)), Some((_, rhs))) =
+                        (rest.split_once(':'), rest.split_once(" = "))
+                    else {
+                        continue;
+                    };
+                    if let Some(rhs) = rhs.strip_suffix(';') {
+                        // Two constants of one name that disagree make a row
+                        // that names it ambiguous: it then fails, below.
+                        let rhs = match out.get(name) {
+                            Some(previous) if previous != rhs => AMBIGUOUS.to_owned(),
+                            _ => rhs.to_owned(),
+                        };
+                        out.insert(name.to_owned(), rhs);
+                    }
+                }
+            }
+        }
+    }
+    let mut out = HashMap::new();
+    walk(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"), &mut out);
+    out
+}
+
+// How a doc writes a value.
+fn plain(v: Value) -> String {
+    v.to_string()
+}
+/// Thousands separated by commas, as the docs write counts: `10,000`.
+fn count(v: Value) -> String {
+    let digits = v.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+fn kib(v: Value) -> String {
+    assert_eq!(v % 1024, 0, "{v} is no whole KiB");
+    format!("{} KiB", v / 1024)
+}
+fn mib(v: Value) -> String {
+    assert_eq!(v % (1 << 20), 0, "{v} is no whole MiB");
+    format!("{} MiB", v >> 20)
+}
+fn ms(v: Value) -> String {
+    format!("{v} ms")
+}
+fn secs(v: Value) -> String {
+    assert_eq!(v % 1000, 0, "{v} ms is no whole second");
+    format!("{} s", v / 1000)
+}
+fn hours(v: Value) -> String {
+    assert_eq!(v % 3_600_000, 0, "{v} ms is no whole hour");
+    format!("{} h", v / 3_600_000)
+}
+fn minutes_in_words(v: Value) -> String {
+    assert_eq!(v % 60_000, 0, "{v} ms is no whole minute");
+    format!("{} minutes", words(v / 60_000))
+}
+fn words(v: Value) -> String {
+    let names = [
+        "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+    ];
+    names
+        .get(usize::try_from(v).unwrap())
+        .map_or_else(|| v.to_string(), |w| (*w).to_owned())
+}
+
+const DESIGN: &str = "docs/design.md";
+const TRANSPORTS: &str = "docs/transports.md";
+
+/// (doc, constant, how the doc writes it, the words around it: `{}` is the
+/// value).
+type Row = (
+    &'static str,
+    &'static str,
+    fn(Value) -> String,
+    &'static str,
+);
+
+const ROWS: &[Row] = &[
+    // The status server.
+    (
+        DESIGN,
+        "MAX_CONNECTIONS",
+        plain,
+        "{} connections open at once",
+    ),
+    (
+        DESIGN,
+        "MAX_CONNECTION_AGE",
+        secs,
+        "each closed once {} old",
+    ),
+    (
+        DESIGN,
+        "HEADER_READ_TIMEOUT",
+        secs,
+        "{} to send a request's head",
+    ),
+    (
+        DESIGN,
+        "IDLE_TIMEOUT",
+        secs,
+        "{} without progress on a connection",
+    ),
+    (
+        DESIGN,
+        "SHUTDOWN_GRACE",
+        secs,
+        "{} for requests in flight at shutdown",
+    ),
+    // Acknowledgements.
+    (DESIGN, "MAX_PENDING", count, "{} pending (the oldest goes)"),
+    (
+        DESIGN,
+        "MAX_REQUEST_WAIT",
+        secs,
+        "kept for its `within_ms`, at most {}",
+    ),
+    (DESIGN, "MAX_FOLLOWS", plain, "{} follows, each for"),
+    (
+        DESIGN,
+        "FOLLOW_FOR",
+        secs,
+        "each for {} after its last request",
+    ),
+    (DESIGN, "MAX_ANSWERS", count, "one per node, {} nodes"),
+    (DESIGN, "MAX_NODE_ID_BYTES", kib, "node ids up to {}"),
+    // Publishers and the outbox, on a node.
+    (
+        DESIGN,
+        "MAX_TRACKED_PUBLISHERS",
+        count,
+        "{} (publisher, cache) pairs",
+    ),
+    (
+        DESIGN,
+        "MAX_PENDING_CHECKS",
+        count,
+        "one per (publisher, cache), {} in all",
+    ),
+    (
+        DESIGN,
+        "MAX_SCOPES_PER_CACHE",
+        plain,
+        "{} outboxes (scopes) per cache",
+    ),
+    (
+        DESIGN,
+        "LEADER_CHECK_TIMEOUT",
+        secs,
+        "{} for the database to answer before each publish",
+    ),
+    // Settings' ranges.
+    (DESIGN, "MAX_EVENT_BYTES_CEILING", mib, "1 byte to {}"),
+    (
+        DESIGN,
+        "MIN_ANNOUNCE_INTERVAL",
+        ms,
+        "| {} to 1 h, or `Duration::MAX` for none",
+    ),
+    (DESIGN, "MAX_TIMEOUT", hours, "(NATS 100 ms) to {}"),
+    (DESIGN, "MIN_TIMEOUT", ms, "| {} (NATS 100 ms) to"),
+    (DESIGN, "MIN_INTERVAL", ms, "(NATS {}) to 1 h"),
+    (
+        DESIGN,
+        "MIN_BACKLOG_BYTES",
+        kib,
+        "`max_backlog_bytes` | at least {}",
+    ),
+    (
+        DESIGN,
+        "DEFAULT_MAX_PIN_WAIT",
+        secs,
+        "`SyncedCacheBuilder::max_pin_wait`, {} by default",
+    ),
+    // The cluster view.
+    (DESIGN, "MAX_MEMBERS", count, "{} live nodes"),
+    (
+        DESIGN,
+        "MAX_MEMBER_BYTES",
+        kib,
+        "{} each and 128 MiB in all",
+    ),
+    (DESIGN, "MAX_TOTAL_BYTES", mib, "256 KiB each and {} in all"),
+    (
+        DESIGN,
+        "GONE_KEPT",
+        minutes_in_words,
+        "gone nodes 10,000 for {}",
+    ),
+    (
+        DESIGN,
+        "MISSED_INTERVALS",
+        words,
+        "holds for {} of its sender's intervals",
+    ),
+    (
+        DESIGN,
+        "MAX_VERSION_AGE",
+        hours,
+        "(`sent_at_us - started_at_us`) and {}",
+    ),
+    (
+        DESIGN,
+        "MAX_STEPS",
+        plain,
+        "a staircase of {} points at most",
+    ),
+    // The cluster page.
+    (DESIGN, "CACHES_PER_PAGE", plain, "caches {} a page"),
+    (DESIGN, "NODES_PER_PAGE", plain, "nodes {} a page"),
+    (
+        DESIGN,
+        "MAX_GRID_CACHES",
+        plain,
+        "a column per cache up to {} caches",
+    ),
+    (
+        DESIGN,
+        "MAX_LISTED",
+        plain,
+        "{} lagging caches listed per node",
+    ),
+    (DESIGN, "MAX_GONE_LISTED", plain, "{} gone nodes |"),
+    // Transports.
+    (
+        TRANSPORTS,
+        "HEARTBEAT_MAX_LEN",
+        plain,
+        "`XADD … MAXLEN ~ {}`",
+    ),
+    (
+        TRANSPORTS,
+        "HEARTBEAT_TTL",
+        secs,
+        "a `PEXPIRE` of {} on each publish",
+    ),
+    (TRANSPORTS, "ROUTE_WAIT", secs, "so the wait lasts up to {}"),
+    (
+        TRANSPORTS,
+        "ROUTE_WAIT_WARN",
+        secs,
+        "logs a\nwarning past {}",
+    ),
+];
+
+#[test]
+fn the_docs_state_the_limits_the_code_has() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let known = constants();
+    let mut wrong = Vec::new();
+    for &(doc, name, render, words) in ROWS {
+        let text = fs::read_to_string(root.join(doc)).unwrap();
+        // Line breaks in the doc are spaces to a reader.
+        let flat = text.split_whitespace().collect::<Vec<_>>().join(" ");
+        let rhs = known
+            .get(name)
+            .unwrap_or_else(|| panic!("no constant {name} in cache-sync/src"));
+        assert_ne!(
+            rhs, AMBIGUOUS,
+            "{name}: two constants of this name; rename one"
+        );
+        let value = eval(rhs, &known, 0);
+        let expected = words.replace("{}", &render(value));
+        let expected = expected.split_whitespace().collect::<Vec<_>>().join(" ");
+        if !flat.contains(&expected) {
+            wrong.push(format!(
+                "{doc}: {name} = {rhs}, so it should say {expected:?}"
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "docs that no longer state the code's limits:\n{}",
+        wrong.join("\n")
+    );
+}
+
+/// The checker itself: each way of writing a value, and a wrong value
+/// caught.
+#[test]
+fn the_checker_reads_constants_and_renders_values() {
+    let mut known = HashMap::new();
+    known.insert("A".to_owned(), "10_000".to_owned());
+    known.insert("B".to_owned(), "super::A".to_owned());
+    assert_eq!(
+        eval("Duration::from_secs(24 * 3600)", &known, 0),
+        86_400_000
+    );
+    assert_eq!(eval("256 << 10", &known, 0), 262_144);
+    assert_eq!(
+        eval(
+            "(u32::MAX - 1)".replace("u32::MAX", "4294967295").as_str(),
+            &known,
+            0
+        ),
+        4_294_967_294
+    );
+    assert_eq!(eval("B", &known, 0), 10_000);
+    assert_eq!(count(1024), "1,024");
+    assert_eq!(count(100_000), "100,000");
+    assert_eq!(kib(262_144), "256 KiB");
+    assert_eq!(minutes_in_words(300_000), "five minutes");
+    assert_eq!(words(3), "three");
+}
