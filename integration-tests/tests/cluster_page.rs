@@ -131,13 +131,13 @@ async fn the_cluster_page_flags_the_lagging_node_in_chromium() {
     let chromium = require("chromium");
     let chromedriver = require("chromedriver");
 
-    let bus = EmbeddedTransport::new();
+    let shared = EmbeddedTransport::new();
     let level = Stalling {
-        inner: bus.clone(),
+        inner: shared.clone(),
         stalled: Arc::new(AtomicBool::new(false)),
     };
     let slow = Stalling {
-        inner: bus.clone(),
+        inner: shared.clone(),
         stalled: Arc::new(AtomicBool::new(false)),
     };
     let caches: Vec<Cache> = (0..3)
@@ -148,7 +148,7 @@ async fn the_cluster_page_flags_the_lagging_node_in_chromium() {
         start("node-b", level.clone(), &caches[1]).await,
         start("node-c", slow.clone(), &caches[2]).await,
     ];
-    let publisher = Publisher::new(bus.clone());
+    let publisher = Publisher::new(shared.clone());
     let first = publisher
         .refresh_versioned("countries", [("de", "Germany", Some(5))])
         .await

@@ -85,7 +85,7 @@ async fn scenario(again: bool) -> (String, String) {
     publisher
         .invalidate("countries", ["de"])
         .await
-        .expect("the embedded bus takes it");
+        .expect("the embedded transport takes it");
     applied(&node, 1).await;
     // The replica has not caught up: the node reloads the old row.
     assert_eq!(read(&cache, &db).await, "Germany");

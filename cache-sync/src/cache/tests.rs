@@ -497,8 +497,8 @@ pub(crate) async fn parked_load(
 
 /// Holds one of `c`'s write stripes until the returned sender is used or
 /// dropped, so a clear (a reset, a resync) waits in its barrier meanwhile:
-/// for tests that need a registration or a resync to take a while, now
-/// that clears no longer wait for pinned loads.
+/// for tests that need a registration or a resync to take a while (clears
+/// do not wait for pinned loads).
 pub(crate) async fn stall_clears(c: &Cache) -> oneshot::Sender<()> {
     let (release_tx, release_rx) = oneshot::channel::<()>();
     let (held_tx, held_rx) = oneshot::channel::<()>();
@@ -532,9 +532,9 @@ fn neighbours(c: &Cache, k: &str) -> (Vec<String>, Vec<String>) {
         .partition(|o| c.inner.stripe(o) == stripe)
 }
 
-/// Regression (review of issue 9): the last load held its key's whole write
-/// stripe while the loader ran, so events for 1/64 of the cache's keys, and
-/// the consumer behind them, waited for a slow loader. Only the key itself
+/// Guards against a last load that holds its key's whole write stripe
+/// while the loader runs, making events for 1/64 of the cache's keys, and
+/// the consumer behind them, wait for a slow loader. Only the key itself
 /// may wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_locked_load_holds_up_only_its_own_key() {
@@ -569,9 +569,9 @@ async fn a_locked_load_holds_up_only_its_own_key() {
     assert_eq!(c.status().loads, 2);
 }
 
-/// Regression (review of issue 9): a locked load whose loader waited for
-/// another task's load of a key in its stripe deadlocked: that load could
-/// not install while the stripe was held.
+/// Guards against a deadlock: a locked load whose loader waits for another
+/// task's load of a key in its stripe, which could not install if the
+/// locked load held the stripe.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_locked_loader_may_wait_for_another_load_in_its_stripe() {
     let c = locking_cache();

@@ -558,8 +558,8 @@ mod tests {
         assert_eq!(table::<u64>(0).capacity, 1);
     }
 
-    /// Steady eviction at the limit: hashbrown's tombstones used to double
-    /// the map (and, before the slab, every record with it).
+    /// Steady eviction at the limit: removals' tombstones must not double
+    /// the index, nor the slab grow past the limit.
     #[test]
     fn churn_does_not_grow_the_index_or_the_slab() {
         let capacity = 10_000;
@@ -591,10 +591,6 @@ mod tests {
         assert!(t.superseded(&"k", token));
     }
 
-    /// Regression: with capacity 1, dozens of writes to one key and then a
-    /// write to another made `record` spin forever under the table's lock
-    /// (compaction dropped the live queue entry and eviction skipped the
-    /// only one left). Fed by the consumer, the node stopped applying.
     /// Runs `f` on a thread of its own and waits for it under a tokio
     /// timeout. Not `spawn_blocking`: a runtime waits for its blocking
     /// tasks when it shuts down, so a spinning one would hang the test
@@ -615,8 +611,9 @@ mod tests {
 
     #[tokio::test]
     async fn many_writes_to_one_key_then_another_terminate() {
-        // Every run length, so that one of them ends exactly where the
-        // queue is compacted.
+        // Every run length up to 300, at capacities 1 to 3: long runs on
+        // one key, then another key, are where an eviction could meet the
+        // key being written (see the CHANGELOG, 2026-11-30).
         let run = terminates(30, || {
             for capacity in 1..=3 {
                 for writes in 1..=300 {
@@ -773,7 +770,7 @@ mod tests {
         fn bounded_tables_terminate_and_keep_the_floor_rules(
             capacity in 0usize..=8,
             // Runs of one operation, up to 100 long: long runs on one key
-            // are what fill the eviction queue up to its compaction.
+            // then another are where eviction could meet the key written.
             runs in proptest::collection::vec((op(), 1usize..100), 0..40),
         ) {
             let ops: Vec<Op> = runs

@@ -1,10 +1,10 @@
-//! The cluster view: every node's last heartbeat, as any party on the bus
+//! The cluster view: every node's last heartbeat, as any party on the topic
 //! sees it (a node, or a [`Cluster`] watcher that is not a node), and what
 //! follows from them: who is live, who lags, who applied a publish.
 //!
 //! Nodes publish heartbeats on their transport's heartbeat channel (see
 //! [`Transport::publish_heartbeat`]), a resource apart from the change
-//! history. Nothing has to be configured: whoever shares the bus sees the
+//! history. Nothing has to be configured: whoever shares the topic sees the
 //! nodes.
 
 use std::fmt;
@@ -43,7 +43,7 @@ pub use view::{CacheSummary, ClusterView, GoneNode, NodeCacheView, NodeView};
 
 /// How often a node sends its heartbeat unless told otherwise.
 pub(crate) const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
-/// The shortest heartbeat interval: more often would cost the bus more
+/// The shortest heartbeat interval: more often would cost the transport more
 /// than it tells anyone.
 pub(crate) const MIN_HEARTBEAT_INTERVAL: Duration = Duration::from_millis(10);
 /// A node that sent nothing for this many of its own intervals is gone.
@@ -58,13 +58,13 @@ const GONE_LOGGED: usize = 10;
 /// How long a gone node is still listed as gone (not as live).
 const GONE_KEPT: Duration = Duration::from_secs(300);
 /// Bounds the members a view keeps, against a flood of made-up node ids
-/// on a bus whose heartbeats are not signed (and the nodes gone lately
+/// on a topic whose heartbeats are not signed (and the nodes gone lately
 /// listed, likewise).
 const MAX_MEMBERS: usize = 10_000;
 /// Bounds what one member's summary may take, in bytes as the view
 /// accounts them (its cache names counted in full): room for a node of
 /// about 1,300 caches. A heartbeat
-/// may be 1 MiB of JSON; kept whole, it took about 2 MB.
+/// may be 1 MiB of JSON; kept whole, it would take about 2 MB.
 const MAX_MEMBER_BYTES: usize = 256 << 10;
 /// Bounds what the whole view takes, in bytes as accounted: members,
 /// cache names with their indexes, nodes gone lately (given up first).
@@ -143,7 +143,7 @@ pub struct CacheHeartbeat {
     pub last_latency_us: Option<u64>,
 }
 
-/// The cluster as one party on the bus sees it: every node's last
+/// The cluster as one party on the topic sees it: every node's last
 /// heartbeat. A node has one ([`Node::cluster`](crate::Node::cluster));
 /// anyone else can watch with [`Cluster::watch`].
 ///
@@ -445,7 +445,7 @@ impl Cluster {
         let mut members = lock(&self.inner.members);
         let went = members.expire(now);
         // A line per node, but not 10,000 of them when a flood of made-up
-        // ids (an unsigned bus) expires at once.
+        // ids (unsigned heartbeats) expires at once.
         for id in went.iter().take(GONE_LOGGED) {
             tracing::info!(observer = %self.inner.observer, node = %id,
                 "node gone: no heartbeat for three of its intervals");

@@ -40,7 +40,7 @@ const FOLLOW_FOR: Duration = Duration::from_secs(10);
 /// Follows kept at once; past that the oldest goes (its asker then waits a
 /// request's round trip, as without follows). Each costs the node one small
 /// message per batch that moves it on: the bound keeps forged requests on a
-/// bus that does not sign from making every event cost many messages.
+/// topic whose messages are not signed from making every event cost many messages.
 const MAX_FOLLOWS: usize = 64;
 
 struct Pending {

@@ -17,7 +17,7 @@ use crate::transport::HeartbeatSubscription;
 use crate::util::deadline_after;
 
 /// The least time between two heartbeats sent early: a flood of roll calls
-/// (forged ones, on a bus that does not sign) cannot make a node flood the
+/// (forged ones, on a topic whose messages are not signed) cannot make a node flood the
 /// channel in turn.
 const MIN_EARLY_GAP: Duration = Duration::from_millis(5);
 

@@ -803,11 +803,10 @@ mod tests {
             .count()
     }
 
-    /// Issue 21, item 12, and the review of issue 9 before it: past the
-    /// cap, a client waited in the listen queue until the silent ones
-    /// timed out (6.5 s on average, 17 s with 500 of them), and an
-    /// orchestrator's probe with it. Now it takes the place of the silent
-    /// client idle longest, and the cap still holds.
+    /// Issue 21, item 12: past the cap, a client takes the place of the
+    /// silent client idle longest, and the cap still holds. Left in the
+    /// listen queue until the silent ones time out, it would wait 6.5 s on
+    /// average (17 s with 500 of them), and an orchestrator's probe with it.
     #[tokio::test(start_paused = true)]
     async fn a_client_past_the_cap_is_served_at_once_in_place_of_the_one_idle_longest() {
         let (node, _cache) = node_with_cache().await;
@@ -993,9 +992,9 @@ mod tests {
         assert_eq!(longest_idle(all()), None);
     }
 
-    /// Review of issue 9: with the cap, busy keep-alive clients (which never
-    /// go idle) could hold every slot for good. A connection is closed once
-    /// it is `MAX_CONNECTION_AGE` old, after the request in flight.
+    /// With the cap, busy keep-alive clients (which never go idle) could
+    /// hold every slot for good, so a connection is closed once it is
+    /// `MAX_CONNECTION_AGE` old, after the request in flight.
     #[tokio::test(start_paused = true)]
     async fn a_busy_keep_alive_connection_is_closed_when_it_is_old() {
         let (node, _cache) = node_with_cache().await;

@@ -629,9 +629,8 @@ mod tests {
     }
 
     /// 1,000 nodes by 100 caches, every other node lagging on 30 caches:
-    /// the page stays small and quick (the page took 9 to 22 s at
-    /// 40 by 1,000), the lagging nodes first, each listing 10 of its
-    /// lagging caches and counting the rest.
+    /// the page stays small and quick, the lagging nodes first, each
+    /// listing 10 of its lagging caches and counting the rest.
     #[test]
     fn a_thousand_nodes_by_a_hundred_caches_make_a_small_page_quickly() {
         let cluster = watcher();
@@ -650,8 +649,8 @@ mod tests {
             html.len()
         );
         assert!(html.len() <= 512 << 10, "{} bytes", html.len());
-        // Generous for a debug build on a busy machine; the quadratic view
-        // and page took seconds at a small fraction of this.
+        // Generous for a debug build on a busy machine; a quadratic view
+        // and page would take seconds at a small fraction of this.
         assert!(
             rendered <= std::time::Duration::from_secs(2),
             "{rendered:?}"

@@ -164,9 +164,9 @@ async fn garbage_is_rejected_counted_and_survived() {
     assert_eq!(c.get("k").await, None);
 }
 
-/// Regression (in part): sequence numbers run per (publisher, cache), yet a
-/// gap used to resync every cache on the topic. Only the cache whose
-/// sequence jumped can have missed anything.
+/// Sequence numbers run per (publisher, cache), so a gap resyncs only the
+/// cache whose sequence jumped, not every cache on the topic: only that
+/// cache can have missed anything.
 #[tokio::test]
 async fn a_gap_in_a_publishers_sequence_invalidates_that_cache_only() {
     let transport = EmbeddedTransport::new();
@@ -904,10 +904,10 @@ impl Subscription for UntaggedSub {
     }
 }
 
-/// Regression (review of issue 9): with no tag to name its cache (Redis
-/// Pub/Sub), a genuine event over the node's size limit, or one in a format
-/// the node cannot read, was counted and dropped, and the cache it changed
-/// stayed stale. The header, read from the front of an oversized event,
+/// Guards against dropping an event with no tag to name its cache (Redis
+/// Pub/Sub): a genuine event over the node's size limit, or one in a format
+/// the node cannot read, if only counted and dropped, would leave the cache
+/// it changed stale. The header, read from the front of an oversized event,
 /// names the cache; an event that names none may have changed any.
 #[tokio::test]
 async fn an_unreadable_event_without_a_tag_invalidates_what_it_may_have_changed() {
@@ -967,9 +967,8 @@ async fn an_unreadable_event_without_a_tag_invalidates_what_it_may_have_changed(
     node.shutdown().await.unwrap();
 }
 
-/// Review of issue 9: the tag is not signed, the header is (on a verifying
-/// node): an oversized event re-tagged for another cache resyncs the cache
-/// its header names.
+/// The tag is not signed, the header is (on a verifying node): an oversized
+/// event re-tagged for another cache resyncs the cache its header names.
 #[tokio::test]
 async fn an_oversized_event_resyncs_the_cache_its_header_names_not_its_tag() {
     let ring = Keyring::new("k1", b"node-and-admin-shared-secret".to_vec()).unwrap();
@@ -1007,9 +1006,9 @@ async fn an_oversized_event_resyncs_the_cache_its_header_names_not_its_tag() {
     node.shutdown().await.unwrap();
 }
 
-/// Regression (review of issue 9): a registration dropped while it emptied
-/// the cache left the cache in the node's map with no re-subscription, so
-/// on a transport that filters by tag its events never came.
+/// Guards against a registration dropped while it empties the cache
+/// leaving the cache in the node's map with no re-subscription, so that on
+/// a transport that filters by tag its events never come.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registration_given_up_half_way_leaves_nothing_behind() {
     let transport = EmbeddedTransport::new();
@@ -1019,7 +1018,7 @@ async fn a_registration_given_up_half_way_leaves_nothing_behind() {
         .unwrap();
     let c = crate::cache::tests::locking_cache();
     // A write in progress, which the reset's barrier waits for (a pinned
-    // load no longer holds a clear up: see `cache/park.rs`).
+    // load does not hold a clear up: see `cache/park.rs`).
     let release = crate::cache::tests::stall_clears(&c).await;
     let gave_up = tokio::time::timeout(Duration::from_millis(50), node.register(&c)).await;
     assert!(

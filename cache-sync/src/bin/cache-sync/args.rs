@@ -6,7 +6,7 @@ use crate::duration;
 use crate::transport::{self, Kind, SignKey};
 
 /// Watches the nodes of a cache-sync cluster through their heartbeats, and
-/// publishes changes to their caches. Joins the bus as a watcher, not as a
+/// publishes changes to their caches. Joins the topic as a watcher, not as a
 /// node: it holds no cache and consumes no change event.
 #[derive(Debug, clap::Parser)]
 #[command(name = "cache-sync", version)]

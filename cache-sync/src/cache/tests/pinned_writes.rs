@@ -78,8 +78,8 @@ async fn drained(c: &Cache) {
 }
 
 /// The symptom, on a node: an event for a key under a slow pinned
-/// load used to stall the consumer, so events for other keys and other
-/// caches behind it waited for the database too.
+/// load must not stall the consumer, or events for other keys and other
+/// caches behind it would wait for the database too.
 #[tokio::test(start_paused = true)]
 async fn on_a_node_a_slow_pinned_load_holds_up_no_other_key_or_cache() {
     let transport = EmbeddedTransport::new();

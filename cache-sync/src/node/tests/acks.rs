@@ -31,11 +31,12 @@ async fn watcher(transport: &EmbeddedTransport) -> Cluster {
         .unwrap()
 }
 
-/// Issue 21, item 3: after 16 other publishers published once each (one
-/// per request, the CLI), `applied_by` for an earlier, fully applied event
-/// said "applied on 0/1 nodes": a ring of the 16 most recent publishers per
-/// cache had forgotten it, on both sides. Nodes now answer from the
-/// publishers' sequence numbers they track.
+/// Issue 21, item 3: after more than 16 other publishers published once
+/// each (one per request, the CLI), `applied_by` for an earlier, fully
+/// applied event is still complete on every node. Nodes answer from the
+/// publishers' sequence numbers they track; a ring of the 16 most recent
+/// publishers per cache would have forgotten it, on both sides ("applied on
+/// 0/1 nodes").
 #[tokio::test]
 async fn an_acknowledgement_does_not_forget_a_publisher_among_many() {
     let transport = EmbeddedTransport::new();
@@ -75,18 +76,17 @@ async fn an_acknowledgement_does_not_forget_a_publisher_among_many() {
     }
 }
 
-/// Issue 21, item 4: past the member cap a new node's heartbeats were
-/// dropped, and an acknowledged publish still called itself complete while
-/// that real node, holding the cache, served the old value. A full view
-/// cannot know every live node: it never calls a publish complete, and
-/// says why.
+/// Issue 21, item 4: past the member cap a new node's heartbeats are
+/// dropped, so a real node, holding the cache and serving the old value,
+/// may be missing from the view. A full view cannot know every live node:
+/// it never calls a publish complete, and says why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_view_never_calls_a_publish_complete() {
     let transport = EmbeddedTransport::new();
     let a = cache("countries");
     let node = start("n1", &transport, &a).await;
     let watcher = watcher(&transport).await;
-    // Made-up members fill the watcher's view (an unsigned bus): each
+    // Made-up members fill the watcher's view (unsigned heartbeats): each
     // holds another cache, so none is waited for.
     let template = node.cluster().nodes()[0].clone();
     let plain = crate::wire::Codec::new(1 << 20, None);
@@ -131,12 +131,12 @@ async fn a_full_view_never_calls_a_publish_complete() {
     node.shutdown().await.unwrap();
 }
 
-/// Issue 21, item 11: every node answered with a full heartbeat on the one
-/// channel and every party decoded every answer: the cost of an
-/// acknowledged publish grew with the square of the node count. An answer
-/// is now a few dozen bytes for its asker, and every other party skips it
-/// on its first bytes: an unreadable answer for another party is not even
-/// refused (it was never read), while one for this party is.
+/// Issue 21, item 11: if every node answered with a full heartbeat on the
+/// one channel and every party decoded every answer, the cost of an
+/// acknowledged publish would grow with the square of the node count. An
+/// answer is a few dozen bytes for its asker, and every other party skips
+/// it on its first bytes: an unreadable answer for another party is not
+/// even refused (it is never read), while one for this party is.
 #[tokio::test]
 async fn answers_are_small_and_only_their_asker_reads_them() {
     let transport = EmbeddedTransport::new();
@@ -334,8 +334,8 @@ impl Transport for DeafToRequests {
     }
 }
 
-/// Issue 21, item 11: an acknowledged publish used to cost a request's
-/// round trip after the publish. A node now follows, for a while after a
+/// Issue 21, item 11: an acknowledged publish need not cost a request's
+/// round trip after the publish. A node follows, for a while after a
 /// request, what it asked about, and tells the asker as each batch moves it
 /// on: the next publish's acknowledgement completes from that, with no
 /// request reaching the node at all; once the follow lapses, only a request

@@ -27,7 +27,7 @@ fn versioned(k: &str, v: &str, version: u64) -> Change {
 /// 1 and 2, its session dies while row 2's publish is slow, relay B (term
 /// 8) publishes rows 1 to 4, then A's row 2 lands and A goes on with row 3
 /// before it learns it lost the lock: `[1, 1, 2, 3, 4, 2, 3]`. Without the
-/// fence the node kept value 3 for good while the database said 4.
+/// fence the node would keep value 3 for good while the database says 4.
 #[tokio::test]
 async fn a_replaced_relays_late_rows_never_land_over_its_successors() {
     let transport = EmbeddedTransport::new();

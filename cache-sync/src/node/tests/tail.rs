@@ -850,11 +850,12 @@ async fn checks_fall_due_during_an_outage() {
 }
 
 /// Issue 21, item 2: a fresh publisher (one per request, the CLI) whose
-/// only event is lost, followed by all of its announcements. The node had
-/// never heard of it, and took its first announcement as a baseline: stale
-/// for good, with `publisher_gaps = 0`. The announcement now says how long
-/// ago its event was sent; sent while the node held every event of the
-/// cache, it should have arrived, so the numbers up to it are lost.
+/// only event is lost, followed by all of its announcements. The node has
+/// never heard of it; taking its first announcement as a baseline would
+/// leave the cache stale for good, with `publisher_gaps = 0`. The
+/// announcement says how long ago its event was sent; sent while the node
+/// held every event of the cache, it should have arrived, so the numbers up
+/// to it are lost.
 #[tokio::test(start_paused = true)]
 async fn a_one_shot_publishers_lost_only_event_is_found_by_its_announcement() {
     for window in [Duration::from_secs(10), Duration::ZERO] {
