@@ -40,7 +40,7 @@ pub use builder::NodeBuilder;
 pub use http::StatusServer;
 pub use offsets::{FileOffsetStore, MemoryOffsetStore, OffsetStore};
 #[cfg(any(test, feature = "_fuzz"))]
-pub(crate) use route::fuzz_records;
+pub(crate) use route::RawNode;
 
 /// The `offsets` fuzz target: `offsets.json` parsing.
 #[cfg(any(test, feature = "_fuzz"))]
