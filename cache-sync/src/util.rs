@@ -25,6 +25,49 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// The wait between retries of a failing call: none until the first
+/// failure, then `min`, doubling after each further failure up to `max`,
+/// and none again after a success. Saturates rather than overflows, for any
+/// bounds.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Backoff {
+    min: Duration,
+    max: Duration,
+    current: Option<Duration>,
+}
+
+impl Backoff {
+    /// `min` should not exceed `max`; where it does, every wait is `max`.
+    pub(crate) const fn new(min: Duration, max: Duration) -> Self {
+        Self {
+            min,
+            max,
+            current: None,
+        }
+    }
+
+    /// After a failure: the wait before the next attempt.
+    pub(crate) fn fail(&mut self) -> Duration {
+        let next = self
+            .current
+            .map_or(self.min, |d| d.saturating_mul(2))
+            .max(self.min)
+            .min(self.max);
+        self.current = Some(next);
+        next
+    }
+
+    /// After a success: the next attempt waits for nothing.
+    pub(crate) fn reset(&mut self) {
+        self.current = None;
+    }
+
+    /// The wait before the next attempt: zero unless the last one failed.
+    pub(crate) fn wait(&self) -> Duration {
+        self.current.unwrap_or(Duration::ZERO)
+    }
+}
+
 /// Microseconds since the Unix epoch; 0 if the clock is before it.
 pub(crate) fn now_us() -> u64 {
     SystemTime::now()
@@ -109,6 +152,42 @@ pub(crate) fn deadline_after(d: Duration) -> tokio::time::Instant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn backoff_doubles_within_its_bounds_and_starts_over_after_a_success() {
+        let ms = Duration::from_millis;
+        let mut b = Backoff::new(ms(100), ms(500));
+        assert_eq!(b.wait(), Duration::ZERO, "no wait before a failure");
+        let waits: Vec<_> = (0..5).map(|_| b.fail()).collect();
+        assert_eq!(waits, [ms(100), ms(200), ms(400), ms(500), ms(500)]);
+        assert_eq!(b.wait(), ms(500));
+        b.reset();
+        assert_eq!(b.wait(), Duration::ZERO);
+        assert_eq!(b.fail(), ms(100), "starts over at the minimum");
+    }
+
+    #[test]
+    fn backoff_at_the_edges_never_overflows() {
+        for (min, max) in [
+            (Duration::ZERO, Duration::ZERO),
+            (Duration::ZERO, Duration::MAX),
+            (Duration::MAX, Duration::MAX),
+            (Duration::from_nanos(1), Duration::MAX),
+            // Reversed bounds: every wait is the maximum.
+            (Duration::MAX, Duration::from_millis(1)),
+        ] {
+            let mut b = Backoff::new(min, max);
+            for _ in 0..200 {
+                let wait = b.fail();
+                assert!(wait <= max, "{min:?}..{max:?}: {wait:?}");
+            }
+        }
+        // From zero it stays zero: doubling nothing is nothing.
+        assert_eq!(
+            Backoff::new(Duration::ZERO, Duration::MAX).fail(),
+            Duration::ZERO
+        );
+    }
 
     #[tokio::test]
     async fn any_duration_gives_a_deadline() {

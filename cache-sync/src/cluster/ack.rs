@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 use super::{Ack, Cluster, Message, Request, Target};
-use crate::util::{HashMap, deadline_after, lock};
+use crate::util::{Backoff, HashMap, deadline_after, lock};
 
 /// Which nodes applied a publish, as they answered.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -391,7 +391,7 @@ pub(crate) async fn wait(cluster: &Cluster, cache: &str, goal: Goal, timeout: Du
 /// heartbeat channel instead. Ends at once on a transport without reply
 /// channels.
 pub(crate) async fn reply_loop(cluster: Weak<super::Inner>, mut stop: watch::Receiver<bool>) {
-    let mut backoff = Duration::ZERO;
+    let mut backoff = Backoff::new(super::CHANNEL_BACKOFF_MIN, super::CHANNEL_BACKOFF_MAX);
     loop {
         let Some(inner) = cluster.upgrade() else {
             return;
@@ -408,15 +408,15 @@ pub(crate) async fn reply_loop(cluster: Weak<super::Inner>, mut stop: watch::Rec
             Ok(sub) => sub,
             Err(e) if e.is_unsupported() => return,
             Err(e) => {
-                backoff = super::next_backoff(backoff);
-                tracing::debug!(error = %e, retry_in = ?backoff, "reply channel: subscribe failed");
+                backoff.fail();
+                tracing::debug!(error = %e, retry_in = ?backoff.wait(), "reply channel: subscribe failed");
                 tokio::select! {
                     _ = stop.wait_for(|s| *s) => return,
-                    () = tokio::time::sleep(backoff) => continue,
+                    () = tokio::time::sleep(backoff.wait()) => continue,
                 }
             }
         };
-        backoff = Duration::ZERO;
+        backoff.reset();
         set_replies(&cluster, true);
         loop {
             let next = tokio::select! {
@@ -435,8 +435,8 @@ pub(crate) async fn reply_loop(cluster: Weak<super::Inner>, mut stop: watch::Rec
                 }
                 Err(e) => {
                     inner.replies.store(false, Relaxed);
-                    backoff = super::next_backoff(backoff);
-                    tracing::debug!(error = %e, retry_in = ?backoff,
+                    backoff.fail();
+                    tracing::debug!(error = %e, retry_in = ?backoff.wait(),
                         "reply channel: subscription failed; subscribing again");
                     break;
                 }
@@ -444,7 +444,7 @@ pub(crate) async fn reply_loop(cluster: Weak<super::Inner>, mut stop: watch::Rec
         }
         tokio::select! {
             _ = stop.wait_for(|s| *s) => return,
-            () = tokio::time::sleep(backoff) => {}
+            () = tokio::time::sleep(backoff.wait()) => {}
         }
     }
 }

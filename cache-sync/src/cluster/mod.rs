@@ -20,7 +20,7 @@ use tokio::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::transport::{DEFAULT_TOPIC, Position, Transport};
-use crate::util::{check_duration, lock, now_us};
+use crate::util::{Backoff, check_duration, lock, now_us};
 use crate::wire::{Codec, DEFAULT_MAX_EVENT_BYTES, Keyring};
 use message::Opened;
 
@@ -739,7 +739,7 @@ async fn watch_loop(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut sub = Some(subscription);
-    let mut backoff = Duration::ZERO;
+    let mut backoff = Backoff::new(CHANNEL_BACKOFF_MIN, CHANNEL_BACKOFF_MAX);
     loop {
         let Some(inner) = cluster.upgrade() else {
             return;
@@ -748,7 +748,7 @@ async fn watch_loop(
         let Some(s) = sub.as_mut() else {
             tokio::select! {
                 _ = stop.wait_for(|s| *s) => return,
-                () = tokio::time::sleep(backoff) => {}
+                () = tokio::time::sleep(backoff.wait()) => {}
             }
             // A broker that is down can take its timeout to answer: the
             // stop must not wait for that.
@@ -759,7 +759,7 @@ async fn watch_loop(
             match subscribed {
                 Ok(s) => {
                     sub = Some(s);
-                    backoff = Duration::ZERO;
+                    backoff.reset();
                     let roll_call = Message::Request(Request::roll_call(&view.inner.topic));
                     tokio::select! {
                         _ = stop.wait_for(|s| *s) => return,
@@ -767,8 +767,8 @@ async fn watch_loop(
                     }
                 }
                 Err(e) => {
-                    backoff = next_backoff(backoff);
-                    tracing::warn!(observer = %view.inner.observer, error = %e, retry_in = ?backoff,
+                    backoff.fail();
+                    tracing::warn!(observer = %view.inner.observer, error = %e, retry_in = ?backoff.wait(),
                         "heartbeat channel: subscribe failed");
                 }
             }
@@ -791,8 +791,8 @@ async fn watch_loop(
             }
             Err(e) => {
                 view.deaf();
-                backoff = next_backoff(backoff);
-                tracing::warn!(observer = %view.inner.observer, error = %e, retry_in = ?backoff,
+                backoff.fail();
+                tracing::warn!(observer = %view.inner.observer, error = %e, retry_in = ?backoff.wait(),
                     "heartbeat channel: subscription failed; subscribing again");
                 sub = None;
             }
@@ -800,12 +800,10 @@ async fn watch_loop(
     }
 }
 
+/// Retries of the heartbeat and reply channels' subscriptions and sends:
 /// 100 ms, doubling up to 5 s.
-pub(crate) fn next_backoff(backoff: Duration) -> Duration {
-    backoff
-        .saturating_mul(2)
-        .clamp(Duration::from_millis(100), Duration::from_secs(5))
-}
+pub(crate) const CHANNEL_BACKOFF_MIN: Duration = Duration::from_millis(100);
+pub(crate) const CHANNEL_BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// Checks a heartbeat interval setting: 10 ms to 1 h, or `Duration::MAX`
 /// for none.

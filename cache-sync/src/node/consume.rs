@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+use super::Shared;
 use super::route::{apply_records, expire_checks};
 use super::seqs::PublisherSeqs;
-use super::{Config, Shared};
 use crate::transport::{Delivery, Loss, LossReason, Position, StartFrom, Subscription};
-use crate::util::lock;
+use crate::util::{Backoff, lock};
 
 /// The initial subscription and what it was made with.
 pub(super) struct Subscribed {
@@ -64,7 +64,7 @@ pub(super) async fn consume_loop(
     }
     let mut fetched = subscription.position();
     let mut sub = Some(subscription);
-    let mut backoff = Duration::ZERO;
+    let mut backoff = Backoff::new(cfg.min_backoff, cfg.max_backoff);
     // Whether the next subscription resumes after a broken one (time passed,
     // connections dropped), rather than re-subscribing at once for new tags.
     let mut after_error = false;
@@ -79,8 +79,8 @@ pub(super) async fn consume_loop(
             // Checks fall due while the node re-subscribes too: a cache
             // already known to be behind must not stay stale for a whole
             // outage of the transport.
-            if !backoff.is_zero() {
-                let wait = tokio::time::sleep(backoff);
+            if !backoff.wait().is_zero() {
+                let wait = tokio::time::sleep(backoff.wait());
                 let mut wait = std::pin::pin!(wait);
                 loop {
                     tokio::select! {
@@ -127,7 +127,7 @@ pub(super) async fn consume_loop(
                 Ok(new) => {
                     fetched = new.position().or(fetched);
                     sub = Some(new);
-                    backoff = Duration::ZERO;
+                    backoff.reset();
                     after_error = false;
                     if resumed {
                         seqs.resumed(names.iter().cloned());
@@ -146,8 +146,8 @@ pub(super) async fn consume_loop(
                     shared.stats.transport_errors.fetch_add(1, Relaxed);
                     shared.consuming.store(false, Relaxed);
                     after_error = true;
-                    backoff = next_backoff(backoff, cfg);
-                    tracing::warn!(node = %shared.id, error = %e, retry_in = ?backoff, "re-subscribe failed");
+                    backoff.fail();
+                    tracing::warn!(node = %shared.id, error = %e, retry_in = ?backoff.wait(), "re-subscribe failed");
                 }
             }
             continue;
@@ -216,8 +216,8 @@ pub(super) async fn consume_loop(
                 shared.stats.transport_errors.fetch_add(1, Relaxed);
                 shared.consuming.store(false, Relaxed);
                 after_error = true;
-                backoff = next_backoff(backoff, cfg);
-                tracing::warn!(node = %shared.id, error = %e, retry_in = ?backoff, "subscription failed; re-subscribing");
+                backoff.fail();
+                tracing::warn!(node = %shared.id, error = %e, retry_in = ?backoff.wait(), "subscription failed; re-subscribing");
                 sub = None;
             }
         }
@@ -230,13 +230,6 @@ async fn check_due(deadline: Option<tokio::time::Instant>) {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
     }
-}
-
-/// Doubles the wait, within the configured bounds, without overflowing.
-pub(super) fn next_backoff(backoff: Duration, cfg: &Config) -> Duration {
-    backoff
-        .saturating_mul(2)
-        .clamp(cfg.min_backoff, cfg.max_backoff)
 }
 
 pub(super) async fn apply_loss(shared: &Shared, seqs: &mut PublisherSeqs, loss: Loss) {

@@ -12,9 +12,9 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 
 use super::Shared;
-use crate::cluster::{Message, Request, next_backoff};
+use crate::cluster::{Message, Request};
 use crate::transport::HeartbeatSubscription;
-use crate::util::deadline_after;
+use crate::util::{Backoff, deadline_after};
 
 /// The least time between two heartbeats sent early: a flood of roll calls
 /// (forged ones, on a topic whose messages are not signed) cannot make a node flood the
@@ -30,7 +30,10 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
     // The answers other nodes send to this node's own view's requests.
     let replies = cluster.read_replies(stop.clone());
     let mut sub: Option<Reader> = None;
-    let mut backoff = Duration::ZERO;
+    let mut backoff = Backoff::new(
+        crate::cluster::CHANNEL_BACKOFF_MIN,
+        crate::cluster::CHANNEL_BACKOFF_MAX,
+    );
     let mut retry_at = Instant::now();
     // The first heartbeat goes out at once: other parties learn of the
     // node without waiting an interval.
@@ -50,7 +53,7 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
             match subscribed {
                 Ok(s) => {
                     sub = Some(Reader::spawn(s));
-                    backoff = Duration::ZERO;
+                    backoff.reset();
                     // Every node answers a roll call at once: the view
                     // knows the cluster again within a round trip.
                     let roll_call = Message::Request(Request::roll_call(&shared.topic));
@@ -65,9 +68,9 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
                     return;
                 }
                 Err(e) => {
-                    backoff = next_backoff(backoff);
-                    retry_at = deadline_after(backoff);
-                    tracing::warn!(node = %shared.id, error = %e, retry_in = ?backoff,
+                    backoff.fail();
+                    retry_at = deadline_after(backoff.wait());
+                    tracing::warn!(node = %shared.id, error = %e, retry_in = ?backoff.wait(),
                         "heartbeat channel: subscribe failed");
                 }
             }
@@ -93,9 +96,9 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
                 Err(e) => {
                     sub = None;
                     cluster.deaf();
-                    backoff = next_backoff(backoff);
-                    retry_at = deadline_after(backoff);
-                    tracing::warn!(node = %shared.id, error = %e, retry_in = ?backoff,
+                    backoff.fail();
+                    retry_at = deadline_after(backoff.wait());
+                    tracing::warn!(node = %shared.id, error = %e, retry_in = ?backoff.wait(),
                         "heartbeat channel: subscription failed; subscribing again");
                 }
             },

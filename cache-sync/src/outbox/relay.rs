@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 use super::{CHANNEL, Outbox, db, decode_row};
 use crate::error::{Error, Result};
 use crate::publish::Publisher;
-use crate::util::lock;
+use crate::util::{Backoff, lock};
 use crate::wire::Fence;
 
 /// Backoff after a failed pass (broker or database down): doubling from
@@ -284,18 +284,18 @@ enum Pass {
 }
 
 async fn run(shared: Arc<Shared>, mut listener: PgListener, mut stopped: watch::Receiver<bool>) {
-    let mut backoff = BACKOFF_MIN;
+    let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
     loop {
         if *stopped.borrow() {
             return;
         }
         let pause = match shared.pass().await {
             Ok(Pass::More) => {
-                backoff = BACKOFF_MIN;
+                backoff.reset();
                 continue;
             }
             Ok(Pass::Drained | Pass::NotLeader) => {
-                backoff = BACKOFF_MIN;
+                backoff.reset();
                 None
             }
             Err(e) => {
@@ -303,14 +303,13 @@ async fn run(shared: Arc<Shared>, mut listener: PgListener, mut stopped: watch::
                     .counters
                     .publish_failures
                     .fetch_add(1, Ordering::Relaxed);
+                let pause = backoff.fail();
                 tracing::warn!(
                     schema = shared.outbox.schema(),
                     error = %e,
-                    retry_in = ?backoff,
+                    retry_in = ?pause,
                     "outbox relay: pass failed; retrying the same rows"
                 );
-                let pause = backoff;
-                backoff = backoff.saturating_mul(2).min(BACKOFF_MAX);
                 Some(pause)
             }
         };
