@@ -5,12 +5,12 @@ use std::any::Any;
 use std::future::Future;
 use std::hash::Hash;
 use std::sync::Arc;
-use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering::Relaxed;
 
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 
 use super::Inner;
+use super::pin::{Pin, held_by_this_task, holding};
 use super::versions::LoadDecision;
 use super::write::Write;
 use crate::util::lock;
@@ -21,12 +21,6 @@ pub(super) type FlightResult<V> = Option<Result<V, SharedError>>;
 /// One in-flight load that concurrent callers for the same key wait on.
 pub(super) struct Flight<V> {
     pub(super) result: watch::Sender<FlightResult<V>>,
-}
-
-tokio::task_local! {
-    /// Set while a locked load's loader runs: the addresses of the pins its
-    /// task holds (more than one when locked loads nest).
-    static HELD_PINS: Vec<usize>;
 }
 
 /// Removes a flight from the map when its leader finishes or is cancelled.
@@ -45,42 +39,6 @@ impl<K: Hash + Eq, V> Drop for FlightGuard<'_, K, V> {
         {
             flights.remove(self.key);
         }
-    }
-}
-
-/// A locked load's pin on its key (see `load_locked`).
-#[derive(Debug)]
-pub(super) struct Pin {
-    /// Never given a permit: closed when the pin goes, which wakes every
-    /// write waiting for it.
-    gone: Semaphore,
-    /// Writes from other tasks that went past the pin while it stood: a
-    /// local write or parked event writes that waited `max_pin_wait` in
-    /// vain, an event write when that bound is 0, a clear. Each counts
-    /// before its change to the version table, holding the key's stripe
-    /// (a clear: holding the pin map's lock, around its stamp), so the
-    /// load, which reads it under the stripe after its own decision,
-    /// counts every write that superseded it.
-    pub(super) overtaken: AtomicUsize,
-}
-
-impl Pin {
-    fn new() -> Self {
-        Self {
-            gone: Semaphore::new(0),
-            overtaken: AtomicUsize::new(0),
-        }
-    }
-
-    /// Returns once the pin is gone.
-    pub(super) async fn released(&self) {
-        // No permit is ever added: this returns (with an error) once closed.
-        let _ = self.gone.acquire().await;
-    }
-
-    /// Records that another task's write went past the pin.
-    pub(super) fn overtake(&self) {
-        self.overtaken.fetch_add(1, Relaxed);
     }
 }
 
@@ -105,19 +63,8 @@ impl<K: Hash + Eq, V> Drop for KeyPin<'_, K, V> {
         self.inner.pinned.store(pins.count(), Relaxed);
         drop(pins);
         // Wakes the writes that waited for the pin; they find it gone.
-        self.pin.gone.close();
+        self.pin.release();
     }
-}
-
-pub(super) fn pin_id(pin: &Arc<Pin>) -> usize {
-    Arc::as_ptr(pin) as usize
-}
-
-/// Whether the current task is the locked load that holds `pin`.
-pub(super) fn held_by_this_task(pin: &Arc<Pin>) -> bool {
-    HELD_PINS
-        .try_with(|held| held.contains(&pin_id(pin)))
-        .unwrap_or(false)
 }
 
 impl<K, V> Inner<K, V>
@@ -238,9 +185,7 @@ where
                 (lock(&self.table).load_token(), watched, before)
             };
             self.stats.loads.fetch_add(1, Relaxed);
-            let mut held = HELD_PINS.try_with(Clone::clone).unwrap_or_default();
-            held.push(pin_id(&pin));
-            let loaded = HELD_PINS.scope(held, loader()).await;
+            let loaded = holding(&pin, loader()).await;
             let (value, version) = match loaded {
                 Ok(loaded) => loaded,
                 Err(e) => {

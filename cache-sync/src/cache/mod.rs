@@ -17,6 +17,7 @@ use crate::util::{HashMap, Hasher, check_at_least, check_duration, lock};
 mod apply;
 mod load;
 mod park;
+mod pin;
 mod stats;
 mod versions;
 mod write;

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::{Relaxed, Release};
 
 use super::Inner;
-use super::load::{Pin, held_by_this_task};
+use super::pin::{Pin, held_by_this_task};
 use super::versions::{RefreshDecision, VersionTable};
 use super::write::Write;
 use crate::util::{HashMap, deadline_after, lock, now_us};

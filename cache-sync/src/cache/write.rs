@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use tokio::sync::Notify;
 
 use super::Inner;
-use super::load::{Pin, held_by_this_task};
+use super::pin::{Pin, held_by_this_task};
 use super::versions::VersionTable;
 use crate::util::{deadline_after, lock};
 
