@@ -43,7 +43,7 @@ fn eval(expr: &str, known: &HashMap<String, String>, depth: u32) -> Value {
     if let Ok(n) = expr.replace('_', "").parse() {
         return n;
     }
-    let name = expr.rsplit("::").next().unwrap();
+    let name = expr.rsplit("::").next().expect("a path has a last segment");
     let rhs = known
         .get(name)
         .unwrap_or_else(|| panic!("cannot evaluate {expr:?}"));
@@ -56,12 +56,12 @@ const AMBIGUOUS: &str = "<two constants of this name>";
 /// Every `const NAME: T = EXPR;` on one line in the crate's sources.
 fn constants() -> HashMap<String, String> {
     fn walk(dir: &Path, out: &mut HashMap<String, String>) {
-        for entry in fs::read_dir(dir).unwrap() {
-            let path = entry.unwrap().path();
+        for entry in fs::read_dir(dir).expect("src/ is readable") {
+            let path = entry.expect("a directory entry").path();
             if path.is_dir() {
                 walk(&path, out);
             } else if path.extension().is_some_and(|e| e == "rs") {
-                for line in fs::read_to_string(&path).unwrap().lines() {
+                for line in fs::read_to_string(&path).expect("a source file").lines() {
                     let line = line.trim_start();
                     let line = line
                         .strip_prefix("pub(crate) ")
@@ -103,7 +103,7 @@ fn count(v: Value) -> String {
     let digits = v.to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
@@ -138,7 +138,7 @@ fn words(v: Value) -> String {
         "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
     ];
     names
-        .get(usize::try_from(v).unwrap())
+        .get(usize::try_from(v).unwrap_or(usize::MAX))
         .map_or_else(|| v.to_string(), |w| (*w).to_owned())
 }
 
@@ -324,11 +324,11 @@ const ROWS: &[Row] = &[
 
 #[test]
 fn the_docs_state_the_limits_the_code_has() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace");
     let known = constants();
     let mut wrong = Vec::new();
     for &(doc, name, render, words) in ROWS {
-        let text = fs::read_to_string(root.join(doc)).unwrap();
+        let text = fs::read_to_string(root.join(doc)).expect("the doc is readable");
         // Line breaks in the doc are spaces to a reader.
         let flat = text.split_whitespace().collect::<Vec<_>>().join(" ");
         let rhs = known

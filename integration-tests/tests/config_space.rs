@@ -503,11 +503,11 @@ where
                 }
                 Err(broken) => return Err(TestCaseError::fail(broken)),
             };
-            counts.lock().unwrap()[slot] += 1;
+            counts.lock().expect("counts")[slot] += 1;
             Ok(())
         })
         .expect("every combination is refused clearly, works, or fails for a reason its settings give");
-    let [worked, refused, failed] = counts.into_inner().unwrap();
+    let [worked, refused, failed] = counts.into_inner().expect("counts");
     eprintln!(
         "random combinations: {worked} worked end to end, {refused} refused by validation, \
          {failed} failed on a timeout their settings made too short"
