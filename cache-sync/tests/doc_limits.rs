@@ -324,7 +324,9 @@ const ROWS: &[Row] = &[
 
 #[test]
 fn the_docs_state_the_limits_the_code_has() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the workspace");
     let known = constants();
     let mut wrong = Vec::new();
     for &(doc, name, render, words) in ROWS {
