@@ -1222,17 +1222,7 @@ pub async fn heartbeat_channel(fixture: &mut dyn Fixture) {
     let topic = "hb-a";
     let mut a = match a_node.subscribe_heartbeats(topic).await {
         Ok(sub) => sub,
-        Err(e) if e.is_unsupported() => {
-            let published = publisher
-                .publish_heartbeat(topic, bytes::Bytes::from_static(b"beat"))
-                .await;
-            assert!(
-                published.as_ref().is_err_and(|e| e.is_unsupported()),
-                "{name}: heartbeat subscriptions are unsupported, publishing is {published:?}"
-            );
-            eprintln!("{name}: no heartbeat channel (Unsupported), as declared");
-            return;
-        }
+        Err(e) if e.is_unsupported() => cannot_run(name, "a heartbeat channel"),
         Err(e) => panic!("{name}: subscribe_heartbeats: {e}"),
     };
     let mut b = b_node
@@ -1386,6 +1376,72 @@ pub async fn heartbeats_take_no_room_in_the_history(fixture: &mut dyn Fixture) {
     }
 }
 
+/// Each optional channel (heartbeats, replies) is either there on both
+/// sides or declared missing on both: a subscription that says
+/// `Unsupported` where publishing works (or the other way round) would
+/// leave a party waiting for answers that go nowhere. Runs on every
+/// transport; it says which it found.
+pub async fn optional_channels_are_declared_on_both_sides(fixture: &mut dyn Fixture) {
+    let name = fixture.name();
+    let transport = fixture.transport().await;
+    let topic = "declared";
+    let beat = bytes::Bytes::from_static(b"beat");
+    let subscribed = transport.subscribe_heartbeats(topic).await.map(drop);
+    let published =
+        retry_unless_unsupported(|| transport.publish_heartbeat(topic, beat.clone())).await;
+    assert_eq!(
+        subscribed
+            .as_ref()
+            .err()
+            .map(cache_sync::Error::is_unsupported),
+        published
+            .as_ref()
+            .err()
+            .map(cache_sync::Error::is_unsupported),
+        "{name}: heartbeats: subscribing gave {subscribed:?}, publishing {published:?}"
+    );
+    let subscribed = transport.subscribe_replies(topic, 7).await.map(drop);
+    let published =
+        retry_unless_unsupported(|| transport.publish_reply(topic, 7, beat.clone())).await;
+    assert_eq!(
+        subscribed
+            .as_ref()
+            .err()
+            .map(cache_sync::Error::is_unsupported),
+        published
+            .as_ref()
+            .err()
+            .map(cache_sync::Error::is_unsupported),
+        "{name}: replies: subscribing gave {subscribed:?}, publishing {published:?}"
+    );
+    eprintln!(
+        "{name}: reply channel {}",
+        if subscribed.is_ok() {
+            "present"
+        } else {
+            "declared unsupported"
+        }
+    );
+}
+
+/// `f` until it works or says `Unsupported` (a broker may still be making
+/// the resource on first use).
+async fn retry_unless_unsupported<F, Fut>(mut f: F) -> cache_sync::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = cache_sync::Result<()>>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match f().await {
+            Err(e) if !e.is_unsupported() && tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
 /// A party's reply channel (answers to its acknowledgement requests): what
 /// is published for a party reaches that party's reply subscription byte
 /// for byte, and no other party's, nor the topic's heartbeat channel, nor
@@ -1399,16 +1455,7 @@ pub async fn reply_channel(fixture: &mut dyn Fixture) {
     let topic = "replies";
     let mut mine = match one.subscribe_replies(topic, 1).await {
         Ok(sub) => sub,
-        Err(e) if e.is_unsupported() => {
-            let published = publisher
-                .publish_reply(topic, 1, bytes::Bytes::from_static(b"answer"))
-                .await;
-            assert!(
-                published.as_ref().is_err_and(|e| e.is_unsupported()),
-                "{name}: reply subscriptions are unsupported, publishing is {published:?}"
-            );
-            return;
-        }
+        Err(e) if e.is_unsupported() => cannot_run(name, "reply channels"),
         Err(e) => panic!("{name}: subscribe_replies: {e}"),
     };
     let mut other_party = two

@@ -21,7 +21,8 @@ use integration_tests::cluster_view;
 use integration_tests::conformance::{
     Expect, Fault, Fixture, a_refusal_is_no_disconnect, health_follows_the_broker,
     heartbeat_channel, heartbeats_take_no_room_in_the_history, names_map_one_to_one, normal_path,
-    publish_cut_at_the_tail, publish_cut_mid_flight, regrow, reply_channel, retry, survives,
+    optional_channels_are_declared_on_both_sides, publish_cut_at_the_tail, publish_cut_mid_flight,
+    regrow, reply_channel, retry, survives,
 };
 #[cfg(feature = "nats")]
 use integration_tests::nats_server::NatsServer;
@@ -517,6 +518,9 @@ macro_rules! case {
     ($f:expr, heartbeats_take_no_room_in_the_change_history) => {
         heartbeats_take_no_room_in_the_history(&mut $f).await
     };
+    ($f:expr, optional_channels_are_declared_on_both_sides) => {
+        optional_channels_are_declared_on_both_sides(&mut $f).await
+    };
     ($f:expr, replies_reach_only_their_party) => {
         reply_channel(&mut $f).await
     };
@@ -551,6 +555,7 @@ const SCENARIOS: &[&str] = &[
     "names_map_one_to_one_onto_broker_resources",
     "heartbeat_channel_beside_the_change_history",
     "heartbeats_take_no_room_in_the_change_history",
+    "optional_channels_are_declared_on_both_sides",
     "replies_reach_only_their_party",
     "a_refused_publish_is_no_disconnect",
     "cluster_view_converges_and_publishes_are_acknowledged",
@@ -604,6 +609,7 @@ conformance!(embedded, Embedded::new(), {
     heartbeat_channel_beside_the_change_history,
     heartbeats_take_no_room_in_the_change_history =
         ignore "in-process: no broker whose storage the suite can look at",
+    optional_channels_are_declared_on_both_sides,
     replies_reach_only_their_party,
     a_refused_publish_is_no_disconnect,
     cluster_view_converges_and_publishes_are_acknowledged,
@@ -628,6 +634,7 @@ conformance!(redis_streams, Streams { server: RedisServer::start() }, {
     names_map_one_to_one_onto_broker_resources,
     heartbeat_channel_beside_the_change_history,
     heartbeats_take_no_room_in_the_change_history,
+    optional_channels_are_declared_on_both_sides,
     replies_reach_only_their_party,
     a_refused_publish_is_no_disconnect,
     cluster_view_converges_and_publishes_are_acknowledged,
@@ -652,6 +659,7 @@ conformance!(redis_pubsub, PubSub { server: RedisServer::start() }, {
     heartbeat_channel_beside_the_change_history,
     heartbeats_take_no_room_in_the_change_history =
         ignore "Pub/Sub stores neither heartbeats nor history",
+    optional_channels_are_declared_on_both_sides,
     replies_reach_only_their_party,
     a_refused_publish_is_no_disconnect,
     cluster_view_converges_and_publishes_are_acknowledged,
@@ -677,6 +685,7 @@ conformance!(nats_jetstream, Nats { server: NatsServer::start() }, {
     heartbeat_channel_beside_the_change_history,
     heartbeats_take_no_room_in_the_change_history =
         ignore "heartbeats are core NATS messages, which the server never stores",
+    optional_channels_are_declared_on_both_sides,
     replies_reach_only_their_party,
     a_refused_publish_is_no_disconnect,
     cluster_view_converges_and_publishes_are_acknowledged,
@@ -703,7 +712,9 @@ conformance!(rocketmq, RocketMq { server: RocketMqServer::start() }, {
     heartbeat_channel_beside_the_change_history,
     heartbeats_take_no_room_in_the_change_history =
         ignore "heartbeats go to a topic of their own, and the suite has no look into the broker's store",
-    replies_reach_only_their_party,
+    optional_channels_are_declared_on_both_sides,
+    replies_reach_only_their_party =
+        ignore "no reply channels (a topic per party would have to be created on the brokers): answers go on the heartbeat channel",
     a_refused_publish_is_no_disconnect,
     cluster_view_converges_and_publishes_are_acknowledged,
     a_stopped_node_leaves_the_cluster_view,
