@@ -101,9 +101,11 @@ fn states(text: &str, words: &str) -> bool {
     text.match_indices(words).any(|(at, _)| {
         let before = text[..at].chars().next_back();
         let after = text[at + words.len()..].chars().next();
-        !(words.starts_with(|c: char| c.is_ascii_digit()) && before.is_some_and(number))
-            && !(words.ends_with(|c: char| c.is_ascii_digit())
-                && after.is_some_and(|c| c.is_ascii_digit()))
+        let tail_of_a_number =
+            words.starts_with(|c: char| c.is_ascii_digit()) && before.is_some_and(number);
+        let head_of_a_number = words.ends_with(|c: char| c.is_ascii_digit())
+            && after.is_some_and(|c| c.is_ascii_digit());
+        !tail_of_a_number && !head_of_a_number
     })
 }
 
