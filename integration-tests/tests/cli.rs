@@ -229,6 +229,9 @@ async fn status_lists_every_node<T: Transport>(
 ) {
     let (_c1, n1) = node("n1", connect().await).await;
     let (_c2, n2) = node("n2", connect().await).await;
+    // One name for a transport: the one the CLI takes is the one nodes
+    // report.
+    assert_eq!(n1.status().transport, name);
     let out = cli(&[
         "--transport",
         name,
@@ -264,7 +267,7 @@ async fn status_on_redis_pubsub() {
 async fn status_on_nats() {
     let server = integration_tests::nats_server::NatsServer::start();
     let url = server.url();
-    status_lists_every_node("nats", &url, async || {
+    status_lists_every_node("nats-jetstream", &url, async || {
         cache_sync::NatsJetStreamTransport::connect(url.clone())
             .await
             .expect("connect")

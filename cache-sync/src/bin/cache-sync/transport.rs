@@ -19,11 +19,13 @@ pub(crate) enum Kind {
     RocketMq,
 }
 
-/// Every transport's name, and whether this binary was built with it.
+/// Every transport's name, and whether this binary was built with it. The
+/// names are the transports' own (`Transport::kind`, `NodeStatus::transport`),
+/// so what a node reports is what the tool takes.
 const ALL: [(&str, Kind, bool); 4] = [
     ("redis-streams", Kind::RedisStreams, cfg!(feature = "redis")),
     ("redis-pubsub", Kind::RedisPubSub, cfg!(feature = "redis")),
-    ("nats", Kind::Nats, cfg!(feature = "nats")),
+    ("nats-jetstream", Kind::Nats, cfg!(feature = "nats")),
     ("rocketmq", Kind::RocketMq, cfg!(feature = "rocketmq")),
 ];
 
