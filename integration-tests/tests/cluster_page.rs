@@ -24,7 +24,7 @@ use serde_json::{Value, json};
 
 const EVERY: Duration = Duration::from_millis(100);
 
-use integration_tests::Stalling;
+use integration_tests::{Stalling, eventually};
 
 /// A program the test needs, from Debian's packages: on the PATH or in
 /// /usr/bin. Missing, the test fails and says what to install; with `CI`
@@ -103,14 +103,6 @@ async fn start(id: &str, transport: Stalling<EmbeddedTransport>, cache: &Cache) 
         .start()
         .await
         .expect("node starts")
-}
-
-async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !check().await {
-        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Everything the check needs, read by one script in one document: the

@@ -22,15 +22,26 @@ fn cache(name: &str) -> Cache {
 }
 
 /// Polls until `f` holds; tests never sleep a fixed time to "let it settle".
-pub(super) async fn eventually(what: &str, mut f: impl AsyncFnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+pub(super) async fn eventually(what: &str, f: impl AsyncFnMut() -> bool) {
+    eventually_within(what, Duration::from_secs(10), f).await;
+}
+
+/// [`eventually`] with a limit of its own, on tokio's clock (in a test on
+/// paused time a long limit costs no real time); returns when `f` held.
+pub(super) async fn eventually_within(
+    what: &str,
+    limit: Duration,
+    mut f: impl AsyncFnMut() -> bool,
+) -> tokio::time::Instant {
+    let deadline = tokio::time::Instant::now() + limit;
     while !f().await {
         assert!(
             tokio::time::Instant::now() < deadline,
-            "timed out waiting for: {what}"
+            "timed out after {limit:?} waiting for: {what}"
         );
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
+    tokio::time::Instant::now()
 }
 
 async fn holds(c: &Cache, k: &str, v: Option<&str>) -> bool {

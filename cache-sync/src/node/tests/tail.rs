@@ -68,16 +68,9 @@ impl Transport for Lossy {
     }
 }
 
-/// Waits for `f`, on tokio's clock (paused in these tests, so the wait
-/// costs no real time), and returns when it held.
-async fn wait_for(what: &str, mut f: impl FnMut() -> bool) -> Instant {
-    let give_up = Instant::now() + Duration::from_secs(600);
-    while !f() {
-        assert!(Instant::now() < give_up, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    Instant::now()
-}
+/// How long these tests wait for a condition: on paused time, so a long
+/// limit costs no real time.
+const LONG: Duration = Duration::from_secs(600);
 
 async fn nodes(transport: &Lossy, window: Duration, n: usize) -> Vec<(Node, Cache)> {
     let mut out = Vec::new();
@@ -122,7 +115,10 @@ async fn a_lost_last_event_is_found_within_the_bound(window: Duration) {
     assert_eq!(transport.publishes.load(Relaxed), 5);
     let bound = INTERVAL + window;
     for (node, c) in &nodes {
-        let at = wait_for("the tail loss is answered", || resyncs(node) == 1).await;
+        let at = eventually_within("the tail loss is answered", LONG, async || {
+            resyncs(node) == 1
+        })
+        .await;
         let took = at - lost_at;
         // The wait polls every millisecond of tokio's clock.
         assert!(
@@ -145,7 +141,7 @@ async fn a_lost_last_event_is_found_within_the_bound(window: Duration) {
         assert_eq!(c.peek("k1").await, None, "the cache was emptied");
     }
     // The loss is answered once, whatever the repeats say.
-    wait_for("the repeats", || transport.announcements() == 3).await;
+    eventually_within("the repeats", LONG, async || transport.announcements() == 3).await;
     tokio::time::sleep(window + INTERVAL).await;
     for (node, _) in &nodes {
         assert_eq!(resyncs(node), 1);
@@ -177,7 +173,10 @@ async fn announcements_of_what_arrived_change_nothing_and_stop_when_quiet() {
     for i in 1..=5 {
         p.refresh("t", [(format!("k{i}"), "v")]).await.unwrap();
     }
-    wait_for("three announcements", || transport.announcements() == 3).await;
+    eventually_within("three announcements", LONG, async || {
+        transport.announcements() == 3
+    })
+    .await;
     tokio::time::sleep(window + 10 * INTERVAL).await;
     assert_eq!(
         transport.announcements(),
@@ -200,7 +199,7 @@ async fn announcements_of_what_arrived_change_nothing_and_stop_when_quiet() {
         );
     }
     p.refresh("t", [("k6", "v")]).await.unwrap();
-    wait_for("three more", || transport.announcements() == 6).await;
+    eventually_within("three more", LONG, async || transport.announcements() == 6).await;
     tokio::time::sleep(window + 10 * INTERVAL).await;
     assert_eq!(transport.announcements(), 6);
     assert_eq!(transport.publishes.load(Relaxed), 12);
@@ -614,7 +613,7 @@ fn a_publisher_that_outlives_its_runtime_announces_from_the_next() {
     runtime().block_on(async { p.refresh("t", [("k", "v")]).await.unwrap() });
     runtime().block_on(async {
         p.refresh("t", [("k", "w")]).await.unwrap();
-        wait_for("announcements on the second runtime", || {
+        eventually_within("announcements on the second runtime", LONG, async || {
             transport.announcements() == 3
         })
         .await;
@@ -741,7 +740,10 @@ async fn a_dropped_publisher_still_announces_its_last_event() {
     let lost_at = Instant::now();
     p.refresh("t", [("k2", "v")]).await.unwrap();
     drop(p);
-    let at = wait_for("the tail loss is answered", || resyncs(node) == 1).await;
+    let at = eventually_within("the tail loss is answered", LONG, async || {
+        resyncs(node) == 1
+    })
+    .await;
     assert!(at - lost_at <= INTERVAL + window + Duration::from_millis(2));
     tokio::time::sleep(2 * (INTERVAL + window)).await;
     let s = node.status();
@@ -836,8 +838,11 @@ async fn checks_fall_due_during_an_outage() {
     let start = Instant::now();
     send(1, refresh_change("k1", "v")).await;
     send(3, Change::ANNOUNCE).await;
-    wait_for("the outage starts", || node.status().transport_errors >= 1).await;
-    let at = wait_for("the check", || resyncs(&node) == 1).await;
+    eventually_within("the outage starts", LONG, async || {
+        node.status().transport_errors >= 1
+    })
+    .await;
+    let at = eventually_within("the check", LONG, async || resyncs(&node) == 1).await;
     let took = at - start;
     assert!(
         took >= window && took <= window + Duration::from_secs(1),
@@ -879,7 +884,8 @@ async fn a_one_shot_publishers_lost_only_event_is_found_by_its_announcement() {
         drop(one_shot);
         let sent = Instant::now();
         for (node, c) in &nodes {
-            let at = wait_for("the loss is found", || resyncs(node) == 1).await;
+            let at =
+                eventually_within("the loss is found", LONG, async || resyncs(node) == 1).await;
             // At its first announcement: nothing to wait for.
             assert!(
                 at - sent <= INTERVAL + Duration::from_millis(2),
@@ -894,7 +900,7 @@ async fn a_one_shot_publishers_lost_only_event_is_found_by_its_announcement() {
             );
             assert_eq!(c.peek("k").await, None, "the stale value is gone");
         }
-        wait_for("the repeats", || transport.announcements() == 3).await;
+        eventually_within("the repeats", LONG, async || transport.announcements() == 3).await;
         tokio::time::sleep(window + INTERVAL).await;
         for (node, _) in &nodes {
             assert_eq!(resyncs(node), 1, "answered once");
@@ -955,7 +961,7 @@ async fn an_announcement_of_an_event_sent_before_the_node_listened_is_no_loss() 
             .start()
             .await
             .unwrap();
-        wait_for("the repeats", || transport.announcements() == 3).await;
+        eventually_within("the repeats", LONG, async || transport.announcements() == 3).await;
         tokio::time::sleep(window + INTERVAL).await;
         let s = node.status();
         assert_eq!(
