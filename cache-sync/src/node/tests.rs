@@ -1,4 +1,3 @@
-use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -7,6 +6,7 @@ use bytes::Bytes;
 use super::seqs::PublisherSeqs;
 use super::*;
 use crate::transport::Delivery;
+use crate::transport::FaultyTransport;
 use crate::wire::{Change, EntryVersion, Header, encode_part};
 use crate::{EmbeddedTransport, Keyring};
 
@@ -255,10 +255,7 @@ async fn a_gap_in_a_publishers_sequence_invalidates_that_cache_only() {
 /// gap in that cache. At a fresh start (empty caches) it is trusted.
 #[tokio::test]
 async fn after_a_resume_an_unknown_publishers_first_event_is_not_trusted() {
-    let flaky = FlakyTransport {
-        inner: EmbeddedTransport::new(),
-        subscribes: Arc::default(),
-    };
+    let flaky = flaky();
     let (a, b) = (cache("a"), cache("b"));
     let node = Node::builder("n1", flaky.clone())
         .reconnect_backoff(Duration::from_millis(1), Duration::from_millis(10))
@@ -268,7 +265,7 @@ async fn after_a_resume_an_unknown_publishers_first_event_is_not_trusted() {
         .await
         .unwrap();
     let publish = |cache: &'static str, publisher, seq, k: &'static str| {
-        let transport = flaky.inner.clone();
+        let transport = flaky.inner();
         async move {
             transport
                 .publish(
@@ -284,7 +281,7 @@ async fn after_a_resume_an_unknown_publishers_first_event_is_not_trusted() {
     publish("a", 1, 41, "a1").await;
     eventually("applied", async || holds(&a, "a1", Some("v")).await).await;
     // The first subscription fails after that batch; the node resumes.
-    eventually("resumed", async || flaky.subscribes.load(Relaxed) == 2).await;
+    eventually("resumed", async || flaky.subscriptions() == 2).await;
     b.insert("warm".into(), "kept".into()).await;
     publish("a", 1, 42, "a2").await; // known publisher, next number: fine
     publish("a", 2, 1, "a3").await; // a new publisher's first event: fine
@@ -330,67 +327,16 @@ async fn falling_behind_the_history_is_answered_by_invalidating() {
     assert_eq!(c.get("stale").await, None);
 }
 
-/// Wraps the embedded transport; the first subscription fails after one batch.
-#[derive(Debug, Clone)]
-struct FlakyTransport {
-    inner: EmbeddedTransport,
-    subscribes: Arc<AtomicUsize>,
-}
-
-#[derive(Debug)]
-struct FlakySub {
-    inner: Box<dyn Subscription>,
-    batches_before_failure: Option<usize>,
-}
-
-#[async_trait]
-impl Transport for FlakyTransport {
-    fn kind(&self) -> &'static str {
-        "flaky"
-    }
-
-    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
-        self.inner.publish(topic, tag, payload).await
-    }
-
-    async fn subscribe(
-        &self,
-        topic: &str,
-        options: SubscribeOptions,
-    ) -> Result<Box<dyn Subscription>> {
-        let first = self.subscribes.fetch_add(1, Relaxed) == 0;
-        let inner = self.inner.subscribe(topic, options).await?;
-        Ok(Box::new(FlakySub {
-            inner,
-            batches_before_failure: first.then_some(1),
-        }))
-    }
-}
-
-#[async_trait]
-impl Subscription for FlakySub {
-    async fn next(&mut self, max: usize) -> Result<Delivery> {
-        match &mut self.batches_before_failure {
-            Some(0) => Err(Error::disconnected("flaky", "connection reset")),
-            Some(n) => {
-                *n -= 1;
-                self.inner.next(max).await
-            }
-            None => self.inner.next(max).await,
-        }
-    }
-
-    fn position(&self) -> Option<Position> {
-        self.inner.position()
-    }
+/// The embedded transport, whose first subscription breaks after one batch.
+pub(super) fn flaky() -> FaultyTransport {
+    let t = FaultyTransport::new(EmbeddedTransport::new());
+    t.break_next_subscription_after(1);
+    t
 }
 
 #[tokio::test]
 async fn a_broken_subscription_resumes_where_it_was_without_loss() {
-    let flaky = FlakyTransport {
-        inner: EmbeddedTransport::new(),
-        subscribes: Arc::default(),
-    };
+    let flaky = flaky();
     let c = cache("t");
     let node = Node::builder("n1", flaky.clone())
         .max_batch(1)
@@ -410,7 +356,7 @@ async fn a_broken_subscription_resumes_where_it_was_without_loss() {
     let s = node.status();
     assert_eq!(s.transport_errors, 1);
     assert_eq!(s.losses, 0, "resuming from a known position loses nothing");
-    assert_eq!(flaky.subscribes.load(Relaxed), 2);
+    assert_eq!(flaky.subscriptions(), 2);
     assert!(node.is_consuming());
 }
 
@@ -712,37 +658,11 @@ async fn a_fresh_node_replays_the_reorder_window_so_older_refreshes_are_refused(
 }
 
 /// Without history to replay, the same situation is answered by quarantine.
-#[derive(Debug, Clone)]
-struct NoHistoryTransport(EmbeddedTransport);
-
-#[async_trait]
-impl Transport for NoHistoryTransport {
-    fn kind(&self) -> &'static str {
-        "no-history"
-    }
-
-    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
-        self.0.publish(topic, tag, payload).await
-    }
-
-    async fn subscribe(
-        &self,
-        topic: &str,
-        options: SubscribeOptions,
-    ) -> Result<Box<dyn Subscription>> {
-        if !matches!(options.from, StartFrom::Latest) {
-            return Err(Error::Unsupported {
-                transport: "no-history",
-                what: "history",
-            });
-        }
-        self.0.subscribe(topic, options).await
-    }
-}
-
 #[tokio::test]
 async fn without_history_a_fresh_node_quarantines_instead() {
-    let transport = NoHistoryTransport(EmbeddedTransport::new());
+    // Without history: a subscription from anywhere but the latest is refused.
+    let transport = FaultyTransport::new(EmbeddedTransport::new());
+    transport.refuse_history(true);
     let p = Publisher::new(transport.clone());
     p.invalidate_versioned("t", [("k", Some(12))])
         .await
@@ -869,52 +789,6 @@ async fn unauthenticated_input_changes_nothing_whatever_its_size_or_tag() {
     assert_eq!(s.caches[0].refreshes_quarantined, 0, "{s:?}");
 }
 
-/// Delivers the embedded transport's records without their tags, as Redis
-/// Pub/Sub does.
-#[derive(Debug, Clone)]
-struct UntaggedTransport(EmbeddedTransport);
-
-#[derive(Debug)]
-struct UntaggedSub(Box<dyn Subscription>);
-
-#[async_trait]
-impl Transport for UntaggedTransport {
-    fn kind(&self) -> &'static str {
-        "untagged"
-    }
-
-    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
-        self.0.publish(topic, tag, payload).await
-    }
-
-    async fn subscribe(
-        &self,
-        topic: &str,
-        options: SubscribeOptions,
-    ) -> Result<Box<dyn Subscription>> {
-        Ok(Box::new(UntaggedSub(
-            self.0.subscribe(topic, options).await?,
-        )))
-    }
-}
-
-#[async_trait]
-impl Subscription for UntaggedSub {
-    async fn next(&mut self, max: usize) -> Result<Delivery> {
-        let mut delivery = self.0.next(max).await?;
-        if let Delivery::Batch { records, .. } = &mut delivery {
-            for r in records {
-                r.tag = None;
-            }
-        }
-        Ok(delivery)
-    }
-
-    fn position(&self) -> Option<Position> {
-        self.0.position()
-    }
-}
-
 /// Guards against dropping an event with no tag to name its cache (Redis
 /// Pub/Sub): a genuine event over the node's size limit, or one in a format
 /// the node cannot read, if only counted and dropped, would leave the cache
@@ -922,7 +796,9 @@ impl Subscription for UntaggedSub {
 /// names the cache; an event that names none may have changed any.
 #[tokio::test]
 async fn an_unreadable_event_without_a_tag_invalidates_what_it_may_have_changed() {
-    let transport = UntaggedTransport(EmbeddedTransport::new());
+    // Records without their tags, as Redis Pub/Sub delivers them.
+    let transport = FaultyTransport::new(EmbeddedTransport::new());
+    transport.strip_tags(true);
     let (t, u) = (cache("t"), cache("u"));
     let node = Node::builder("n1", transport.clone())
         .max_event_bytes(1024)

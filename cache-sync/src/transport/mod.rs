@@ -16,6 +16,8 @@ use crate::error::Result;
 pub(crate) const DEFAULT_TOPIC: &str = "cache-sync";
 
 pub(crate) mod embedded;
+#[cfg(any(test, feature = "test-util"))]
+mod faulty;
 pub(crate) mod names;
 #[cfg(feature = "nats")]
 pub(crate) mod nats;
@@ -23,6 +25,10 @@ pub(crate) mod nats;
 pub(crate) mod redis;
 #[cfg(feature = "rocketmq")]
 pub(crate) mod rocketmq;
+
+#[cfg(any(test, feature = "test-util"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub use faulty::FaultyTransport;
 
 /// Where a subscriber stands in a topic: one offset per partition.
 ///

@@ -332,10 +332,7 @@ async fn forged_announcements_change_nothing_on_a_verifying_node() {
 /// from cannot be a baseline: the events it vouches for may be gone.
 #[tokio::test(start_paused = true)]
 async fn after_a_resume_an_unknown_publishers_announcement_resyncs() {
-    let flaky = FlakyTransport {
-        inner: EmbeddedTransport::new(),
-        subscribes: Arc::default(),
-    };
+    let flaky = flaky();
     let (a, b) = (cache("a"), cache("b"));
     let node = Node::builder("n1", flaky.clone())
         .reconnect_backoff(Duration::from_millis(1), Duration::from_millis(10))
@@ -345,7 +342,7 @@ async fn after_a_resume_an_unknown_publishers_announcement_resyncs() {
         .await
         .unwrap();
     let send = |cache: &'static str, publisher, seq, change: Change| {
-        let t = flaky.inner.clone();
+        let t = flaky.inner();
         async move {
             t.publish(
                 DEFAULT_TOPIC,
@@ -357,7 +354,7 @@ async fn after_a_resume_an_unknown_publishers_announcement_resyncs() {
         }
     };
     send("a", 1, 1, refresh_change("a1", "v")).await;
-    eventually("resumed", async || flaky.subscribes.load(Relaxed) == 2).await;
+    eventually("resumed", async || flaky.subscriptions() == 2).await;
     a.insert("warm".into(), "kept".into()).await;
     b.insert("warm".into(), "kept".into()).await;
     send("b", 3, 17, Change::ANNOUNCE).await;
