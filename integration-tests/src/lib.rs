@@ -15,9 +15,6 @@ pub mod nats_server;
 mod process;
 pub mod redis_server;
 pub mod rocketmq_server;
-mod stalling;
-
-pub use stalling::Stalling;
 
 /// Cache values: `None` caches a missing row (negative caching).
 pub type Row = Option<String>;

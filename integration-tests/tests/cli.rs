@@ -8,8 +8,7 @@
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use cache_sync::transport::Transport;
@@ -78,7 +77,7 @@ fn text(out: &Output) -> (String, String) {
     )
 }
 
-use integration_tests::Stalling;
+use cache_sync::transport::FaultyTransport;
 
 type Countries = SyncedCache<String, String>;
 
@@ -104,17 +103,10 @@ async fn status_publish_and_lag_on_redis_streams() {
             .await
             .expect("connect")
     };
-    let stalled = Arc::new(AtomicBool::new(false));
+    let stalled = FaultyTransport::new(connect().await);
     let (c1, n1) = node("n1", connect().await).await;
     let (c2, n2) = node("n2", connect().await).await;
-    let (c3, n3) = node(
-        "n3",
-        Stalling {
-            inner: connect().await,
-            stalled: stalled.clone(),
-        },
-    )
-    .await;
+    let (c3, n3) = node("n3", stalled.clone()).await;
     let caches = [&c1, &c2, &c3];
     let base = [
         "--transport",
@@ -186,7 +178,7 @@ async fn status_publish_and_lag_on_redis_streams() {
     }
 
     // n3 stops taking events in while the others move on to version 9.
-    stalled.store(true, Relaxed);
+    stalled.stall(true);
     let publisher = Publisher::new(connect().await);
     for v in [8, 9] {
         publisher
@@ -207,7 +199,7 @@ async fn status_publish_and_lag_on_redis_streams() {
     let out = run(&["status", "--max-lag", "1h"]).await;
     let (stdout, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
-    stalled.store(false, Relaxed);
+    stalled.stall(false);
     eventually("n3 caught up", async || c3.status().version == Some(9)).await;
 
     // A topic no node is on: a probe must not pass.

@@ -13,8 +13,6 @@
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::Duration;
 
 use cache_sync::{EmbeddedTransport, Node, Publisher, SyncedCache};
@@ -24,7 +22,8 @@ use serde_json::{Value, json};
 
 const EVERY: Duration = Duration::from_millis(100);
 
-use integration_tests::{Stalling, eventually};
+use cache_sync::transport::FaultyTransport;
+use integration_tests::eventually;
 
 /// A program the test needs, from Debian's packages: on the PATH or in
 /// /usr/bin. Missing, the test fails and says what to install; with `CI`
@@ -94,7 +93,7 @@ impl Drop for Chromedriver {
 
 type Cache = SyncedCache<String, String>;
 
-async fn start(id: &str, transport: Stalling<EmbeddedTransport>, cache: &Cache) -> Node {
+async fn start(id: &str, transport: FaultyTransport, cache: &Cache) -> Node {
     Node::builder(id, transport)
         .heartbeat_interval(EVERY)
         // Ready at once: no quarantine at start to wait out.
@@ -124,14 +123,8 @@ async fn the_cluster_page_flags_the_lagging_node_in_chromium() {
     let chromedriver = require("chromedriver");
 
     let shared = EmbeddedTransport::new();
-    let level = Stalling {
-        inner: shared.clone(),
-        stalled: Arc::new(AtomicBool::new(false)),
-    };
-    let slow = Stalling {
-        inner: shared.clone(),
-        stalled: Arc::new(AtomicBool::new(false)),
-    };
+    let level = FaultyTransport::new(shared.clone());
+    let slow = FaultyTransport::new(shared.clone());
     let caches: Vec<Cache> = (0..3)
         .map(|_| SyncedCache::new("countries", moka::future::Cache::new(100)))
         .collect();
@@ -150,7 +143,7 @@ async fn the_cluster_page_flags_the_lagging_node_in_chromium() {
         .await;
     assert!(acks.is_complete(), "{acks:?}");
     // node-c stops taking events in; the other two move on to v9.
-    slow.stalled.store(true, Relaxed);
+    slow.stall(true);
     publisher
         .refresh_versioned("countries", [("de", "Deutschland", Some(9))])
         .await
@@ -248,7 +241,7 @@ async fn the_cluster_page_flags_the_lagging_node_in_chromium() {
     .await;
     let _ = browser.close().await;
     drop(driver);
-    slow.stalled.store(false, Relaxed);
+    slow.stall(false);
     server.shutdown().await.expect("status server shutdown");
     for node in &nodes {
         node.shutdown().await.expect("node shutdown");

@@ -14,72 +14,6 @@ use crate::{Cluster, Heartbeat};
 
 const EVERY: Duration = Duration::from_millis(100);
 
-/// Delivers heartbeats like the embedded transport, but holds back every
-/// change event from its subscribers while `stalled` is set: a node that
-/// lags.
-#[derive(Debug, Clone, Default)]
-struct Stalling {
-    inner: EmbeddedTransport,
-    stalled: Arc<AtomicBool>,
-}
-
-#[derive(Debug)]
-struct StallingSubscription {
-    inner: Box<dyn Subscription>,
-    stalled: Arc<AtomicBool>,
-    /// A delivery fetched while stalled, held until it is not: kept here
-    /// so that a dropped `next` loses nothing.
-    held: Option<Result<Delivery>>,
-}
-
-#[async_trait]
-impl Subscription for StallingSubscription {
-    async fn next(&mut self, max: usize) -> Result<Delivery> {
-        if self.held.is_none() {
-            self.held = Some(self.inner.next(max).await);
-        }
-        while self.stalled.load(Relaxed) {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        self.held.take().unwrap()
-    }
-}
-
-#[async_trait]
-impl Transport for Stalling {
-    fn kind(&self) -> &'static str {
-        "stalling"
-    }
-
-    fn filters_by_tag(&self) -> bool {
-        true
-    }
-
-    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
-        self.inner.publish(topic, tag, payload).await
-    }
-
-    async fn subscribe(
-        &self,
-        topic: &str,
-        options: SubscribeOptions,
-    ) -> Result<Box<dyn Subscription>> {
-        Ok(Box::new(StallingSubscription {
-            inner: self.inner.subscribe(topic, options).await?,
-            stalled: self.stalled.clone(),
-            held: None,
-        }))
-    }
-
-    async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
-        self.inner.publish_heartbeat(topic, payload).await
-    }
-
-    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
-        self.inner.subscribe_heartbeats(topic).await
-    }
-}
-
 async fn start(id: &str, transport: impl Transport, caches: &[&Cache]) -> Node {
     let mut b = Node::builder(id, transport)
         .heartbeat_interval(EVERY)
@@ -235,18 +169,15 @@ async fn an_acknowledged_publish_names_every_node_and_its_latency() {
 
 #[tokio::test]
 async fn a_lagging_node_is_flagged_and_left_pending() {
-    let transport = Stalling::default();
-    let slow_transport = Stalling {
-        inner: transport.inner.clone(),
-        stalled: Arc::new(AtomicBool::new(false)),
-    };
+    let transport = FaultyTransport::new(EmbeddedTransport::new());
+    let slow_transport = FaultyTransport::new(transport.inner());
     let (a, b, c) = (cache("countries"), cache("countries"), cache("countries"));
     let nodes = [
         start("n1", transport.clone(), &[&a]).await,
         start("n2", transport.clone(), &[&b]).await,
         start("n3", slow_transport.clone(), &[&c]).await,
     ];
-    let publisher = Publisher::new(transport.inner.clone());
+    let publisher = Publisher::new(transport.inner());
     let first = publisher
         .refresh_versioned("countries", [("de", "Germany", Some(5))])
         .await
@@ -256,7 +187,7 @@ async fn a_lagging_node_is_flagged_and_left_pending() {
         .await;
     assert!(acks.is_complete(), "{acks:?}");
 
-    slow_transport.stalled.store(true, Relaxed);
+    slow_transport.stall(true);
     let second = publisher
         .refresh_versioned("countries", [("de", "Deutschland", Some(9))])
         .await
@@ -291,7 +222,7 @@ async fn a_lagging_node_is_flagged_and_left_pending() {
         .applied_version("countries", 9, Duration::from_millis(300))
         .await;
     assert_eq!(acks.pending().collect::<Vec<_>>(), ["n3"]);
-    slow_transport.stalled.store(false, Relaxed);
+    slow_transport.stall(false);
     let acks = nodes[1]
         .cluster()
         .applied_version("countries", 9, Duration::from_secs(10))
@@ -641,7 +572,7 @@ async fn shutdown_does_not_wait_for_a_heartbeat_channel_that_hangs() {
 
 #[tokio::test]
 async fn two_publishers_in_one_batch_are_both_acknowledged() {
-    let transport = Stalling::default();
+    let transport = FaultyTransport::new(EmbeddedTransport::new());
     let a = cache("countries");
     let node = start("n1", transport.clone(), &[&a]).await;
     eventually("settled", async || {
@@ -650,9 +581,9 @@ async fn two_publishers_in_one_batch_are_both_acknowledged() {
             .is_some_and(|at| Instant::now() >= at)
     })
     .await;
-    transport.stalled.store(true, Relaxed);
-    let first = Publisher::new(transport.inner.clone());
-    let second = Publisher::new(transport.inner.clone());
+    transport.stall(true);
+    let first = Publisher::new(transport.inner());
+    let second = Publisher::new(transport.inner());
     let from_first = first
         .refresh("countries", [("de", "Germany")])
         .await
@@ -662,7 +593,7 @@ async fn two_publishers_in_one_batch_are_both_acknowledged() {
         .await
         .unwrap();
     // Released together: one batch, one run, two publishers.
-    transport.stalled.store(false, Relaxed);
+    transport.stall(false);
     for published in [from_first, from_second] {
         let acks = published
             .applied_by(&node.cluster(), Duration::from_secs(5))
@@ -759,21 +690,18 @@ async fn a_forged_endless_interval_still_expires() {
 // however slow the machine.
 #[tokio::test]
 async fn a_node_stuck_while_versions_keep_coming_is_behind_for_as_long_as_it_is_stuck() {
-    let fast = Stalling::default();
-    let slow = Stalling {
-        inner: fast.inner.clone(),
-        stalled: Arc::new(AtomicBool::new(false)),
-    };
+    let fast = FaultyTransport::new(EmbeddedTransport::new());
+    let slow = FaultyTransport::new(fast.inner());
     let (a, b) = (cache("countries"), cache("countries"));
     let n1 = start("n1", fast.clone(), &[&a]).await;
     let n2 = start("n2", slow.clone(), &[&b]).await;
-    let publisher = Publisher::new(fast.inner.clone());
+    let publisher = Publisher::new(fast.inner());
     publisher
         .refresh_versioned("countries", [("de", "v1", Some(1))])
         .await
         .unwrap();
     eventually("both at 1", async || n1.cluster().view().is_converged()).await;
-    slow.stalled.store(true, Relaxed);
+    slow.stall(true);
     let stuck = Instant::now();
     publisher
         .refresh_versioned("countries", [("de", "v", Some(2))])
@@ -803,7 +731,7 @@ async fn a_node_stuck_while_versions_keep_coming_is_behind_for_as_long_as_it_is_
         "behind {behind:?}: at least {least:?} (since it was seen), at most {most:?} (since the stall)"
     );
     assert!(!view.diverged(Duration::from_millis(400)).is_empty());
-    slow.stalled.store(false, Relaxed);
+    slow.stall(false);
     for n in [n1, n2] {
         n.shutdown().await.unwrap();
     }
