@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use cache_sync::transport::{
-    Delivery, HeartbeatSubscription, Position, StartFrom, SubscribeOptions, Subscription, Transport,
+    Delivery, FaultyTransport, HeartbeatSubscription, Position, StartFrom, SubscribeOptions,
+    Subscription, Transport,
 };
 use cache_sync::{DictionaryPublisher, FileOffsetStore, NodeBuilder, Publisher};
 
@@ -765,10 +766,7 @@ pub async fn publish_cut_at_the_tail(fixture: &mut dyn Fixture) {
         nodes.push(node);
         dirs.push(dir);
     }
-    let transport = Arc::new(CutTransport {
-        inner: fixture.transport().await,
-        cut: std::sync::Mutex::new(None),
-    });
+    let transport = FaultyTransport::new(fixture.transport().await);
     let admin = Publisher::builder(transport.clone())
         .origin("tail-admin")
         .announce_interval(EVERY)
@@ -782,8 +780,11 @@ pub async fn publish_cut_at_the_tail(fixture: &mut dyn Fixture) {
         .await;
     }
     // Until the announcements of t0 are over, one could take the cut
-    // armed below (they stop after three).
-    tokio::time::sleep(10 * EVERY).await;
+    // armed below: wait for the three after the event itself.
+    crate::eventually("t0 and its three announcements published", async || {
+        transport.publishes() >= 4
+    })
+    .await;
     for node in &nodes {
         let s = node.node.status();
         assert_eq!(
@@ -796,7 +797,7 @@ pub async fn publish_cut_at_the_tail(fixture: &mut dyn Fixture) {
             fixture.name()
         );
     }
-    *transport.cut.lock().expect("cut") = Some(Cut::BeforeTheBroker);
+    transport.fail_publishes(1);
     assert!(
         admin
             .refresh(TABLE, [("t1", Some("v1".to_owned()))])
@@ -841,65 +842,6 @@ pub async fn publish_cut_at_the_tail(fixture: &mut dyn Fixture) {
     }
 }
 
-/// A transport whose publishes fail on request: either before the event reaches
-/// the broker (a connection cut on the way), or after (an acknowledgement
-/// lost on the way back).
-struct CutTransport {
-    inner: Arc<dyn Transport>,
-    cut: std::sync::Mutex<Option<Cut>>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Cut {
-    BeforeTheBroker,
-    AfterTheBroker,
-}
-
-impl std::fmt::Debug for CutTransport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CutTransport").finish_non_exhaustive()
-    }
-}
-
-#[async_trait]
-impl Transport for CutTransport {
-    fn kind(&self) -> &'static str {
-        self.inner.kind()
-    }
-
-    async fn publish(
-        &self,
-        topic: &str,
-        tag: &str,
-        payload: bytes::Bytes,
-    ) -> cache_sync::Result<Option<Position>> {
-        let cut = self.cut.lock().expect("cut").take();
-        if cut == Some(Cut::BeforeTheBroker) {
-            return Err(cut_error());
-        }
-        let published = self.inner.publish(topic, tag, payload).await?;
-        match cut {
-            Some(Cut::AfterTheBroker) => Err(cut_error()),
-            _ => Ok(published),
-        }
-    }
-
-    async fn subscribe(
-        &self,
-        topic: &str,
-        options: SubscribeOptions,
-    ) -> cache_sync::Result<Box<dyn Subscription>> {
-        self.inner.subscribe(topic, options).await
-    }
-}
-
-fn cut_error() -> cache_sync::Error {
-    cache_sync::Error::Io {
-        path: "the connection to the broker".into(),
-        source: std::io::Error::new(std::io::ErrorKind::ConnectionReset, "cut mid-flight"),
-    }
-}
-
 /// A publish the transport refuses while the broker is up (an event over
 /// its message size limit: 1 MiB on NATS, 4 MiB on RocketMQ) is not
 /// reported as a lost connection: a caller that retries on
@@ -936,10 +878,7 @@ pub async fn a_refusal_is_no_disconnect(fixture: &mut dyn Fixture) {
 /// cut after the broker got it leaves no gap, and nothing is resynced.
 pub async fn publish_cut_mid_flight(fixture: &mut dyn Fixture) {
     let mut cluster = Cluster::start(fixture, 2).await;
-    let transport = Arc::new(CutTransport {
-        inner: fixture.transport().await,
-        cut: std::sync::Mutex::new(None),
-    });
+    let transport = FaultyTransport::new(fixture.transport().await);
     let admin = Publisher::builder(transport.clone())
         .origin("cut-admin")
         // An announcement could take the cut armed for the next publish
@@ -963,7 +902,7 @@ pub async fn publish_cut_mid_flight(fixture: &mut dyn Fixture) {
     let before = resyncs(&cluster);
     let transport_before = cluster.transport_losses();
 
-    *transport.cut.lock().expect("cut") = Some(Cut::AfterTheBroker);
+    transport.cut_publishes(1);
     assert!(
         admin
             .refresh(TABLE, [("cut1", Some("v1".to_owned()))])
@@ -979,7 +918,7 @@ pub async fn publish_cut_mid_flight(fixture: &mut dyn Fixture) {
         fixture.name()
     );
 
-    *transport.cut.lock().expect("cut") = Some(Cut::BeforeTheBroker);
+    transport.fail_publishes(1);
     assert!(
         admin
             .refresh(TABLE, [("cut3", Some("v3".to_owned()))])
