@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use cache_sync::transport::{
-    Delivery, FaultyTransport, HeartbeatSubscription, Position, StartFrom, SubscribeOptions,
-    Subscription, Transport,
+    Delivery, FaultyTransport, HeartbeatSubscription, StartFrom, SubscribeOptions, Subscription,
+    Transport,
 };
 use cache_sync::{DictionaryPublisher, FileOffsetStore, NodeBuilder, Publisher};
 
@@ -127,109 +127,6 @@ pub async fn regrow(transport: Arc<dyn Transport>) {
     }
 }
 
-/// Wraps a transport so a test can stop one node from reading while it
-/// keeps running with its caches intact: a live node that falls behind.
-struct GatedTransport {
-    inner: Arc<dyn Transport>,
-    open: tokio::sync::watch::Receiver<bool>,
-    parked: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl std::fmt::Debug for GatedTransport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GatedTransport")
-            .field("kind", &self.inner.kind())
-            .finish_non_exhaustive()
-    }
-}
-
-#[derive(Debug)]
-struct GatedSubscription {
-    inner: Box<dyn Subscription>,
-    open: tokio::sync::watch::Receiver<bool>,
-    /// A delivery read but held back while the gate is shut; kept here so a
-    /// cancelled `next` loses nothing.
-    held: Option<Delivery>,
-    parked: Arc<std::sync::atomic::AtomicBool>,
-}
-
-#[async_trait]
-impl Transport for GatedTransport {
-    fn kind(&self) -> &'static str {
-        self.inner.kind()
-    }
-
-    fn filters_by_tag(&self) -> bool {
-        self.inner.filters_by_tag()
-    }
-
-    fn check_topic(&self, topic: &str) -> cache_sync::Result<()> {
-        self.inner.check_topic(topic)
-    }
-
-    fn check_tag(&self, tag: &str) -> cache_sync::Result<()> {
-        self.inner.check_tag(tag)
-    }
-
-    async fn publish(
-        &self,
-        topic: &str,
-        tag: &str,
-        payload: bytes::Bytes,
-    ) -> cache_sync::Result<Option<Position>> {
-        self.inner.publish(topic, tag, payload).await
-    }
-
-    async fn publish_heartbeat(
-        &self,
-        topic: &str,
-        payload: bytes::Bytes,
-    ) -> cache_sync::Result<()> {
-        self.inner.publish_heartbeat(topic, payload).await
-    }
-
-    async fn subscribe_heartbeats(
-        &self,
-        topic: &str,
-    ) -> cache_sync::Result<Box<dyn HeartbeatSubscription>> {
-        self.inner.subscribe_heartbeats(topic).await
-    }
-
-    async fn subscribe(
-        &self,
-        topic: &str,
-        options: SubscribeOptions,
-    ) -> cache_sync::Result<Box<dyn Subscription>> {
-        let inner = self.inner.subscribe(topic, options).await?;
-        Ok(Box::new(GatedSubscription {
-            inner,
-            open: self.open.clone(),
-            held: None,
-            parked: self.parked.clone(),
-        }))
-    }
-}
-
-#[async_trait]
-impl Subscription for GatedSubscription {
-    async fn next(&mut self, max: usize) -> cache_sync::Result<Delivery> {
-        if self.held.is_none() {
-            self.held = Some(self.inner.next(max).await?);
-        }
-        if !*self.open.borrow() {
-            self.parked.store(true, std::sync::atomic::Ordering::SeqCst);
-        }
-        let _ = self.open.wait_for(|open| *open).await;
-        self.parked
-            .store(false, std::sync::atomic::Ordering::SeqCst);
-        Ok(self.held.take().expect("held above"))
-    }
-
-    fn position(&self) -> Option<Position> {
-        self.inner.position()
-    }
-}
-
 /// A seeded generator (SplitMix64): small, and the same everywhere.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
@@ -281,10 +178,9 @@ pub struct Cluster {
     fencer: Publisher,
     fences: u64,
     dirs: Vec<tempfile::TempDir>,
-    /// Node 0 reads only while this is open.
-    gate: tokio::sync::watch::Sender<bool>,
-    /// Node 0 holds a delivery it may not apply yet.
-    parked: Arc<std::sync::atomic::AtomicBool>,
+    /// Node 0's faults: a stall parks it (it keeps running, caches and
+    /// all, and holds back what it read). Shared by its restarts.
+    gate: Option<FaultyTransport>,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -298,13 +194,12 @@ impl std::fmt::Debug for Cluster {
 impl Cluster {
     /// Starts `n` nodes, each with its own client and offset file.
     pub async fn start(fixture: &dyn Fixture, n: usize) -> Self {
-        let gate = tokio::sync::watch::Sender::new(true);
-        let parked = Arc::default();
+        let mut gate = None;
         let mut nodes = Vec::new();
         let mut dirs = Vec::new();
         for i in 0..n {
             let dir = tempfile::tempdir().expect("node dir");
-            nodes.push(start_node(fixture, i, dir.path(), &gate, &parked).await);
+            nodes.push(start_node(fixture, i, dir.path(), &mut gate).await);
             dirs.push(dir);
         }
         let mut admins = Vec::new();
@@ -327,7 +222,6 @@ impl Cluster {
             fences: 0,
             dirs,
             gate,
-            parked,
         }
     }
 
@@ -410,19 +304,19 @@ impl Cluster {
     /// Starts node `i` again from its saved position, with fresh caches (a
     /// new process).
     pub async fn restart_node(&mut self, fixture: &dyn Fixture, i: usize) {
-        self.nodes[i] = start_node(fixture, i, self.dirs[i].path(), &self.gate, &self.parked).await;
+        self.nodes[i] = start_node(fixture, i, self.dirs[i].path(), &mut self.gate).await;
     }
 
     /// Stops node 0 reading: it keeps running, caches and all, and holds
     /// back what it has read. Returns once it is parked, so everything
     /// published afterwards is behind it.
     pub async fn park_node_0(&self) {
-        self.gate.send_replace(false);
-        let parked = &self.parked;
+        let gate = self.gate.as_ref().expect("node 0 is gated");
+        gate.stall(true);
         let fencer = &self.fencer;
         let n = self.fences;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        while !parked.load(std::sync::atomic::Ordering::SeqCst) {
+        while gate.holding() == 0 {
             // Something to read, so the node reaches the gate.
             retry(|| fencer.refresh("fence", [("fence", n)])).await;
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -435,7 +329,7 @@ impl Cluster {
 
     /// Lets node 0 read again.
     pub fn release_node_0(&self) {
-        self.gate.send_replace(true);
+        self.gate.as_ref().expect("node 0 is gated").stall(false);
     }
 
     /// Losses counted on every node.
@@ -466,16 +360,17 @@ async fn start_node(
     fixture: &dyn Fixture,
     i: usize,
     dir: &std::path::Path,
-    gate: &tokio::sync::watch::Sender<bool>,
-    parked: &Arc<std::sync::atomic::AtomicBool>,
+    gate: &mut Option<FaultyTransport>,
 ) -> TestNode {
     let mut transport = fixture.transport().await;
     if i == 0 {
-        transport = Arc::new(GatedTransport {
-            inner: transport,
-            open: gate.subscribe(),
-            parked: parked.clone(),
-        });
+        // A new client, as a restarted process makes, under the same switch.
+        let gated = match gate {
+            Some(gate) => gate.sharing(transport),
+            None => FaultyTransport::new(transport),
+        };
+        *gate = Some(gated.clone());
+        transport = Arc::new(gated);
     }
     let store = FileOffsetStore::new(dir);
     TestNode::start(&format!("node-{i}"), transport, |b| {

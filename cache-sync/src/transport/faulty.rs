@@ -67,6 +67,8 @@ struct Faults {
     strip_tags: AtomicBool,
     refuse_history: AtomicBool,
     subscriptions: AtomicUsize,
+    /// Subscriptions holding a delivery back in a stall right now.
+    holding: AtomicUsize,
 }
 
 /// Takes one from a count-down fault, if any is left.
@@ -82,6 +84,15 @@ impl FaultyTransport {
         Self {
             inner: Arc::new(inner),
             faults: Arc::default(),
+        }
+    }
+
+    /// `inner`, under this transport's faults: what a restarted process's
+    /// new client gets when the test's switches should still apply to it.
+    pub fn sharing(&self, inner: impl Transport) -> Self {
+        Self {
+            inner: Arc::new(inner),
+            faults: self.faults.clone(),
         }
     }
 
@@ -159,6 +170,13 @@ impl FaultyTransport {
     /// Change subscriptions made so far.
     pub fn subscriptions(&self) -> usize {
         self.faults.subscriptions.load(SeqCst)
+    }
+
+    /// Subscriptions that have fetched a delivery and hold it back in a
+    /// stall right now: once this is above 0 after [`stall`](Self::stall),
+    /// their reader is parked, and everything published later is behind it.
+    pub fn holding(&self) -> usize {
+        self.faults.holding.load(SeqCst)
     }
 }
 
@@ -243,6 +261,22 @@ impl Transport for FaultyTransport {
     }
 }
 
+/// One subscription in [`Faults::holding`], for as long as it lives.
+struct Holding<'a>(&'a AtomicUsize);
+
+impl<'a> Holding<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, SeqCst);
+        Self(count)
+    }
+}
+
+impl Drop for Holding<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, SeqCst);
+    }
+}
+
 #[derive(Debug)]
 struct FaultySubscription {
     inner: Box<dyn Subscription>,
@@ -263,8 +297,13 @@ impl Subscription for FaultySubscription {
         if self.held.is_none() {
             self.held = Some(self.inner.next(max).await);
         }
-        while self.faults.stalled.load(SeqCst) {
-            tokio::time::sleep(Duration::from_millis(1)).await;
+        if self.faults.stalled.load(SeqCst) {
+            // Counted while held, uncounted however the wait ends (a
+            // cancelled `next` included).
+            let _holding = Holding::new(&self.faults.holding);
+            while self.faults.stalled.load(SeqCst) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
         }
         let mut delivery = self.held.take().expect("fetched above")?;
         if let Delivery::Batch { records, .. } = &mut delivery {
@@ -380,10 +419,21 @@ mod tests {
             .expect("subscribe");
         t.stall(true);
         publish(&t, &["a"]).await;
+        assert_eq!(t.holding(), 0);
         let held = tokio::time::timeout(Duration::from_secs(60), batch(&mut sub)).await;
         assert!(held.is_err(), "delivered while stalled");
+        // The cancelled read kept what it fetched, and is no longer held.
+        assert_eq!(t.holding(), 0);
+        let reading = tokio::spawn(async move { batch(&mut sub).await });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(t.holding(), 1, "the reader is parked in the stall");
         t.stall(false);
-        assert_eq!(batch(&mut sub).await, bytes(&["a"]));
+        assert_eq!(reading.await.expect("joins"), bytes(&["a"]));
+        assert_eq!(t.holding(), 0);
+        // A restarted process's client under the same switches.
+        let again = t.sharing(t.inner());
+        again.fail_publishes(1);
+        assert!(t.publish("t", "c", Bytes::from_static(b"x")).await.is_err());
     }
 
     #[tokio::test]
