@@ -1128,9 +1128,23 @@ pub async fn heartbeat_channel(fixture: &mut dyn Fixture) {
         "x", "x.hb", "x:hb", "x%hb", "x hb", "a.b", "a_b", "*", ">", "a:b", "a b", "über",
     ];
     let mut channels = Vec::new();
+    let mut refused = Vec::new();
     for topic in topics {
         if let Err(e) = a_node.check_topic(topic) {
-            eprintln!("{name}: the transport refuses topic {topic:?}, skipped: {e}");
+            // A name the transport cannot map is refused by its rules (a
+            // config error, the same for its heartbeat channel), never
+            // half-taken; the names it takes are checked below.
+            assert!(
+                e.is_config(),
+                "{name}: {topic:?} refused, but not by a rule: {e}"
+            );
+            let beats = a_node.subscribe_heartbeats(topic).await;
+            assert!(
+                beats.as_ref().is_err_and(cache_sync::Error::is_config),
+                "{name}: {topic:?} refused as a topic, yet its heartbeat channel gave {:?}",
+                beats.map(drop)
+            );
+            refused.push(topic);
             continue;
         }
         let beats = a_node
@@ -1142,6 +1156,14 @@ pub async fn heartbeat_channel(fixture: &mut dyn Fixture) {
             .await
             .unwrap_or_else(|e| panic!("{name}: {topic:?}: subscribe: {e}"));
         channels.push((topic, beats, changes));
+    }
+    // The plain names every transport takes are among those checked.
+    assert!(
+        ["x", "a_b"].iter().all(|t| !refused.contains(t)),
+        "{name}: refused a plain topic: {refused:?}"
+    );
+    if !refused.is_empty() {
+        eprintln!("{name}: refuses topics {refused:?} by its naming rules, as documented");
     }
     for (topic, ..) in &channels {
         retry(|| publisher.publish_heartbeat(topic, bytes::Bytes::from(topic.to_string()))).await;
@@ -1220,37 +1242,32 @@ pub async fn optional_channels_are_declared_on_both_sides(fixture: &mut dyn Fixt
     let transport = fixture.transport().await;
     let topic = "declared";
     let beat = bytes::Bytes::from_static(b"beat");
-    let subscribed = transport.subscribe_heartbeats(topic).await.map(drop);
-    let published =
-        retry_unless_unsupported(|| transport.publish_heartbeat(topic, beat.clone())).await;
-    assert_eq!(
-        subscribed
-            .as_ref()
-            .err()
-            .map(cache_sync::Error::is_unsupported),
-        published
-            .as_ref()
-            .err()
-            .map(cache_sync::Error::is_unsupported),
-        "{name}: heartbeats: subscribing gave {subscribed:?}, publishing {published:?}"
+    // Each side said `Unsupported`, or neither; true where it worked.
+    let alike = |what: &str,
+                 subscribed: cache_sync::Result<()>,
+                 published: cache_sync::Result<()>| {
+        let unsupported =
+            |r: &cache_sync::Result<()>| r.as_ref().err().map(cache_sync::Error::is_unsupported);
+        assert_eq!(
+            unsupported(&subscribed),
+            unsupported(&published),
+            "{name}: {what}: subscribing gave {subscribed:?}, publishing {published:?}"
+        );
+        subscribed.is_ok()
+    };
+    alike(
+        "heartbeats",
+        transport.subscribe_heartbeats(topic).await.map(drop),
+        retry_unless_unsupported(|| transport.publish_heartbeat(topic, beat.clone())).await,
     );
-    let subscribed = transport.subscribe_replies(topic, 7).await.map(drop);
-    let published =
-        retry_unless_unsupported(|| transport.publish_reply(topic, 7, beat.clone())).await;
-    assert_eq!(
-        subscribed
-            .as_ref()
-            .err()
-            .map(cache_sync::Error::is_unsupported),
-        published
-            .as_ref()
-            .err()
-            .map(cache_sync::Error::is_unsupported),
-        "{name}: replies: subscribing gave {subscribed:?}, publishing {published:?}"
+    let replies = alike(
+        "replies",
+        transport.subscribe_replies(topic, 7).await.map(drop),
+        retry_unless_unsupported(|| transport.publish_reply(topic, 7, beat.clone())).await,
     );
     eprintln!(
         "{name}: reply channel {}",
-        if subscribed.is_ok() {
+        if replies {
             "present"
         } else {
             "declared unsupported"
