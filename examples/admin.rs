@@ -192,9 +192,9 @@ async fn publish(admin: &Admin<'_>, change: &Command) -> Result<u64> {
     let (label, version) = match change {
         Command::Upsert { code, name } => (
             format!("upsert {code}={name}"),
-            table.upsert(code, &Some(name.clone())).await?,
+            table.insert(code, &Some(name.clone())).await?,
         ),
-        Command::Delete { code } => (format!("delete {code}"), table.delete(code).await?),
+        Command::Delete { code } => (format!("delete {code}"), table.invalidate(code).await?),
         Command::ReplaceAll { rows } => {
             let rows: BTreeMap<String, Option<String>> = rows
                 .iter()

@@ -31,7 +31,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     node.publisher()
         .dictionary(COUNTRIES)
-        .upsert(&"de".into(), &"Germany".into())
+        .insert("de", "Germany")
         .await?;
     tokio::time::timeout(Duration::from_secs(5), async {
         while !countries.contains_key("de") {

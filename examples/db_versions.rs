@@ -75,12 +75,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("database: admin-a wrote version {v_a}, admin-b version {v_b}");
     // But admin-b publishes first and admin-a's event arrives late.
     let de = "de".to_string();
-    b.table
-        .upsert_with_version(&de, &"Allemagne".into(), v_b)
-        .await?;
-    a.table
-        .upsert_with_version(&de, &"Deutschland".into(), v_a)
-        .await?;
+    b.table.insert_versioned(&de, "Allemagne", v_b).await?;
+    a.table.insert_versioned(&de, "Deutschland", v_a).await?;
 
     let settled = async || node.status_settled().await.caches[0].clone();
     let stale_ignored = async |n: u64| {
@@ -117,9 +113,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .await;
     println!("node-1 loaded fr = {loaded:?} at version {v_b}");
-    a.table
-        .upsert_with_version(&fr, &"Frankreich".into(), v_a)
-        .await?;
+    a.table.insert_versioned(&fr, "Frankreich", v_a).await?;
     stale_ignored(2).await?;
     let held = countries.peek("fr").await;
     println!("after admin-a's late event (version {v_a}), node-1 holds fr = {held:?}");

@@ -346,7 +346,7 @@ impl Admin {
             .await
             .insert(code.clone(), name.clone());
         let published_at = Instant::now();
-        let version = self.table.upsert(&code, &name).await?;
+        let version = self.table.insert(&code, &name).await?;
         Ok(Change {
             label: format!("upsert {code} = {name}"),
             version,
@@ -359,7 +359,7 @@ impl Admin {
         let code = code.to_owned();
         self.db.rows.write().await.remove(&code);
         let published_at = Instant::now();
-        let version = self.table.delete(&code).await?;
+        let version = self.table.invalidate(&code).await?;
         Ok(Change {
             label: format!("delete {code}"),
             version,

@@ -39,15 +39,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let countries = SyncedCache::new(COUNTRIES, moka::future::Cache::new(100));
     let node = start_node(&countries).await?;
-    admin.upsert(&"de".into(), &"Germany".into()).await?;
+    admin.insert("de", "Germany").await?;
     wait_until(|| countries.contains_key("de")).await;
     node.shutdown().await?; // saves the position
     let json = std::fs::read_to_string(dir.join("offsets.json"))?;
     println!("node-1 applied de, shut down; {}:\n{json}", dir.display());
 
     // Published while no node is running.
-    admin.upsert(&"fr".into(), &"France".into()).await?;
-    admin.upsert(&"it".into(), &"Italy".into()).await?;
+    admin.insert("fr", "France").await?;
+    admin.insert("it", "Italy").await?;
     println!("while it was down: upsert fr, upsert it");
 
     // A new cache (registration empties it anyway) and the same store.

@@ -93,7 +93,7 @@ async fn run(args: Args) -> Result<()> {
             // The event first: it takes the table's enqueue lock and the
             // version, so the row and its event carry the same version and
             // writers of this table commit in version order.
-            let version = table.upsert(&mut tx, &code, &Some(name.clone())).await?;
+            let version = table.insert(&mut tx, &code, &Some(name.clone())).await?;
             countries_db::write(&mut tx, &code, Some(&name), version).await?;
             tx.commit().await?;
             println!(
@@ -102,7 +102,7 @@ async fn run(args: Args) -> Result<()> {
         }
         Command::Delete { code } => {
             let mut tx = pool.begin().await?;
-            let version = table.delete(&mut tx, &code).await?;
+            let version = table.invalidate(&mut tx, &code).await?;
             // A deleted row stays, without a name, at its version: a node
             // that loads it afterwards gets the version the tombstone has.
             countries_db::write(&mut tx, &code, None, version).await?;

@@ -54,13 +54,13 @@ async fn main() -> Result<()> {
     let countries = SyncedCache::new(COUNTRIES, moka::future::Cache::new(100));
     let node = start_node(&countries, both).await?;
     let old_admin = publisher("admin-old-key", Some(Keyring::new(OLD.0, OLD.1)?))?;
-    old_admin.upsert(&"de".into(), &"Germany".into()).await?;
+    old_admin.insert("de", "Germany").await?;
     wait_until(async || countries.peek("de").await.as_deref() == Some("Germany")).await;
     println!("old key accepted:  de = Germany");
 
     // Step 2: publishers sign with the new key; the node accepts that too.
     let admin = publisher("admin", Some(Keyring::new(NEW.0, NEW.1)?))?;
-    admin.upsert(&"de".into(), &"Deutschland".into()).await?;
+    admin.insert("de", "Deutschland").await?;
     wait_until(async || countries.peek("de").await.as_deref() == Some("Deutschland")).await;
     println!("new key accepted:  de = Deutschland");
 
@@ -70,7 +70,7 @@ async fn main() -> Result<()> {
         publisher("unsigned", None)?,
         publisher("guessed", Some(guessed))?,
     ] {
-        intruder.upsert(&"de".into(), &"Forged".into()).await?;
+        intruder.insert("de", "Forged").await?;
     }
     wait_until(async || node.status().events_rejected == 2).await;
     let status = node.status_settled().await;
@@ -90,12 +90,12 @@ async fn main() -> Result<()> {
     node.shutdown().await?;
     let countries = SyncedCache::new(COUNTRIES, moka::future::Cache::new(100));
     let node = start_node(&countries, Keyring::new(NEW.0, NEW.1)?).await?;
-    admin.upsert(&"fr".into(), &"France".into()).await?;
+    admin.insert("fr", "France").await?;
     wait_until(async || countries.peek("fr").await.is_some()).await;
     // It replayed the last 10 s as it started (its reorder window), rejecting
     // the old key's event and both forgeries among them.
     let rejected = node.status().events_rejected;
-    old_admin.upsert(&"fr".into(), &"Frankreich".into()).await?;
+    old_admin.insert("fr", "Frankreich").await?;
     wait_until(async || node.status().events_rejected == rejected + 1).await;
     let fr = countries.peek("fr").await;
     println!("after a restart with the new key alone: old key rejected, fr = {fr:?}");

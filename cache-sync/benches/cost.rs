@@ -21,7 +21,7 @@
 //! | `insert` | `SyncedCache::insert`, distinct keys | moka `insert` |
 //! | `apply-1` | a node applies `n` single-entry versioned refreshes from a backlog | moka `insert` of `n` entries |
 //! | `apply-100` | the same, `n / 100` events of 100 entries; cost per entry | moka `insert` of `n` entries |
-//! | `publish` | `Publisher::refresh_versioned` of 1 entry on the embedded transport | `Transport::publish` of the same event, already encoded |
+//! | `publish` | `Publisher::insert_versioned` of 1 entry on the embedded transport | `Transport::publish` of the same event, already encoded |
 //!
 //! `scripts/bench-cost` runs each under `valgrind --tool=callgrind
 //! --collect-atstart=no --toggle-collect='*cost_measured_region*'`, for `n`
@@ -375,7 +375,7 @@ async fn publish_backlog(publisher: &Publisher, n: u64, per_event: u64) {
     for e in 0..n / per_event {
         let entries = (e * per_event..(e + 1) * per_event).map(entry);
         publisher
-            .refresh_versioned(NAME, entries)
+            .insert_versioned(NAME, entries)
             .await
             .expect("publish");
     }
@@ -437,7 +437,7 @@ fn encoded_event(rt: &Runtime, i: u64) -> Bytes {
     rt.block_on(async {
         let scratch = transport(1);
         publisher(&scratch)
-            .refresh_versioned(NAME, [entry(i)])
+            .insert_versioned(NAME, [entry(i)])
             .await
             .expect("publish");
         let mut sub = scratch
@@ -474,7 +474,7 @@ fn publish(rt: &Runtime, side: Side, n: u64) -> Stats {
             cost_measured_region(rt, async {
                 for i in 0..n {
                     publisher
-                        .refresh_versioned(NAME, [entry(i)])
+                        .insert_versioned(NAME, [entry(i)])
                         .await
                         .expect("publish");
                 }

@@ -401,7 +401,7 @@ async fn apply_round(s: Sizes, events: u64, per_event: u64, backlog: bool) -> (D
         let start = Instant::now();
         for e in 0..events {
             publisher
-                .refresh_versioned(NAME, (0..per_event).map(|j| entry(e, j, per_event, s.keys)))
+                .insert_versioned(NAME, (0..per_event).map(|j| entry(e, j, per_event, s.keys)))
                 .await
                 .expect("publish");
         }
@@ -504,7 +504,7 @@ async fn propagation(s: Sizes, nodes: usize) -> (Vec<u64>, u64) {
     for i in 0..(s.warmup + s.latency_events) as u64 {
         let before = now_us();
         publisher
-            .refresh_versioned(NAME, [(i % s.keys, i, Some(i + 1))])
+            .insert_versioned(NAME, [(i % s.keys, i, Some(i + 1))])
             .await
             .expect("publish");
         // `events_applied` is bumped just before the latency is stored; also

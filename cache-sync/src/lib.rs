@@ -27,9 +27,32 @@
 //!
 //! // In the admin service:
 //! let table = Publisher::new(transport).dictionary(COUNTRIES);
-//! table.upsert(&"de".into(), &"Deutschland".into()).await?;
+//! table.insert("de", "Deutschland").await?;
 //! # Ok(()) }
 //! ```
+//!
+//! # One vocabulary for writes
+//!
+//! Every type that writes uses moka's three verbs, and one suffix for the
+//! forms that carry a version:
+//!
+//! | write | [`SyncedCache`] (this node) | [`Publisher`] (untyped, by name) | [`DictionaryPublisher`] (typed, automatic versions) | `Outbox` / `OutboxDictionary` (in a transaction) |
+//! |---|---|---|---|---|
+//! | a key's value | `insert` | `insert`, `insert_versioned` | `insert`, `insert_versioned`, `insert_many` | the publisher's, with the connection first |
+//! | a key goes | `invalidate` | `invalidate`, `invalidate_versioned` | `invalidate`, `invalidate_versioned` | the same |
+//! | every key goes | `invalidate_all` | `invalidate_all`, `invalidate_all_versioned` | `invalidate_all`, `invalidate_all_versioned`; `replace_all` (every key goes, then these) | the same |
+//!
+//! Arguments follow one rule. What a method keeps, it takes by value:
+//! [`SyncedCache::insert`] stores its key and value, as moka's `insert`
+//! does. What it only looks up or encodes, it borrows: a key or row in any
+//! form its type borrows as (`"de"` for a `String` key), as moka's `get`
+//! and `invalidate` take keys, and batches as pairs of references (a
+//! `&HashMap<K, V>` iterates as one). The untyped [`Publisher`] takes any
+//! serializable items, references included.
+//!
+//! On the wire an insert is a *refresh*: a node that receives one installs
+//! the value unless it already reflects a newer version, and metrics and
+//! logs call it that (`refreshes`).
 //!
 //! # Guarantees
 //!

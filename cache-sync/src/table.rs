@@ -19,7 +19,7 @@ use std::marker::PhantomData;
 /// let countries = SyncedCache::new(COUNTRIES, moka::future::Cache::new(10_000));
 /// // In the admin service: only `String` rows for `String` keys compile.
 /// let table = Publisher::new(transport).dictionary(COUNTRIES);
-/// table.upsert(&"de".into(), &"Germany".into()).await?;
+/// table.insert("de", "Germany").await?;
 /// # Ok(()) }
 /// ```
 ///
@@ -165,7 +165,7 @@ mod tests {
             .unwrap();
         let table = node.publisher().dictionary(COUNTRIES);
         assert_eq!(table.cache(), "countries");
-        table.upsert(&"de".into(), &"Germany".into()).await.unwrap();
+        table.insert("de", "Germany").await.unwrap();
         let status = node.status_settled().await;
         assert_eq!(status.caches[0].name, "countries");
         // Applied: the event named the cache the table names.
@@ -196,14 +196,14 @@ mod tests {
             .await
             .expect("the table's own topic");
         let wrong = Publisher::new(transport.clone()).dictionary(PINNED);
-        let err = wrong.upsert(&"de".into(), &"x".into()).await.unwrap_err();
+        let err = wrong.insert("de", "x").await.unwrap_err();
         assert!(err.is_config(), "{err}");
         let right = Publisher::builder(transport)
             .topic("dictionaries")
             .build()
             .unwrap()
             .dictionary(PINNED);
-        right.upsert(&"de".into(), &"x".into()).await.unwrap();
+        right.insert("de", "x").await.unwrap();
         node.shutdown().await.unwrap();
     }
 

@@ -242,7 +242,7 @@ async fn heartbeat_cost(s: Sizes, url: &str) -> CostResult {
             let t0 = now_us();
             let started = Instant::now();
             g.publisher
-                .refresh(CACHE, [(0_u64, i)])
+                .insert(CACHE, [(0_u64, i)])
                 .await
                 .expect("publish");
             let call = started.elapsed();
@@ -358,7 +358,7 @@ async fn acknowledged(s: Sizes, url: &str) -> AckResult {
             let started = Instant::now();
             let published = g
                 .publisher
-                .refresh(CACHE, [(0_u64, i)])
+                .insert(CACHE, [(0_u64, i)])
                 .await
                 .expect("publish");
             if is_acked {

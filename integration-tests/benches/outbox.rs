@@ -156,7 +156,7 @@ fn main() {
             // Through the outbox: row and event in one transaction.
             let mut tx = pool.begin().await.expect("begin");
             update(&mut tx, &schema, k, i).await;
-            dict.upsert(&mut tx, &k, &i).await.expect("enqueue");
+            dict.insert(&mut tx, &k, &i).await.expect("enqueue");
             tx.commit().await.expect("commit");
             let committed = Instant::now();
             sent += 1;
@@ -173,7 +173,7 @@ fn main() {
             update(&mut tx, &schema, k, i).await;
             tx.commit().await.expect("commit");
             let committed = Instant::now();
-            plain.upsert(&k, &i).await.expect("publish");
+            plain.insert(&k, &i).await.expect("publish");
             sent += 1;
             let done = applied_after(&caches, sent).await;
             if i >= warmup {
@@ -212,7 +212,7 @@ fn main() {
                 let mut tx = sqlx::Connection::begin(&mut *conn).await.expect("begin");
                 update(&mut tx, &schema, i % KEYS, i).await;
                 if round == 1 {
-                    dict.upsert(&mut tx, &(i % KEYS), &i)
+                    dict.insert(&mut tx, &(i % KEYS), &i)
                         .await
                         .expect("enqueue");
                 }

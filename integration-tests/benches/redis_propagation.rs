@@ -480,7 +480,7 @@ async fn streams_throughput(url: &str, events: u64, publishers: usize) -> Throug
             tokio::spawn(async move {
                 let mut sent = 0;
                 while sent < per && Instant::now() < deadline {
-                    p.refresh(CACHE, [(sent % 1024, sent)])
+                    p.insert(CACHE, [(sent % 1024, sent)])
                         .await
                         .expect("publish");
                     sent += 1;
@@ -672,7 +672,7 @@ async fn run_pass(s: Sizes, server: &'static str, redis: RedisServer, only: Opti
         s.latency.events / 2
     );
     println!(
-        "| transport | cache-sync `Publisher::refresh` p50 | p99 | raw command p50 | p99 | p50 ratio |"
+        "| transport | cache-sync `Publisher::insert` p50 | p99 | raw command p50 | p99 | p50 ratio |"
     );
     println!("|---|---:|---:|---:|---:|---:|");
     for (t, cs, raw) in publish_only(s, &url).await {

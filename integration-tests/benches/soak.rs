@@ -438,7 +438,7 @@ async fn publish_loop(
                         (k, Row::of(k, v), Some(v))
                     })
                     .collect();
-                publisher.refresh_versioned(CACHE, entries).await
+                publisher.insert_versioned(CACHE, entries).await
             } else if roll < 12 {
                 let k = key(&mut rng);
                 let v = db.change(k);
@@ -447,7 +447,7 @@ async fn publish_loop(
                 let k = key(&mut rng);
                 let v = db.change(k);
                 publisher
-                    .refresh_versioned(CACHE, [(k, Row::of(k, v), Some(v))])
+                    .insert_versioned(CACHE, [(k, Row::of(k, v), Some(v))])
                     .await
             };
             counters.record_call(started.elapsed());

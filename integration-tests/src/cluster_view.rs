@@ -96,7 +96,7 @@ pub async fn converges_and_acknowledges(fixture: &mut dyn Fixture) {
         .expect("publisher");
     for round in 0..3 {
         let published = crate::conformance::retry(|| {
-            publisher.refresh_versioned(
+            publisher.insert_versioned(
                 "countries",
                 [("de".to_owned(), format!("v{round}"), Some(round + 1))],
             )

@@ -123,7 +123,7 @@ pub async fn regrow(transport: Arc<dyn Transport>) {
         .build()
         .expect("publisher");
     for i in 0..1500u32 {
-        retry(|| p.refresh("filler", [(i, i)])).await;
+        retry(|| p.insert("filler", [(i, i)])).await;
     }
 }
 
@@ -237,12 +237,12 @@ impl Cluster {
                     let version = self.db.upsert(&k, &value);
                     let admin = &self.admins[rng.below(2) as usize];
                     let row = Some(value);
-                    retry(|| admin.upsert_with_version(&k, &row, version)).await;
+                    retry(|| admin.insert_versioned(&k, &row, version)).await;
                 }
                 4 => {
                     let version = self.db.delete(&k);
                     let admin = &self.admins[rng.below(2) as usize];
-                    retry(|| admin.delete_with_version(&k, version)).await;
+                    retry(|| admin.invalidate_versioned(&k, version)).await;
                 }
                 _ => {
                     let node = &self.nodes[rng.below(self.nodes.len() as u64) as usize];
@@ -261,7 +261,7 @@ impl Cluster {
         let n = self.fences;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         loop {
-            retry(|| self.fencer.refresh("fence", [("fence", n)])).await;
+            retry(|| self.fencer.insert("fence", [("fence", n)])).await;
             let mut all = true;
             for node in &self.nodes {
                 let key = "fence".to_owned();
@@ -318,7 +318,7 @@ impl Cluster {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         while gate.holding() == 0 {
             // Something to read, so the node reaches the gate.
-            retry(|| fencer.refresh("fence", [("fence", n)])).await;
+            retry(|| fencer.insert("fence", [("fence", n)])).await;
             tokio::time::sleep(Duration::from_millis(10)).await;
             assert!(
                 tokio::time::Instant::now() < deadline,
@@ -451,10 +451,10 @@ async fn order_and_filtering(fixture: &dyn Fixture) {
     // only holds if delivery keeps publish order.
     let p = Publisher::new(transport);
     for i in 0..200u32 {
-        retry(|| p.refresh(TABLE, [("ordered", Some(format!("{i}")))])).await;
+        retry(|| p.insert(TABLE, [("ordered", Some(format!("{i}")))])).await;
     }
-    retry(|| p.refresh("not-registered-anywhere", [("x", 1u8)])).await;
-    retry(|| p.refresh("fence", [("fence", 99u64)])).await;
+    retry(|| p.insert("not-registered-anywhere", [("x", 1u8)])).await;
+    retry(|| p.insert("fence", [("fence", 99u64)])).await;
     fence_only(std::slice::from_ref(&only_table), 99).await;
     assert_eq!(
         only_table.table.peek("ordered").await,
@@ -616,7 +616,7 @@ pub async fn health_follows_the_broker(fixture: &mut dyn Fixture) {
     let err = cluster.nodes[0]
         .node
         .publisher()
-        .refresh("health-probe", [("k", "v")])
+        .insert("health-probe", [("k", "v")])
         .await
         .expect_err("a publish to a killed broker succeeded");
     assert!(
@@ -667,7 +667,7 @@ pub async fn publish_cut_at_the_tail(fixture: &mut dyn Fixture) {
         .announce_interval(EVERY)
         .build()
         .expect("publisher");
-    retry(|| admin.refresh(TABLE, [("t0", Some("v0".to_owned()))])).await;
+    retry(|| admin.insert(TABLE, [("t0", Some("v0".to_owned()))])).await;
     for node in &nodes {
         crate::eventually(&format!("{} applies t0", node.node.id()), async || {
             node.table.peek("t0").await.is_some()
@@ -695,7 +695,7 @@ pub async fn publish_cut_at_the_tail(fixture: &mut dyn Fixture) {
     transport.fail_publishes(1);
     assert!(
         admin
-            .refresh(TABLE, [("t1", Some("v1".to_owned()))])
+            .insert(TABLE, [("t1", Some("v1".to_owned()))])
             .await
             .is_err()
     );
@@ -749,7 +749,7 @@ pub async fn a_refusal_is_no_disconnect(fixture: &mut dyn Fixture) {
         .expect("publisher");
     const BIG: usize = 8 << 20;
     let big = "x".repeat(BIG);
-    let published = publisher.refresh("big", [("k", big.as_str())]).await;
+    let published = publisher.insert("big", [("k", big.as_str())]).await;
     match (fixture.max_message_bytes(), published) {
         (Some(limit), Err(e)) if limit < BIG => {
             eprintln!("{name}: refused an 8 MiB event (limit {limit} B): {e}");
@@ -765,7 +765,7 @@ pub async fn a_refusal_is_no_disconnect(fixture: &mut dyn Fixture) {
         (_, Err(e)) => panic!("{name}: refused an 8 MiB event within its limit: {e}"),
     }
     // And the transport still works.
-    retry(|| publisher.refresh("small", [("k", "v")])).await;
+    retry(|| publisher.insert("small", [("k", "v")])).await;
 }
 
 /// A publish cut before the broker got it leaves a gap in that publisher's
@@ -783,7 +783,7 @@ pub async fn publish_cut_mid_flight(fixture: &mut dyn Fixture) {
         .build()
         .expect("publisher");
     let publish = async |i: u32| {
-        retry(|| admin.refresh(TABLE, [(format!("cut{i}"), Some(format!("v{i}")))])).await
+        retry(|| admin.insert(TABLE, [(format!("cut{i}"), Some(format!("v{i}")))])).await
     };
     publish(0).await;
     cluster.converge().await;
@@ -800,7 +800,7 @@ pub async fn publish_cut_mid_flight(fixture: &mut dyn Fixture) {
     transport.cut_publishes(1);
     assert!(
         admin
-            .refresh(TABLE, [("cut1", Some("v1".to_owned()))])
+            .insert(TABLE, [("cut1", Some("v1".to_owned()))])
             .await
             .is_err()
     );
@@ -816,7 +816,7 @@ pub async fn publish_cut_mid_flight(fixture: &mut dyn Fixture) {
     transport.fail_publishes(1);
     assert!(
         admin
-            .refresh(TABLE, [("cut3", Some("v3".to_owned()))])
+            .insert(TABLE, [("cut3", Some("v3".to_owned()))])
             .await
             .is_err()
     );
@@ -891,7 +891,7 @@ pub async fn names_map_one_to_one(fixture: &mut dyn Fixture) {
                 .announce_interval(Duration::MAX)
                 .build()
                 .unwrap_or_else(|e| panic!("{}: topic {topic:?}: {e}", fixture.name()));
-            retry(|| p.refresh("c", [("k", topic.to_string())])).await;
+            retry(|| p.insert("c", [("k", topic.to_string())])).await;
         }
         for (topic, node, cache) in &nodes {
             crate::eventually(&format!("{topic:?} applies its own event"), async || {
@@ -939,7 +939,7 @@ pub async fn names_map_one_to_one(fixture: &mut dyn Fixture) {
         .unwrap_or_else(|e| panic!("{}: {e}", fixture.name()));
     let p = Publisher::new(fixture.transport().await);
     for n in names {
-        retry(|| p.refresh(n, [("k", n.to_string())])).await;
+        retry(|| p.insert(n, [("k", n.to_string())])).await;
     }
     for c in &caches {
         crate::eventually(

@@ -109,7 +109,7 @@ impl TestNode {
 /// published before the fence.
 pub async fn fence(publisher: &Publisher, nodes: &[TestNode], n: u64) {
     publisher
-        .refresh(FENCE, [("fence", n)])
+        .insert(FENCE, [("fence", n)])
         .await
         .expect("publish fence");
     for node in nodes {

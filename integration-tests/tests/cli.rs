@@ -140,7 +140,7 @@ async fn status_publish_and_lag_on_redis_streams() {
     // An acknowledged refresh reaches every node.
     let out = run(&[
         "publish",
-        "refresh",
+        "insert",
         "countries",
         "de",
         "Deutschland",
@@ -169,7 +169,7 @@ async fn status_publish_and_lag_on_redis_streams() {
         assert_eq!(c.peek("de").await, None);
         assert_eq!(c.peek("fr").await.as_deref(), Some("France"));
     }
-    let out = run(&["publish", "clear", "countries", "--ack", "5s"]).await;
+    let out = run(&["publish", "invalidate-all", "countries", "--ack", "5s"]).await;
     let (stdout, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
     assert!(stdout.contains("applied on 3/3 nodes"), "{stdout}");
@@ -182,7 +182,7 @@ async fn status_publish_and_lag_on_redis_streams() {
     let publisher = Publisher::new(connect().await);
     for v in [8, 9] {
         publisher
-            .refresh_versioned("countries", [("de", "Deutschland", Some(v))])
+            .insert_versioned("countries", [("de", "Deutschland", Some(v))])
             .await
             .expect("publish");
     }

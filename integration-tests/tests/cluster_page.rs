@@ -135,7 +135,7 @@ async fn the_cluster_page_flags_the_lagging_node_in_chromium() {
     ];
     let publisher = Publisher::new(shared.clone());
     let first = publisher
-        .refresh_versioned("countries", [("de", "Germany", Some(5))])
+        .insert_versioned("countries", [("de", "Germany", Some(5))])
         .await
         .expect("publish v5");
     let acks = first
@@ -145,7 +145,7 @@ async fn the_cluster_page_flags_the_lagging_node_in_chromium() {
     // node-c stops taking events in; the other two move on to v9.
     slow.stall(true);
     publisher
-        .refresh_versioned("countries", [("de", "Deutschland", Some(9))])
+        .insert_versioned("countries", [("de", "Deutschland", Some(9))])
         .await
         .expect("publish v9");
     eventually("node-c lags by 4, the others are level", async || {

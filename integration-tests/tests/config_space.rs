@@ -350,7 +350,7 @@ async fn one(
             ));
         }
     };
-    let published = publisher.refresh(&settings.cache, [("k", "v")]).await;
+    let published = publisher.insert(&settings.cache, [("k", "v")]).await;
     let outcome = match &published {
         Ok(_) => Outcome::Worked,
         Err(e) if e.is_too_large() || e.is_config() => Outcome::Refused,

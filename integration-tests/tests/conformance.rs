@@ -73,7 +73,7 @@ impl Fixture for Embedded {
             // More than the history holds, while the node is away.
             let p = Publisher::new(self.transport.clone());
             for i in 0..5000u32 {
-                p.refresh("filler", [(i, i)]).await.expect("publish filler");
+                p.insert("filler", [(i, i)]).await.expect("publish filler");
             }
         }
     }
@@ -333,7 +333,7 @@ impl Fixture for Nats {
                 // More than the stream keeps, while the node is parked.
                 let p = Publisher::new(self.transport().await);
                 for i in 0..2500u32 {
-                    retry(|| p.refresh("filler", [(i, i)])).await;
+                    retry(|| p.insert("filler", [(i, i)])).await;
                 }
             }
             Fault::WipeWhilePaused => {

@@ -91,7 +91,7 @@ async fn run(ops: Vec<Op>, history: usize, window: Duration) {
                     let value = format!("v{value}");
                     let version = db.upsert(&key(k), &value);
                     tokio::task::yield_now().await;
-                    dict.upsert_with_version(&key(k), &Some(value), version)
+                    dict.insert_versioned(&key(k), &Some(value), version)
                         .await
                         .expect("publish");
                 });
@@ -101,7 +101,7 @@ async fn run(ops: Vec<Op>, history: usize, window: Duration) {
                 tasks.spawn(async move {
                     let version = db.delete(&key(k));
                     tokio::task::yield_now().await;
-                    dict.delete_with_version(&key(k), version)
+                    dict.invalidate_versioned(&key(k), version)
                         .await
                         .expect("publish");
                 });
@@ -190,7 +190,7 @@ fn a_short_history_does_cause_losses() {
             .unwrap();
         let dict = Publisher::new(transport.clone()).dictionary::<String, Option<String>>(TABLE);
         for i in 0..200 {
-            dict.upsert(&key(i % KEYS), &Some(format!("{i}")))
+            dict.insert(&key(i % KEYS), &Some(format!("{i}")))
                 .await
                 .unwrap();
         }

@@ -25,6 +25,7 @@ use bytes::Bytes;
 use cache_sync::transport::{Position, SubscribeOptions, Subscription, Transport};
 use cache_sync::{
     EmbeddedTransport, Error, Node, Outbox, OutboxRelay, OutboxRelayStats, Publisher, SyncedCache,
+    Table,
 };
 use futures_util::future::BoxFuture;
 use integration_tests::eventually;
@@ -246,7 +247,7 @@ async fn enqueue_many(
         let cache = caches[i as usize % caches.len()];
         let mut tx = db.pool.begin().await.unwrap();
         outbox
-            .refresh_versioned(&mut tx, cache, [(i, marker(i), None)])
+            .insert_versioned(&mut tx, cache, [(i, marker(i), None)])
             .await
             .unwrap();
         tx.commit().await.unwrap();
@@ -275,7 +276,7 @@ async fn migrate_is_idempotent_and_safe_to_run_concurrently() {
         r.await.unwrap().expect("concurrent migrate");
     }
     let mut tx = db.pool.begin().await.unwrap();
-    fresh.clear(&mut tx, "c").await.unwrap();
+    fresh.invalidate_all(&mut tx, "c").await.unwrap();
     tx.commit().await.unwrap();
     sqlx::query(&format!("DROP SCHEMA {}_b CASCADE", db.schema))
         .execute(&db.pool)
@@ -320,14 +321,11 @@ async fn automatic_versions_increase_pass_caller_versions_and_never_wrap() {
     let table = outbox.dictionary::<String, String>("c");
     let mut tx = db.pool.begin().await.unwrap();
     let a = outbox.next_version(&mut tx, "c").await.unwrap();
-    let b = table
-        .upsert(&mut tx, &"k".into(), &"v".into())
-        .await
-        .unwrap();
+    let b = table.insert(&mut tx, "k", "v").await.unwrap();
     assert!(b > a);
     let caller = b + 1_000_000_000;
     table
-        .delete_with_version(&mut tx, &"k".into(), caller)
+        .invalidate_versioned(&mut tx, "k", caller)
         .await
         .unwrap();
     let c = outbox.next_version(&mut tx, "c").await.unwrap();
@@ -351,13 +349,10 @@ async fn automatic_versions_increase_pass_caller_versions_and_never_wrap() {
 
     // Versions are bigint in the database: past i64::MAX nothing follows.
     table
-        .upsert_with_version(&mut tx, &"k".into(), &"v".into(), u64::MAX)
+        .insert_versioned(&mut tx, "k", "v", u64::MAX)
         .await
         .unwrap();
-    let err = table
-        .upsert(&mut tx, &"k".into(), &"v".into())
-        .await
-        .unwrap_err();
+    let err = table.insert(&mut tx, "k", "v").await.unwrap_err();
     assert!(
         matches!(err, Error::VersionExhausted(v) if v == i64::MAX as u64),
         "{err}"
@@ -376,7 +371,7 @@ async fn a_rolled_back_transaction_publishes_nothing() {
     outbox.invalidate(&mut tx, "c", [marker(1)]).await.unwrap();
     outbox
         .dictionary::<String, String>("c")
-        .upsert(&mut tx, &"k".into(), &marker(2))
+        .insert(&mut tx, "k", &marker(2))
         .await
         .unwrap();
     tx.rollback().await.unwrap();
@@ -388,6 +383,70 @@ async fn a_rolled_back_transaction_publishes_nothing() {
     // have come before the committed one.
     assert_eq!(rec.events(), [("c".to_owned(), 3)]);
     assert_eq!(db.rows().await, 0);
+    relay.shutdown().await;
+    db.drop_schema().await;
+}
+
+/// A table pinned to a topic is honoured or refused, never ignored: the
+/// outbox's dictionary refuses a write for a table of another topic (and
+/// writes nothing), and a relay refuses to start with a publisher on
+/// another topic than its outbox's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_topic_is_honoured_or_refused() {
+    const ELSEWHERE: Table<String, String> = Table::with_topic("c", "elsewhere");
+    const HERE: Table<String, String> = Table::with_topic("c", "catalog");
+    let db = TestDb::new("pinned").await;
+    let outbox = db.builder().topic("catalog").build().expect("outbox");
+    assert_eq!(outbox.topic(), Some("catalog"));
+    let mut tx = db.pool.begin().await.expect("begin");
+    let err = db
+        .outbox()
+        .dictionary(HERE)
+        .insert(&mut tx, "k", "v")
+        .await
+        .expect_err("a pinned table on an outbox with no topic is refused");
+    assert!(err.is_config(), "{err}");
+    tx.rollback().await.expect("rollback");
+    let mut tx = db.pool.begin().await.expect("begin");
+    let err = outbox
+        .dictionary(ELSEWHERE)
+        .insert(&mut tx, "k", "v")
+        .await
+        .expect_err("a table of another topic is refused");
+    assert!(err.is_config(), "{err}");
+    let err = outbox
+        .dictionary(ELSEWHERE)
+        .invalidate_all(&mut tx)
+        .await
+        .expect_err("every write is refused");
+    assert!(err.is_config(), "{err}");
+    outbox
+        .dictionary(HERE)
+        .insert(&mut tx, "k", "v")
+        .await
+        .expect("a table of the outbox's topic is written");
+    tx.commit().await.expect("commit");
+    assert_eq!(db.rows().await, 1, "only the write for its own topic");
+
+    // The default publisher's topic is "cache-sync", not the outbox's.
+    let err = OutboxRelay::builder(db.pool.clone(), Publisher::new(EmbeddedTransport::new()))
+        .outbox(outbox.clone())
+        .start()
+        .await
+        .expect_err("a publisher on another topic");
+    assert!(err.is_config(), "{err}");
+    let rec = Recorder::new();
+    let publisher = Publisher::builder(rec.clone())
+        .topic("catalog")
+        .build()
+        .expect("publisher");
+    let relay = OutboxRelay::builder(db.pool.clone(), publisher)
+        .outbox(outbox)
+        .poll_interval(Duration::from_millis(50))
+        .start()
+        .await
+        .expect("a publisher on the outbox's topic");
+    wait_published(&relay, 1).await;
     relay.shutdown().await;
     db.drop_schema().await;
 }
@@ -458,7 +517,7 @@ async fn ids_follow_commit_order_per_cache() {
             let outbox = outbox.clone();
             Box::pin(async move {
                 outbox
-                    .refresh_versioned(conn, "c", [("k", marker(m), None)])
+                    .insert_versioned(conn, "c", [("k", marker(m), None)])
                     .await
                     .unwrap();
                 0
@@ -489,7 +548,7 @@ async fn automatic_versions_follow_commit_order_per_cache() {
             let table = table.clone();
             Box::pin(async move {
                 table
-                    .upsert_with_version(conn, &"k".into(), &marker(1), ahead)
+                    .insert_versioned(conn, "k", &marker(1), ahead)
                     .await
                     .unwrap()
             })
@@ -497,7 +556,7 @@ async fn automatic_versions_follow_commit_order_per_cache() {
     };
     let b: Enqueue = Box::new(move |conn| {
         let table = table.clone();
-        Box::pin(async move { table.upsert(conn, &"k".into(), &marker(2)).await.unwrap() })
+        Box::pin(async move { table.insert(conn, "k", &marker(2)).await.unwrap() })
     });
     let (commits, published, va, vb) = race(&db, a, b).await;
     assert_eq!(published, commits, "published in commit order");
@@ -527,7 +586,7 @@ async fn the_delayed_second_invalidation_comes_after_its_delay_and_holds_nothing
     tx.commit().await.unwrap();
     let mut tx = db.pool.begin().await.unwrap();
     outbox
-        .refresh_versioned(&mut tx, "c", [(marker(2), "x", None)])
+        .insert_versioned(&mut tx, "c", [(marker(2), "x", None)])
         .await
         .unwrap();
     tx.commit().await.unwrap();
@@ -593,11 +652,11 @@ async fn a_row_that_cannot_be_published_becomes_a_clear_of_its_cache() {
     .unwrap();
     let mut tx = db.pool.begin().await.unwrap();
     outbox
-        .refresh_versioned(&mut tx, "big", [("k", "v".repeat(4000), Some(1))])
+        .insert_versioned(&mut tx, "big", [("k", "v".repeat(4000), Some(1))])
         .await
         .unwrap();
     outbox
-        .refresh_versioned(&mut tx, "ok", [("k", marker(1), None)])
+        .insert_versioned(&mut tx, "ok", [("k", marker(1), None)])
         .await
         .unwrap();
     tx.commit().await.unwrap();
@@ -804,7 +863,7 @@ async fn a_relay_whose_session_dies(at: Kill) {
         let mut tx = db.pool.begin().await.unwrap();
         let key = if i % 2 == 1 { "odd" } else { "even" };
         outbox
-            .refresh_versioned(&mut tx, "t", [(key, marker(i), None)])
+            .insert_versioned(&mut tx, "t", [(key, marker(i), None)])
             .await
             .unwrap();
         tx.commit().await.unwrap();

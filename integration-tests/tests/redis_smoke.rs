@@ -21,7 +21,7 @@ async fn node_with_a_applied(
         .await
         .expect("start the node");
     Publisher::new(transport)
-        .refresh("t", [("a", "1")])
+        .insert("t", [("a", "1")])
         .await
         .expect("publish a");
     eventually("a applied", async || {
@@ -42,7 +42,7 @@ async fn streams_round_trip_and_resume_after_a_broker_restart() {
     let (cache, node) = node_with_a_applied(transport.clone()).await;
     server.restart();
     let p = Publisher::new(RedisStreamsTransport::connect(server.url()).await.unwrap());
-    p.refresh("t", [("b", "2")]).await.unwrap();
+    p.insert("t", [("b", "2")]).await.unwrap();
     eventually("b applied after restart", async || {
         cache.peek("b").await.as_deref() == Some("2")
     })
@@ -76,7 +76,7 @@ async fn pubsub_round_trip_and_a_dropped_connection_is_a_loss() {
             node.status()
         );
         i += 1;
-        p.refresh("t", [("b", format!("{i}"))]).await.unwrap();
+        p.insert("t", [("b", format!("{i}"))]).await.unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -265,7 +265,7 @@ async fn streams_a_wiped_history_is_caught_even_when_ordinals_line_up() {
         .unwrap();
     let p = Publisher::new(transport.clone());
     for i in 0..10u32 {
-        p.refresh("t", [(i, i)]).await.unwrap();
+        p.insert("t", [(i, i)]).await.unwrap();
     }
     let mut sub = transport
         .subscribe("cache-sync", SubscribeOptions::new(StartFrom::Earliest))
@@ -278,7 +278,7 @@ async fn streams_a_wiped_history_is_caught_even_when_ordinals_line_up() {
     server.wipe();
     let p = Publisher::new(RedisStreamsTransport::connect(server.url()).await.unwrap());
     for i in 0..20u32 {
-        p.refresh("t", [(i, i)]).await.unwrap();
+        p.insert("t", [(i, i)]).await.unwrap();
     }
     // Keep ordinals 11..=20: the next one the old reader expects comes first.
     let reply = server

@@ -511,7 +511,7 @@ mod tests {
             .unwrap();
         let publisher = node.publisher();
         for (i, k) in ["k1", "k2", "k3"].into_iter().enumerate() {
-            publisher.refresh("a", [(k, "v")]).await.unwrap();
+            publisher.insert("a", [(k, "v")]).await.unwrap();
             let want = i as u64 + 1;
             eventually("a's refresh", async || applied(&node, "a").await == want).await;
         }
@@ -630,7 +630,7 @@ mod tests {
         let node = builder.start().await.unwrap();
         let publisher = node.publisher();
         for name in names {
-            publisher.refresh(name, [("k", "v")]).await.unwrap();
+            publisher.insert(name, [("k", "v")]).await.unwrap();
             eventually("applied", async || applied(&node, name).await == 1).await;
         }
         let text = scrape(&node).await;

@@ -666,4 +666,4 @@ impl Drop for UndoRegister<'_> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -22,7 +22,7 @@ fn cache(name: &str) -> Cache {
 }
 
 /// Polls until `f` holds; tests never sleep a fixed time to "let it settle".
-pub(super) async fn eventually(what: &str, f: impl AsyncFnMut() -> bool) {
+pub(crate) async fn eventually(what: &str, f: impl AsyncFnMut() -> bool) {
     eventually_within(what, Duration::from_secs(10), f).await;
 }
 
@@ -96,7 +96,7 @@ async fn applies_events_including_its_own() {
         .await
         .unwrap();
     node.publisher()
-        .refresh("countries", [("de", "Germany")])
+        .insert("countries", [("de", "Germany")])
         .await
         .unwrap();
     eventually("own refresh applied", async || {
@@ -132,8 +132,8 @@ async fn skips_events_for_caches_it_does_not_hold() {
         .await
         .unwrap();
     let p = Publisher::new(transport);
-    p.refresh("theirs", [("k", "v")]).await.unwrap();
-    p.refresh("mine", [("k", "v")]).await.unwrap();
+    p.insert("theirs", [("k", "v")]).await.unwrap();
+    p.insert("mine", [("k", "v")]).await.unwrap();
     eventually("mine applied", async || holds(&c, "k", Some("v")).await).await;
     // The embedded transport filters by tag, so "theirs" never even reaches the node.
     assert_eq!(node.status().events_received, 1);
@@ -162,7 +162,7 @@ async fn garbage_is_rejected_counted_and_survived() {
             .unwrap();
     }
     let p = node.publisher();
-    p.refresh("t", [("after", "ok")]).await.unwrap();
+    p.insert("t", [("after", "ok")]).await.unwrap();
     eventually("valid event after garbage", async || {
         holds(&c, "after", Some("ok")).await
     })
@@ -314,7 +314,7 @@ async fn falling_behind_the_history_is_answered_by_invalidating() {
     c.insert("stale".into(), "old".into()).await;
     let p = node.publisher();
     for i in 0..50 {
-        p.refresh("t", [(format!("k{i}"), "v")]).await.unwrap();
+        p.insert("t", [(format!("k{i}"), "v")]).await.unwrap();
     }
     eventually("last event applied", async || {
         holds(&c, "k49", Some("v")).await
@@ -347,7 +347,7 @@ async fn a_broken_subscription_resumes_where_it_was_without_loss() {
         .unwrap();
     let p = node.publisher();
     for i in 0..5 {
-        p.refresh("t", [(format!("k{i}"), "v")]).await.unwrap();
+        p.insert("t", [(format!("k{i}"), "v")]).await.unwrap();
     }
     eventually("all applied", async || holds(&c, "k4", Some("v")).await).await;
     for i in 0..5 {
@@ -371,7 +371,7 @@ async fn shutdown_saves_the_position_and_a_restart_replays_from_it() {
         .await
         .unwrap();
     let p = node.publisher();
-    p.refresh("t", [("a", "1")]).await.unwrap();
+    p.insert("t", [("a", "1")]).await.unwrap();
     eventually("applied", async || node.status().events_received == 1).await;
     node.shutdown().await.unwrap();
     assert!(!node.is_consuming());
@@ -381,7 +381,7 @@ async fn shutdown_saves_the_position_and_a_restart_replays_from_it() {
         .unwrap()
         .expect("position saved on shutdown");
 
-    p.refresh("t", [("b", "2")]).await.unwrap(); // while the node is down
+    p.insert("t", [("b", "2")]).await.unwrap(); // while the node is down
     let c = cache("t");
     let node = Node::builder("n1", transport)
         .offset_store(store.clone())
@@ -409,7 +409,7 @@ async fn file_store_positions_survive_a_restart() {
         .start()
         .await
         .unwrap();
-    node.publisher().refresh("t", [("a", "1")]).await.unwrap();
+    node.publisher().insert("t", [("a", "1")]).await.unwrap();
     let path = dir.path().join("offsets.json");
     eventually("saved periodically", async || {
         std::fs::read_to_string(&path).is_ok_and(|s| s.contains("\"offsetTable\""))
@@ -431,10 +431,7 @@ async fn caches_can_be_registered_after_start() {
     c.insert("warm".into(), "from before".into()).await;
     node.register(&c).await.unwrap();
     assert_eq!(c.get("warm").await, None, "registration empties the cache");
-    node.publisher()
-        .refresh("late", [("k", "v")])
-        .await
-        .unwrap();
+    node.publisher().insert("late", [("k", "v")]).await.unwrap();
     eventually("applied after late registration", async || {
         holds(&c, "k", Some("v")).await
     })
@@ -535,7 +532,7 @@ async fn with_signatures_on_only_authentic_events_change_anything() {
 
     // Unsigned, signed with an unknown key, forged (right id, wrong secret), tampered.
     Publisher::new(transport.clone())
-        .refresh("t", [("k", "unsigned")])
+        .insert("t", [("k", "unsigned")])
         .await
         .unwrap();
     let stranger = Keyring::new("k9", b"some-other-secret-000".to_vec()).unwrap();
@@ -543,7 +540,7 @@ async fn with_signatures_on_only_authentic_events_change_anything() {
         .signing(stranger)
         .build()
         .unwrap()
-        .refresh("t", [("k", "stranger")])
+        .insert("t", [("k", "stranger")])
         .await
         .unwrap();
     let forger = Keyring::new("k2", b"a-guessed-secret-0000".to_vec()).unwrap();
@@ -551,7 +548,7 @@ async fn with_signatures_on_only_authentic_events_change_anything() {
         .signing(forger)
         .build()
         .unwrap()
-        .refresh("t", [("k", "forged")])
+        .insert("t", [("k", "forged")])
         .await
         .unwrap();
     let mut tampered = ring.sign(&raw_event("t", 5, 1, &refresh_change("k", "original")));
@@ -566,7 +563,7 @@ async fn with_signatures_on_only_authentic_events_change_anything() {
         .signing(ring)
         .build()
         .unwrap()
-        .refresh("t", [("ok", "signed")])
+        .insert("t", [("ok", "signed")])
         .await
         .unwrap();
     eventually("the signed event applies", async || {
@@ -587,7 +584,7 @@ async fn with_signatures_on_only_authentic_events_change_anything() {
     assert!(node.is_consuming());
     // The node's own publisher signs.
     node.publisher()
-        .refresh("t", [("own", "signed too")])
+        .insert("t", [("own", "signed too")])
         .await
         .unwrap();
     eventually("own event applies", async || {
@@ -610,7 +607,7 @@ async fn a_node_without_keys_accepts_signed_events_for_rollout() {
         .signing(ring)
         .build()
         .unwrap()
-        .refresh("t", [("k", "v")])
+        .insert("t", [("k", "v")])
         .await
         .unwrap();
     eventually("signed event applies unverified", async || {
@@ -635,10 +632,10 @@ async fn a_fresh_node_replays_the_reorder_window_so_older_refreshes_are_refused(
         .start()
         .await
         .unwrap();
-    p.refresh_versioned("t", [("k", "older row", Some(10))])
+    p.insert_versioned("t", [("k", "older row", Some(10))])
         .await
         .unwrap();
-    p.refresh_versioned("t", [("j", "newer row", Some(13))])
+    p.insert_versioned("t", [("j", "newer row", Some(13))])
         .await
         .unwrap();
     eventually("j applied", async || {
@@ -673,10 +670,10 @@ async fn without_history_a_fresh_node_quarantines_instead() {
         .start()
         .await
         .unwrap();
-    p.refresh_versioned("t", [("k", "older row", Some(10))])
+    p.insert_versioned("t", [("k", "older row", Some(10))])
         .await
         .unwrap();
-    p.refresh("t", [("fence", "x")]).await.unwrap();
+    p.insert("t", [("fence", "x")]).await.unwrap();
     eventually("fence applied", async || {
         holds(&c, "fence", Some("x")).await
     })
@@ -774,7 +771,7 @@ async fn unauthenticated_input_changes_nothing_whatever_its_size_or_tag() {
         .build()
         .unwrap();
     admin
-        .refresh_versioned("t", [("fence", "signed", Some(7))])
+        .insert_versioned("t", [("fence", "signed", Some(7))])
         .await
         .unwrap();
     eventually("the signed event applies", async || {
@@ -917,7 +914,7 @@ async fn a_registration_given_up_half_way_leaves_nothing_behind() {
 
     // Nothing was left behind: the same cache registers, and gets events.
     node.register(&c).await.unwrap();
-    node.publisher().refresh("t", [("k2", "v")]).await.unwrap();
+    node.publisher().insert("t", [("k2", "v")]).await.unwrap();
     eventually("events reach the cache", async || {
         holds(&c, "k2", Some("v")).await
     })
@@ -965,7 +962,7 @@ async fn the_largest_sequence_number_is_just_a_number() {
 async fn an_unbounded_reorder_window_replays_everything_and_quarantines_for_good() {
     let transport = EmbeddedTransport::new();
     Publisher::new(transport.clone())
-        .refresh_versioned("t", [("old", "history", Some(1))])
+        .insert_versioned("t", [("old", "history", Some(1))])
         .await
         .unwrap();
     let c = cache("t");
@@ -982,7 +979,7 @@ async fn an_unbounded_reorder_window_replays_everything_and_quarantines_for_good
     let late = cache("late");
     node.register(&late).await.unwrap();
     node.publisher()
-        .refresh_versioned("late", [("k", "v", Some(2))])
+        .insert_versioned("late", [("k", "v", Some(2))])
         .await
         .unwrap();
     eventually("applied as an invalidation", async || {
@@ -1039,7 +1036,7 @@ async fn registrations_are_released_when_a_start_fails_or_a_node_stops() {
         .start()
         .await
         .expect("a node that shut down released its caches");
-    again.publisher().refresh("t", [("k", "v")]).await.unwrap();
+    again.publisher().insert("t", [("k", "v")]).await.unwrap();
     eventually("the new node applies", async || {
         holds(&c, "k", Some("v")).await
     })
@@ -1220,7 +1217,7 @@ async fn lifecycle(steps: Vec<Step>) -> std::result::Result<(), String> {
             continue;
         }
         publisher
-            .refresh(cache.name(), [("k", "final")])
+            .insert(cache.name(), [("k", "final")])
             .await
             .map_err(|e| e.to_string())?;
         eventually(&format!("{} applies", cache.name()), async || {

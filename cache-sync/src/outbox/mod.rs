@@ -17,6 +17,7 @@
 //! other writer of that cache until it ends, so enqueue last, just before
 //! the commit.
 
+use std::borrow::Borrow;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -27,7 +28,7 @@ use sqlx::{PgConnection, PgPool};
 
 use crate::error::{Error, Result};
 use crate::publish::{invalidations, refreshes, replacement};
-use crate::table::Table;
+use crate::table::{Table, check_topic};
 use crate::transport::names::{self, NameKind};
 use crate::util::{MAX_TIMEOUT, check_duration};
 pub(crate) use crate::wire::decode_row;
@@ -91,7 +92,7 @@ const MIGRATIONS: [&str; 2] = [
 /// let countries = outbox.dictionary(COUNTRIES);
 /// let mut tx = pool.begin().await.map_err(|e| cache_sync::Error::Database(e.into()))?;
 /// // ... UPDATE countries SET name = 'Deutschland' WHERE code = 'de' ...
-/// let version = countries.upsert(&mut tx, &"de".into(), &"Deutschland".into()).await?;
+/// let version = countries.insert(&mut tx, "de", "Deutschland").await?;
 /// tx.commit().await.map_err(|e| cache_sync::Error::Database(e.into()))?;
 ///
 /// // Once per service (several may run; one publishes at a time):
@@ -107,6 +108,7 @@ pub struct Outbox {
 
 struct OutboxInner {
     schema: String,
+    topic: Option<String>,
     max_event_bytes: usize,
     again_after: Option<Duration>,
 }
@@ -115,6 +117,7 @@ impl fmt::Debug for Outbox {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Outbox")
             .field("schema", &self.inner.schema)
+            .field("topic", &self.inner.topic)
             .field("max_event_bytes", &self.inner.max_event_bytes)
             .field("again_after", &self.inner.again_after)
             .finish()
@@ -131,6 +134,7 @@ impl Default for Outbox {
 #[derive(Debug, Clone)]
 pub struct OutboxBuilder {
     schema: String,
+    topic: Option<String>,
     max_event_bytes: usize,
     again_after: Option<Duration>,
 }
@@ -142,6 +146,21 @@ impl OutboxBuilder {
     /// [`build`](Self::build) refuses anything else.
     pub fn schema(mut self, name: impl Into<String>) -> Self {
         self.schema = name.into();
+        self
+    }
+
+    /// The topic its rows are for: the topic of the publisher its relay
+    /// publishes through. Unset by default, and then rows go to whatever
+    /// topic the relay's publisher has. Once set, a relay refuses to start
+    /// with a publisher on another topic, and a
+    /// [`dictionary`](Outbox::dictionary) of a [`Table`] pinned to another
+    /// topic refuses every write, as a
+    /// [`DictionaryPublisher`](crate::DictionaryPublisher) does. A table
+    /// pinned to a topic needs it set: without it, the outbox could not tell
+    /// at write time where its rows will go, and refuses them too. Either
+    /// way, a pinned table's row never goes out on another topic.
+    pub fn topic(mut self, topic: impl Into<String>) -> Self {
+        self.topic = Some(topic.into());
         self
     }
 
@@ -175,6 +194,9 @@ impl OutboxBuilder {
     /// The outbox, or [`Error::Config`] naming the setting out of range.
     pub fn build(self) -> Result<Outbox> {
         check_schema(&self.schema)?;
+        if let Some(topic) = &self.topic {
+            names::check(NameKind::Topic, topic)?;
+        }
         check_max_event_bytes(self.max_event_bytes)?;
         if let Some(delay) = self.again_after {
             check_duration("again_after", delay, Duration::from_millis(1), MAX_TIMEOUT)?;
@@ -182,6 +204,7 @@ impl OutboxBuilder {
         Ok(Outbox {
             inner: Arc::new(OutboxInner {
                 schema: self.schema,
+                topic: self.topic,
                 max_event_bytes: self.max_event_bytes,
                 again_after: self.again_after,
             }),
@@ -234,6 +257,7 @@ impl Outbox {
     pub fn builder() -> OutboxBuilder {
         OutboxBuilder {
             schema: DEFAULT_SCHEMA.into(),
+            topic: None,
             max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
             again_after: None,
         }
@@ -242,6 +266,11 @@ impl Outbox {
     /// The schema holding the outbox's tables.
     pub fn schema(&self) -> &str {
         &self.inner.schema
+    }
+
+    /// The topic its rows are for, when [set](OutboxBuilder::topic).
+    pub fn topic(&self) -> Option<&str> {
+        self.inner.topic.as_deref()
     }
 
     pub(crate) fn max_event_bytes(&self) -> usize {
@@ -280,6 +309,31 @@ impl Outbox {
         tx.commit().await.map_err(db)
     }
 
+    /// Enqueues an unversioned insert of these entries in `cache` (see
+    /// [`Publisher::insert`](crate::Publisher::insert)).
+    pub async fn insert<K: Serialize, V: Serialize>(
+        &self,
+        conn: &mut PgConnection,
+        cache: &str,
+        entries: impl IntoIterator<Item = (K, V)>,
+    ) -> Result<()> {
+        self.insert_versioned(conn, cache, entries.into_iter().map(|(k, v)| (k, v, None)))
+            .await
+    }
+
+    /// Enqueues an insert of these entries, each with an optional version
+    /// (see [`Publisher::insert_versioned`](crate::Publisher::insert_versioned)).
+    pub async fn insert_versioned<K: Serialize, V: Serialize>(
+        &self,
+        conn: &mut PgConnection,
+        cache: &str,
+        entries: impl IntoIterator<Item = (K, V, Option<u64>)>,
+    ) -> Result<()> {
+        let changes = refreshes(entries, self.budget())?;
+        self.lock(conn, cache).await?;
+        self.write_rows(conn, cache, &changes).await
+    }
+
     /// Enqueues an unversioned invalidation of `keys` in `cache` (see
     /// [`Publisher::invalidate`](crate::Publisher::invalidate)).
     pub async fn invalidate<K: Serialize>(
@@ -302,33 +356,41 @@ impl Outbox {
     ) -> Result<()> {
         let changes = invalidations(keys, self.budget())?;
         self.lock(conn, cache).await?;
-        self.insert(conn, cache, &changes).await
+        self.write_rows(conn, cache, &changes).await
     }
 
-    /// Enqueues a refresh of these entries, each with an optional version
-    /// (see [`Publisher::refresh_versioned`](crate::Publisher::refresh_versioned)).
-    pub async fn refresh_versioned<K: Serialize, V: Serialize>(
+    /// Enqueues an invalidation of everything in `cache` (see
+    /// [`Publisher::invalidate_all`](crate::Publisher::invalidate_all)).
+    pub async fn invalidate_all(&self, conn: &mut PgConnection, cache: &str) -> Result<()> {
+        self.lock(conn, cache).await?;
+        self.write_rows(conn, cache, &[Change::Clear { version: None }])
+            .await
+    }
+
+    /// Enqueues an invalidation of everything in `cache` whose version is
+    /// a floor (see
+    /// [`Publisher::invalidate_all_versioned`](crate::Publisher::invalidate_all_versioned)).
+    pub async fn invalidate_all_versioned(
         &self,
         conn: &mut PgConnection,
         cache: &str,
-        entries: impl IntoIterator<Item = (K, V, Option<u64>)>,
+        version: u64,
     ) -> Result<()> {
-        let changes = refreshes(entries, self.budget())?;
         self.lock(conn, cache).await?;
-        self.insert(conn, cache, &changes).await
-    }
-
-    /// Enqueues a clear of `cache` (see [`Publisher::clear`](crate::Publisher::clear)).
-    pub async fn clear(&self, conn: &mut PgConnection, cache: &str) -> Result<()> {
-        self.lock(conn, cache).await?;
-        self.insert(conn, cache, &[Change::Clear { version: None }])
-            .await
+        self.write_rows(
+            conn,
+            cache,
+            &[Change::Clear {
+                version: Some(version),
+            }],
+        )
+        .await
     }
 
     /// A version for a row of `cache`, from the caller's transaction: the
     /// database clock in microseconds since the Unix epoch, made strictly
     /// greater than every version this outbox handed out or was given for
-    /// `cache` (by the dictionary helper's `_with_version` methods). It is
+    /// `cache` (by the dictionary helper's `_versioned` methods). It is
     /// taken under the cache's enqueue lock, so per cache, versions follow
     /// commit order; the lock is held until the transaction ends, as for
     /// an enqueue. A rolled-back transaction gives its version back.
@@ -343,17 +405,19 @@ impl Outbox {
 
     /// The outbox mode of the dictionary helper: a typed, versioned
     /// enqueuer for one table, mirroring
-    /// [`DictionaryPublisher`](crate::DictionaryPublisher). A topic the
-    /// [`Table`] is pinned to is not checked here: the relay's publisher
-    /// picks the topic.
+    /// [`DictionaryPublisher`](crate::DictionaryPublisher). A [`Table`]
+    /// pinned to a topic other than this outbox's
+    /// [`topic`](OutboxBuilder::topic) refuses every write with
+    /// [`Error::Config`].
     pub fn dictionary<K: Serialize, V: Serialize>(
         &self,
         table: impl Into<Table<K, V>>,
     ) -> OutboxDictionary<K, V> {
-        let (cache, _topic) = table.into().into_parts();
+        let (cache, topic) = table.into().into_parts();
         OutboxDictionary {
             outbox: self.clone(),
             cache,
+            topic,
             _types: PhantomData,
         }
     }
@@ -424,7 +488,12 @@ impl Outbox {
     /// Writes the rows (and, with [`again_after`](OutboxBuilder::again_after),
     /// a delayed invalidation for each), ids from the sequence now, under
     /// the lock the caller took.
-    async fn insert(&self, conn: &mut PgConnection, cache: &str, changes: &[Change]) -> Result<()> {
+    async fn write_rows(
+        &self,
+        conn: &mut PgConnection,
+        cache: &str,
+        changes: &[Change],
+    ) -> Result<()> {
         let mut rows = Vec::with_capacity(changes.len());
         for change in changes {
             rows.push(encode_row(change, self.inner.max_event_bytes)?);
@@ -482,12 +551,13 @@ impl Outbox {
 /// Like [`DictionaryPublisher`](crate::DictionaryPublisher), by default it
 /// assigns versions ([`Outbox::next_version`]: database microseconds, made
 /// strictly increasing per cache, in commit order), or takes the caller's
-/// own (a row version column) with the `_with_version` methods; automatic
+/// own (a row version column) with the `_versioned` methods; automatic
 /// versions always exceed versions passed in. Every method returns the
 /// version used, once the row is written.
 pub struct OutboxDictionary<K, V> {
     outbox: Outbox,
     cache: String,
+    topic: Option<&'static str>,
     _types: PhantomData<fn(&K, &V)>,
 }
 
@@ -496,6 +566,7 @@ impl<K, V> Clone for OutboxDictionary<K, V> {
         Self {
             outbox: self.outbox.clone(),
             cache: self.cache.clone(),
+            topic: self.topic,
             _types: PhantomData,
         }
     }
@@ -516,19 +587,36 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
         &self.cache
     }
 
-    /// A row was inserted or updated. Returns the version assigned.
-    pub async fn upsert(&self, conn: &mut PgConnection, key: &K, row: &V) -> Result<u64> {
-        self.upsert_many(conn, [(key, row)]).await
+    /// A row was inserted or updated. Returns the version assigned. Key
+    /// and row are borrowed as in
+    /// [`DictionaryPublisher::insert`](crate::DictionaryPublisher::insert).
+    pub async fn insert<Q, R>(&self, conn: &mut PgConnection, key: &Q, row: &R) -> Result<u64>
+    where
+        K: Borrow<Q>,
+        V: Borrow<R>,
+        Q: Serialize + ?Sized,
+        R: Serialize + ?Sized,
+    {
+        self.enqueue(conn, None, |o, v| {
+            refreshes([(key, row, Some(v))], o.budget())
+        })
+        .await
     }
 
-    /// [`upsert`](Self::upsert) with the caller's version.
-    pub async fn upsert_with_version(
+    /// [`insert`](Self::insert) at the caller's version.
+    pub async fn insert_versioned<Q, R>(
         &self,
         conn: &mut PgConnection,
-        key: &K,
-        row: &V,
+        key: &Q,
+        row: &R,
         version: u64,
-    ) -> Result<u64> {
+    ) -> Result<u64>
+    where
+        K: Borrow<Q>,
+        V: Borrow<R>,
+        Q: Serialize + ?Sized,
+        R: Serialize + ?Sized,
+    {
         self.enqueue(conn, Some(version), |o, v| {
             refreshes([(key, row, Some(v))], o.budget())
         })
@@ -536,7 +624,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
     }
 
     /// Several rows at one version.
-    pub async fn upsert_many<'a>(
+    pub async fn insert_many<'a>(
         &self,
         conn: &mut PgConnection,
         rows: impl IntoIterator<Item = (&'a K, &'a V)>,
@@ -553,22 +641,51 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
 
     /// A row was deleted: nodes drop it and keep a tombstone at the
     /// version.
-    pub async fn delete(&self, conn: &mut PgConnection, key: &K) -> Result<u64> {
+    pub async fn invalidate<Q>(&self, conn: &mut PgConnection, key: &Q) -> Result<u64>
+    where
+        K: Borrow<Q>,
+        Q: Serialize + ?Sized,
+    {
         self.enqueue(conn, None, |o, v| {
             invalidations([(key, Some(v))], o.budget())
         })
         .await
     }
 
-    /// [`delete`](Self::delete) with the caller's version.
-    pub async fn delete_with_version(
+    /// [`invalidate`](Self::invalidate) at the caller's version.
+    pub async fn invalidate_versioned<Q>(
         &self,
         conn: &mut PgConnection,
-        key: &K,
+        key: &Q,
         version: u64,
-    ) -> Result<u64> {
+    ) -> Result<u64>
+    where
+        K: Borrow<Q>,
+        Q: Serialize + ?Sized,
+    {
         self.enqueue(conn, Some(version), |o, v| {
             invalidations([(key, Some(v))], o.budget())
+        })
+        .await
+    }
+
+    /// Every row goes: nodes drop the whole cache, the version a floor
+    /// below which later-arriving inserts are ignored.
+    pub async fn invalidate_all(&self, conn: &mut PgConnection) -> Result<u64> {
+        self.enqueue(conn, None, |_, v| {
+            Ok(vec![Change::Clear { version: Some(v) }])
+        })
+        .await
+    }
+
+    /// [`invalidate_all`](Self::invalidate_all) at the caller's version.
+    pub async fn invalidate_all_versioned(
+        &self,
+        conn: &mut PgConnection,
+        version: u64,
+    ) -> Result<u64> {
+        self.enqueue(conn, Some(version), |_, v| {
+            Ok(vec![Change::Clear { version: Some(v) }])
         })
         .await
     }
@@ -589,8 +706,8 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
             .await
     }
 
-    /// [`replace_all`](Self::replace_all) with the caller's version.
-    pub async fn replace_all_with_version<'a>(
+    /// [`replace_all`](Self::replace_all) at the caller's version.
+    pub async fn replace_all_versioned<'a>(
         &self,
         conn: &mut PgConnection,
         rows: impl IntoIterator<Item = (&'a K, &'a V)>,
@@ -613,6 +730,17 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
         build: impl FnOnce(&Outbox, u64) -> Result<Vec<Change>>,
     ) -> Result<u64> {
         let o = &self.outbox;
+        match (self.topic, o.topic()) {
+            (Some(pinned), None) => {
+                return Err(Error::Config(format!(
+                    "table {:?} lives on topic {pinned:?}, and this outbox has no topic to check \
+                     it against: set OutboxBuilder::topic to its relay's topic",
+                    self.cache
+                )));
+            }
+            (pinned, Some(topic)) => check_topic(&self.cache, pinned, topic)?,
+            (None, None) => {}
+        }
         o.lock(conn, &self.cache).await?;
         let v = match version {
             Some(v) => {
@@ -623,7 +751,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
             None => o.auto_version(conn, &self.cache).await?,
         };
         let changes = build(o, v)?;
-        o.insert(conn, &self.cache, &changes).await?;
+        o.write_rows(conn, &self.cache, &changes).await?;
         Ok(v)
     }
 }

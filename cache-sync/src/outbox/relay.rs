@@ -174,7 +174,9 @@ impl OutboxRelayBuilder {
 
     /// Checks the settings, reads the outbox's fencing scope, connects the
     /// listener and starts the relay's task on the current tokio runtime.
-    /// [`Error::Config`] for a setting out of range, [`Error::Database`]
+    /// [`Error::Config`] for a setting out of range or a publisher on
+    /// another topic than the outbox's [`topic`](crate::OutboxBuilder::topic),
+    /// [`Error::Database`]
     /// when the database cannot be reached or the outbox's schema lacks its
     /// second migration ([`Outbox::migrate`] adds it).
     pub async fn start(self) -> Result<OutboxRelay> {
@@ -195,6 +197,14 @@ impl OutboxRelayBuilder {
                 )));
             }
         };
+        if let Some(topic) = self.outbox.topic()
+            && topic != self.publisher.topic()
+        {
+            return Err(Error::Config(format!(
+                "the relay's publisher publishes to topic {:?}, and its outbox's rows are for {topic:?}",
+                self.publisher.topic(),
+            )));
+        }
         let schema = self.outbox.schema();
         let scope: i64 = sqlx::query_scalar(&format!("SELECT scope FROM {schema}.relay"))
             .fetch_one(&self.pool)

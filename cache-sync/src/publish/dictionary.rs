@@ -1,5 +1,6 @@
 //! The dictionary-table helper: typed rows, automatic row versions.
 
+use std::borrow::Borrow;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -101,12 +102,32 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
 
     /// A row was inserted or updated: every node installs `row` (unless it
     /// already reflects a newer version). Returns the version used.
-    pub async fn upsert(&self, key: &K, row: &V) -> Result<u64> {
-        self.upsert_many([(key, row)]).await
+    ///
+    /// Key and row are borrowed in any form their types borrow as (`"de"`
+    /// for a `String` key), as moka's `get` and `invalidate` take keys; the
+    /// borrowed form must encode as the owned one does, as `str` and
+    /// `String`, `[T]` and `Vec<T>`, or `T` and `Box<T>` do.
+    pub async fn insert<Q, R>(&self, key: &Q, row: &R) -> Result<u64>
+    where
+        K: Borrow<Q>,
+        V: Borrow<R>,
+        Q: Serialize + ?Sized,
+        R: Serialize + ?Sized,
+    {
+        self.publish(None, |p, v| {
+            super::refreshes([(key, row, Some(v))], p.budget())
+        })
+        .await
     }
 
-    /// [`upsert`](Self::upsert) with the caller's version.
-    pub async fn upsert_with_version(&self, key: &K, row: &V, version: u64) -> Result<u64> {
+    /// [`insert`](Self::insert) at the caller's version.
+    pub async fn insert_versioned<Q, R>(&self, key: &Q, row: &R, version: u64) -> Result<u64>
+    where
+        K: Borrow<Q>,
+        V: Borrow<R>,
+        Q: Serialize + ?Sized,
+        R: Serialize + ?Sized,
+    {
         self.publish(Some(version), |p, v| {
             super::refreshes([(key, row, Some(v))], p.budget())
         })
@@ -114,7 +135,7 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
     }
 
     /// Several rows at one version, split into events as the size limit needs.
-    pub async fn upsert_many<'a>(
+    pub async fn insert_many<'a>(
         &self,
         rows: impl IntoIterator<Item = (&'a K, &'a V)>,
     ) -> Result<u64>
@@ -129,25 +150,48 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
     }
 
     /// A row was deleted: every node drops it and keeps a tombstone, so an
-    /// older upsert that arrives late cannot bring it back.
-    pub async fn delete(&self, key: &K) -> Result<u64> {
+    /// older insert that arrives late cannot bring it back.
+    pub async fn invalidate<Q>(&self, key: &Q) -> Result<u64>
+    where
+        K: Borrow<Q>,
+        Q: Serialize + ?Sized,
+    {
         self.publish(None, |p, v| {
             super::invalidations([(key, Some(v))], p.budget())
         })
         .await
     }
 
-    /// [`delete`](Self::delete) with the caller's version.
-    pub async fn delete_with_version(&self, key: &K, version: u64) -> Result<u64> {
+    /// [`invalidate`](Self::invalidate) at the caller's version.
+    pub async fn invalidate_versioned<Q>(&self, key: &Q, version: u64) -> Result<u64>
+    where
+        K: Borrow<Q>,
+        Q: Serialize + ?Sized,
+    {
         self.publish(Some(version), |p, v| {
             super::invalidations([(key, Some(v))], p.budget())
         })
         .await
     }
 
+    /// Every row goes: every node drops the whole cache, and the version
+    /// becomes a floor, so no older insert that arrives late comes back.
+    pub async fn invalidate_all(&self) -> Result<u64> {
+        self.publish(None, |_, v| Ok(vec![Change::Clear { version: Some(v) }]))
+            .await
+    }
+
+    /// [`invalidate_all`](Self::invalidate_all) at the caller's version.
+    pub async fn invalidate_all_versioned(&self, version: u64) -> Result<u64> {
+        self.publish(Some(version), |_, v| {
+            Ok(vec![Change::Clear { version: Some(v) }])
+        })
+        .await
+    }
+
     /// The table was replaced wholesale: every node drops all rows, then
     /// installs these. A clear at the same version goes first, so rows the
-    /// new table lacks disappear and no older refresh can return afterwards.
+    /// new table lacks disappear and no older insert can return afterwards.
     pub async fn replace_all<'a>(
         &self,
         rows: impl IntoIterator<Item = (&'a K, &'a V)>,
@@ -160,8 +204,8 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
             .await
     }
 
-    /// [`replace_all`](Self::replace_all) with the caller's version.
-    pub async fn replace_all_with_version<'a>(
+    /// [`replace_all`](Self::replace_all) at the caller's version.
+    pub async fn replace_all_versioned<'a>(
         &self,
         rows: impl IntoIterator<Item = (&'a K, &'a V)>,
         version: u64,
@@ -212,14 +256,14 @@ mod tests {
     async fn dictionary_versions_increase_and_respect_caller_versions() {
         let transport = EmbeddedTransport::new();
         let dict = Publisher::new(transport.clone()).dictionary::<String, String>("countries");
-        let a = dict.upsert(&"de".into(), &"Germany".into()).await.unwrap();
-        let b = dict.delete(&"de".into()).await.unwrap();
+        let a = dict.insert("de", "Germany").await.unwrap();
+        let b = dict.invalidate("de").await.unwrap();
         assert!(b > a);
         let c = dict
-            .upsert_with_version(&"fr".into(), &"France".into(), u64::MAX / 2)
+            .insert_versioned("fr", "France", u64::MAX / 2)
             .await
             .unwrap();
-        let d = dict.upsert(&"it".into(), &"Italy".into()).await.unwrap();
+        let d = dict.insert("it", "Italy").await.unwrap();
         assert!(d > c, "auto versions must pass caller versions");
         let v = dict
             .replace_all([(&"se".to_string(), &"Sweden".to_string())])
@@ -234,6 +278,44 @@ mod tests {
         assert!(matches!(events[4].1, Change::Clear { .. }));
     }
 
+    /// `invalidate_all` is a clear whose version is a floor, automatic or
+    /// the caller's, and a node holds none of the rows below it afterwards,
+    /// even one that arrives late.
+    #[tokio::test]
+    async fn invalidate_all_is_a_versioned_floor() {
+        let transport = EmbeddedTransport::new();
+        let dict = Publisher::new(transport.clone()).dictionary::<String, String>("t");
+        let a = dict.insert("a", "x").await.unwrap();
+        let b = dict.invalidate_all().await.unwrap();
+        assert!(b > a);
+        let c = dict.invalidate_all_versioned(b + 10).await.unwrap();
+        assert_eq!(c, b + 10);
+        let events = drain(&transport).await;
+        assert!(matches!(events[1].1, Change::Clear { version: Some(v) } if v == b));
+        assert!(matches!(events[2].1, Change::Clear { version: Some(v) } if v == c));
+
+        // A node of a transport of its own, which keeps no earlier floor.
+        let transport = EmbeddedTransport::new();
+        let dict = Publisher::new(transport.clone()).dictionary::<String, String>("t");
+        let cache = crate::SyncedCache::new("t", moka::future::Cache::<String, String>::new(8));
+        let node = crate::Node::builder("n", transport.clone())
+            .register(&cache)
+            .start()
+            .await
+            .unwrap();
+        dict.invalidate_all_versioned(100).await.unwrap();
+        dict.insert_versioned("late", "older", 99).await.unwrap();
+        dict.insert_versioned("new", "newer", 101).await.unwrap();
+        crate::node::tests::eventually("the newer row arrives", async || {
+            cache.get("new").await.is_some()
+        })
+        .await;
+        // Applied in order: "late" came before "new".
+        assert_eq!(cache.get("late").await, None, "below the floor");
+        assert_eq!(cache.get("new").await.as_deref(), Some("newer"));
+        node.shutdown().await.unwrap();
+    }
+
     /// Regression: after a caller passed `u64::MAX`, the next automatic
     /// version wrapped (`last + 1`) and silently went backwards, so every
     /// node ignored the change as stale.
@@ -241,24 +323,20 @@ mod tests {
     async fn automatic_versions_past_the_largest_one_fail_instead_of_wrapping() {
         let transport = EmbeddedTransport::new();
         let dict = Publisher::new(transport.clone()).dictionary::<String, String>("t");
-        dict.upsert_with_version(&"a".into(), &"x".into(), u64::MAX)
-            .await
-            .unwrap();
+        dict.insert_versioned("a", "x", u64::MAX).await.unwrap();
         for attempt in 0..2 {
-            let err = dict.upsert(&"b".into(), &"y".into()).await.unwrap_err();
+            let err = dict.insert("b", "y").await.unwrap_err();
             assert!(
                 matches!(err, Error::VersionExhausted(u64::MAX)),
                 "attempt {attempt}: {err}"
             );
-            assert!(dict.delete(&"b".into()).await.is_err());
+            assert!(dict.invalidate("b").await.is_err());
         }
         // Nothing was sent for the refused calls, and no sequence number
         // was used up: nodes see no gap.
         let events = drain(&transport).await;
         assert_eq!(events.len(), 1);
-        dict.upsert_with_version(&"c".into(), &"z".into(), 5)
-            .await
-            .unwrap();
+        dict.insert_versioned("c", "z", 5).await.unwrap();
         let seqs: Vec<_> = drain(&transport).await.iter().map(|(h, _)| h.seq).collect();
         assert_eq!(seqs, [1, 2]);
     }

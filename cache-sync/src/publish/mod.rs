@@ -385,6 +385,30 @@ impl Publisher {
         }
     }
 
+    /// Tells every node to install these entries in `cache` (unversioned:
+    /// applied in delivery order). The untyped form, by cache name, for
+    /// tools that do not know the key and value types; code that does uses
+    /// [`dictionary`](Self::dictionary), whose [`Table`] checks them.
+    pub async fn insert<K: Serialize, V: Serialize>(
+        &self,
+        cache: &str,
+        entries: impl IntoIterator<Item = (K, V)>,
+    ) -> Result<Published> {
+        self.insert_versioned(cache, entries.into_iter().map(|(k, v)| (k, v, None)))
+            .await
+    }
+
+    /// Like [`insert`](Self::insert), with a version per entry: a node
+    /// ignores an insert older than what it already reflects for that key.
+    pub async fn insert_versioned<K: Serialize, V: Serialize>(
+        &self,
+        cache: &str,
+        entries: impl IntoIterator<Item = (K, V, Option<u64>)>,
+    ) -> Result<Published> {
+        let changes = changes::refreshes(entries, self.budget())?;
+        self.send(cache, changes).await
+    }
+
     /// Tells every node to drop `keys` from `cache`. Unversioned: applied in
     /// delivery order.
     pub async fn invalidate<K: Serialize>(
@@ -397,7 +421,7 @@ impl Publisher {
     }
 
     /// Tells every node to drop `keys`, each leaving a tombstone at its version
-    /// so an older refresh arriving later is ignored.
+    /// so an older insert arriving later is ignored.
     pub async fn invalidate_versioned<K: Serialize>(
         &self,
         cache: &str,
@@ -407,37 +431,15 @@ impl Publisher {
         self.send(cache, changes).await
     }
 
-    /// Tells every node to replace the values of these keys where they hold
-    /// them. Unversioned: applied in delivery order.
-    pub async fn refresh<K: Serialize, V: Serialize>(
-        &self,
-        cache: &str,
-        entries: impl IntoIterator<Item = (K, V)>,
-    ) -> Result<Published> {
-        self.refresh_versioned(cache, entries.into_iter().map(|(k, v)| (k, v, None)))
-            .await
-    }
-
-    /// Like [`refresh`](Self::refresh), with a version per entry: a node
-    /// ignores a refresh older than what it already reflects for that key.
-    pub async fn refresh_versioned<K: Serialize, V: Serialize>(
-        &self,
-        cache: &str,
-        entries: impl IntoIterator<Item = (K, V, Option<u64>)>,
-    ) -> Result<Published> {
-        let changes = changes::refreshes(entries, self.budget())?;
-        self.send(cache, changes).await
-    }
-
     /// Tells every node to drop everything in `cache`.
-    pub async fn clear(&self, cache: &str) -> Result<Published> {
+    pub async fn invalidate_all(&self, cache: &str) -> Result<Published> {
         self.send(cache, vec![Change::Clear { version: None }])
             .await
     }
 
-    /// Drops everything and makes `version` a floor: refreshes older than it
+    /// Drops everything and makes `version` a floor: inserts older than it
     /// that arrive later are ignored.
-    pub async fn clear_versioned(&self, cache: &str, version: u64) -> Result<Published> {
+    pub async fn invalidate_all_versioned(&self, cache: &str, version: u64) -> Result<Published> {
         self.send(
             cache,
             vec![Change::Clear {
@@ -455,6 +457,11 @@ impl Publisher {
         table: impl Into<Table<K, V>>,
     ) -> DictionaryPublisher<K, V> {
         DictionaryPublisher::new(self.clone(), table.into())
+    }
+
+    /// The topic it publishes to.
+    pub fn topic(&self) -> &str {
+        &self.inner.topic
     }
 
     /// How many bytes of keys and values one event may carry.
@@ -871,7 +878,7 @@ mod tests {
             .unwrap();
         p.invalidate("a", ["x"]).await.unwrap();
         p.invalidate("b", ["y"]).await.unwrap();
-        p.clear("a").await.unwrap();
+        p.invalidate_all("a").await.unwrap();
         let seqs: Vec<_> = drain(&transport)
             .await
             .iter()
@@ -890,10 +897,10 @@ mod tests {
             .announce_interval(Duration::MAX)
             .build()
             .unwrap();
-        p.refresh_versioned("t", [("a", "x", Some(7)), ("b", "y", None)])
+        p.insert_versioned("t", [("a", "x", Some(7)), ("b", "y", None)])
             .await
             .unwrap();
-        p.clear_versioned("t", 9).await.unwrap();
+        p.invalidate_all_versioned("t", 9).await.unwrap();
         tokio::time::sleep(Duration::from_millis(1999)).await;
         assert_eq!(drain(&transport).await.len(), 2, "sent again too early");
         tokio::time::sleep(Duration::from_millis(2)).await;
@@ -921,7 +928,7 @@ mod tests {
             .again_after(Duration::from_secs(2))
             .build()
             .unwrap();
-        p.refresh("t", [("a", "x")]).await.unwrap();
+        p.insert("t", [("a", "x")]).await.unwrap();
         let inner = Arc::downgrade(&p.inner);
         drop(p);
         tokio::time::sleep(Duration::from_secs(30)).await;
@@ -998,7 +1005,7 @@ mod tests {
             .build()
             .unwrap()
             .block_on(async {
-                p.clear("t").await.unwrap();
+                p.invalidate_all("t").await.unwrap();
                 tokio::time::sleep(Duration::from_secs(2)).await;
                 let seqs: Vec<_> = drain(&transport).await.iter().map(|(h, _)| h.seq).collect();
                 assert_eq!(seqs, [1, 2, 3]);
@@ -1014,14 +1021,14 @@ mod tests {
             .announce_interval(Duration::from_secs(1))
             .build()
             .unwrap();
-        p.refresh("slow", [("a", "x")]).await.unwrap();
+        p.insert("slow", [("a", "x")]).await.unwrap();
         let fast: Vec<String> = (0..8).map(|i| format!("fast{i}")).collect();
         for cache in &fast {
-            p.refresh(cache, [("a", "x")]).await.unwrap();
+            p.insert(cache, [("a", "x")]).await.unwrap();
         }
         transport.stall.store(true, Relaxed);
         let stuck = p.clone();
-        let stuck = tokio::spawn(async move { stuck.refresh("slow", [("b", "y")]).await });
+        let stuck = tokio::spawn(async move { stuck.insert("slow", [("b", "y")]).await });
         tokio::time::sleep(Duration::from_secs(10)).await;
         let events = drain(&transport.inner).await;
         for cache in &fast {
@@ -1043,16 +1050,13 @@ mod tests {
             .build()
             .unwrap();
         let rows: Vec<(u32, String)> = (0..100).map(|i| (i, "v".repeat(200))).collect();
-        let sent = p.refresh("t", rows).await.unwrap();
+        let sent = p.insert("t", rows).await.unwrap();
         assert!(sent.events > 1, "{sent:?}");
         let events = drain(&transport).await;
         assert_eq!(events.len(), sent.events);
         assert_eq!(events.iter().map(|(_, c)| c.len()).sum::<usize>(), 100);
-        let err = p
-            .refresh("t", [(1u32, "v".repeat(5000))])
-            .await
-            .unwrap_err();
+        let err = p.insert("t", [(1u32, "v".repeat(5000))]).await.unwrap_err();
         assert!(err.is_too_large(), "{err}");
-        assert_eq!(p.refresh::<u32, u32>("t", []).await.unwrap().events, 0);
+        assert_eq!(p.insert::<u32, u32>("t", []).await.unwrap().events, 0);
     }
 }

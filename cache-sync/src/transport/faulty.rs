@@ -32,9 +32,9 @@ use crate::error::{Error, Result};
 /// let faulty = FaultyTransport::new(EmbeddedTransport::new());
 /// let publisher = cache_sync::Publisher::new(faulty.clone());
 /// faulty.fail_publishes(1);
-/// let err = publisher.refresh("countries", [("de", "Germany")]).await.unwrap_err();
+/// let err = publisher.insert("countries", [("de", "Germany")]).await.unwrap_err();
 /// assert!(err.is_disconnected());
-/// publisher.refresh("countries", [("de", "Germany")]).await?; // the fault is spent
+/// publisher.insert("countries", [("de", "Germany")]).await?; // the fault is spent
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]

@@ -154,7 +154,7 @@ impl System {
         match self {
             System::CacheSync { publisher, .. } => {
                 publisher
-                    .refresh(CACHE, [(0_u64, i)])
+                    .insert(CACHE, [(0_u64, i)])
                     .await
                     .expect("publish");
             }

@@ -96,9 +96,9 @@ pub(crate) enum Publish {
         #[command(flatten)]
         common: PublishArgs,
     },
-    /// Replaces one key's value on every node
+    /// Installs one key's value on every node
     #[command(after_help = TYPES_HELP)]
-    Refresh {
+    Insert {
         /// The cache's name, e.g. countries
         cache: String,
         /// The key, of --key-type
@@ -118,10 +118,10 @@ pub(crate) enum Publish {
         common: PublishArgs,
     },
     /// Drops everything in a cache on every node
-    Clear {
+    InvalidateAll {
         /// The cache's name, e.g. countries
         cache: String,
-        /// Makes VERSION a floor: refreshes older than it arriving later
+        /// Makes VERSION a floor: inserts older than it arriving later
         /// are ignored
         #[arg(long)]
         version: Option<u64>,

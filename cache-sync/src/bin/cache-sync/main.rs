@@ -4,7 +4,7 @@
 //! ```text
 //! cache-sync --transport redis-streams status --max-lag 5s
 //! cache-sync --transport nats-jetstream --url nats://10.0.0.5:4222 watch
-//! cache-sync --transport redis-streams publish refresh countries de Deutschland --version 7 --ack 5s
+//! cache-sync --transport redis-streams publish insert countries de Deutschland --version 7 --ack 5s
 //! ```
 //!
 //! Exit codes: 0 all good, 1 a node diverged, no node answered, or a

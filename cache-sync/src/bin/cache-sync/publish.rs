@@ -63,8 +63,8 @@ const LINGER: Duration = Duration::from_millis(350);
 pub(crate) async fn run(ctx: &Context, command: Publish) -> Result<ExitCode, String> {
     let (cache, common) = match &command {
         Publish::Invalidate { cache, common, .. }
-        | Publish::Refresh { cache, common, .. }
-        | Publish::Clear { cache, common, .. } => (cache.clone(), common),
+        | Publish::Insert { cache, common, .. }
+        | Publish::InvalidateAll { cache, common, .. } => (cache.clone(), common),
     };
     // Parse everything before connecting: a typo costs no broker round trip.
     let change = match &command {
@@ -73,14 +73,14 @@ pub(crate) async fn run(ctx: &Context, command: Publish) -> Result<ExitCode, Str
                 .map(|k| key(k, common.key_type))
                 .collect::<Result<_, _>>()?,
         ),
-        Publish::Refresh {
+        Publish::Insert {
             key: k,
             value: v,
             version,
             value_type,
             ..
         } => Change::Refresh(key(k, common.key_type)?, value(v, *value_type)?, *version),
-        Publish::Clear { version, .. } => Change::Clear(*version),
+        Publish::InvalidateAll { version, .. } => Change::Clear(*version),
     };
     let transport = ctx.connect().await?;
     let mut builder = Publisher::builder(transport.clone())
@@ -100,10 +100,10 @@ pub(crate) async fn run(ctx: &Context, command: Publish) -> Result<ExitCode, Str
     let published: Published = match change {
         Change::Invalidate(keys) => publisher.invalidate(&cache, keys).await,
         Change::Refresh(k, v, version) => {
-            publisher.refresh_versioned(&cache, [(k, v, version)]).await
+            publisher.insert_versioned(&cache, [(k, v, version)]).await
         }
-        Change::Clear(None) => publisher.clear(&cache).await,
-        Change::Clear(Some(version)) => publisher.clear_versioned(&cache, version).await,
+        Change::Clear(None) => publisher.invalidate_all(&cache).await,
+        Change::Clear(Some(version)) => publisher.invalidate_all_versioned(&cache, version).await,
     }
     .map_err(|e| format!("publish failed: {e}"))?;
     let code = match (common.ack, &cluster) {

@@ -95,9 +95,9 @@ async fn on_a_node_a_slow_pinned_load_holds_up_no_other_key_or_cache() {
     let started = Instant::now();
     let publisher = node.publisher();
     // First the pinned key, then another key of its cache, then another cache.
-    publisher.refresh("a", [("k", "k1")]).await.unwrap();
-    publisher.refresh("a", [("other", "o1")]).await.unwrap();
-    publisher.refresh("b", [("x", "x1")]).await.unwrap();
+    publisher.insert("a", [("k", "k1")]).await.unwrap();
+    publisher.insert("a", [("other", "o1")]).await.unwrap();
+    publisher.insert("b", [("x", "x1")]).await.unwrap();
     while !(a.peek("other").await.as_deref() == Some("o1")
         && b.peek("x").await.as_deref() == Some("x1"))
     {

@@ -47,12 +47,12 @@ async fn an_acknowledgement_does_not_forget_a_publisher_among_many() {
     ];
     let watcher = watcher(&transport).await;
     let first = Publisher::new(transport.clone())
-        .refresh("countries", [("de", "Germany")])
+        .insert("countries", [("de", "Germany")])
         .await
         .unwrap();
     for i in 0..40 {
         Publisher::new(transport.clone())
-            .refresh("countries", [(format!("k{i}"), "v")])
+            .insert("countries", [(format!("k{i}"), "v")])
             .await
             .unwrap();
     }
@@ -110,7 +110,7 @@ async fn a_full_view_never_calls_a_publish_complete() {
         assert!(sent < 100_000, "the view never filled");
     }
     let published = Publisher::new(transport.clone())
-        .refresh("countries", [("de", "Germany")])
+        .insert("countries", [("de", "Germany")])
         .await
         .unwrap();
     eventually("applied on n1", async || {
@@ -175,7 +175,7 @@ async fn answers_are_small_and_only_their_asker_reads_them() {
     // A real acknowledged publish, watched by the watcher: the node's
     // answer goes to the watcher only.
     let published = Publisher::new(transport.clone())
-        .refresh("countries", [("de", "Germany")])
+        .insert("countries", [("de", "Germany")])
         .await
         .unwrap();
     let acks = published
@@ -199,7 +199,7 @@ async fn requests_are_answered_when_met_and_again_when_repeated() {
     let watcher = watcher(&transport).await;
     let publisher = Publisher::new(transport.clone());
     let published = publisher
-        .refresh("countries", [("de", "Germany")])
+        .insert("countries", [("de", "Germany")])
         .await
         .unwrap();
     let acks = published
@@ -357,18 +357,18 @@ async fn a_followed_publisher_is_acknowledged_as_it_is_applied() {
         .await
         .unwrap();
     let publisher = Publisher::new(transport.inner.clone());
-    let first = publisher.refresh("countries", [("de", "1")]).await.unwrap();
+    let first = publisher.insert("countries", [("de", "1")]).await.unwrap();
     let acks = first.applied_by(&watcher, Duration::from_secs(10)).await;
     assert!(acks.is_complete(), "{acks:?}");
     // From now on no request reaches any node.
     transport.drop_requests.store(true, Relaxed);
-    let second = publisher.refresh("countries", [("de", "2")]).await.unwrap();
+    let second = publisher.insert("countries", [("de", "2")]).await.unwrap();
     let acks = second.applied_by(&watcher, Duration::from_secs(5)).await;
     assert!(acks.is_complete(), "told as it applied: {acks:?}");
     assert!(acks.nodes[0].latency.is_some());
     // The follow lapses 10 s after the last request the node got.
     tokio::time::sleep(Duration::from_secs(11)).await;
-    let third = publisher.refresh("countries", [("de", "3")]).await.unwrap();
+    let third = publisher.insert("countries", [("de", "3")]).await.unwrap();
     eventually("applied", async || holds(&a, "de", Some("3")).await).await;
     let acks = third.applied_by(&watcher, Duration::from_secs(2)).await;
     assert_eq!(acks.incomplete, Some(Incomplete::Pending), "{acks:?}");

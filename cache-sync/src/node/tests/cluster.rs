@@ -118,7 +118,7 @@ async fn an_acknowledged_publish_names_every_node_and_its_latency() {
         .unwrap();
     let publisher = Publisher::new(transport.clone());
     let published = publisher
-        .refresh("countries", [("de", "Germany")])
+        .insert("countries", [("de", "Germany")])
         .await
         .unwrap();
     let acks = published
@@ -142,7 +142,7 @@ async fn an_acknowledged_publish_names_every_node_and_its_latency() {
     }
     // A second publish, on a watcher that has settled by now.
     let published = publisher
-        .refresh("countries", [("fr", "France")])
+        .insert("countries", [("fr", "France")])
         .await
         .unwrap();
     let acks = published
@@ -179,7 +179,7 @@ async fn a_lagging_node_is_flagged_and_left_pending() {
     ];
     let publisher = Publisher::new(transport.inner());
     let first = publisher
-        .refresh_versioned("countries", [("de", "Germany", Some(5))])
+        .insert_versioned("countries", [("de", "Germany", Some(5))])
         .await
         .unwrap();
     let acks = first
@@ -189,7 +189,7 @@ async fn a_lagging_node_is_flagged_and_left_pending() {
 
     slow_transport.stall(true);
     let second = publisher
-        .refresh_versioned("countries", [("de", "Deutschland", Some(9))])
+        .insert_versioned("countries", [("de", "Deutschland", Some(9))])
         .await
         .unwrap();
     let acks = second
@@ -482,7 +482,7 @@ async fn each_applied_batch_is_one_span_with_cache_count_versions_and_latency() 
         .await
         .unwrap();
     Publisher::new(transport)
-        .refresh_versioned(
+        .insert_versioned(
             "countries",
             [("de", "Germany", Some(7)), ("fr", "France", Some(3))],
         )
@@ -585,11 +585,11 @@ async fn two_publishers_in_one_batch_are_both_acknowledged() {
     let first = Publisher::new(transport.inner());
     let second = Publisher::new(transport.inner());
     let from_first = first
-        .refresh("countries", [("de", "Germany")])
+        .insert("countries", [("de", "Germany")])
         .await
         .unwrap();
     let from_second = second
-        .refresh("countries", [("fr", "France")])
+        .insert("countries", [("fr", "France")])
         .await
         .unwrap();
     // Released together: one batch, one run, two publishers.
@@ -612,7 +612,7 @@ async fn a_view_that_cannot_hear_the_channel_never_calls_a_publish_complete() {
     let node = start("n1", transport.clone(), &[&a]).await;
     let published = node
         .publisher()
-        .refresh("countries", [("de", "Germany")])
+        .insert("countries", [("de", "Germany")])
         .await
         .unwrap();
     eventually("applied here", async || {
@@ -697,14 +697,14 @@ async fn a_node_stuck_while_versions_keep_coming_is_behind_for_as_long_as_it_is_
     let n2 = start("n2", slow.clone(), &[&b]).await;
     let publisher = Publisher::new(fast.inner());
     publisher
-        .refresh_versioned("countries", [("de", "v1", Some(1))])
+        .insert_versioned("countries", [("de", "v1", Some(1))])
         .await
         .unwrap();
     eventually("both at 1", async || n1.cluster().view().is_converged()).await;
     slow.stall(true);
     let stuck = Instant::now();
     publisher
-        .refresh_versioned("countries", [("de", "v", Some(2))])
+        .insert_versioned("countries", [("de", "v", Some(2))])
         .await
         .unwrap();
     // From here the view knows n2 is behind: it has been since no later
@@ -714,7 +714,7 @@ async fn a_node_stuck_while_versions_keep_coming_is_behind_for_as_long_as_it_is_
     let seen = Instant::now();
     for v in 3..=12u64 {
         publisher
-            .refresh_versioned("countries", [("de", "v", Some(v))])
+            .insert_versioned("countries", [("de", "v", Some(v))])
             .await
             .unwrap();
         tokio::time::sleep(Duration::from_millis(60)).await;
@@ -934,7 +934,7 @@ async fn a_heartbeat_gives_how_long_ago_each_version_rose() {
     let a = cache("countries");
     let node = start("n1", transport.clone(), &[&a]).await;
     Publisher::new(transport.clone())
-        .refresh_versioned("countries", [("de", "Germany", Some(3))])
+        .insert_versioned("countries", [("de", "Germany", Some(3))])
         .await
         .unwrap();
     eventually("applied", async || holds(&a, "de", Some("Germany")).await).await;

@@ -102,7 +102,7 @@ async fn a_lost_last_event_is_found_within_the_bound(window: Duration) {
         .build()
         .unwrap();
     for i in 1..=4 {
-        p.refresh("t", [(format!("k{i}"), "v")]).await.unwrap();
+        p.insert("t", [(format!("k{i}"), "v")]).await.unwrap();
     }
     for (_, c) in &nodes {
         eventually("events 1 to 4 applied", async || {
@@ -111,7 +111,7 @@ async fn a_lost_last_event_is_found_within_the_bound(window: Duration) {
         .await;
     }
     let lost_at = Instant::now();
-    p.refresh("t", [("k5", "v")]).await.unwrap();
+    p.insert("t", [("k5", "v")]).await.unwrap();
     assert_eq!(transport.publishes.load(Relaxed), 5);
     let bound = INTERVAL + window;
     for (node, c) in &nodes {
@@ -171,7 +171,7 @@ async fn announcements_of_what_arrived_change_nothing_and_stop_when_quiet() {
         .build()
         .unwrap();
     for i in 1..=5 {
-        p.refresh("t", [(format!("k{i}"), "v")]).await.unwrap();
+        p.insert("t", [(format!("k{i}"), "v")]).await.unwrap();
     }
     eventually_within("three announcements", LONG, async || {
         transport.announcements() == 3
@@ -198,7 +198,7 @@ async fn announcements_of_what_arrived_change_nothing_and_stop_when_quiet() {
             "{s:?}"
         );
     }
-    p.refresh("t", [("k6", "v")]).await.unwrap();
+    p.insert("t", [("k6", "v")]).await.unwrap();
     eventually_within("three more", LONG, async || transport.announcements() == 6).await;
     tokio::time::sleep(window + 10 * INTERVAL).await;
     assert_eq!(transport.announcements(), 6);
@@ -210,7 +210,7 @@ async fn announcements_of_what_arrived_change_nothing_and_stop_when_quiet() {
     // A dropped publisher's last publish is announced, three times, and
     // no more.
     let after = transport.publishes.load(Relaxed);
-    p.refresh("t", [("k7", "v")]).await.unwrap();
+    p.insert("t", [("k7", "v")]).await.unwrap();
     drop(p);
     tokio::time::sleep(10 * INTERVAL).await;
     assert_eq!(transport.publishes.load(Relaxed), after + 4);
@@ -585,7 +585,7 @@ async fn announcements_can_be_turned_off() {
         .announce_interval(Duration::MAX)
         .build()
         .unwrap();
-    p.refresh("t", [("k", "v")]).await.unwrap();
+    p.insert("t", [("k", "v")]).await.unwrap();
     tokio::time::sleep(Duration::from_secs(3600)).await;
     assert_eq!(transport.publishes.load(Relaxed), 1);
 }
@@ -607,9 +607,9 @@ fn a_publisher_that_outlives_its_runtime_announces_from_the_next() {
             .unwrap()
     };
     // Its announcing task is dropped with it, before it ever ran.
-    runtime().block_on(async { p.refresh("t", [("k", "v")]).await.unwrap() });
+    runtime().block_on(async { p.insert("t", [("k", "v")]).await.unwrap() });
     runtime().block_on(async {
-        p.refresh("t", [("k", "w")]).await.unwrap();
+        p.insert("t", [("k", "w")]).await.unwrap();
         eventually_within("announcements on the second runtime", LONG, async || {
             transport.announcements() == 3
         })
@@ -732,10 +732,10 @@ async fn a_dropped_publisher_still_announces_its_last_event() {
         .announce_interval(INTERVAL)
         .build()
         .unwrap();
-    p.refresh("t", [("k1", "v")]).await.unwrap();
+    p.insert("t", [("k1", "v")]).await.unwrap();
     eventually("k1 applied", async || holds(c, "k1", Some("v")).await).await;
     let lost_at = Instant::now();
-    p.refresh("t", [("k2", "v")]).await.unwrap();
+    p.insert("t", [("k2", "v")]).await.unwrap();
     drop(p);
     let at = eventually_within("the tail loss is answered", LONG, async || {
         resyncs(node) == 1
@@ -877,7 +877,7 @@ async fn a_one_shot_publishers_lost_only_event_is_found_by_its_announcement() {
             .announce_interval(INTERVAL)
             .build()
             .unwrap();
-        one_shot.refresh("t", [("k", "new")]).await.unwrap();
+        one_shot.insert("t", [("k", "new")]).await.unwrap();
         drop(one_shot);
         let sent = Instant::now();
         for (node, c) in &nodes {
@@ -923,10 +923,10 @@ async fn an_unknown_publishers_first_event_above_one_is_a_gap_if_the_one_before_
         .announce_interval(Duration::MAX)
         .build()
         .unwrap();
-    p.refresh("t", [("k", "first")]).await.unwrap();
+    p.insert("t", [("k", "first")]).await.unwrap();
     c.insert("other".into(), "cached".into()).await;
     tokio::time::sleep(Duration::from_millis(5)).await;
-    p.refresh("t", [("j", "second")]).await.unwrap();
+    p.insert("t", [("j", "second")]).await.unwrap();
     eventually("the second event applies", async || {
         holds(c, "j", Some("second")).await
     })
@@ -948,7 +948,7 @@ async fn an_announcement_of_an_event_sent_before_the_node_listened_is_no_loss() 
             .announce_interval(INTERVAL)
             .build()
             .unwrap();
-        p.refresh("t", [("k", "v")]).await.unwrap();
+        p.insert("t", [("k", "v")]).await.unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
         let c = cache("t");
         let node = Node::builder("late", transport.clone())
