@@ -318,3 +318,30 @@ pub(super) fn seed_offsets(
     let file = dir.join("offsets.json");
     std::fs::write(&file, body).map_err(io(&file))
 }
+
+#[cfg(test)]
+mod tests {
+    use rocketmq_model::common::message::message_queue::MessageQueue;
+
+    use super::*;
+
+    #[test]
+    fn seeded_offsets_use_the_clients_format() {
+        let dir = tempfile::tempdir().unwrap();
+        let q = QueueRef {
+            mq: MessageQueue::from_parts("t", "broker-a", 2),
+            addr: "127.0.0.1:10911".into(),
+            name: partition("broker-a", 2),
+        };
+        let seed = Position::single("broker-a:2", Offset::Seq(25));
+        seed_offsets(dir.path(), "t", &[q], &seed).unwrap();
+        let text = std::fs::read_to_string(dir.path().join("offsets.json")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let table = v["offsetTable"].as_object().unwrap();
+        let (key, value) = table.iter().next().unwrap();
+        let key: serde_json::Value = serde_json::from_str(key).unwrap();
+        assert_eq!(key["brokerName"], "broker-a");
+        assert_eq!(key["queueId"], 2);
+        assert_eq!(value, 25);
+    }
+}

@@ -1,20 +1,27 @@
-//! The push consumer behind a subscription, and the records it hands over.
+//! The push consumer behind a subscription: opening it at its planned
+//! offsets, and the records it hands over.
 
 use std::collections::{HashSet, VecDeque};
 use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
-use rocketmq_client_rust::{DefaultMQPushConsumer, MessageQueueListener};
+use rocketmq_client_rust::{
+    ClientResult, ConsumeOrderlyContext, ConsumeOrderlyStatus, DefaultMQPushConsumer,
+    MQPushConsumer, MessageQueueListener,
+};
 use rocketmq_model::common::message::message_ext::MessageExt;
 use rocketmq_model::common::message::message_queue::MessageQueue;
+use rocketmq_protocol::protocol::heartbeat::message_model::MessageModel;
 use tokio::sync::{mpsc, watch};
 
-use super::super::{Delivery, Loss, Offset, Position, Record, Subscription, Tags};
+use super::super::{Delivery, Loss, Offset, Position, Record, StartFrom, Subscription, Tags};
 use super::*;
 use crate::error::{Error, Result};
 use crate::transport::names::{self};
+use crate::util::lock;
 
 /// Reports the queues the rebalance assigned (it runs about 1 s after start).
 pub(super) struct AssignWatch {
@@ -188,5 +195,114 @@ impl Subscription for RocketMqSubscription {
 
     fn position(&self) -> Option<Position> {
         Some(self.position.clone())
+    }
+}
+
+/// Batches the listener may park in a subscription before it pushes back.
+const BUFFER_BATCHES: usize = 64;
+/// How long the client holds a queue back after the buffer was full.
+const SUSPEND_MS: i64 = 50;
+
+impl RocketMqTransport {
+    /// A subscription to the RocketMQ topic `topic` (already escaped) from
+    /// `from`, with the tag expression `expression`.
+    pub(super) async fn open(
+        &self,
+        topic: &str,
+        from: &StartFrom,
+        expression: &str,
+    ) -> Result<RocketMqSubscription> {
+        let inner = self.inner.get();
+        inner.ensure_open()?;
+        // Looked up afresh: subscriptions are rare, and a broker that lost
+        // its store has lost the topic with it.
+        inner.topics.lock().await.remove(topic);
+        inner.ensure_topic(topic).await?;
+        let mut admin = inner.admin().await?;
+        let plan = plan_start(admin.get(), topic, from).await;
+        admin.shutdown().await;
+        let plan = plan?;
+
+        let instance = inner.next_name("node");
+        let group = inner.next_name("group");
+        let instance_dir = inner.offset_dir.join(format!("{CLIENT_IP}@{instance}"));
+        seed_offsets(&instance_dir.join(&group), topic, &plan.queues, &plan.seed)?;
+
+        let (tx, rx) = mpsc::channel::<Vec<Received>>(BUFFER_BATCHES);
+        let tags = std::sync::Mutex::new(Tags::default());
+        let (assigned_tx, mut assigned) = watch::channel(HashSet::new());
+        let mut consumer = DefaultMQPushConsumer::builder(inner.rt.clone())
+            .client_config(client_config(&inner.config.namesrv, &instance))
+            .consumer_group(group.as_str())
+            .message_model(MessageModel::Broadcasting)
+            .consume_from_where(plan.from_where)
+            .consume_message_batch_max_size(32)
+            // Filter with this consumer's own expression, not the group's
+            // last heartbeat.
+            .post_subscription_when_pull(true)
+            .message_queue_listener(Some(Arc::new(AssignWatch {
+                topic: topic.to_owned(),
+                tx: assigned_tx,
+            })))
+            .build();
+        let started = async {
+            consumer.subscribe(topic, expression).await.map_err(err)?;
+            consumer.register_message_listener_orderly(
+                move |msgs: &[&MessageExt],
+                      ctx: &mut ConsumeOrderlyContext|
+                      -> ClientResult<ConsumeOrderlyStatus> {
+                    let batch = received(msgs, &mut lock(&tags));
+                    match tx.try_send(batch) {
+                        Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {
+                            Ok(ConsumeOrderlyStatus::Success)
+                        }
+                        Err(mpsc::error::TrySendError::Full(_)) => {
+                            // The same batch comes again: back-pressure, not loss.
+                            ctx.set_suspend_current_queue_time_millis(SUSPEND_MS);
+                            Ok(ConsumeOrderlyStatus::SuspendCurrentQueueAMoment)
+                        }
+                    }
+                },
+            );
+            consumer.start().await.map_err(err)?;
+            // start() returns before the rebalance assigns the queues.
+            let all: HashSet<MessageQueue> = plan.queues.iter().map(|q| q.mq.clone()).collect();
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                assigned.wait_for(|a| !a.is_empty() && a.is_superset(&all)),
+            )
+            .await
+            .map_err(|_| Error::disconnected(KIND, "queues were not assigned within 10 s"))?
+            .map_err(|_| Error::Transport {
+                transport: KIND,
+                source: "the consumer dropped its queue listener".into(),
+            })?;
+            Ok::<_, Error>(())
+        }
+        .await;
+        let mut consumer = Consumer {
+            consumer: Some(consumer),
+            dir: instance_dir,
+            _runtime: self.inner.clone(),
+        };
+        if let Err(e) = started {
+            consumer.shutdown().await;
+            return Err(e);
+        }
+
+        let mut addrs: Vec<String> = plan.queues.iter().map(|q| q.addr.clone()).collect();
+        addrs.sort();
+        addrs.dedup();
+        let (report, brokers) = watch::channel(Brokers::Up);
+        let watchdog = tokio::spawn(watchdog(addrs, report));
+        Ok(RocketMqSubscription {
+            rx,
+            buffered: VecDeque::new(),
+            position: plan.seed,
+            pending: plan.loss,
+            brokers,
+            watchdog,
+            consumer: Some(consumer),
+        })
     }
 }

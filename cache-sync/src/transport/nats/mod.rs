@@ -1,0 +1,248 @@
+//! The NATS JetStream transport: the type, what it guarantees, and its
+//! [`Transport`] impl; the parts it is built from live in the files below.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::UNIX_EPOCH;
+
+use async_nats::jetstream::{self, consumer};
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::watch;
+
+use super::{
+    HeartbeatSubscription, Loss, LossReason, Offset, Position, StartFrom, SubscribeOptions,
+    Subscription, Tags, Transport,
+};
+use crate::error::{Error, Result};
+use crate::transport::names::{self, NameKind};
+use crate::util::lock;
+
+mod builder;
+mod error;
+mod heartbeat;
+mod link;
+mod naming;
+mod publish;
+mod subscription;
+
+use builder::NatsConfig;
+pub use builder::NatsJetStreamBuilder;
+use link::Link;
+use naming::{CREATED, MAX_STREAM_NAME, SEQ, created, seq_position};
+use subscription::{NatsSubscription, after};
+
+const KIND: &str = "nats-jetstream";
+
+/// The NATS JetStream transport: one stream per topic with limits-based
+/// retention; every node reads it with its own ordered consumer.
+///
+/// - **Delivery:** every message still in the stream, in order, to every node.
+/// - **Retention:** `max_messages` per stream (default 100 000), oldest
+///   discarded first.
+/// - **Loss detection:** the stream carries only this topic's events, so its
+///   sequence numbers are contiguous. The ordered consumer recreates itself
+///   across gaps without a word; the subscription checks every sequence
+///   instead, and signals a jump as [`LossReason::Trimmed`], a sequence that
+///   goes backwards (stream deleted and recreated) as
+///   [`LossReason::HistoryReset`], and a stored position below the stream's
+///   first sequence as a trim before the first delivery.
+/// - **Start positions:** latest, earliest, a stored sequence, a timestamp.
+/// - **Heartbeats** ([`Transport::publish_heartbeat`]) are core NATS
+///   messages on `<subject>.hb`, kept nowhere (no JetStream): the topic's
+///   stream takes exactly its one subject, and the escaped topic is one
+///   token without `.`, so no topic's stream captures another's heartbeats
+///   or its own. A heartbeat subscription is a plain core subscription,
+///   which the client renews by itself after a reconnect; what was sent
+///   while it was away is gone.
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+#[derive(Clone)]
+pub struct NatsJetStreamTransport {
+    js: jetstream::Context,
+    client: async_nats::Client,
+    config: NatsConfig,
+    link: Arc<watch::Sender<Link>>,
+    /// Topics whose stream this transport has made sure of. Asking the server on
+    /// every publish cost a second round trip and doubled the publish time.
+    known_streams: Arc<Mutex<HashMap<String, u64>>>,
+}
+
+impl fmt::Debug for NatsJetStreamTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsJetStreamTransport")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl Transport for NatsJetStreamTransport {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    fn check_topic(&self, topic: &str) -> Result<()> {
+        names::check(NameKind::Topic, topic)?;
+        let stream = self.stream_name(topic);
+        if stream.len() > MAX_STREAM_NAME {
+            return Err(names::invalid(
+                NameKind::Topic,
+                topic,
+                format_args!(
+                    "on NATS the stream name, {} characters once the topic is escaped, \
+                     may be at most {MAX_STREAM_NAME}",
+                    stream.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        self.check_tag(tag)?;
+        // Creating the stream on first use keeps publishers and nodes free of
+        // set-up order.
+        let created = self.ensure_stream(topic).await?;
+        match self
+            .publish_once(topic, tag, payload.clone(), created)
+            .await
+        {
+            Err(e) if e.kind() == jetstream::context::PublishErrorKind::StreamNotFound => {
+                // Deleted since, or lost by a broker without persistence: the
+                // message went nowhere, so make the stream again and retry once.
+                self.forget_stream(topic);
+                let created = self.ensure_stream(topic).await?;
+                self.publish_once(topic, tag, payload, created)
+                    .await
+                    .map_err(|e| self.err(e))
+            }
+            other => other.map_err(|e| self.err(e)),
+        }
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        // Before anything is read: a change after this ends the subscription,
+        // a reconnect while the consumer is being made included.
+        let link = self.link.subscribe();
+        let connects = link.borrow().connects.max(1);
+        let mut stream = self.stream(topic).await?;
+        let info = stream.info().await.map_err(|e| self.err(e))?;
+        let (state, created) = (info.state.clone(), created(info));
+        lock(&self.known_streams).insert(topic.to_owned(), created);
+        let first = state.first_sequence;
+        let last_seq = state.last_sequence;
+        let mut pending = None;
+        // `last`: the sequence before the first one we expect.
+        let (policy, last) = match options.from {
+            StartFrom::Latest => (after(last_seq), last_seq),
+            StartFrom::Earliest => (consumer::DeliverPolicy::All, first.saturating_sub(1)),
+            StartFrom::Position(p) => match (p.get(SEQ), p.get(CREATED)) {
+                (Some(Offset::Seq(n)), Some(Offset::Seq(c))) if *c == created && *n <= last_seq => {
+                    // What follows the stored sequence is gone when the
+                    // oldest message kept comes after it.
+                    match first.checked_sub(*n).and_then(|d| d.checked_sub(1)) {
+                        Some(missed) if missed > 0 && state.messages > 0 => {
+                            // `first > n + 1 >= 1` here.
+                            let before = first.saturating_sub(1);
+                            pending = Some(Loss::new(
+                                LossReason::Trimmed,
+                                Some(missed),
+                                Some(seq_position(before, created)),
+                            ));
+                            (after(before), before)
+                        }
+                        _ => (after(*n), *n),
+                    }
+                }
+                // Another history (a stream made again, a server that lost
+                // its store, a position from before this format), or a
+                // sequence past this history's end.
+                _ => {
+                    pending = Some(Loss::new(
+                        LossReason::HistoryReset,
+                        None,
+                        Some(seq_position(last_seq, created)),
+                    ));
+                    (after(last_seq), last_seq)
+                }
+            },
+            StartFrom::Timestamp(t) => {
+                let nanos = t
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| i128::try_from(d.as_nanos()).unwrap_or(i128::MAX));
+                let start_time = async_nats::datetime::from_nanos(nanos)
+                    .map_err(|e| Error::Config(format!("start time: {e}")))?;
+                if state.messages > 0 && first > 1 && state.first_timestamp > start_time {
+                    // Messages after `t` may already have been discarded.
+                    pending = Some(Loss::new(LossReason::Trimmed, None, None));
+                }
+                // Resolved from the consumer's info below.
+                (
+                    consumer::DeliverPolicy::ByStartTime { start_time },
+                    u64::MAX,
+                )
+            }
+        };
+        let consumer = stream
+            .create_consumer(consumer::pull::OrderedConfig {
+                deliver_policy: policy,
+                // The client derives its idle heartbeat from the pull expiry
+                // (15 s by default), and recreates the consumer only after two
+                // missed heartbeats: a broker restart then stalls a node for
+                // 15 s. A short expiry brings that down to a few seconds.
+                max_expires: self.config.pull_expiry,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| self.err(e))?;
+        // For a timestamp start the server works out the sequence; its
+        // consumer info says where delivery begins.
+        let last = if last == u64::MAX {
+            consumer.cached_info().delivered.stream_sequence
+        } else {
+            last
+        };
+        let messages = consumer.messages().await.map_err(|e| self.err(e))?;
+        Ok(Box::new(NatsSubscription {
+            messages,
+            last,
+            created,
+            pending,
+            stashed: None,
+            link,
+            connects,
+            tags: Tags::default(),
+        }))
+    }
+
+    async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
+        self.check_topic(topic)?;
+        self.publish_beat(self.heartbeat_subject(topic), payload)
+            .await
+    }
+
+    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
+        self.check_topic(topic)?;
+        self.subscribe_beats(self.heartbeat_subject(topic)).await
+    }
+
+    async fn publish_reply(&self, topic: &str, to: u64, payload: Bytes) -> Result<()> {
+        self.check_topic(topic)?;
+        self.publish_beat(self.reply_subject(topic, to), payload)
+            .await
+    }
+
+    async fn subscribe_replies(
+        &self,
+        topic: &str,
+        to: u64,
+    ) -> Result<Box<dyn HeartbeatSubscription>> {
+        self.check_topic(topic)?;
+        self.subscribe_beats(self.reply_subject(topic, to)).await
+    }
+}

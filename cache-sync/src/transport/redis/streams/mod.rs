@@ -1,0 +1,259 @@
+//! Redis Streams: durable and replayable, with trimming and resets detected.
+//! This file holds the transport type, its stream keys and reader
+//! connections, and its [`Transport`] impl; the parts it is built from live
+//! in the files below.
+
+use std::fmt;
+use std::time::UNIX_EPOCH;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use redis::aio::{ConnectionManager, MultiplexedConnection};
+use redis::{AsyncConnectionConfig, Client, Value};
+
+use super::super::{
+    HeartbeatSubscription, Loss, LossReason, Offset, Position, StartFrom, SubscribeOptions,
+    Subscription, Tags, Transport,
+};
+use super::{EPOCH, ID, ORDINAL, STREAMS, key_part, map_err};
+use crate::error::Result;
+
+mod builder;
+mod heartbeat;
+mod reply;
+mod state;
+mod subscription;
+
+pub use builder::RedisStreamsBuilder;
+use builder::StreamsConfig;
+use reply::parse_entry;
+use state::{stream_state, streams_position};
+use subscription::StreamsSubscription;
+
+/// The Redis Streams transport: one stream per topic; every node reads it
+/// with `XREAD BLOCK` from its own last id (no consumer group: broadcast).
+///
+/// - **Delivery:** every entry still in the stream, in order, to every node.
+/// - **Retention:** `XADD … MAXLEN ~ n` (default 100 000 entries). A node that
+///   falls further behind, or resumes from a position older than that, gets
+///   [`LossReason::Trimmed`] with the number of entries missed.
+/// - **Disconnects:** the subscription fails; the node re-subscribes from its
+///   last id with backoff, losing nothing still in the stream.
+/// - **History reset** (the stream deleted, or a Redis without persistence
+///   restarted): detected from the ordinals and signalled as
+///   [`LossReason::HistoryReset`].
+/// - **Start positions:** latest, earliest, a stored position, a timestamp.
+/// - **Heartbeats** ([`Transport::publish_heartbeat`]) go to a stream of
+///   their own beside the topic's, `<stream key>:hb`, so they never take
+///   the change stream's `MAXLEN` room or its ordinals, and no change
+///   subscription reads them. It keeps about 4096 entries (`MAXLEN ~ 4096`),
+///   and each publish sets it to expire a minute later, so a topic nobody
+///   beats on any more leaves no key behind. A heartbeat subscription reads
+///   it with `XREAD BLOCK` from where it ended when the subscription was
+///   made. A party's reply channel ([`Transport::publish_reply`]) is a
+///   stream of the same kind, `<stream key>:hb:r:<party, 16 hex digits>`,
+///   read only by that party.
+///
+/// Needs Redis 7.0 or later (`entries-added` in `XINFO STREAM`).
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+#[derive(Clone)]
+pub struct RedisStreamsTransport {
+    client: Client,
+    publisher: ConnectionManager,
+    script: redis::Script,
+    config: StreamsConfig,
+}
+
+/// The stream's key, and the keys of its ordinal counter and its epoch.
+#[derive(Debug, Clone)]
+struct StreamKeys {
+    stream: String,
+    counter: String,
+    epoch: String,
+}
+
+impl fmt::Debug for RedisStreamsTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStreamsTransport")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStreamsTransport {
+    /// `<prefix><topic>`, with `:` (and `%`) in the topic escaped: the
+    /// counter and epoch keys append `:n` and `:e`, and unescaped, topic
+    /// `x:n` would have been topic `x`'s counter.
+    fn keys(&self, topic: &str) -> StreamKeys {
+        let stream = format!("{}{}", self.config.key_prefix, key_part(topic));
+        StreamKeys {
+            counter: format!("{stream}:n"),
+            epoch: format!("{stream}:e"),
+            stream,
+        }
+    }
+    fn block_ms(&self) -> u64 {
+        u64::try_from(self.config.block.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1)
+    }
+
+    async fn reader(&self) -> Result<MultiplexedConnection> {
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.config.response_timeout))
+            .set_response_timeout(Some(
+                self.config
+                    .block
+                    .saturating_add(self.config.response_timeout),
+            ));
+        self.client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+            .map_err(|e| map_err(STREAMS, e))
+    }
+}
+
+#[async_trait]
+impl Transport for RedisStreamsTransport {
+    fn kind(&self) -> &'static str {
+        STREAMS
+    }
+
+    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        self.check_topic(topic)?;
+        self.check_tag(tag)?;
+        let mut conn = self.publisher.clone();
+        let keys = self.keys(topic);
+        let id: String = self
+            .script
+            .key(&keys.stream)
+            .key(&keys.counter)
+            .key(&keys.epoch)
+            .arg(self.config.max_len)
+            .arg(tag)
+            .arg(payload.as_ref())
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| map_err(STREAMS, e))?;
+        Ok(Some(Position::single(ID, Offset::Id(id))))
+    }
+
+    async fn subscribe(
+        &self,
+        topic: &str,
+        options: SubscribeOptions,
+    ) -> Result<Box<dyn Subscription>> {
+        self.check_topic(topic)?;
+        let keys = self.keys(topic);
+        let mut conn = self.reader().await?;
+        let state = stream_state(&mut conn, &keys).await?;
+        let trimmed = state.trimmed();
+        let mut pending = None;
+        let (id, ordinal) = match options.from {
+            StartFrom::Latest => (state.last_id.clone(), state.entries_added),
+            StartFrom::Earliest => ("0-0".to_owned(), trimmed),
+            StartFrom::Position(p) => match (p.get(ID), p.get(ORDINAL), p.get(EPOCH)) {
+                (Some(Offset::Id(id)), Some(Offset::Seq(n)), Some(Offset::Seq(e)))
+                    if *e == state.epoch && *n <= state.entries_added =>
+                {
+                    if let Some(missed) = trimmed.checked_sub(*n).filter(|&m| m > 0) {
+                        // Entries after the stored position are gone already.
+                        pending = Some(Loss::new(
+                            LossReason::Trimmed,
+                            Some(missed),
+                            Some(streams_position(id, trimmed, state.epoch)),
+                        ));
+                        (id.clone(), trimmed)
+                    } else {
+                        (id.clone(), *n)
+                    }
+                }
+                // Another history (another epoch, or a position from before
+                // epochs), or an ordinal past this one's end.
+                _ => {
+                    pending = Some(Loss::new(
+                        LossReason::HistoryReset,
+                        None,
+                        Some(state.position()),
+                    ));
+                    (state.last_id.clone(), state.entries_added)
+                }
+            },
+            StartFrom::Timestamp(t) => {
+                let ms = t
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+                let first: Value = redis::cmd("XRANGE")
+                    .arg(&keys.stream)
+                    .arg(ms)
+                    .arg("+")
+                    .arg("COUNT")
+                    .arg(1)
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(|e| map_err(STREAMS, e))?;
+                let first = match first {
+                    Value::Array(mut v) if !v.is_empty() => parse_entry(v.swap_remove(0)),
+                    _ => None,
+                };
+                // XREAD returns ids after the one given: start just before `ms`.
+                let start = match ms.checked_sub(1) {
+                    Some(before) => format!("{before}-{}", u64::MAX),
+                    None => "0-0".to_owned(),
+                };
+                match first.and_then(|e| e.ordinal) {
+                    Some(n) => {
+                        // `n` is the oldest entry kept at or after `t`:
+                        // trimmed ones came before it, and some of them may
+                        // have been at or after `t`.
+                        let before = n.saturating_sub(1);
+                        if before == trimmed && trimmed > 0 {
+                            pending = Some(Loss::new(LossReason::Trimmed, None, None));
+                        }
+                        (start, before)
+                    }
+                    None => {
+                        if state.length == 0 && trimmed > 0 {
+                            pending = Some(Loss::new(LossReason::Trimmed, None, None));
+                        }
+                        (state.last_id.clone(), state.entries_added)
+                    }
+                }
+            }
+        };
+        Ok(Box::new(StreamsSubscription {
+            conn,
+            keys,
+            id,
+            ordinal,
+            epoch: state.epoch,
+            block_ms: self.block_ms(),
+            pending,
+            tags: Tags::default(),
+        }))
+    }
+
+    async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
+        self.check_topic(topic)?;
+        self.publish_beat(self.heartbeat_key(topic), &payload).await
+    }
+
+    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
+        self.check_topic(topic)?;
+        self.read_beats(self.heartbeat_key(topic)).await
+    }
+
+    async fn publish_reply(&self, topic: &str, to: u64, payload: Bytes) -> Result<()> {
+        self.check_topic(topic)?;
+        self.publish_beat(self.reply_key(topic, to), &payload).await
+    }
+
+    async fn subscribe_replies(
+        &self,
+        topic: &str,
+        to: u64,
+    ) -> Result<Box<dyn HeartbeatSubscription>> {
+        self.check_topic(topic)?;
+        self.read_beats(self.reply_key(topic, to)).await
+    }
+}
