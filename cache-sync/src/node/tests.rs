@@ -4,7 +4,6 @@ use bytes::Bytes;
 
 use super::seqs::PublisherSeqs;
 use super::*;
-use crate::transport::Delivery;
 use crate::transport::FaultyTransport;
 use crate::wire::{Change, EntryVersion, Header, encode_part};
 use crate::{EmbeddedTransport, Keyring};
