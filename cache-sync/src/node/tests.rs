@@ -1,11 +1,9 @@
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 
 use super::seqs::PublisherSeqs;
 use super::*;
-use crate::transport::Delivery;
 use crate::transport::FaultyTransport;
 use crate::wire::{Change, EntryVersion, Header, encode_part};
 use crate::{EmbeddedTransport, Keyring};
@@ -1043,40 +1041,6 @@ async fn registrations_are_released_when_a_start_fails_or_a_node_stops() {
     .await;
 }
 
-/// A transport whose subscriptions fail while `down` is set: a broker that is
-/// unreachable when a node starts.
-#[derive(Debug, Clone, Default)]
-struct SwitchTransport {
-    inner: EmbeddedTransport,
-    down: Arc<std::sync::atomic::AtomicBool>,
-}
-
-#[async_trait]
-impl Transport for SwitchTransport {
-    fn kind(&self) -> &'static str {
-        "switch"
-    }
-
-    fn filters_by_tag(&self) -> bool {
-        true
-    }
-
-    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
-        self.inner.publish(topic, tag, payload).await
-    }
-
-    async fn subscribe(
-        &self,
-        topic: &str,
-        options: SubscribeOptions,
-    ) -> Result<Box<dyn Subscription>> {
-        if self.down.load(Relaxed) {
-            return Err(Error::disconnected("switch", "the broker is down"));
-        }
-        self.inner.subscribe(topic, options).await
-    }
-}
-
 /// One step of the lifecycle matrix.
 #[derive(Debug, Clone)]
 enum Step {
@@ -1119,7 +1083,8 @@ fn step() -> impl proptest::strategy::Strategy<Value = Step> {
 /// `Shutdown`); a failed start, a shutdown and a dropped node each give
 /// their caches back; and every cache a running node holds gets its events.
 async fn lifecycle(steps: Vec<Step>) -> std::result::Result<(), String> {
-    let transport = SwitchTransport::default();
+    // Subscribing fails while the broker is down.
+    let transport = FaultyTransport::new(EmbeddedTransport::new());
     let caches: Vec<Cache> = (0..3).map(|i| cache(&format!("c{i}"))).collect();
     // Per slot: the node, whether it still runs, and the caches it holds.
     let mut slots: Vec<Option<(Node, bool, Vec<usize>)>> = vec![None, None, None];
@@ -1154,13 +1119,13 @@ async fn lifecycle(steps: Vec<Step>) -> std::result::Result<(), String> {
                 }
                 let wanted: Vec<usize> = (0..3).filter(|c| set & (1 << c) != 0).collect();
                 let taken = wanted.iter().any(|&c| owner(&slots, c).is_some());
-                transport.down.store(broker_down, Relaxed);
+                transport.fail_subscriptions(broker_down);
                 let mut builder = Node::builder(format!("n{slot}"), transport.clone());
                 for &c in &wanted {
                     builder = builder.register(&caches[c]);
                 }
                 let started = builder.start().await;
-                transport.down.store(false, Relaxed);
+                transport.fail_subscriptions(false);
                 match (started, taken, broker_down) {
                     (Ok(node), false, false) => slots[slot] = Some((node, true, wanted)),
                     (Err(e), true, _) if e.is_config() => {}
@@ -1211,7 +1176,7 @@ async fn lifecycle(steps: Vec<Step>) -> std::result::Result<(), String> {
         }
     }
     // Every cache a running node holds gets its events.
-    let publisher = Publisher::new(transport.inner.clone());
+    let publisher = Publisher::new(transport.inner());
     for (c, cache) in caches.iter().enumerate() {
         if owner(&slots, c).is_none() {
             continue;

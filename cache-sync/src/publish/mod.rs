@@ -949,40 +949,6 @@ mod tests {
         assert_eq!(last, [2, 2, 2], "the last number, announced three times");
     }
 
-    /// Publishes to cache "slow" hang for an hour once `stall` is set.
-    #[derive(Debug, Clone, Default)]
-    struct Stalling {
-        inner: EmbeddedTransport,
-        stall: Arc<AtomicBool>,
-    }
-
-    #[async_trait::async_trait]
-    impl Transport for Stalling {
-        fn kind(&self) -> &'static str {
-            "stalling"
-        }
-
-        async fn publish(
-            &self,
-            topic: &str,
-            tag: &str,
-            payload: Bytes,
-        ) -> Result<Option<Position>> {
-            if tag == "slow" && self.stall.load(Relaxed) {
-                tokio::time::sleep(Duration::from_secs(3600)).await;
-            }
-            self.inner.publish(topic, tag, payload).await
-        }
-
-        async fn subscribe(
-            &self,
-            topic: &str,
-            options: SubscribeOptions,
-        ) -> Result<Box<dyn crate::transport::Subscription>> {
-            self.inner.subscribe(topic, options).await
-        }
-    }
-
     /// A second send queued where there is no runtime to time it (the
     /// caller's is shutting down) does not panic: it waits, and goes out
     /// with the next publish's.
@@ -1016,7 +982,8 @@ mod tests {
     /// the announcements of the others.
     #[tokio::test(start_paused = true)]
     async fn a_stuck_publish_holds_up_no_other_caches_announcements() {
-        let transport = Stalling::default();
+        let embedded = EmbeddedTransport::new();
+        let transport = crate::transport::FaultyTransport::new(embedded.clone());
         let p = Publisher::builder(transport.clone())
             .announce_interval(Duration::from_secs(1))
             .build()
@@ -1026,11 +993,12 @@ mod tests {
         for cache in &fast {
             p.insert(cache, [("a", "x")]).await.unwrap();
         }
-        transport.stall.store(true, Relaxed);
+        // From now on, publishes to cache "slow" hang.
+        transport.hang_publishes_where(|cache, _| cache == "slow");
         let stuck = p.clone();
         let stuck = tokio::spawn(async move { stuck.insert("slow", [("b", "y")]).await });
         tokio::time::sleep(Duration::from_secs(10)).await;
-        let events = drain(&transport.inner).await;
+        let events = drain(&embedded).await;
         for cache in &fast {
             let announced = events
                 .iter()
@@ -1039,6 +1007,7 @@ mod tests {
             assert_eq!(announced, 3, "{cache}");
         }
         assert!(!stuck.is_finished());
+        assert!(transport.hanging() >= 1, "stuck in the transport");
         stuck.abort();
     }
 

@@ -1,16 +1,18 @@
 //! A transport for tests that injects faults on command, in the spirit of
 //! `tower-test`'s mock: wrap any transport, keep a handle, and make the
-//! next publishes fail, cut them after the broker took them, hold
-//! deliveries back, drop, duplicate or reorder records, break a
-//! subscription after some batches, strip tags, or refuse history.
+//! next publishes fail, lose them, cut them after the broker took them or
+//! hang them, hold deliveries back, drop, duplicate or reorder records,
+//! break a subscription after some batches, refuse subscriptions, strip
+//! tags, refuse history, or drop or hang the heartbeat channel's messages.
+//! It also counts and (on request) records what reached the broker.
 //!
 //! Behind the `test-util` feature (and in this crate's own tests). Every
 //! fault is off until asked for; a count-down fault (`fail_publishes(3)`)
 //! applies to that many calls and then ends by itself.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -52,12 +54,61 @@ impl std::fmt::Debug for FaultyTransport {
     }
 }
 
+/// Picks change-event publishes by tag and payload.
+type PublishFilter = dyn Fn(&str, &[u8]) -> bool + Send + Sync;
+/// Picks heartbeat-channel messages by payload.
+type HeartbeatFilter = dyn Fn(&[u8]) -> bool + Send + Sync;
+
+/// A fault that is off, or on for what its filter picks.
+struct Switch<F: ?Sized>(Mutex<Option<Arc<F>>>);
+
+impl<F: ?Sized> Default for Switch<F> {
+    fn default() -> Self {
+        Self(Mutex::new(None))
+    }
+}
+
+impl<F: ?Sized> std::fmt::Debug for Switch<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.get().is_some() { "on" } else { "off" })
+    }
+}
+
+impl<F: ?Sized> Switch<F> {
+    fn set(&self, filter: Option<Arc<F>>) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = filter;
+    }
+
+    /// The filter, if on; cloned out, so it runs without the lock.
+    fn get(&self) -> Option<Arc<F>> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn is_on(&self) -> bool {
+        self.get().is_some()
+    }
+}
+
 #[derive(Debug, Default)]
 struct Faults {
+    /// Publishes that go through before `fail_publishes` applies.
+    pass_publishes: AtomicUsize,
     fail_publishes: AtomicUsize,
+    lose_publishes: AtomicUsize,
     cut_publishes: AtomicUsize,
-    hang_publishes: AtomicBool,
+    /// Publishes that wait before the broker.
+    hang_publishes: Switch<PublishFilter>,
+    /// Publishes that wait after the broker took them.
+    hang_after_broker: Switch<PublishFilter>,
+    /// Publishes waiting in either hang right now.
+    hanging: AtomicUsize,
     publishes: AtomicUsize,
+    /// What reached the broker, while `recording`: (tag, payload).
+    recording: AtomicBool,
+    published: Mutex<Vec<(String, Bytes)>>,
     stalled: AtomicBool,
     drop_records: AtomicUsize,
     duplicate_records: AtomicUsize,
@@ -66,9 +117,14 @@ struct Faults {
     break_next_subscription_after: AtomicUsize,
     strip_tags: AtomicBool,
     refuse_history: AtomicBool,
+    fail_subscriptions: AtomicBool,
     subscriptions: AtomicUsize,
+    refused_subscriptions: AtomicUsize,
     /// Subscriptions holding a delivery back in a stall right now.
     holding: AtomicUsize,
+    drop_heartbeats: Switch<HeartbeatFilter>,
+    hang_heartbeats: AtomicBool,
+    hang_heartbeat_subscriptions: AtomicBool,
 }
 
 /// Takes one from a count-down fault, if any is left.
@@ -103,9 +159,27 @@ impl FaultyTransport {
     }
 
     /// The next `n` publishes fail before they reach the broker, as on a
-    /// dropped connection (`is_disconnected()`).
+    /// dropped connection (`is_disconnected()`). `fail_publishes(0)` ends
+    /// this fault, and one set by
+    /// [`fail_publishes_after`](Self::fail_publishes_after).
     pub fn fail_publishes(&self, n: usize) {
+        self.fail_publishes_after(0, n);
+    }
+
+    /// The next `ok` publishes go through, and the `n` after them fail as
+    /// in [`fail_publishes`](Self::fail_publishes): a broker that goes
+    /// down in the middle of a run. With `n` as `usize::MAX` it stays down
+    /// until `fail_publishes(0)`.
+    pub fn fail_publishes_after(&self, ok: usize, n: usize) {
+        self.faults.pass_publishes.store(ok, SeqCst);
         self.faults.fail_publishes.store(n, SeqCst);
+    }
+
+    /// The next `n` publishes report success (with no position) and never
+    /// reach the broker: lost between publisher and broker, and nobody is
+    /// told. Not counted in [`publishes`](Self::publishes).
+    pub fn lose_publishes(&self, n: usize) {
+        self.faults.lose_publishes.store(n, SeqCst);
     }
 
     /// The next `n` publishes reach the broker, and then report a dropped
@@ -115,14 +189,64 @@ impl FaultyTransport {
     }
 
     /// While on, publishes wait (before the broker) until it is turned off.
+    /// Turning it off also releases the hangs of
+    /// [`hang_publishes_where`](Self::hang_publishes_where) and
+    /// [`hang_after_broker_where`](Self::hang_after_broker_where).
     pub fn hang_publishes(&self, on: bool) {
-        self.faults.hang_publishes.store(on, SeqCst);
+        if on {
+            self.faults.hang_publishes.set(Some(Arc::new(|_, _| true)));
+        } else {
+            self.faults.hang_publishes.set(None);
+            self.faults.hang_after_broker.set(None);
+        }
+    }
+
+    /// The publishes that `pick(tag, payload)` picks (asked once, as each
+    /// publish starts) wait before the broker until
+    /// `hang_publishes(false)`; the others go on: one cache's publishes
+    /// stuck, or the `n`th publish, with a counter in `pick`.
+    pub fn hang_publishes_where(&self, pick: impl Fn(&str, &[u8]) -> bool + Send + Sync + 'static) {
+        self.faults.hang_publishes.set(Some(Arc::new(pick)));
+    }
+
+    /// The publishes that `pick(tag, payload)` picks reach the broker, and
+    /// then wait before they return until `hang_publishes(false)`: the
+    /// record is out, and the caller does not know it yet.
+    pub fn hang_after_broker_where(
+        &self,
+        pick: impl Fn(&str, &[u8]) -> bool + Send + Sync + 'static,
+    ) {
+        self.faults.hang_after_broker.set(Some(Arc::new(pick)));
+    }
+
+    /// Publishes waiting in a hang right now, before or after the broker:
+    /// once this is above 0, the publisher is parked there.
+    pub fn hanging(&self) -> usize {
+        self.faults.hanging.load(SeqCst)
     }
 
     /// Change-event publishes that reached the broker so far (heartbeats
     /// and replies not counted).
     pub fn publishes(&self) -> usize {
         self.faults.publishes.load(SeqCst)
+    }
+
+    /// While on, each change-event publish that reaches the broker is kept
+    /// for [`published`](Self::published). Off by default: a long test
+    /// would keep every payload.
+    pub fn record_publishes(&self, on: bool) {
+        self.faults.recording.store(on, SeqCst);
+    }
+
+    /// The `(tag, payload)` of each change-event publish that reached the
+    /// broker while [`record_publishes`](Self::record_publishes) was on,
+    /// in the order the broker took them (as their calls returned).
+    pub fn published(&self) -> Vec<(String, Bytes)> {
+        self.faults
+            .published
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// While on, every subscription holds its next delivery back (fetched,
@@ -167,9 +291,23 @@ impl FaultyTransport {
         self.faults.refuse_history.store(on, SeqCst);
     }
 
+    /// While on, change subscribes fail as on a dropped connection
+    /// (`is_disconnected()`): a broker that cannot be reached. Heartbeat
+    /// and reply subscriptions are not affected.
+    pub fn fail_subscriptions(&self, on: bool) {
+        self.faults.fail_subscriptions.store(on, SeqCst);
+    }
+
     /// Change subscriptions made so far.
     pub fn subscriptions(&self) -> usize {
         self.faults.subscriptions.load(SeqCst)
+    }
+
+    /// Change subscribes refused so far by
+    /// [`fail_subscriptions`](Self::fail_subscriptions) or
+    /// [`refuse_history`](Self::refuse_history): how often a node tried.
+    pub fn refused_subscriptions(&self) -> usize {
+        self.faults.refused_subscriptions.load(SeqCst)
     }
 
     /// Subscriptions that have fetched a delivery and hold it back in a
@@ -178,6 +316,50 @@ impl FaultyTransport {
     pub fn holding(&self) -> usize {
         self.faults.holding.load(SeqCst)
     }
+
+    /// While on, every message published on the heartbeat channel
+    /// (heartbeats, acknowledgement requests and what is answered there)
+    /// is reported sent and never delivered, as the channel may drop them.
+    /// Turning it off also ends
+    /// [`drop_heartbeats_where`](Self::drop_heartbeats_where).
+    pub fn drop_heartbeats(&self, on: bool) {
+        self.faults
+            .drop_heartbeats
+            .set(on.then(|| Arc::new(|_: &[u8]| true) as Arc<HeartbeatFilter>));
+    }
+
+    /// Drops, as [`drop_heartbeats`](Self::drop_heartbeats) does, only the
+    /// heartbeat-channel messages that `pick(payload)` picks: one kind of
+    /// message lost, the others delivered.
+    pub fn drop_heartbeats_where(&self, pick: impl Fn(&[u8]) -> bool + Send + Sync + 'static) {
+        self.faults.drop_heartbeats.set(Some(Arc::new(pick)));
+    }
+
+    /// While on, publishing on the heartbeat channel waits until it is
+    /// turned off, as on a broker that is down until a timeout.
+    pub fn hang_heartbeats(&self, on: bool) {
+        self.faults.hang_heartbeats.store(on, SeqCst);
+    }
+
+    /// While on, subscribing to the heartbeat channel waits until it is
+    /// turned off: a party that never hears the channel.
+    pub fn hang_heartbeat_subscriptions(&self, on: bool) {
+        self.faults.hang_heartbeat_subscriptions.store(on, SeqCst);
+    }
+}
+
+/// Waits, counted in `hanging`, while `on` holds.
+async fn hang(hanging: &AtomicUsize, on: impl Fn() -> bool) {
+    // Uncounted however the wait ends (a cancelled publish included).
+    let _hanging = Holding::new(hanging);
+    while on() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Whether `switch` is on and picks this publish.
+fn picks(switch: &Switch<PublishFilter>, tag: &str, payload: &[u8]) -> bool {
+    switch.get().is_some_and(|pick| pick(tag, payload))
 }
 
 fn dropped() -> Error {
@@ -204,15 +386,31 @@ impl Transport for FaultyTransport {
     }
 
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
-        while self.faults.hang_publishes.load(SeqCst) {
-            tokio::time::sleep(Duration::from_millis(1)).await;
+        let faults = &self.faults;
+        if picks(&faults.hang_publishes, tag, &payload) {
+            hang(&faults.hanging, || faults.hang_publishes.is_on()).await;
         }
-        if take(&self.faults.fail_publishes) {
+        if !take(&faults.pass_publishes) && take(&faults.fail_publishes) {
             return Err(dropped());
         }
+        if take(&faults.lose_publishes) {
+            return Ok(None);
+        }
+        let hang_after = picks(&faults.hang_after_broker, tag, &payload);
+        let recorded = faults.recording.load(SeqCst).then(|| payload.clone());
         let published = self.inner.publish(topic, tag, payload).await?;
-        self.faults.publishes.fetch_add(1, SeqCst);
-        if take(&self.faults.cut_publishes) {
+        faults.publishes.fetch_add(1, SeqCst);
+        if let Some(payload) = recorded {
+            faults
+                .published
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push((tag.to_owned(), payload));
+        }
+        if hang_after {
+            hang(&faults.hanging, || faults.hang_after_broker.is_on()).await;
+        }
+        if take(&faults.cut_publishes) {
             return Err(dropped());
         }
         Ok(published)
@@ -223,7 +421,12 @@ impl Transport for FaultyTransport {
         topic: &str,
         options: SubscribeOptions,
     ) -> Result<Box<dyn Subscription>> {
+        if self.faults.fail_subscriptions.load(SeqCst) {
+            self.faults.refused_subscriptions.fetch_add(1, SeqCst);
+            return Err(dropped());
+        }
         if self.faults.refuse_history.load(SeqCst) && !matches!(options.from, StartFrom::Latest) {
+            self.faults.refused_subscriptions.fetch_add(1, SeqCst);
             return Err(Error::Unsupported {
                 transport: "faulty",
                 what: "history",
@@ -241,10 +444,21 @@ impl Transport for FaultyTransport {
     }
 
     async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
+        while self.faults.hang_heartbeats.load(SeqCst) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        if let Some(pick) = self.faults.drop_heartbeats.get()
+            && pick(&payload)
+        {
+            return Ok(());
+        }
         self.inner.publish_heartbeat(topic, payload).await
     }
 
     async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
+        while self.faults.hang_heartbeat_subscriptions.load(SeqCst) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         self.inner.subscribe_heartbeats(topic).await
     }
 
@@ -486,5 +700,160 @@ mod tests {
         t.hang_publishes(false);
         publishing.await.expect("joins").expect("published");
         assert_eq!(t.publishes(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_broker_goes_down_after_some_publishes_and_publishes_can_be_lost() {
+        let t = FaultyTransport::new(EmbeddedTransport::new());
+        let mut sub = t
+            .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
+            .await
+            .expect("subscribe");
+        t.record_publishes(true);
+        t.fail_publishes_after(2, usize::MAX);
+        for p in ["a", "b"] {
+            t.publish("t", "c", Bytes::from_static(p.as_bytes()))
+                .await
+                .expect("before it goes down");
+        }
+        for _ in 0..5 {
+            let e = t.publish("t", "c", Bytes::from_static(b"x")).await;
+            assert!(e.is_err_and(|e| e.is_disconnected()), "down");
+        }
+        t.fail_publishes(0);
+        t.lose_publishes(1);
+        let lost = t.publish("t", "c", Bytes::from_static(b"lost")).await;
+        assert_eq!(lost.expect("reported done"), None);
+        t.publish("t", "d", Bytes::from_static(b"up"))
+            .await
+            .expect("up again");
+        assert_eq!(t.publishes(), 3, "neither failed nor lost ones counted");
+        assert_eq!(batch(&mut sub).await, bytes(&["a", "b", "up"]));
+        assert_eq!(
+            t.published(),
+            [("c", "a"), ("c", "b"), ("d", "up")]
+                .map(|(tag, p)| (tag.to_owned(), Bytes::from_static(p.as_bytes())))
+        );
+        t.record_publishes(false);
+        t.publish("t", "c", Bytes::from_static(b"unrecorded"))
+            .await
+            .expect("publish");
+        assert_eq!(t.published().len(), 3, "recorded only while on");
+    }
+
+    // Paused time, as in `hung_publishes_wait_until_released`: a publish
+    // that has not moved after a minute waits in its hang.
+    #[tokio::test(start_paused = true)]
+    async fn only_picked_publishes_hang_before_or_after_the_broker() {
+        let t = FaultyTransport::new(EmbeddedTransport::new());
+        let mut sub = t
+            .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
+            .await
+            .expect("subscribe");
+        let spawn = |tag: &'static str, p: &'static str| {
+            let t = t.clone();
+            tokio::spawn(async move { t.publish("t", tag, Bytes::from_static(p.as_bytes())).await })
+        };
+        t.hang_publishes_where(|tag, _| tag == "slow");
+        let slow = spawn("slow", "s");
+        t.publish("t", "fast", Bytes::from_static(b"f"))
+            .await
+            .expect("not picked: goes on");
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert!(!slow.is_finished());
+        assert_eq!((t.hanging(), t.publishes()), (1, 1), "before the broker");
+        // After the broker: the record is delivered, the publish waits.
+        t.hang_after_broker_where(|_, payload| payload == b"late");
+        let late = spawn("fast", "late");
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert!(!late.is_finished());
+        assert_eq!((t.hanging(), t.publishes()), (2, 2));
+        assert_eq!(batch(&mut sub).await, bytes(&["f", "late"]));
+        t.hang_publishes(false);
+        slow.await.expect("joins").expect("published");
+        late.await.expect("joins").expect("published");
+        assert_eq!((t.hanging(), t.publishes()), (0, 3));
+        assert_eq!(batch(&mut sub).await, bytes(&["s"]));
+        // A cancelled publish is no longer counted as hanging.
+        t.hang_publishes(true);
+        let cancelled = tokio::time::timeout(
+            Duration::from_secs(1),
+            t.publish("t", "c", Bytes::from_static(b"x")),
+        )
+        .await;
+        assert!(cancelled.is_err());
+        assert_eq!(t.hanging(), 0);
+    }
+
+    #[tokio::test]
+    async fn subscriptions_fail_while_asked_and_are_counted() {
+        let t = FaultyTransport::new(EmbeddedTransport::new());
+        t.fail_subscriptions(true);
+        for _ in 0..2 {
+            let e = t
+                .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
+                .await;
+            assert!(e.is_err_and(|e| e.is_disconnected()));
+        }
+        assert!(
+            t.subscribe_heartbeats("t").await.is_ok(),
+            "the heartbeat channel is not affected"
+        );
+        assert_eq!((t.subscriptions(), t.refused_subscriptions()), (0, 2));
+        t.fail_subscriptions(false);
+        t.refuse_history(true);
+        assert!(
+            t.subscribe("t", SubscribeOptions::new(StartFrom::Earliest))
+                .await
+                .is_err_and(|e| e.is_unsupported())
+        );
+        let mut sub = t
+            .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
+            .await
+            .expect("up again");
+        assert_eq!((t.subscriptions(), t.refused_subscriptions()), (1, 3));
+        publish(&t, &["a"]).await;
+        assert_eq!(batch(&mut sub).await, bytes(&["a"]));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn heartbeats_are_dropped_or_hung_on_command() {
+        let t = FaultyTransport::new(EmbeddedTransport::new());
+        let mut heard = t.subscribe_heartbeats("t").await.expect("subscribe");
+        let send = |p: &'static str| {
+            let t = t.clone();
+            async move {
+                t.publish_heartbeat("t", Bytes::from_static(p.as_bytes()))
+                    .await
+                    .expect("reported sent");
+            }
+        };
+        t.drop_heartbeats_where(|payload| payload.starts_with(b"request"));
+        send("request 1").await;
+        send("beat 1").await;
+        assert_eq!(heard.next().await.expect("a message"), "beat 1");
+        t.drop_heartbeats(true);
+        send("beat 2").await;
+        t.drop_heartbeats(false);
+        send("request 2").await;
+        assert_eq!(heard.next().await.expect("a message"), "request 2");
+
+        t.hang_heartbeats(true);
+        let hung = tokio::spawn(send("beat 3"));
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert!(!hung.is_finished());
+        t.hang_heartbeats(false);
+        hung.await.expect("joins");
+        assert_eq!(heard.next().await.expect("a message"), "beat 3");
+
+        t.hang_heartbeat_subscriptions(true);
+        let subscribing = {
+            let t = t.clone();
+            tokio::spawn(async move { t.subscribe_heartbeats("t").await.map(|_| ()) })
+        };
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert!(!subscribing.is_finished());
+        t.hang_heartbeat_subscriptions(false);
+        subscribing.await.expect("joins").expect("subscribed");
     }
 }

@@ -3,13 +3,11 @@
 
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::*;
 use crate::cluster::{Message, Request};
-use crate::transport::HeartbeatSubscription;
 use crate::{Cluster, Heartbeat};
 
 const EVERY: Duration = Duration::from_millis(100);
@@ -512,54 +510,14 @@ async fn each_applied_batch_is_one_span_with_cache_count_versions_and_latency() 
     node.shutdown().await.unwrap();
 }
 
-/// Its heartbeat channel never answers, as a broker that is down until a
-/// timeout: subscribing hangs, or (`hang_publish`) publishing does.
-#[derive(Debug, Clone, Default)]
-struct Hanging {
-    inner: EmbeddedTransport,
-    hang_publish: bool,
-}
-
-#[async_trait]
-impl Transport for Hanging {
-    fn kind(&self) -> &'static str {
-        "hanging"
-    }
-
-    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
-        self.inner.publish(topic, tag, payload).await
-    }
-
-    async fn subscribe(
-        &self,
-        topic: &str,
-        options: SubscribeOptions,
-    ) -> Result<Box<dyn Subscription>> {
-        self.inner.subscribe(topic, options).await
-    }
-
-    async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
-        if self.hang_publish {
-            std::future::pending::<()>().await;
-        }
-        self.inner.publish_heartbeat(topic, payload).await
-    }
-
-    async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
-        if !self.hang_publish {
-            std::future::pending::<()>().await;
-        }
-        self.inner.subscribe_heartbeats(topic).await
-    }
-}
-
 #[tokio::test]
 async fn shutdown_does_not_wait_for_a_heartbeat_channel_that_hangs() {
+    // Its heartbeat channel never answers, as a broker that is down until
+    // a timeout: subscribing hangs, or (`hang_publish`) publishing does.
     for hang_publish in [false, true] {
-        let transport = Hanging {
-            inner: EmbeddedTransport::new(),
-            hang_publish,
-        };
+        let transport = FaultyTransport::new(EmbeddedTransport::new());
+        transport.hang_heartbeats(hang_publish);
+        transport.hang_heartbeat_subscriptions(!hang_publish);
         let a = cache("countries");
         let node = start("n1", transport, &[&a]).await;
         tokio::time::sleep(EVERY * 2).await;
@@ -607,7 +565,8 @@ async fn two_publishers_in_one_batch_are_both_acknowledged() {
 async fn a_view_that_cannot_hear_the_channel_never_calls_a_publish_complete() {
     // Subscribing to the heartbeat channel hangs: the node hears nobody,
     // so it cannot know who else holds the cache.
-    let transport = Hanging::default();
+    let transport = FaultyTransport::new(EmbeddedTransport::new());
+    transport.hang_heartbeat_subscriptions(true);
     let a = cache("countries");
     let node = start("n1", transport.clone(), &[&a]).await;
     let published = node

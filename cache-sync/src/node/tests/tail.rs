@@ -1,10 +1,8 @@
 //! Tail loss: the last events before a quiet period, found by the
 //! publishers' announcements of their last sequence numbers.
 
-use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::time::Instant;
 
@@ -16,63 +14,34 @@ use crate::wire::{ChangeView, decode_change, decode_header};
 
 const INTERVAL: Duration = Duration::from_secs(1);
 
-/// Wraps the embedded transport: counts publishes, and announcements among
-/// them, and drops the publishes whose 1-based number is in `drop`.
-#[derive(Debug, Clone, Default)]
-struct Lossy {
-    inner: EmbeddedTransport,
-    publishes: Arc<AtomicUsize>,
-    announcements: Arc<AtomicUsize>,
-    drop: Arc<Mutex<Vec<usize>>>,
+/// The embedded transport, keeping what reaches it: the tests count
+/// publishes and the announcements among them, and lose one on purpose
+/// with `lose_publishes`, between publisher and broker.
+fn lossy() -> FaultyTransport {
+    let transport = FaultyTransport::new(EmbeddedTransport::new());
+    transport.record_publishes(true);
+    transport
 }
 
-impl Lossy {
-    fn dropping(n: usize) -> Self {
-        let t = Self::default();
-        t.drop.lock().unwrap().push(n);
-        t
-    }
-
-    fn announcements(&self) -> usize {
-        self.announcements.load(Relaxed)
-    }
-}
-
-#[async_trait]
-impl Transport for Lossy {
-    fn kind(&self) -> &'static str {
-        "lossy"
-    }
-
-    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
-        let n = self.publishes.fetch_add(1, Relaxed) + 1;
-        let event = crate::wire::strip_unverified(&payload);
-        if let Ok((_, body)) = decode_header(event, usize::MAX)
-            && let Ok(ChangeView::Announce) = decode_change(event, body)
-        {
-            self.announcements.fetch_add(1, Relaxed);
-        }
-        if self.drop.lock().unwrap().contains(&n) {
-            // Accepted, never delivered: lost between publisher and broker.
-            return Ok(None);
-        }
-        self.inner.publish(topic, tag, payload).await
-    }
-
-    async fn subscribe(
-        &self,
-        topic: &str,
-        options: SubscribeOptions,
-    ) -> Result<Box<dyn Subscription>> {
-        self.inner.subscribe(topic, options).await
-    }
+/// Announcements among what reached the broker.
+fn announcements(transport: &FaultyTransport) -> usize {
+    transport
+        .published()
+        .iter()
+        .filter(|(_, payload)| {
+            let event = crate::wire::strip_unverified(payload);
+            decode_header(event, usize::MAX).is_ok_and(|(_, body)| {
+                matches!(decode_change(event, body), Ok(ChangeView::Announce))
+            })
+        })
+        .count()
 }
 
 /// How long these tests wait for a condition: on paused time, so a long
 /// limit costs no real time.
 const LONG: Duration = Duration::from_secs(600);
 
-async fn nodes(transport: &Lossy, window: Duration, n: usize) -> Vec<(Node, Cache)> {
+async fn nodes(transport: &FaultyTransport, window: Duration, n: usize) -> Vec<(Node, Cache)> {
     let mut out = Vec::new();
     for i in 0..n {
         let c = cache("t");
@@ -95,7 +64,7 @@ fn resyncs(node: &Node) -> u64 {
 /// resyncs the cache within the announce interval plus its reorder window,
 /// and not before the window has passed.
 async fn a_lost_last_event_is_found_within_the_bound(window: Duration) {
-    let transport = Lossy::dropping(5);
+    let transport = lossy();
     let nodes = nodes(&transport, window, 3).await;
     let p = Publisher::builder(transport.clone())
         .announce_interval(INTERVAL)
@@ -111,8 +80,9 @@ async fn a_lost_last_event_is_found_within_the_bound(window: Duration) {
         .await;
     }
     let lost_at = Instant::now();
+    transport.lose_publishes(1);
     p.insert("t", [("k5", "v")]).await.unwrap();
-    assert_eq!(transport.publishes.load(Relaxed), 5);
+    assert_eq!(transport.publishes(), 4, "the fifth publish is lost");
     let bound = INTERVAL + window;
     for (node, c) in &nodes {
         let at = eventually_within("the tail loss is answered", LONG, async || {
@@ -141,7 +111,7 @@ async fn a_lost_last_event_is_found_within_the_bound(window: Duration) {
         assert_eq!(c.peek("k1").await, None, "the cache was emptied");
     }
     // The loss is answered once, whatever the repeats say.
-    eventually_within("the repeats", LONG, async || transport.announcements() == 3).await;
+    eventually_within("the repeats", LONG, async || announcements(&transport) == 3).await;
     tokio::time::sleep(window + INTERVAL).await;
     for (node, _) in &nodes {
         assert_eq!(resyncs(node), 1);
@@ -163,7 +133,7 @@ async fn with_no_reorder_window_a_lost_last_event_is_answered_at_the_announcemen
 /// after three at an unchanged number, and start again after a publish.
 #[tokio::test(start_paused = true)]
 async fn announcements_of_what_arrived_change_nothing_and_stop_when_quiet() {
-    let transport = Lossy::default();
+    let transport = lossy();
     let window = Duration::from_secs(2);
     let nodes = nodes(&transport, window, 2).await;
     let p = Publisher::builder(transport.clone())
@@ -174,12 +144,12 @@ async fn announcements_of_what_arrived_change_nothing_and_stop_when_quiet() {
         p.insert("t", [(format!("k{i}"), "v")]).await.unwrap();
     }
     eventually_within("three announcements", LONG, async || {
-        transport.announcements() == 3
+        announcements(&transport) == 3
     })
     .await;
     tokio::time::sleep(window + 10 * INTERVAL).await;
     assert_eq!(
-        transport.announcements(),
+        announcements(&transport),
         3,
         "announcements stop when quiet"
     );
@@ -199,22 +169,22 @@ async fn announcements_of_what_arrived_change_nothing_and_stop_when_quiet() {
         );
     }
     p.insert("t", [("k6", "v")]).await.unwrap();
-    eventually_within("three more", LONG, async || transport.announcements() == 6).await;
+    eventually_within("three more", LONG, async || announcements(&transport) == 6).await;
     tokio::time::sleep(window + 10 * INTERVAL).await;
-    assert_eq!(transport.announcements(), 6);
-    assert_eq!(transport.publishes.load(Relaxed), 12);
+    assert_eq!(announcements(&transport), 6);
+    assert_eq!(transport.publishes(), 12);
     for (node, c) in &nodes {
         assert!(holds(c, "k6", Some("v")).await);
         assert_eq!((node.status().publisher_gaps, resyncs(node)), (0, 0));
     }
     // A dropped publisher's last publish is announced, three times, and
     // no more.
-    let after = transport.publishes.load(Relaxed);
+    let after = transport.publishes();
     p.insert("t", [("k7", "v")]).await.unwrap();
     drop(p);
     tokio::time::sleep(10 * INTERVAL).await;
-    assert_eq!(transport.publishes.load(Relaxed), after + 4);
-    assert_eq!(transport.announcements(), 9);
+    assert_eq!(transport.publishes(), after + 4);
+    assert_eq!(announcements(&transport), 9);
 }
 
 /// Events that arrive late, but within the reorder window, clear the
@@ -580,21 +550,21 @@ fn announce_interval_is_checked_by_build() {
 /// `Duration::MAX`: no announcements, ever.
 #[tokio::test(start_paused = true)]
 async fn announcements_can_be_turned_off() {
-    let transport = Lossy::default();
+    let transport = lossy();
     let p = Publisher::builder(transport.clone())
         .announce_interval(Duration::MAX)
         .build()
         .unwrap();
     p.insert("t", [("k", "v")]).await.unwrap();
     tokio::time::sleep(Duration::from_secs(3600)).await;
-    assert_eq!(transport.publishes.load(Relaxed), 1);
+    assert_eq!(transport.publishes(), 1);
 }
 
 /// A publisher can outlive the runtime it first published on: the next
 /// publish, on another runtime, starts announcing there.
 #[test]
 fn a_publisher_that_outlives_its_runtime_announces_from_the_next() {
-    let transport = Lossy::default();
+    let transport = lossy();
     let p = Publisher::builder(transport.clone())
         .announce_interval(INTERVAL)
         .build()
@@ -611,7 +581,7 @@ fn a_publisher_that_outlives_its_runtime_announces_from_the_next() {
     runtime().block_on(async {
         p.insert("t", [("k", "w")]).await.unwrap();
         eventually_within("announcements on the second runtime", LONG, async || {
-            transport.announcements() == 3
+            announcements(&transport) == 3
         })
         .await;
     });
@@ -724,7 +694,7 @@ async fn another_resync_of_the_cache_retires_its_checks() {
 /// last event within the bound, while the runtime keeps running.
 #[tokio::test(start_paused = true)]
 async fn a_dropped_publisher_still_announces_its_last_event() {
-    let transport = Lossy::dropping(2);
+    let transport = lossy();
     let window = Duration::from_secs(5);
     let nodes = nodes(&transport, window, 1).await;
     let (node, c) = &nodes[0];
@@ -735,7 +705,9 @@ async fn a_dropped_publisher_still_announces_its_last_event() {
     p.insert("t", [("k1", "v")]).await.unwrap();
     eventually("k1 applied", async || holds(c, "k1", Some("v")).await).await;
     let lost_at = Instant::now();
+    transport.lose_publishes(1);
     p.insert("t", [("k2", "v")]).await.unwrap();
+    assert_eq!(transport.publishes(), 1, "the second publish is lost");
     drop(p);
     let at = eventually_within("the tail loss is answered", LONG, async || {
         resyncs(node) == 1
@@ -745,62 +717,7 @@ async fn a_dropped_publisher_still_announces_its_last_event() {
     tokio::time::sleep(2 * (INTERVAL + window)).await;
     let s = node.status();
     assert_eq!((s.publisher_gaps, resyncs(node)), (1, 1), "{s:?}");
-    assert_eq!(transport.announcements(), 3);
-}
-
-/// Wraps the embedded transport: the first subscription delivers two
-/// batches and then breaks; later subscribes fail until `up_at`.
-#[derive(Debug, Clone)]
-struct Outage {
-    inner: EmbeddedTransport,
-    subscribes: Arc<AtomicUsize>,
-    up_at: Instant,
-}
-
-#[derive(Debug)]
-struct Breaking {
-    inner: Box<dyn Subscription>,
-    batches: usize,
-}
-
-#[async_trait]
-impl Transport for Outage {
-    fn kind(&self) -> &'static str {
-        "outage"
-    }
-
-    async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
-        self.inner.publish(topic, tag, payload).await
-    }
-
-    async fn subscribe(
-        &self,
-        topic: &str,
-        options: SubscribeOptions,
-    ) -> Result<Box<dyn Subscription>> {
-        let first = self.subscribes.fetch_add(1, Relaxed) == 0;
-        if !first && Instant::now() < self.up_at {
-            return Err(Error::disconnected("outage", "connection refused"));
-        }
-        let inner = self.inner.subscribe(topic, options).await?;
-        let batches = if first { 2 } else { usize::MAX };
-        Ok(Box::new(Breaking { inner, batches }))
-    }
-}
-
-#[async_trait]
-impl Subscription for Breaking {
-    async fn next(&mut self, max: usize) -> Result<Delivery> {
-        if self.batches == 0 {
-            return Err(Error::disconnected("outage", "connection reset"));
-        }
-        self.batches -= 1;
-        self.inner.next(max).await
-    }
-
-    fn position(&self) -> Option<Position> {
-        self.inner.position()
-    }
+    assert_eq!(announcements(&transport), 3);
 }
 
 /// An announcement the node is behind, then a transport outage: the check
@@ -809,12 +726,10 @@ impl Subscription for Breaking {
 #[tokio::test(start_paused = true)]
 async fn checks_fall_due_during_an_outage() {
     let window = Duration::from_secs(10);
-    let outage = Duration::from_secs(300);
-    let transport = Outage {
-        inner: EmbeddedTransport::new(),
-        subscribes: Arc::default(),
-        up_at: Instant::now() + outage,
-    };
+    // The first subscription delivers two batches and then breaks; later
+    // subscribes fail, to the end of the test.
+    let transport = FaultyTransport::new(EmbeddedTransport::new());
+    transport.break_next_subscription_after(2);
     let c = cache("t");
     let node = Node::builder("n1", transport.clone())
         .reorder_window(window)
@@ -824,8 +739,9 @@ async fn checks_fall_due_during_an_outage() {
         .start()
         .await
         .unwrap();
+    transport.fail_subscriptions(true);
     let send = |seq, change: Change| {
-        let t = transport.inner.clone();
+        let t = transport.inner();
         async move {
             t.publish(DEFAULT_TOPIC, "t", raw_event("t", 7, seq, &change))
                 .await
@@ -845,8 +761,8 @@ async fn checks_fall_due_during_an_outage() {
         took >= window && took <= window + Duration::from_secs(1),
         "resynced after {took:?}"
     );
-    assert!(transport.subscribes.load(Relaxed) >= 2);
-    assert!(Instant::now() < start + outage, "still down");
+    assert!(transport.refused_subscriptions() >= 1, "it tried again");
+    assert_eq!(transport.subscriptions(), 1, "still down");
     let s = node.status();
     assert_eq!((s.publisher_gaps, s.losses), (1, 1), "{s:?}");
 }
@@ -861,18 +777,14 @@ async fn checks_fall_due_during_an_outage() {
 #[tokio::test(start_paused = true)]
 async fn a_one_shot_publishers_lost_only_event_is_found_by_its_announcement() {
     for window in [Duration::from_secs(10), Duration::ZERO] {
-        let transport = Lossy::default();
+        let transport = lossy();
         let nodes = nodes(&transport, window, 2).await;
         // The nodes have been up for longer than their reorder window.
         tokio::time::sleep(window + INTERVAL).await;
         for (_, c) in &nodes {
             c.insert("k".into(), "old".into()).await;
         }
-        transport
-            .drop
-            .lock()
-            .unwrap()
-            .push(transport.publishes.load(Relaxed) + 1);
+        transport.lose_publishes(1);
         let one_shot = Publisher::builder(transport.clone())
             .announce_interval(INTERVAL)
             .build()
@@ -897,7 +809,7 @@ async fn a_one_shot_publishers_lost_only_event_is_found_by_its_announcement() {
             );
             assert_eq!(c.peek("k").await, None, "the stale value is gone");
         }
-        eventually_within("the repeats", LONG, async || transport.announcements() == 3).await;
+        eventually_within("the repeats", LONG, async || announcements(&transport) == 3).await;
         tokio::time::sleep(window + INTERVAL).await;
         for (node, _) in &nodes {
             assert_eq!(resyncs(node), 1, "answered once");
@@ -909,16 +821,12 @@ async fn a_one_shot_publishers_lost_only_event_is_found_by_its_announcement() {
 /// second says the first was sent a moment ago, while the node listened.
 #[tokio::test(start_paused = true)]
 async fn an_unknown_publishers_first_event_above_one_is_a_gap_if_the_one_before_was_its_to_miss() {
-    let transport = Lossy::default();
+    let transport = lossy();
     let window = Duration::from_secs(2);
     let nodes = nodes(&transport, window, 1).await;
     tokio::time::sleep(window + INTERVAL).await;
     let (node, c) = &nodes[0];
-    transport
-        .drop
-        .lock()
-        .unwrap()
-        .push(transport.publishes.load(Relaxed) + 1);
+    transport.lose_publishes(1);
     let p = Publisher::builder(transport.clone())
         .announce_interval(Duration::MAX)
         .build()
@@ -943,7 +851,7 @@ async fn an_unknown_publishers_first_event_above_one_is_a_gap_if_the_one_before_
 #[tokio::test(start_paused = true)]
 async fn an_announcement_of_an_event_sent_before_the_node_listened_is_no_loss() {
     for window in [Duration::ZERO, Duration::from_secs(3)] {
-        let transport = Lossy::default();
+        let transport = lossy();
         let p = Publisher::builder(transport.clone())
             .announce_interval(INTERVAL)
             .build()
@@ -958,7 +866,7 @@ async fn an_announcement_of_an_event_sent_before_the_node_listened_is_no_loss() 
             .start()
             .await
             .unwrap();
-        eventually_within("the repeats", LONG, async || transport.announcements() == 3).await;
+        eventually_within("the repeats", LONG, async || announcements(&transport) == 3).await;
         tokio::time::sleep(window + INTERVAL).await;
         let s = node.status();
         assert_eq!(
