@@ -4,12 +4,15 @@
 //! applied it how soon (each running node answers once it has), and exits.
 //!
 //! ```text
-//! cargo run -p cache-sync-examples --features brokers --example admin -- --redis redis://127.0.0.1:6379/ upsert de Deutschland
-//! cargo run -p cache-sync-examples --features brokers --example admin -- --redis redis://127.0.0.1:6379/ delete fr
-//! cargo run -p cache-sync-examples --features brokers --example admin -- --redis redis://127.0.0.1:6379/ replace-all de=Deutschland it=Italia
-//! cargo run -p cache-sync-examples --features brokers --example admin -- --redis redis://127.0.0.1:6379/ demo
-//! cargo run -p cache-sync-examples --features brokers --example admin -- --nats nats://127.0.0.1:4222 upsert de Deutschland
+//! cargo run -p cache-sync-examples --features redis --example admin -- --transport redis-streams upsert de Deutschland
+//! cargo run -p cache-sync-examples --features redis --example admin -- --transport redis-streams delete fr
+//! cargo run -p cache-sync-examples --features redis --example admin -- --transport redis-streams replace-all de=Deutschland it=Italia
+//! cargo run -p cache-sync-examples --features redis --example admin -- --transport redis-streams demo
+//! cargo run -p cache-sync-examples --features nats --example admin -- --transport nats-jetstream upsert de Deutschland
 //! ```
+//!
+//! Give it the nodes' `--transport` (and `--url`, when the server is not on
+//! its usual port on 127.0.0.1).
 
 // An example's output is its user interface: it talks to a person at a terminal.
 #![allow(clippy::print_stdout)]
@@ -48,7 +51,7 @@ type Table = DictionaryPublisher<String, Option<String>>;
     name = "admin",
     verbatim_doc_comment,
     after_help = "A CODE or NAME may start with `-`; one that is `-h` or `--help` goes after\n\
-                  `--`, e.g. admin --redis URL delete -- -h"
+                  `--`, e.g. admin --transport redis-streams delete -- -h"
 )]
 struct Args {
     #[command(flatten)]
