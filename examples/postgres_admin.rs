@@ -51,6 +51,8 @@ struct Args {
     command: Command,
 }
 
+/// As in the `admin` example, the subcommands say what happens to the row;
+/// its event is the outbox dictionary's `insert` or `invalidate`.
 #[derive(Debug, clap::Subcommand)]
 enum Command {
     /// A row was inserted or updated: one transaction writes it and its event
