@@ -46,8 +46,7 @@ type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
 const SHOWN: [&str; 5] = ["de", "fr", "it", "cz", "xx"];
 const REPORT_EVERY: Duration = Duration::from_secs(2);
 
-/// The rows the loader answers from: the same seed as the `demo` example's
-/// database.
+/// The rows the loader answers from, standing in for the admin's database.
 const SEED: [(&str, &str); 8] = [
     ("de", "Germany"),
     ("es", "Spain"),
