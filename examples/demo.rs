@@ -125,7 +125,9 @@ async fn main() -> Result<()> {
             Some(name) => table.insert(code, name).await?,
             None => table.invalidate(code).await?,
         };
-        let acks = (cluster.applied_version(table.cache(), version, Duration::from_secs(5))).await;
+        let acks = cluster
+            .applied_version(table.cache(), version, Duration::from_secs(5))
+            .await;
         let change = row.map_or(format!("invalidate {code}"), |row| {
             format!("insert {code}={row}")
         });

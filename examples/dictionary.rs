@@ -50,8 +50,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .dictionary(COUNTRIES);
     // Waits until every node has applied `version`, then checks what each holds.
     let applied = async |label: &str, version: u64, expected: &str| {
-        let acks =
-            (cluster.applied_version(COUNTRIES.name(), version, Duration::from_secs(5))).await;
+        let acks = cluster
+            .applied_version(COUNTRIES.name(), version, Duration::from_secs(5))
+            .await;
         println!("admin: {label} (version {version}): {acks}");
         assert!(acks.is_complete(), "{acks}");
         for (node, countries) in &nodes {

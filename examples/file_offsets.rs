@@ -30,8 +30,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The admin watches the nodes, to know when they have applied a change.
     let cluster = Cluster::watch(transport.clone()).await?;
     let applied = async |version: u64| {
-        let acks =
-            (cluster.applied_version(COUNTRIES.name(), version, Duration::from_secs(5))).await;
+        let acks = cluster
+            .applied_version(COUNTRIES.name(), version, Duration::from_secs(5))
+            .await;
         assert!(acks.is_complete(), "{acks}");
     };
     let start_node = |countries: &SyncedCache<String, String>| {

@@ -86,8 +86,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cluster = Cluster::watch(transport.clone()).await?;
     let admin = Publisher::new(transport).dictionary(COUNTRIES);
     let applied = async |version: u64| {
-        let acks =
-            (cluster.applied_version(COUNTRIES.name(), version, Duration::from_secs(5))).await;
+        let acks = cluster
+            .applied_version(COUNTRIES.name(), version, Duration::from_secs(5))
+            .await;
         assert!(acks.is_complete(), "{acks}");
     };
 

@@ -57,8 +57,9 @@ async fn main() -> Result<()> {
         .start()
         .await?;
     let applied = async |version: u64| {
-        let acks =
-            (cluster.applied_version(COUNTRIES.name(), version, Duration::from_secs(5))).await;
+        let acks = cluster
+            .applied_version(COUNTRIES.name(), version, Duration::from_secs(5))
+            .await;
         assert!(acks.is_complete(), "{acks}");
     };
 
