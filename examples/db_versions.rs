@@ -79,6 +79,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     a.table.insert_versioned(&de, "Deutschland", v_a).await?;
 
     let settled = async || node.status_settled().await.caches[0].clone();
+    // The late event is one the node ignores: the node already holds a newer
+    // version, so `Cluster::applied_version` would not wait for it. The
+    // node's `stale_ignored` counter tells when it arrived.
     let stale_ignored = async |n: u64| {
         tokio::time::timeout(Duration::from_secs(5), async {
             while settled().await.stale_ignored < n {

@@ -1,11 +1,15 @@
 //! The cache-sync demo: three application nodes and an admin service in one
-//! process, kept in step over an in-process [`EmbeddedTransport`] (no server needed).
+//! process, kept in step over an in-process [`EmbeddedTransport`] (no server
+//! needed).
 //!
-//! Each node caches a `countries` table (country code -> name) and reads it
-//! through from a shared in-memory "database". The admin changes rows (writing
-//! the database first, then publishing), and after every change the demo
-//! waits until all three nodes hold the new rows and prints what each holds
-//! and how long the change took to arrive.
+//! Each node caches a `countries` table, read through from a shared
+//! in-memory "database", and serves its status endpoints. The admin changes
+//! rows, the database first and then a published change, and after each
+//! prints how many nodes applied it, how soon, and what each node holds.
+//! Each piece has a small example of its own: `read_through` (the loader,
+//! and what changes do to what it cached), `dictionary` (the admin's
+//! writes), `acks` (proving a change arrived), `axum_status` (the status
+//! endpoints).
 //!
 //! ```text
 //! cargo run -p cache-sync-examples --example demo
@@ -17,445 +21,156 @@
 #![allow(clippy::print_stdout)]
 
 use std::collections::BTreeMap;
-use std::error::Error;
-use std::process::ExitCode;
-use std::sync::Arc;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use cache_sync::{
-    DictionaryPublisher, EmbeddedTransport, Node, Publisher, StatusServer, SyncedCache,
-};
-use tokio::sync::RwLock;
+use cache_sync::{Cluster, EmbeddedTransport, Node, Publisher, SyncedCache, Table};
 use tracing_subscriber::EnvFilter;
 
-type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
+type Result<T, E = Box<dyn std::error::Error>> = std::result::Result<T, E>;
 
-/// The name the nodes register their caches under and the admin publishes to.
-const CACHE: &str = "countries";
-const NODE_IDS: [&str; 3] = ["node-1", "node-2", "node-3"];
-/// Between two admin changes, so the output can be followed as it happens.
-const PAUSE: Duration = Duration::from_millis(300);
-/// On one machine a change arrives in well under a millisecond; a node this
-/// late is broken, not slow.
-const CONVERGENCE_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long the status endpoints stay up after the last change.
-const LINGER: Duration = Duration::from_secs(3);
+const COUNTRIES: Table<String, String> = Table::new("countries");
+/// The admin's changes: a row written (`Some`) or deleted (`None`). No node
+/// has read `cz`: the change installs it everywhere anyway.
+const CHANGES: [(&str, Option<&str>); 3] = [
+    ("de", Some("Deutschland")),
+    ("fr", None),
+    ("cz", Some("Czechia")),
+];
+
+/// Stands in for the table the caches front, counting the queries it answers.
+#[derive(Default)]
+struct Database {
+    rows: Mutex<BTreeMap<String, String>>,
+    queries: AtomicU64,
+}
+
+impl Database {
+    /// `SELECT name FROM countries WHERE code = $1`; no row is an error,
+    /// which the cache does not keep (the row may be created later).
+    fn select(&self, code: &str) -> Result<String, &'static str> {
+        self.queries.fetch_add(1, Ordering::Relaxed);
+        let rows = self.rows.lock().expect("database lock");
+        rows.get(code).cloned().ok_or("no such row")
+    }
+
+    /// Writes a row (`Some`) or deletes it (`None`).
+    fn write(&self, code: &str, name: Option<&str>) {
+        let mut rows = self.rows.lock().expect("database lock");
+        match name {
+            Some(name) => rows.insert(code.into(), name.into()),
+            None => rows.remove(code),
+        };
+    }
+}
 
 #[tokio::main]
-async fn main() -> ExitCode {
+async fn main() -> Result<()> {
     // The library logs losses and rejected events at `warn`; show them.
     tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
-    let keep_running = match std::env::args().nth(1).as_deref() {
-        None => false,
-        Some("--keep-running") => true,
-        Some(_) => {
-            eprintln!("usage: demo [--keep-running]");
-            return ExitCode::from(2);
-        }
-    };
-    match run(keep_running).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("demo failed: {e}");
-            ExitCode::FAILURE
-        }
+    let keep_running = std::env::args().any(|arg| arg == "--keep-running");
+    let db = Database::default();
+    for (code, name) in [("de", "Germany"), ("fr", "France"), ("it", "Italy")] {
+        db.write(code, Some(name));
     }
-}
-
-async fn run(keep_running: bool) -> Result<()> {
-    let db = Database::seeded();
+    let queries = || db.queries.load(Ordering::Relaxed);
+    // Read-through: the cached row, or else the database's, cached.
+    let read = async |countries: &SyncedCache<String, String>, code: &str| {
+        let load = || async { db.select(code) };
+        countries.try_get_with(code.to_owned(), load).await.ok()
+    };
     let transport = EmbeddedTransport::new();
-    println!(
-        "cache-sync demo: {} nodes on one in-process transport, cache {CACHE:?}, database of {} countries",
-        NODE_IDS.len(),
-        db.rows.read().await.len()
-    );
 
+    println!("Three nodes, each reading de, fr and it through its loader:");
     let mut nodes = Vec::new();
-    for id in NODE_IDS {
-        nodes.push(AppNode::start(id, &transport, &db).await?);
-    }
-    println!("\nStatus endpoints (paste into another terminal):");
-    for n in &nodes {
-        let addr = n.status.local_addr();
-        let base = format!("http://{addr}");
-        println!("  {} on {addr}", n.node.id());
-        println!("    curl -s {base}/cache-sync/status");
-        println!("    curl -s {base}/cache-sync/caches/{CACHE}");
-        println!("    curl -s {base}/readyz");
-    }
-    if let Some(n) = nodes.first() {
-        let base = format!("http://{}", n.status.local_addr());
-        println!("  The whole cluster, as any node sees it (open the first in a browser):");
-        println!("    {base}/cache-sync/");
-        println!("    curl -s {base}/cache-sync/cluster");
-        println!("    curl -s {base}/metrics");
-    }
-
-    println!("\nWarming the caches through the loader:");
-    let warm_up: [&[&str]; 3] = [
-        &["de", "fr", "it"],
-        &["de", "es", "nl"],
-        &["de", "fr", "pl"],
-    ];
-    for (n, codes) in nodes.iter().zip(warm_up) {
-        let reads_before = db.reads();
-        let mut held = Vec::new();
-        for code in codes {
-            held.push((code.to_string(), n.country(code).await));
-        }
-        println!(
-            "  {}  {}  ({} database reads)",
-            n.node.id(),
-            show_rows(&held),
-            db.reads() - reads_before
-        );
-    }
-
-    // The admin service is a separate publisher on the same transport; its origin
-    // names it in the nodes' logs.
-    let admin = Admin {
-        db: db.clone(),
-        table: Publisher::builder(transport.clone())
-            .origin("admin")
-            .build()?
-            .dictionary(CACHE),
-    };
-
-    let change = admin.upsert("de", "Deutschland").await?;
-    report(&nodes, &db, &change).await?;
-    println!("  (no node read the database: the event carried the new row)");
-
-    tokio::time::sleep(PAUSE).await;
-    let change = admin.delete("fr").await?;
-    report(&nodes, &db, &change).await?;
-    println!("  A read after the delete goes back to the database:");
-    for n in &nodes {
-        let reads_before = db.reads();
-        let found = n.country("fr").await;
-        println!(
-            "  {}  fr -> {}  ({} database read; a missing row is not cached)",
-            n.node.id(),
-            found.as_deref().unwrap_or("no such country"),
-            db.reads() - reads_before
-        );
-    }
-
-    tokio::time::sleep(PAUSE).await;
-    // No node has read "cz": an upsert installs the row everywhere anyway.
-    let change = admin.upsert("cz", "Czechia").await?;
-    report(&nodes, &db, &change).await?;
-
-    tokio::time::sleep(PAUSE).await;
-    let change = admin
-        .replace_all(&[
-            ("de", "Deutschland"),
-            ("es", "España"),
-            ("it", "Italia"),
-            ("pt", "Portugal"),
-        ])
-        .await?;
-    report(&nodes, &db, &change).await?;
-
-    println!("\nWhat each node's status endpoint reports now (a few of its counters):");
-    for n in &nodes {
-        let s = n.node.status();
-        let c = n.countries.status();
-        println!(
-            "  {}  events: {} received, {} applied ({} refreshes, {} invalidations, {} clears, \
-             {} stale), {} losses, {} gaps",
-            s.node_id,
-            s.events_received,
-            c.events_applied,
-            c.refreshes,
-            c.invalidations,
-            c.clears,
-            c.stale_ignored,
-            s.losses,
-            s.publisher_gaps,
-        );
-        println!(
-            "  {}  reads: {} hits, {} misses, {} loads ({} found no row)",
-            " ".repeat(s.node_id.len()),
-            c.hits,
-            c.misses,
-            c.loads,
-            c.load_failures,
-        );
-    }
-
-    if keep_running {
-        println!("\nServing the status endpoints until Ctrl-C.");
-        tokio::signal::ctrl_c().await?;
-    } else {
-        println!(
-            "\nExiting in {} s (run with `-- --keep-running` to keep the endpoints up).",
-            LINGER.as_secs()
-        );
-        tokio::time::sleep(LINGER).await;
-    }
-
-    for n in nodes {
-        n.status.shutdown().await?;
-        // Saves the node's position and waits for its consumer to finish.
-        n.node.shutdown().await?;
-    }
-    println!("Shut down cleanly.");
-    Ok(())
-}
-
-/// Stands in for the database table the caches front.
-#[derive(Clone)]
-struct Database {
-    rows: Arc<RwLock<BTreeMap<String, String>>>,
-    /// Counted so the demo can show which reads the cache saved.
-    reads: Arc<AtomicU64>,
-}
-
-impl Database {
-    fn seeded() -> Self {
-        let rows = [
-            ("de", "Germany"),
-            ("es", "Spain"),
-            ("fr", "France"),
-            ("it", "Italy"),
-            ("jp", "Japan"),
-            ("nl", "Netherlands"),
-            ("pl", "Poland"),
-            ("se", "Sweden"),
-        ];
-        Self {
-            rows: Arc::new(RwLock::new(
-                rows.into_iter()
-                    .map(|(k, v)| (k.into(), v.into()))
-                    .collect(),
-            )),
-            reads: Arc::default(),
-        }
-    }
-
-    async fn select(&self, code: &str) -> Option<String> {
-        self.reads.fetch_add(1, Ordering::Relaxed);
-        // A real query takes a while; that is what the cache saves.
-        tokio::time::sleep(Duration::from_millis(2)).await;
-        self.rows.read().await.get(code).cloned()
-    }
-
-    fn reads(&self) -> u64 {
-        self.reads.load(Ordering::Relaxed)
-    }
-}
-
-/// The loader's answer for a code the database lacks. An error rather than a
-/// placeholder value, because errors are not cached: the row may be created
-/// later, and a cached placeholder would hide it. (The status endpoint
-/// counts it under `load_failures`.)
-#[derive(Debug)]
-struct NotFound;
-
-/// One application node: its cache, the consumer keeping it in step, and its
-/// status endpoint.
-struct AppNode {
-    node: Node,
-    countries: SyncedCache<String, String>,
-    status: StatusServer,
-    db: Database,
-}
-
-impl AppNode {
-    async fn start(id: &str, transport: &EmbeddedTransport, db: &Database) -> Result<Self> {
-        let countries = SyncedCache::new(CACHE, moka::future::Cache::new(10_000));
-        // Registration empties the cache (nothing read before it was kept in
-        // step), so it comes before the first read.
+    for id in ["node-1", "node-2", "node-3"] {
+        let countries = SyncedCache::new(COUNTRIES, moka::future::Cache::new(10_000));
+        // Registration empties the cache, so it comes before the first read.
         let node = Node::builder(id, transport.clone())
             .register(&countries)
             .start()
             .await?;
-        // Port 0: the OS picks a free port, so the demo never clashes with
-        // anything already listening.
-        let status = node.serve_status("127.0.0.1:0").await?;
-        Ok(Self {
-            node,
-            countries,
-            status,
-            db: db.clone(),
-        })
-    }
-
-    /// Read-through: the cached row if there is one, else the database's,
-    /// which is then cached for the next reader.
-    async fn country(&self, code: &str) -> Option<String> {
-        let db = &self.db;
-        self.countries
-            .try_get_with(code.to_owned(), || async move {
-                db.select(code).await.ok_or(NotFound)
-            })
-            .await
-            .ok()
-    }
-
-    /// What the cache holds for `codes`, without loading anything.
-    async fn holds(&self, codes: impl Iterator<Item = &String>) -> Vec<(String, Option<String>)> {
-        let mut held = Vec::new();
-        for code in codes {
-            held.push((code.clone(), self.countries.peek(code).await));
+        for code in ["de", "fr", "it"] {
+            read(&countries, code).await;
         }
-        held
+        // Port 0: the OS picks a free port, so the demo never clashes.
+        let status = node.serve_status("127.0.0.1:0").await?;
+        let base = format!("http://{}", status.local_addr());
+        println!("  {id}  curl -s {base}/cache-sync/status   the cluster: {base}/cache-sync/");
+        nodes.push((node, countries, status));
+    }
+    println!("  {} database queries", queries());
+
+    // The admin service: the table's one writer, and a watcher of the nodes.
+    let cluster = Cluster::builder(transport.clone())
+        .observer("admin")
+        .start()
+        .await?;
+    let table = Publisher::builder(transport)
+        .origin("admin")
+        .build()?
+        .dictionary(COUNTRIES);
+    println!(
+        "\nadmin: watching the nodes; its first wait gives them 500 ms to answer its roll call"
+    );
+    for (code, row) in CHANGES {
+        // The database first: the other way round, a node reading between
+        // the change and the write would cache the old row for good.
+        db.write(code, row);
+        let version = match row {
+            Some(name) => table.insert(code, name).await?,
+            None => table.invalidate(code).await?,
+        };
+        let acks = cluster
+            .applied_version(table.cache(), version, Duration::from_secs(5))
+            .await;
+        let change = row.map_or(format!("invalidate {code}"), |row| {
+            format!("insert {code}={row}")
+        });
+        println!("\nadmin: {change} (version {version}): {acks}");
+        if !acks.is_complete() {
+            return Err(format!("not applied everywhere: {acks}").into());
+        }
+        for (node, countries, _) in &nodes {
+            let held = countries.peek(code).await;
+            let micros = countries.status().last_latency_us.unwrap_or_default();
+            let held = held.as_deref().unwrap_or("-");
+            println!(
+                "  {}  {code}={held}  applied {micros} µs after the publish",
+                node.id()
+            );
+        }
+        // So the output can be followed as it happens.
+        tokio::time::sleep(Duration::from_millis(300)).await;
     }
 
-    async fn has_applied(&self, change: &Change) -> bool {
-        // The version alone is not enough: replace_all sends two events (a
-        // clear, then the rows) at one version. So compare the rows too.
-        self.countries.status().version == Some(change.version)
-            && self
-                .holds(change.expected.iter().map(|(code, _)| code))
-                .await
-                == change.expected
-    }
-}
-
-/// The admin service: the one writer of the table.
-///
-/// It writes the database before publishing. The other way round, a node
-/// reading between the event and the database write would cache the old row,
-/// and no later event would correct it.
-struct Admin {
-    db: Database,
-    table: DictionaryPublisher<String, String>,
-}
-
-/// A published change, and what every node should hold once it is applied.
-struct Change {
-    label: String,
-    version: u64,
-    /// Each code the change touched and its row now (`None`: deleted).
-    expected: Vec<(String, Option<String>)>,
-    published_at: Instant,
-}
-
-impl Admin {
-    async fn upsert(&self, code: &str, name: &str) -> Result<Change> {
-        let (code, name) = (code.to_owned(), name.to_owned());
-        self.db
-            .rows
-            .write()
-            .await
-            .insert(code.clone(), name.clone());
-        let published_at = Instant::now();
-        let version = self.table.insert(&code, &name).await?;
-        Ok(Change {
-            label: format!("upsert {code} = {name}"),
-            version,
-            expected: vec![(code, Some(name))],
-            published_at,
-        })
-    }
-
-    async fn delete(&self, code: &str) -> Result<Change> {
-        let code = code.to_owned();
-        self.db.rows.write().await.remove(&code);
-        let published_at = Instant::now();
-        let version = self.table.invalidate(&code).await?;
-        Ok(Change {
-            label: format!("delete {code}"),
-            version,
-            expected: vec![(code, None)],
-            published_at,
-        })
-    }
-
-    async fn replace_all(&self, rows: &[(&str, &str)]) -> Result<Change> {
-        let new: BTreeMap<String, String> = rows
-            .iter()
-            .map(|&(k, v)| (k.to_owned(), v.to_owned()))
-            .collect();
-        let old = std::mem::replace(&mut *self.db.rows.write().await, new.clone());
-        let published_at = Instant::now();
-        let version = self.table.replace_all(&new).await?;
-        // Rows the new table lacks must be gone from every node as well.
-        let mut codes: Vec<&String> = old.keys().chain(new.keys()).collect();
-        codes.sort();
-        codes.dedup();
-        Ok(Change {
-            label: format!("replace_all with {} rows", new.len()),
-            version,
-            expected: codes
-                .into_iter()
-                .map(|code| (code.clone(), new.get(code).cloned()))
-                .collect(),
-            published_at,
-        })
-    }
-}
-
-/// Waits until every node has applied `change`, then prints one line per node.
-async fn report(nodes: &[AppNode], db: &Database, change: &Change) -> Result<()> {
-    println!("\nadmin: {}  (version {})", change.label, change.version);
-    let reads_before = db.reads();
-    let seen_after = wait_until_applied(nodes, change).await?;
-    for (n, seen) in nodes.iter().zip(seen_after) {
-        let applied_us = n.countries.status().last_latency_us.unwrap_or_default();
-        let codes = change.expected.iter().map(|(code, _)| code);
-        println!(
-            "  {}  {}  applied {} after publish (the demo saw it at {})",
-            n.node.id(),
-            show_rows(&n.holds(codes).await),
-            millis(Duration::from_micros(applied_us)),
-            millis(seen),
-        );
+    let before = queries();
+    for (_, countries, _) in &nodes {
+        for code in ["de", "cz", "fr"] {
+            read(countries, code).await;
+        }
     }
     println!(
-        "  all {} nodes agree with the database at version {} ({} database reads meanwhile)",
-        nodes.len(),
-        change.version,
-        db.reads() - reads_before
+        "\nEvery node reads de, cz and fr: {} database queries, for fr (deleted); \
+         de and cz came with the changes.",
+        queries() - before
     );
-    Ok(())
-}
-
-/// Polls the nodes until each has applied `change`. Returns, per node, the
-/// time from the publish call until it was first seen applied (the node's
-/// own `last_latency_us` is more precise; this includes the polling).
-async fn wait_until_applied(nodes: &[AppNode], change: &Change) -> Result<Vec<Duration>> {
-    let mut seen: Vec<Option<Duration>> = vec![None; nodes.len()];
-    loop {
-        for (n, seen) in nodes.iter().zip(&mut seen) {
-            if seen.is_none() && n.has_applied(change).await {
-                *seen = Some(change.published_at.elapsed());
-            }
-        }
-        if let Some(all) = seen.iter().copied().collect::<Option<Vec<_>>>() {
-            return Ok(all);
-        }
-        if change.published_at.elapsed() > CONVERGENCE_TIMEOUT {
-            let late: Vec<&str> = nodes
-                .iter()
-                .zip(&seen)
-                .filter(|(_, seen)| seen.is_none())
-                .map(|(n, _)| n.node.id())
-                .collect();
-            return Err(format!(
-                "{late:?} did not apply {:?} within {CONVERGENCE_TIMEOUT:?}",
-                change.label
-            )
-            .into());
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
+    if keep_running {
+        println!("Serving the status endpoints until Ctrl-C.");
+        tokio::signal::ctrl_c().await?;
+    } else {
+        println!("Exiting in 3 s (`-- --keep-running` keeps the status endpoints up).");
+        tokio::time::sleep(Duration::from_secs(3)).await;
     }
-}
-
-/// `de=Deutschland fr=-`, with `-` for a code the cache does not hold.
-fn show_rows(rows: &[(String, Option<String>)]) -> String {
-    rows.iter()
-        .map(|(code, name)| format!("{code}={}", name.as_deref().unwrap_or("-")))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-fn millis(d: Duration) -> String {
-    format!("{:.2} ms", d.as_secs_f64() * 1000.0)
+    cluster.shutdown().await;
+    for (node, _, status) in nodes {
+        status.shutdown().await?;
+        // Saves the node's position and waits for its consumer to finish.
+        node.shutdown().await?;
+    }
+    Ok(())
 }

@@ -15,7 +15,9 @@
 
 use std::time::Duration;
 
-use cache_sync::{EmbeddedTransport, FileOffsetStore, Node, Publisher, SyncedCache, Table};
+use cache_sync::{
+    Cluster, EmbeddedTransport, FileOffsetStore, Node, Publisher, SyncedCache, Table,
+};
 
 const COUNTRIES: Table<String, String> = Table::new("countries");
 
@@ -25,12 +27,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = std::env::temp_dir().join(format!("cache-sync-file-offsets-{}", std::process::id()));
     let transport = EmbeddedTransport::new();
     let admin = Publisher::new(transport.clone()).dictionary(COUNTRIES);
+    // The admin watches the nodes, to know when they have applied a change.
+    let cluster = Cluster::watch(transport.clone()).await?;
+    let applied = async |version: u64| {
+        let acks = cluster
+            .applied_version(COUNTRIES.name(), version, Duration::from_secs(5))
+            .await;
+        assert!(acks.is_complete(), "{acks}");
+    };
     let start_node = |countries: &SyncedCache<String, String>| {
         Node::builder("node-1", transport.clone())
             .offset_store(FileOffsetStore::new(&dir))
             // One admin with automatic versions never publishes out of order,
             // so no reorder window is needed. With the default one, a resumed
-            // node would apply replayed upserts as invalidations for 10 s:
+            // node would apply replayed inserts as invalidations for 10 s:
             // safe (the next read goes to the database), but nothing to see.
             .reorder_window(Duration::ZERO)
             .register(countries)
@@ -39,21 +49,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let countries = SyncedCache::new(COUNTRIES, moka::future::Cache::new(100));
     let node = start_node(&countries).await?;
-    admin.insert("de", "Germany").await?;
-    wait_until(|| countries.contains_key("de")).await;
+    applied(admin.insert("de", "Germany").await?).await;
     node.shutdown().await?; // saves the position
     let json = std::fs::read_to_string(dir.join("offsets.json"))?;
     println!("node-1 applied de, shut down; {}:\n{json}", dir.display());
 
     // Published while no node is running.
     admin.insert("fr", "France").await?;
-    admin.insert("it", "Italy").await?;
-    println!("while it was down: upsert fr, upsert it");
+    let last = admin.insert("it", "Italy").await?;
+    println!("while it was down: insert fr, insert it");
 
     // A new cache (registration empties it anyway) and the same store.
     let countries = SyncedCache::new(COUNTRIES, moka::future::Cache::new(100));
     let node = start_node(&countries).await?;
-    wait_until(|| countries.contains_key("fr") && countries.contains_key("it")).await;
+    applied(last).await;
     let status = node.status_settled().await;
     println!(
         "restarted: fr={:?} it={:?} de={:?}, {} events replayed",
@@ -66,18 +75,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     assert_eq!(status.events_received, 2);
     assert!(!countries.contains_key("de"));
 
+    cluster.shutdown().await;
     node.shutdown().await?;
     std::fs::remove_dir_all(&dir)?;
     Ok(())
-}
-
-/// Polls until `done` (a change takes well under a millisecond to arrive).
-async fn wait_until(done: impl Fn() -> bool) {
-    tokio::time::timeout(Duration::from_secs(5), async {
-        while !done() {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await
-    .expect("the node applied the change within 5 s");
 }

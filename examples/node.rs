@@ -3,14 +3,16 @@
 //! over Redis, NATS or RocketMQ. Run two or more, each in its own terminal:
 //!
 //! ```text
-//! cargo run -p cache-sync-examples --features brokers --example node -- --redis redis://127.0.0.1:6379/ --http 127.0.0.1:9465 --node-id node-a
-//! cargo run -p cache-sync-examples --features brokers --example node -- --redis redis://127.0.0.1:6379/ --http 127.0.0.1:9466 --node-id node-b
-//! cargo run -p cache-sync-examples --features brokers --example admin -- --redis redis://127.0.0.1:6379/ upsert de Deutschland
+//! cargo run -p cache-sync-examples --features redis --example node -- --transport redis-streams --http 127.0.0.1:9465 --node-id node-a
+//! cargo run -p cache-sync-examples --features redis --example node -- --transport redis-streams --http 127.0.0.1:9466 --node-id node-b
+//! cargo run -p cache-sync-examples --features redis --example admin -- --transport redis-streams upsert de Deutschland
 //! curl -s http://127.0.0.1:9465/cache-sync/caches/countries
 //! ```
 //!
-//! For NATS JetStream, give every process `--nats nats://127.0.0.1:4222`
-//! instead of `--redis URL`; for RocketMQ, `--rocketmq 127.0.0.1:9876`.
+//! `--transport` takes the command-line tool's names: `redis-streams` or
+//! `redis-pubsub` (feature `redis`), `nats-jetstream` (feature `nats`),
+//! `rocketmq` (feature `rocketmq`). `--url URL` names the server when it is
+//! not on its usual port on 127.0.0.1.
 //!
 //! Every 2 s the node prints its cache's version, its entry count and what it
 //! holds for a few codes. Ctrl-C stops it cleanly: it saves its position and
@@ -44,8 +46,7 @@ type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
 const SHOWN: [&str; 5] = ["de", "fr", "it", "cz", "xx"];
 const REPORT_EVERY: Duration = Duration::from_secs(2);
 
-/// The rows the loader answers from: the same seed as the `demo` example's
-/// database.
+/// The rows the loader answers from, standing in for the admin's database.
 const SEED: [(&str, &str); 8] = [
     ("de", "Germany"),
     ("es", "Spain"),
@@ -94,7 +95,7 @@ struct Args {
     )]
     node_id: String,
     /// Keep the node's position in DIR/offsets.json, so a restarted
-    /// node resumes where it stopped (not with --pubsub; default: in
+    /// node resumes where it stopped (not on redis-pubsub; default: in
     /// memory, so a restarted node starts from the newest event)
     #[arg(long, value_name = "DIR", verbatim_doc_comment)]
     data_dir: Option<PathBuf>,
@@ -139,10 +140,10 @@ fn default_node_id() -> String {
 async fn run(args: Args) -> Result<()> {
     let transport = args.transport.connect().await?;
     // Pub/Sub keeps no history, so there is no position worth saving.
-    let pubsub = args.transport.pubsub;
+    let pubsub = args.transport.is_pubsub();
     let offsets = match &args.data_dir {
         Some(_) if pubsub => {
-            eprintln!("node: --data-dir has no effect with --pubsub");
+            eprintln!("node: --data-dir has no effect on redis-pubsub");
             None
         }
         dir => dir.as_ref().map(FileOffsetStore::new),

@@ -7,10 +7,10 @@
 //!
 //! ```text
 //! # once, and then in its own terminal: the relay (a sidecar, or in the admin service)
-//! cargo run -p cache-sync-examples --features brokers,postgres --example postgres_admin -- relay --redis redis://127.0.0.1:6379/
+//! cargo run -p cache-sync-examples --features redis,postgres --example postgres_admin -- relay --transport redis-streams
 //! # each change: one transaction, row and event together
-//! cargo run -p cache-sync-examples --features brokers,postgres --example postgres_admin -- upsert de Deutschland
-//! cargo run -p cache-sync-examples --features brokers,postgres --example postgres_admin -- delete fr
+//! cargo run -p cache-sync-examples --features redis,postgres --example postgres_admin -- upsert de Deutschland
+//! cargo run -p cache-sync-examples --features redis,postgres --example postgres_admin -- delete fr
 //! ```
 //!
 //! The database is `--database URL` (default
@@ -51,6 +51,8 @@ struct Args {
     command: Command,
 }
 
+/// As in the `admin` example, the subcommands say what happens to the row;
+/// its event is the outbox dictionary's `insert` or `invalidate`.
 #[derive(Debug, clap::Subcommand)]
 enum Command {
     /// A row was inserted or updated: one transaction writes it and its event

@@ -3,7 +3,7 @@
 //! `postgres_admin` commits through the outbox. Run two or more:
 //!
 //! ```text
-//! cargo run -p cache-sync-examples --features brokers,postgres --example postgres_node -- --redis redis://127.0.0.1:6379/ --node-id node-a
+//! cargo run -p cache-sync-examples --features redis,postgres --example postgres_node -- --transport redis-streams --node-id node-a
 //! ```
 //!
 //! Every 2 s it reads a few codes through the cache and prints them with the

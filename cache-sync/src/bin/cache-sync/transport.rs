@@ -1,9 +1,9 @@
 //! Which transport to join, chosen with `--transport`, and the signing key.
 //!
-//! The examples' `shared/transport.rs` picks a transport with one flag per
-//! broker and needs every broker feature; this tool is installed with only
-//! the features a user asks for, so the choice is one `--transport NAME`
-//! checked against what was built, with the same loopback defaults.
+//! The tool is installed with only the features a user asks for, so the
+//! choice is one `--transport NAME` checked against what was built, with
+//! loopback defaults. The multi-process examples take the same flags, names
+//! and defaults (`examples/shared/transport.rs`).
 
 use std::sync::Arc;
 
