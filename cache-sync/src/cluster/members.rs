@@ -31,13 +31,32 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::heartbeat::MISSED_INTERVALS;
 use super::view::Staircase;
-use super::{
-    CacheHeartbeat, GONE_KEPT, Heartbeat, MAX_MEMBER_BYTES, MAX_MEMBERS, MAX_TOTAL_BYTES,
-    MAX_VERSION_AGE, MISSED_INTERVALS,
-};
+use super::{CacheHeartbeat, Heartbeat};
 use crate::transport::{Offset, Position};
 use crate::util::{HashMap, HashSet, MAX_TIMEOUT};
+
+/// How long a gone node is still listed as gone (not as live).
+pub(super) const GONE_KEPT: Duration = Duration::from_secs(300);
+/// Bounds the members a view keeps, against a flood of made-up node ids
+/// on a topic whose heartbeats are not signed (and the nodes gone lately
+/// listed, likewise).
+pub(super) const MAX_MEMBERS: usize = 10_000;
+/// Bounds what one member's summary may take, in bytes as the view
+/// accounts them (its cache names counted in full): room for a node of
+/// about 1,300 caches. A heartbeat
+/// may be 1 MiB of JSON; kept whole, it would take about 2 MB.
+pub(super) const MAX_MEMBER_BYTES: usize = 256 << 10;
+/// Bounds what the whole view takes, in bytes as accounted: members,
+/// cache names with their indexes, nodes gone lately (given up first).
+/// Room for the 10,000 members of the cap at 13 KiB each: a node of one
+/// cache is accounted about 0.7 KiB, of 10 caches 2.2 KiB, of 100 caches
+/// 18 KiB (`benches/cluster_view.rs` measured 0.6, 1.8 and 14 KiB).
+pub(super) const MAX_TOTAL_BYTES: usize = 128 << 20;
+/// The longest a heartbeat's `version_age_ms` is believed: it comes off
+/// the wire. Besides, never longer than the sender's own uptime.
+const MAX_VERSION_AGE: Duration = Duration::from_secs(24 * 3600);
 
 /// One live node, as its last heartbeat described it.
 #[derive(Debug)]
