@@ -9,7 +9,7 @@
 //! - per cache name, an index ([`CacheIndex`]): the nodes that hold it, how
 //!   many hold each version (so the newest and the lowest are at hand
 //!   without a pass over the members), and its staircase (how long each
-//!   version has been known, see [`Staircase`]);
+//!   version has been known, see [`Staircase`](super::view::Staircase));
 //! - an expiry queue, members by deadline, so that expiring costs
 //!   `O(log n)` for each member that goes and nothing for those that stay;
 //! - the nodes gone lately, with a queue of their own.
@@ -23,19 +23,32 @@
 //! over [`MAX_TOTAL_BYTES`] once the nodes gone lately were given up for
 //! room, or a new node past [`MAX_MEMBERS`]) is dropped, and the drop is
 //! remembered so that the view can tell it may be missing a node.
+//!
+//! This file holds the store, its bounds and its intake; what a member is
+//! lives in `member`, the per-name index in `index`, members leaving and
+//! the nodes gone lately in `expiry`, and the byte estimates in
+//! `accounting`.
 
 use std::collections::BTreeMap;
-use std::mem::size_of;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::Heartbeat;
 use super::heartbeat::MISSED_INTERVALS;
-use super::view::Staircase;
-use super::{CacheHeartbeat, Heartbeat};
-use crate::transport::{Offset, Position};
-use crate::util::{HashMap, HashSet, MAX_TIMEOUT};
+use crate::util::{HashMap, MAX_TIMEOUT};
+use accounting::{name_bytes, summary_bytes};
+use expiry::Gone;
+use member::{StoredCache, dedup};
+
+mod accounting;
+mod expiry;
+mod index;
+mod member;
+
+pub(super) use index::CacheIndex;
+pub(super) use member::Member;
 
 /// How long a gone node is still listed as gone (not as live).
 pub(super) const GONE_KEPT: Duration = Duration::from_secs(300);
@@ -57,124 +70,6 @@ pub(super) const MAX_TOTAL_BYTES: usize = 128 << 20;
 /// The longest a heartbeat's `version_age_ms` is believed: it comes off
 /// the wire. Besides, never longer than the sender's own uptime.
 const MAX_VERSION_AGE: Duration = Duration::from_secs(24 * 3600);
-
-/// One live node, as its last heartbeat described it.
-#[derive(Debug)]
-pub(super) struct Member {
-    pub(super) id: Arc<str>,
-    pub(super) started_at_us: u64,
-    pub(super) sent_at_us: u64,
-    pub(super) interval_ms: u64,
-    pub(super) transport: Box<str>,
-    pub(super) consuming: bool,
-    pub(super) ready: bool,
-    /// Its position's partitions, in order: a `Position` (a B-tree) with
-    /// one partition takes a whole node, about 600 bytes.
-    position: Box<[(Box<str>, Offset)]>,
-    pub(super) losses: u64,
-    /// By name, each name once.
-    pub(super) caches: Box<[StoredCache]>,
-    /// When its heartbeat arrived, on this party's monotonic clock.
-    pub(super) seen: Instant,
-    /// The same, in microseconds since the Unix epoch on this party's
-    /// clock: for display only.
-    pub(super) seen_at_us: u64,
-    /// Its key in the expiry queue.
-    expires: (Instant, u64),
-    /// What it is accounted, its cache names' text aside (see
-    /// [`Members::bytes`]).
-    bytes: usize,
-}
-
-/// One cache of a [`Member`].
-#[derive(Debug)]
-pub(super) struct StoredCache {
-    pub(super) name: Arc<str>,
-    pub(super) version: Option<u64>,
-    pub(super) version_at_us: Option<u64>,
-    pub(super) entries: u64,
-    pub(super) loss_resyncs: u64,
-    pub(super) last_latency_us: Option<u64>,
-    pub(super) quarantined: bool,
-}
-
-/// One cache name across the members that hold it.
-#[derive(Debug, Default)]
-pub(super) struct CacheIndex {
-    holders: HashSet<Arc<str>>,
-    /// How many holders are at each version (holders without one are not
-    /// counted here; `unversioned` counts them).
-    versions: BTreeMap<u64, u32>,
-    unversioned: u32,
-    pub(super) staircase: Staircase,
-}
-
-impl CacheIndex {
-    /// The newest version a holder reports.
-    pub(super) fn newest(&self) -> Option<u64> {
-        self.versions.last_key_value().map(|(v, _)| *v)
-    }
-
-    /// The lowest version a holder is at, a holder without one counting as
-    /// at 0 (as its lag does).
-    fn lowest(&self) -> u64 {
-        if self.unversioned > 0 {
-            return 0;
-        }
-        self.versions.first_key_value().map_or(0, |(v, _)| *v)
-    }
-
-    /// Its holders, by node id (in no order).
-    pub(super) fn holders(&self) -> impl Iterator<Item = &Arc<str>> {
-        self.holders.iter()
-    }
-
-    fn add(&mut self, id: &Arc<str>, version: Option<u64>) {
-        self.holders.insert(id.clone());
-        match version {
-            Some(v) => {
-                let n = self.versions.entry(v).or_insert(0);
-                *n = n.saturating_add(1);
-            }
-            None => self.unversioned = self.unversioned.saturating_add(1),
-        }
-    }
-
-    fn remove(&mut self, id: &str, version: Option<u64>) {
-        self.holders.remove(id);
-        match version {
-            Some(v) => {
-                if let Some(n) = self.versions.get_mut(&v) {
-                    *n = n.saturating_sub(1);
-                    if *n == 0 {
-                        self.versions.remove(&v);
-                    }
-                }
-            }
-            None => self.unversioned = self.unversioned.saturating_sub(1),
-        }
-    }
-
-    /// Keeps the staircase to what the holders can ask of it: nothing
-    /// below the lowest version held, nothing above the newest (a version
-    /// no live node holds any more, such as a forged one, must not stand
-    /// for the ones below it).
-    fn tidy(&mut self, now: Instant) {
-        let Some(newest) = self.newest() else {
-            self.staircase.clear();
-            return;
-        };
-        self.staircase.keep_between(self.lowest(), newest, now);
-    }
-}
-
-/// A node gone lately.
-#[derive(Debug)]
-struct Gone {
-    last_seen_at_us: u64,
-    key: (Instant, u64),
-    bytes: usize,
-}
 
 /// Why a heartbeat was dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -236,58 +131,6 @@ pub(super) struct Members {
     drops: Drops,
 }
 
-/// The heap of an `Arc<str>` beyond its text: two counts.
-const ARC_HEADER: usize = 2 * size_of::<usize>();
-/// A member beyond its strings, caches and position: the map's slot (a
-/// hash table runs up to half empty after growing), the expiry queue's
-/// entry, the id's `Arc` header.
-const MEMBER_FIXED: usize =
-    2 * size_of::<(Arc<str>, Member)>() + 2 * size_of::<((Instant, u64), Arc<str>)>() + ARC_HEADER;
-/// A cache of a member beyond its name's text: the
-/// stored cache, its slot in the name's holder set (up to half empty),
-/// and its count in the name's versions (one B-tree entry at worst).
-const CACHE_FIXED: usize =
-    size_of::<StoredCache>() + 2 * (size_of::<Arc<str>>() + 1) + 2 * size_of::<(u64, u32)>();
-/// A partition of a position beyond its text.
-const PARTITION_FIXED: usize = size_of::<(Box<str>, Offset)>();
-/// A distinct cache name beyond its text: its index's slot in the map and
-/// a full staircase.
-const NAME_FIXED: usize = 2 * size_of::<(Arc<str>, CacheIndex)>() + ARC_HEADER + Staircase::BYTES;
-/// A gone node beyond its id's text.
-const GONE_FIXED: usize =
-    2 * size_of::<(Arc<str>, Gone)>() + 2 * size_of::<((Instant, u64), Arc<str>)>() + ARC_HEADER;
-
-/// What a distinct cache name is accounted.
-fn name_bytes(name: &str) -> usize {
-    NAME_FIXED.saturating_add(name.len())
-}
-
-/// What a heartbeat's summary would be accounted: the member (names aside)
-/// and its cache names' text, each as if no other member held it.
-fn summary_bytes(h: &Heartbeat) -> (usize, usize) {
-    let mut own = MEMBER_FIXED
-        .saturating_add(h.node_id.len())
-        .saturating_add(h.transport.len());
-    for (partition, offset) in h.position.iter() {
-        let id = match offset {
-            Offset::Id(id) => id.len(),
-            _ => 0,
-        };
-        own = own
-            .saturating_add(PARTITION_FIXED)
-            .saturating_add(partition.len())
-            .saturating_add(id);
-    }
-    let mut names = 0usize;
-    for c in &h.caches {
-        own = own.saturating_add(CACHE_FIXED);
-        names = names
-            .saturating_add(ARC_HEADER)
-            .saturating_add(c.name.len());
-    }
-    (own, names)
-}
-
 /// How long a node is live after its last heartbeat: three of its own
 /// intervals, the interval clamped to what a node can be given (a forged
 /// `u64::MAX` must not make an entry immortal).
@@ -295,13 +138,6 @@ pub(super) fn lifetime(interval_ms: u64) -> Duration {
     Duration::from_millis(interval_ms.max(1))
         .min(MAX_TIMEOUT)
         .saturating_mul(MISSED_INTERVALS)
-}
-
-/// Keeps the first cache of each name, in name order.
-pub(super) fn dedup(caches: &mut Vec<CacheHeartbeat>) {
-    // Stable: of equal names, the first stays first, and `dedup_by` keeps it.
-    caches.sort_by(|a, b| a.name.cmp(&b.name));
-    caches.dedup_by(|later, first| later.name == first.name);
 }
 
 /// Since when, on this party's clock, a heartbeat received at `at` says
@@ -317,106 +153,6 @@ pub(super) fn known_since(h: &Heartbeat, age_ms: Option<u64>, at: Instant) -> In
         .min(uptime)
         .min(MAX_VERSION_AGE);
     at.checked_sub(age).unwrap_or(at)
-}
-
-impl StoredCache {
-    fn new(c: CacheHeartbeat, name: Arc<str>) -> Self {
-        StoredCache {
-            name,
-            version: c.version,
-            version_at_us: c.version_at_us,
-            entries: c.entries,
-            loss_resyncs: c.loss_resyncs,
-            last_latency_us: c.last_latency_us,
-            quarantined: c.quarantined,
-        }
-    }
-}
-
-impl Member {
-    fn new(
-        h: Heartbeat,
-        id: Arc<str>,
-        caches: Box<[StoredCache]>,
-        seen: (Instant, u64),
-        expires: (Instant, u64),
-        bytes: usize,
-    ) -> Self {
-        Member {
-            id,
-            started_at_us: h.started_at_us,
-            sent_at_us: h.sent_at_us,
-            interval_ms: h.interval_ms,
-            transport: h.transport.into_boxed_str(),
-            consuming: h.consuming,
-            ready: h.ready,
-            position: h
-                .position
-                .iter()
-                .map(|(partition, offset)| (Box::from(partition), offset.clone()))
-                .collect(),
-            losses: h.losses,
-            caches,
-            seen: seen.0,
-            seen_at_us: seen.1,
-            expires,
-            bytes,
-        }
-    }
-
-    /// A member of no view: the owning node's own heartbeat, as of now.
-    pub(super) fn detached(mut h: Heartbeat, now: Instant, now_us: u64) -> Self {
-        dedup(&mut h.caches);
-        let caches = std::mem::take(&mut h.caches)
-            .into_iter()
-            .map(|c| {
-                let name = Arc::from(c.name.as_str());
-                StoredCache::new(c, name)
-            })
-            .collect();
-        let id = Arc::from(std::mem::take(&mut h.node_id).into_boxed_str());
-        Member::new(h, id, caches, (now, now_us), (now, 0), 0)
-    }
-
-    /// Its position.
-    pub(super) fn position(&self) -> Position {
-        let mut p = Position::default();
-        for (partition, offset) in &self.position {
-            p.set(partition.as_ref(), offset.clone());
-        }
-        p
-    }
-
-    /// The heartbeat it stands for, as kept: caches deduplicated, and no
-    /// `version_age_ms` (an age as of its arrival, not of now).
-    pub(super) fn to_heartbeat(&self, topic: &str) -> Heartbeat {
-        Heartbeat {
-            node_id: self.id.to_string(),
-            topic: topic.to_owned(),
-            started_at_us: self.started_at_us,
-            sent_at_us: self.sent_at_us,
-            interval_ms: self.interval_ms,
-            transport: self.transport.to_string(),
-            consuming: self.consuming,
-            ready: self.ready,
-            position: self.position(),
-            losses: self.losses,
-            caches: self
-                .caches
-                .iter()
-                .map(|c| CacheHeartbeat {
-                    name: c.name.to_string(),
-                    version: c.version,
-                    version_at_us: c.version_at_us,
-                    version_age_ms: None,
-                    entries: c.entries,
-                    loss_resyncs: c.loss_resyncs,
-                    quarantined: c.quarantined,
-                    last_latency_us: c.last_latency_us,
-                })
-                .collect(),
-        }
-    }
 }
 
 impl Members {
@@ -446,88 +182,6 @@ impl Members {
     /// Everything accounted, in bytes.
     pub(super) fn bytes(&self) -> usize {
         self.bytes
-    }
-
-    /// Moves the members whose last heartbeat is three of their intervals
-    /// old to the nodes gone, and forgets those gone for `GONE_KEPT`;
-    /// returns the ids of those that went. `O(log n)` per member that
-    /// goes, `O(1)` when none does.
-    pub(super) fn expire(&mut self, now: Instant) -> Vec<Arc<str>> {
-        let mut went = Vec::new();
-        // Live while `now <= deadline`, as a member's `seen` plus its lifetime.
-        while let Some(entry) = self.expiry.first_entry() {
-            if entry.key().0 >= now {
-                break;
-            }
-            let id = entry.remove();
-            let Some(m) = self.nodes.remove(&id) else {
-                continue;
-            };
-            self.bytes = self.bytes.saturating_sub(m.bytes);
-            for c in &m.caches {
-                if let Some(idx) = self.caches.get_mut(&c.name) {
-                    idx.remove(&m.id, c.version);
-                }
-            }
-            self.tidy(m.caches.iter().map(|c| &c.name), now);
-            self.add_gone(m.id.clone(), m.seen, m.seen_at_us);
-            went.push(m.id);
-        }
-        while let Some(entry) = self.gone_order.first_entry() {
-            if now.saturating_duration_since(entry.key().0) <= GONE_KEPT {
-                break;
-            }
-            let id = entry.remove();
-            self.forget_gone(&id);
-        }
-        went
-    }
-
-    fn add_gone(&mut self, id: Arc<str>, seen: Instant, seen_at_us: u64) {
-        if self.gone.len() >= MAX_MEMBERS {
-            self.forget_oldest_gone();
-        }
-        let key = (seen, self.next_tie());
-        let bytes = GONE_FIXED.saturating_add(id.len());
-        self.gone_order.insert(key, id.clone());
-        if let Some(old) = self.gone.insert(
-            id,
-            Gone {
-                last_seen_at_us: seen_at_us,
-                key,
-                bytes,
-            },
-        ) {
-            // Not expected (a member is never also gone), but kept exact.
-            self.gone_order.remove(&old.key);
-            self.unaccount_gone(old.bytes);
-        }
-        self.bytes = self.bytes.saturating_add(bytes);
-        self.gone_bytes = self.gone_bytes.saturating_add(bytes);
-    }
-
-    /// Forgets a gone node; its id's `Arc` back, if it was one.
-    fn forget_gone(&mut self, id: &str) -> Option<Arc<str>> {
-        let (id, g) = self.gone.remove_entry(id)?;
-        self.gone_order.remove(&g.key);
-        self.unaccount_gone(g.bytes);
-        Some(id)
-    }
-
-    /// Forgets the gone node heard from longest ago; false if none is left.
-    fn forget_oldest_gone(&mut self) -> bool {
-        let Some((_, id)) = self.gone_order.pop_first() else {
-            return false;
-        };
-        if let Some(g) = self.gone.remove(&id) {
-            self.unaccount_gone(g.bytes);
-        }
-        true
-    }
-
-    fn unaccount_gone(&mut self, bytes: usize) {
-        self.bytes = self.bytes.saturating_sub(bytes);
-        self.gone_bytes = self.gone_bytes.saturating_sub(bytes);
     }
 
     fn next_tie(&mut self) -> u64 {
