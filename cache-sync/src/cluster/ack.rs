@@ -18,6 +18,7 @@ use tokio::sync::watch;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
+use super::handle::Inner;
 use super::{Ack, Cluster, Message, Request, Target};
 use crate::util::{Backoff, HashMap, deadline_after, lock};
 
@@ -152,7 +153,7 @@ pub(crate) struct Goal {
 
 /// Answers a node gives to one request, at most this many kept: more live
 /// nodes than a view keeps members cannot be waited for anyway.
-const MAX_ANSWERS: usize = super::MAX_MEMBERS;
+const MAX_ANSWERS: usize = super::members::MAX_MEMBERS;
 /// A node id longer than this in an answer is no node a view keeps.
 const MAX_NODE_ID_BYTES: usize = 4096;
 
@@ -390,7 +391,7 @@ pub(crate) async fn wait(cluster: &Cluster, cache: &str, goal: Goal, timeout: Du
 /// and says meanwhile that it does not read it, so requests ask for the
 /// heartbeat channel instead. Ends at once on a transport without reply
 /// channels.
-pub(crate) async fn reply_loop(cluster: Weak<super::Inner>, mut stop: watch::Receiver<bool>) {
+pub(crate) async fn reply_loop(cluster: Weak<Inner>, mut stop: watch::Receiver<bool>) {
     let mut backoff = Backoff::new(super::CHANNEL_BACKOFF_MIN, super::CHANNEL_BACKOFF_MAX);
     loop {
         let Some(inner) = cluster.upgrade() else {
@@ -449,7 +450,7 @@ pub(crate) async fn reply_loop(cluster: Weak<super::Inner>, mut stop: watch::Rec
     }
 }
 
-fn set_replies(cluster: &Weak<super::Inner>, on: bool) {
+fn set_replies(cluster: &Weak<Inner>, on: bool) {
     if let Some(inner) = cluster.upgrade() {
         inner.replies.store(on, Relaxed);
     }

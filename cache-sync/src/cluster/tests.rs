@@ -7,10 +7,14 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::members::lifetime;
+use super::handle::LocalHeartbeat;
+use super::members::{GONE_KEPT, MAX_MEMBER_BYTES, MAX_MEMBERS, MAX_TOTAL_BYTES, lifetime};
 use super::view::Staircase;
 use super::*;
 use crate::transport::embedded::EmbeddedTransport;
+use crate::transport::{DEFAULT_TOPIC, Position};
+use crate::util::lock;
+use crate::wire::Codec;
 
 /// The view's own interval. Tests run on a paused clock: members of
 /// 100 ms intervals expire only when a test moves it on.

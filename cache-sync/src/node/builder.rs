@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::hash::Hash;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -15,7 +15,8 @@ use super::acks::AckQueue;
 use super::consume::{Subscribed, consume_loop};
 use super::heartbeat::{heartbeat_loop, take};
 use super::maintenance::maintenance_loop;
-use super::{Config, Handle, MIN_BACKOFF, NEXT_NODE_TOKEN, Node, NodeStats, OffsetStore, Shared};
+use super::stats::NodeStats;
+use super::{Config, Handle, Node, OffsetStore, Shared};
 use crate::cache::{CacheHandle, SyncedCache};
 use crate::cluster::{Cluster, check_interval};
 use crate::error::{Error, Result};
@@ -23,6 +24,12 @@ use crate::table::check_topic;
 use crate::transport::{StartFrom, Transport};
 use crate::util::{lock, now_us};
 use crate::wire::{Codec, Keyring, check_max_event_bytes};
+
+/// The shortest wait between re-subscription attempts.
+const MIN_BACKOFF: Duration = Duration::from_millis(1);
+
+/// Hands each node a token of its own, so a cache knows which node holds it.
+static NEXT_NODE_TOKEN: AtomicU64 = AtomicU64::new(1);
 
 /// Configures and starts a [`Node`].
 pub struct NodeBuilder {

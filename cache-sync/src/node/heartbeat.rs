@@ -4,6 +4,7 @@
 //! see `acks.rs`).
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,9 +13,9 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 
 use super::Shared;
-use crate::cluster::{Message, Request};
+use crate::cluster::{CacheHeartbeat, Heartbeat, Message, Request};
 use crate::transport::HeartbeatSubscription;
-use crate::util::{Backoff, deadline_after};
+use crate::util::{Backoff, deadline_after, now_us};
 
 /// The least time between two heartbeats sent early: a flood of roll calls
 /// (forged ones, on a topic whose messages are not signed) cannot make a node flood the
@@ -174,6 +175,47 @@ impl Reader {
 impl Drop for Reader {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+impl Shared {
+    /// This node's heartbeat, as of now.
+    pub(super) fn heartbeat(&self) -> Heartbeat {
+        let status = self.status();
+        let ready = status.consuming
+            && self.caught_up.load(Relaxed)
+            && status.caches.iter().all(|c| !c.quarantined);
+        let interval = self.config.heartbeat_interval;
+        let now = now_us();
+        Heartbeat {
+            node_id: status.node_id,
+            topic: status.topic,
+            started_at_us: self.started_at_us,
+            sent_at_us: now,
+            interval_ms: u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
+            transport: status.transport,
+            consuming: status.consuming,
+            ready,
+            position: status.position,
+            losses: status.losses,
+            caches: status
+                .caches
+                .into_iter()
+                .map(|c| CacheHeartbeat {
+                    name: c.name,
+                    version: c.version,
+                    version_at_us: c.version_at_us,
+                    // A duration on this node's clock alone: what others
+                    // time lags by (they never read `version_at_us`
+                    // against their own clock).
+                    version_age_ms: c.version_at_us.map(|at| now.saturating_sub(at) / 1000),
+                    entries: c.entries,
+                    loss_resyncs: c.loss_resyncs,
+                    quarantined: c.quarantined,
+                    last_latency_us: c.last_latency_us,
+                })
+                .collect(),
+        }
     }
 }
 

@@ -376,8 +376,8 @@ mod tests {
     use http_body_util::BodyExt;
     use tower::ServiceExt;
 
+    use super::super::stats::{LOSS_REASONS, loss_index};
     use super::super::tests::eventually;
-    use super::super::{LOSS_REASONS, loss_index};
     use crate::transport::{DEFAULT_TOPIC, Transport};
     use crate::util::now_us;
     use crate::wire::{Change, EntryVersion, Header, Origin, encode, encode_part};

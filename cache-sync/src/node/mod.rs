@@ -1,28 +1,32 @@
 //! The broadcasting consumer: one per node, applying every event on its topic
 //! to the caches the node registered.
+//!
+//! This file holds the [`Node`] handle and its API. The state the node's
+//! tasks share lives in `shared` (the hub), `registry` (the caches it
+//! holds) and `stats` (its counters and status); the rest by task:
+//! `builder`, `consume` and `route` (with `seqs` and `fences`),
+//! `maintenance` and `offsets`, `heartbeat` and `acks`, and the status
+//! server (`http`, `metrics`, `page`).
 
 use std::fmt;
 use std::hash::Hash;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::sync::{Notify, watch};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::cache::{CacheHandle, SyncedCache};
-use crate::cluster::{CacheHeartbeat, Cluster, DEFAULT_HEARTBEAT_INTERVAL, Heartbeat};
+use crate::cache::SyncedCache;
+use crate::cluster::{Cluster, DEFAULT_HEARTBEAT_INTERVAL};
 use crate::error::{Error, Result};
 use crate::publish::{DEFAULT_ANNOUNCE_INTERVAL, Publisher};
 use crate::status::NodeStatus;
-use crate::table::check_topic;
-use crate::transport::{
-    DEFAULT_TOPIC, LossReason, Position, StartFrom, SubscribeOptions, Subscription, Transport,
-};
-use crate::util::{HashMap, lock, now_us};
-use crate::wire::{Codec, DEFAULT_MAX_EVENT_BYTES};
+use crate::transport::{DEFAULT_TOPIC, StartFrom, Transport};
+use crate::wire::DEFAULT_MAX_EVENT_BYTES;
+use shared::{Config, Shared};
 
 mod acks;
 mod builder;
@@ -33,8 +37,11 @@ mod http;
 mod maintenance;
 mod metrics;
 mod offsets;
+mod registry;
 mod route;
 mod seqs;
+mod shared;
+mod stats;
 
 pub use builder::NodeBuilder;
 pub use http::StatusServer;
@@ -50,12 +57,6 @@ pub(crate) fn fuzz_offsets(data: &[u8]) {
 
 /// See [`NodeBuilder::reorder_window`].
 pub(crate) const DEFAULT_REORDER_WINDOW: Duration = Duration::from_secs(10);
-
-/// The shortest wait between re-subscription attempts.
-const MIN_BACKOFF: Duration = Duration::from_millis(1);
-
-/// Hands each node a token of its own, so a cache knows which node holds it.
-static NEXT_NODE_TOKEN: AtomicU64 = AtomicU64::new(1);
 
 /// One application node: a broadcasting consumer plus the caches it keeps in
 /// step, and the source of its status.
@@ -93,105 +94,6 @@ type Tasks = (JoinHandle<()>, JoinHandle<()>, JoinHandle<()>);
 impl Drop for Handle {
     fn drop(&mut self) {
         self.stop.send_replace(true);
-    }
-}
-
-/// A node that failed to start, or whose last task and handle are gone,
-/// lets its caches be registered on another node.
-impl Drop for Shared {
-    fn drop(&mut self) {
-        self.release_caches();
-    }
-}
-
-struct Shared {
-    /// This node's claim on its caches; see `CacheHandle::claim`.
-    token: u64,
-    id: String,
-    topic: String,
-    transport: Arc<dyn Transport>,
-    offsets: Arc<dyn OffsetStore>,
-    config: Config,
-    /// Opens what the transport delivers: the size limit and, when the node
-    /// verifies signatures, the keyring.
-    codec: Codec,
-    /// Copied on write (registrations are rare), so the consumer takes one
-    /// snapshot per batch instead of a lock and an `Arc` clone per event.
-    caches: RwLock<Arc<CacheMap>>,
-    /// Bumped on every registration, so the consumer can re-subscribe with
-    /// the new tag set.
-    registrations: watch::Sender<u64>,
-    position: Mutex<Position>,
-    /// The position moved since it was last saved.
-    dirty: AtomicBool,
-    /// Signalled after each applied batch; see `maintenance_loop`.
-    applied: Notify,
-    consuming: AtomicBool,
-    /// The consume task runs (see [`Node::is_alive`]).
-    alive: AtomicBool,
-    /// The start replay is done: the transport had no more to give at once
-    /// (see `consume_loop`).
-    caught_up: AtomicBool,
-    /// Acknowledgement requests between the heartbeat task, which takes
-    /// them in and sends the answers, and the consume task, which decides
-    /// when each is met.
-    ack_queue: acks::AckQueue,
-    started_at_us: u64,
-    /// What this node sees of the cluster, its own heartbeat included.
-    cluster: Cluster,
-    stats: NodeStats,
-}
-
-#[derive(Debug, Clone)]
-struct Config {
-    start_from: StartFrom,
-    max_batch: usize,
-    max_event_bytes: usize,
-    persist_interval: Duration,
-    min_backoff: Duration,
-    max_backoff: Duration,
-    reorder_window: Duration,
-    /// `Duration::MAX`: no heartbeats.
-    heartbeat_interval: Duration,
-}
-
-type CacheMap = HashMap<String, Arc<dyn CacheHandle>>;
-
-#[derive(Default)]
-struct NodeStats {
-    received: AtomicU64,
-    skipped: AtomicU64,
-    rejected: AtomicU64,
-    losses: AtomicU64,
-    /// `losses` split by reason, indexed by `loss_index`; they sum to it.
-    losses_by_reason: [AtomicU64; LOSS_REASONS.len()],
-    publisher_gaps: AtomicU64,
-    /// Events from a replaced outbox relay, applied as invalidations.
-    fenced: AtomicU64,
-    transport_errors: AtomicU64,
-    last_loss: Mutex<Option<(String, u64)>>,
-}
-
-/// Every `LossReason`, in the order of `NodeStats::losses_by_reason`.
-const LOSS_REASONS: [LossReason; 6] = [
-    LossReason::Trimmed,
-    LossReason::Reconnected,
-    LossReason::HistoryReset,
-    LossReason::PublisherGap,
-    LossReason::Overflow,
-    LossReason::Unreadable,
-];
-
-/// Where `reason` is in `LOSS_REASONS`. A match with no wildcard, so a new
-/// reason does not compile until it has a counter.
-fn loss_index(reason: LossReason) -> usize {
-    match reason {
-        LossReason::Trimmed => 0,
-        LossReason::Reconnected => 1,
-        LossReason::HistoryReset => 2,
-        LossReason::PublisherGap => 3,
-        LossReason::Overflow => 4,
-        LossReason::Unreadable => 5,
     }
 }
 
@@ -421,7 +323,7 @@ impl Node {
     /// `_events_skipped_total`, `_events_rejected_total`,
     /// `_publisher_gaps_total`, `_transport_errors_total`, and
     /// `cache_sync_node_losses_total` labelled `reason` (every
-    /// [`LossReason`] label, zeros included: [`NodeStatus::losses`] split by
+    /// [`LossReason`](crate::transport::LossReason) label, zeros included: [`NodeStatus::losses`] split by
     /// reason), `_heartbeats_sent_total`, `_heartbeats_received_total`,
     /// `_heartbeats_rejected_total`, `_heartbeats_dropped_total` (taken in
     /// but past the cluster view's bounds); gauges
@@ -474,194 +376,6 @@ impl Node {
         let saved = shared.persist().await;
         shared.release_caches();
         saved
-    }
-}
-
-impl Shared {
-    /// The status, with `consuming` as the flag says (the node's handle
-    /// also knows whether it was told to stop).
-    fn status(&self) -> NodeStatus {
-        let s = self;
-        let mut caches: Vec<_> = s.caches().values().map(|c| c.status()).collect();
-        caches.sort_by(|a, b| a.name.cmp(&b.name));
-        let last_loss = lock(&s.stats.last_loss).clone();
-        NodeStatus {
-            node_id: s.id.clone(),
-            transport: s.transport.kind().to_owned(),
-            topic: s.topic.clone(),
-            consuming: s.consuming.load(Relaxed),
-            position: lock(&s.position).clone(),
-            events_received: s.stats.received.load(Relaxed),
-            events_skipped: s.stats.skipped.load(Relaxed),
-            events_rejected: s.stats.rejected.load(Relaxed),
-            losses: s.stats.losses.load(Relaxed),
-            losses_by_reason: LOSS_REASONS
-                .iter()
-                .zip(&s.stats.losses_by_reason)
-                .map(|(reason, n)| (reason.label().to_owned(), n.load(Relaxed)))
-                .collect(),
-            publisher_gaps: s.stats.publisher_gaps.load(Relaxed),
-            events_fenced: s.stats.fenced.load(Relaxed),
-            transport_errors: s.stats.transport_errors.load(Relaxed),
-            last_loss_reason: last_loss.as_ref().map(|(r, _)| r.clone()),
-            last_loss_at_us: last_loss.map(|(_, at)| at),
-            heartbeats_sent: s.cluster.stats().sent.load(Relaxed),
-            heartbeats_received: s.cluster.stats().received.load(Relaxed),
-            heartbeats_rejected: s.cluster.stats().rejected.load(Relaxed),
-            heartbeats_dropped: s.cluster.stats().dropped.load(Relaxed),
-            caches,
-        }
-    }
-
-    /// This node's heartbeat, as of now.
-    fn heartbeat(&self) -> Heartbeat {
-        let status = self.status();
-        let ready = status.consuming
-            && self.caught_up.load(Relaxed)
-            && status.caches.iter().all(|c| !c.quarantined);
-        let interval = self.config.heartbeat_interval;
-        let now = now_us();
-        Heartbeat {
-            node_id: status.node_id,
-            topic: status.topic,
-            started_at_us: self.started_at_us,
-            sent_at_us: now,
-            interval_ms: u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
-            transport: status.transport,
-            consuming: status.consuming,
-            ready,
-            position: status.position,
-            losses: status.losses,
-            caches: status
-                .caches
-                .into_iter()
-                .map(|c| CacheHeartbeat {
-                    name: c.name,
-                    version: c.version,
-                    version_at_us: c.version_at_us,
-                    // A duration on this node's clock alone: what others
-                    // time lags by (they never read `version_at_us`
-                    // against their own clock).
-                    version_age_ms: c.version_at_us.map(|at| now.saturating_sub(at) / 1000),
-                    entries: c.entries,
-                    loss_resyncs: c.loss_resyncs,
-                    quarantined: c.quarantined,
-                    last_latency_us: c.last_latency_us,
-                })
-                .collect(),
-        }
-    }
-
-    fn caches(&self) -> Arc<CacheMap> {
-        self.caches
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    fn cache(&self, name: &str) -> Option<Arc<dyn CacheHandle>> {
-        self.caches().get(name).cloned()
-    }
-
-    async fn register(&self, cache: Arc<dyn CacheHandle>) -> Result<()> {
-        let name = cache.name().to_owned();
-        check_topic(&name, cache.topic(), &self.topic)?;
-        {
-            let mut guard = self.caches.write().unwrap_or_else(|p| p.into_inner());
-            let caches = Arc::make_mut(&mut guard);
-            if caches.contains_key(&name) {
-                return Err(Error::DuplicateCache(name));
-            }
-            if !cache.claim(self.token, self.config.reorder_window) {
-                return Err(Error::Config(format!(
-                    "cache {name:?} is already registered on a node"
-                )));
-            }
-            caches.insert(name.clone(), cache.clone());
-        }
-        // The reset below can wait (for a write, or a loader holding a key):
-        // a caller that gives up meanwhile (a timeout) must not leave the
-        // cache in the map without the re-subscription that brings its
-        // events, so the registration is undone unless it completes.
-        let mut undo = UndoRegister {
-            shared: self,
-            cache: Some(cache.clone()),
-        };
-        // After the insert: events applied meanwhile are wiped too, which is
-        // safe; the other order could drop one that arrived in between.
-        cache.reset().await;
-        self.registrations.send_modify(|n| *n = n.wrapping_add(1));
-        undo.cache = None;
-        tracing::debug!(node = %self.id, cache = %name, "cache registered");
-        Ok(())
-    }
-
-    /// Takes a cache out of the map again, and releases it.
-    fn unregister(&self, cache: &Arc<dyn CacheHandle>) {
-        {
-            let mut guard = self.caches.write().unwrap_or_else(|p| p.into_inner());
-            Arc::make_mut(&mut guard).remove(cache.name());
-        }
-        cache.release(self.token);
-    }
-
-    fn release_caches(&self) {
-        for cache in self.caches().values() {
-            cache.release(self.token);
-        }
-    }
-
-    async fn subscribe(&self, from: StartFrom) -> Result<Box<dyn Subscription>> {
-        let mut options = SubscribeOptions::new(from);
-        if self.transport.filters_by_tag() {
-            options = options.with_tags(self.caches().keys().cloned());
-        }
-        self.transport.subscribe(&self.topic, options).await
-    }
-
-    async fn persist(&self) -> Result<()> {
-        let position = lock(&self.position).clone();
-        if position.is_empty() {
-            return Ok(());
-        }
-        self.offsets.save(&self.topic, &position).await
-    }
-
-    /// Counts a loss and remembers its reason for the status.
-    fn record_loss(&self, reason: LossReason) {
-        self.stats.losses.fetch_add(1, Relaxed);
-        // `loss_index` is always in bounds; `get` rather than indexing
-        // keeps a panic out of the consumer all the same.
-        if let Some(n) = self.stats.losses_by_reason.get(loss_index(reason)) {
-            n.fetch_add(1, Relaxed);
-        }
-        *lock(&self.stats.last_loss) = Some((reason.label().to_owned(), now_us()));
-    }
-
-    async fn resync_all(&self, reason: LossReason, missed: Option<u64>) {
-        self.record_loss(reason);
-        let caches: Vec<_> = self.caches().values().cloned().collect();
-        tracing::warn!(
-            node = %self.id, topic = %self.topic, reason = reason.label(), ?missed, caches = caches.len(),
-            "events may have been lost; invalidating every cache on the topic"
-        );
-        for cache in caches {
-            cache.resync().await;
-        }
-    }
-}
-
-/// Takes a cache out again if its registration is dropped half-way.
-struct UndoRegister<'a> {
-    shared: &'a Shared,
-    cache: Option<Arc<dyn CacheHandle>>,
-}
-
-impl Drop for UndoRegister<'_> {
-    fn drop(&mut self) {
-        if let Some(cache) = self.cache.take() {
-            self.shared.unregister(&cache);
-        }
     }
 }
 

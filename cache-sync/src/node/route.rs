@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use tracing::Instrument as _;
 
+use super::Shared;
+use super::registry::CacheMap;
 use super::seqs::{Missing, Prior, PublisherSeqs};
-use super::{CacheMap, Shared};
 use crate::cache::{CacheHandle, Event};
 use crate::transport::{LossReason, Record};
 use crate::util::{deadline_after, now_us};

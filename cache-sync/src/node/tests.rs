@@ -1,3 +1,5 @@
+use std::sync::Mutex;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -5,7 +7,9 @@ use bytes::Bytes;
 use super::seqs::PublisherSeqs;
 use super::*;
 use crate::transport::FaultyTransport;
-use crate::wire::{Change, EntryVersion, Header, encode_part};
+use crate::transport::{Position, SubscribeOptions, Subscription};
+use crate::util::now_us;
+use crate::wire::{Change, Codec, EntryVersion, Header, encode_part};
 use crate::{EmbeddedTransport, Keyring};
 
 mod acks;
