@@ -1,5 +1,4 @@
 use std::sync::Mutex;
-use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -7,7 +6,7 @@ use bytes::Bytes;
 use super::seqs::PublisherSeqs;
 use super::*;
 use crate::transport::FaultyTransport;
-use crate::transport::{Position, SubscribeOptions, Subscription};
+use crate::transport::Position;
 use crate::util::now_us;
 use crate::wire::{Change, Codec, EntryVersion, Header, encode_part};
 use crate::{EmbeddedTransport, Keyring};
