@@ -1352,6 +1352,17 @@ pub async fn reply_channel(fixture: &mut dyn Fixture) {
     // Nobody subscribed: no error, and nothing left that a later
     // subscriber would get.
     retry(|| publisher.publish_reply(topic, 3, bytes::Bytes::from_static(b"lost"))).await;
+    // A publish returns once it is on the publisher's connection, not once
+    // the broker has routed it (NATS' flush waits for the socket only), so
+    // a subscription made at once on another connection could still catch
+    // it. A broker handles one connection's messages in order: once a
+    // marker sent after it arrives, "lost" has been routed to nobody.
+    retry(|| publisher.publish_reply(topic, 1, bytes::Bytes::from_static(b"marker"))).await;
+    assert_eq!(
+        next_heartbeat(name, "party 1's reply channel", &mut mine).await,
+        bytes::Bytes::from_static(b"marker"),
+        "{name}: party 1 got another payload"
+    );
     let mut late = two
         .subscribe_replies(topic, 3)
         .await
