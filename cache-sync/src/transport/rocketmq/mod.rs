@@ -89,7 +89,7 @@ type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 ///   keep them for their commit-log retention (72 h by default), and a
 ///   heartbeat subscription, a consumer of its own from the end, reads none
 ///   of that. A topic within 3 characters of the 127-character limit has no
-///   heartbeat topic ([`Error::Unsupported`]).
+///   heartbeat topic ([`Error::Unsupported`](crate::Error::Unsupported)).
 ///
 /// # Offsets directory
 /// The client keeps each consumer's `offsets.json` under a directory it reads
