@@ -17,25 +17,28 @@
 //! other writer of that cache until it ends, so enqueue last, just before
 //! the commit.
 
-use std::borrow::Borrow;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 
 use crate::error::{Error, Result};
-use crate::publish::{invalidations, refreshes, replacement};
-use crate::table::{Table, check_topic};
+use crate::publish::{invalidations, refreshes};
+use crate::table::Table;
 use crate::transport::names::{self, NameKind};
-use crate::util::{MAX_TIMEOUT, check_duration};
 pub(crate) use crate::wire::decode_row;
-use crate::wire::{Change, DEFAULT_MAX_EVENT_BYTES, check_max_event_bytes, encode_row};
+use crate::wire::{Change, DEFAULT_MAX_EVENT_BYTES, encode_row};
 
+mod builder;
+mod dictionary;
+mod migrate;
 mod relay;
 
+pub use builder::OutboxBuilder;
+pub use dictionary::OutboxDictionary;
 pub use relay::{OutboxRelay, OutboxRelayBuilder, OutboxRelayStats};
 
 /// The schema [`Outbox::new`] uses.
@@ -48,14 +51,6 @@ const MAX_SCHEMA_BYTES: usize = 63;
 /// channel for every schema: a channel name is limited like an identifier,
 /// and the payload tells relays of other schemas to ignore it.
 pub(crate) const CHANNEL: &str = "cache_sync_outbox";
-
-/// The migrations, in order, with `{schema}` for the schema's name;
-/// `migrations/0001_outbox.sql` and `migrations/0002_relay_fence.sql` are
-/// these with `cache_sync` (a test keeps them the same).
-const MIGRATIONS: [&str; 2] = [
-    include_str!("migration_0001.sql.in"),
-    include_str!("migration_0002.sql.in"),
-];
 
 /// Writes change events into an outbox table inside the caller's own
 /// transaction; an [`OutboxRelay`] publishes them once committed.
@@ -130,112 +125,6 @@ impl Default for Outbox {
     }
 }
 
-/// Configures an [`Outbox`].
-#[derive(Debug, Clone)]
-pub struct OutboxBuilder {
-    schema: String,
-    topic: Option<String>,
-    max_event_bytes: usize,
-    again_after: Option<Duration>,
-}
-
-impl OutboxBuilder {
-    /// The schema holding the outbox's tables. Default `cache_sync`. A
-    /// plain, unquoted SQL identifier: 1 to 63 bytes of lowercase ASCII
-    /// letters, digits and `_`, not starting with a digit or `pg_`;
-    /// [`build`](Self::build) refuses anything else.
-    pub fn schema(mut self, name: impl Into<String>) -> Self {
-        self.schema = name.into();
-        self
-    }
-
-    /// The topic its rows are for: the topic of the publisher its relay
-    /// publishes through. Unset by default, and then rows go to whatever
-    /// topic the relay's publisher has. Once set, a relay refuses to start
-    /// with a publisher on another topic, and a
-    /// [`dictionary`](Outbox::dictionary) of a [`Table`] pinned to another
-    /// topic refuses every write, as a
-    /// [`DictionaryPublisher`](crate::DictionaryPublisher) does. A table
-    /// pinned to a topic needs it set: without it, the outbox could not tell
-    /// at write time where its rows will go, and refuses them too. Either
-    /// way, a pinned table's row never goes out on another topic.
-    pub fn topic(mut self, topic: impl Into<String>) -> Self {
-        self.topic = Some(topic.into());
-        self
-    }
-
-    /// The largest row (one encoded change) an enqueue writes; larger
-    /// calls are split over several rows, and a single key or entry that
-    /// does not fit is [`Error::TooLarge`]. The relay reads no row larger
-    /// than this either. The relay's publisher splits rows again under its
-    /// own limit. Default 1 MiB; 1 byte to 64 MiB.
-    pub fn max_event_bytes(mut self, n: usize) -> Self {
-        self.max_event_bytes = n;
-        self
-    }
-
-    /// Every change is enqueued twice: as it is, and, due `delay` later by
-    /// the database's clock, as an invalidation of the keys it changed at
-    /// the same versions (a clear as the same clear), as
-    /// [`PublisherBuilder::again_after`](crate::PublisherBuilder::again_after)
-    /// sends it: for nodes whose reads go to a lagging replica, which may
-    /// reload the old row after the first event. The second copy is a row
-    /// of its own, written in the same transaction, so it is gone with a
-    /// rollback and survives a relay crash. The relay publishes it when due
-    /// without holding up later rows: an invalidation removes, and removal
-    /// is never stale, so publishing it after later events of its cache
-    /// costs at most a reload. Off by default; 1 ms to 1 h, and
-    /// [`build`](Self::build) refuses anything else.
-    pub fn again_after(mut self, delay: Duration) -> Self {
-        self.again_after = Some(delay);
-        self
-    }
-
-    /// The outbox, or [`Error::Config`] naming the setting out of range.
-    pub fn build(self) -> Result<Outbox> {
-        check_schema(&self.schema)?;
-        if let Some(topic) = &self.topic {
-            names::check(NameKind::Topic, topic)?;
-        }
-        check_max_event_bytes(self.max_event_bytes)?;
-        if let Some(delay) = self.again_after {
-            check_duration("again_after", delay, Duration::from_millis(1), MAX_TIMEOUT)?;
-        }
-        Ok(Outbox {
-            inner: Arc::new(OutboxInner {
-                schema: self.schema,
-                topic: self.topic,
-                max_event_bytes: self.max_event_bytes,
-                again_after: self.again_after,
-            }),
-        })
-    }
-}
-
-/// The schema rule: a name that needs no quoting anywhere it is spliced
-/// into SQL, so no quoting mistake can turn it into SQL of its own.
-fn check_schema(name: &str) -> Result<()> {
-    let refuse = |rule: &str| {
-        let shown: String = name.chars().take(64).collect();
-        Err(Error::Config(format!(
-            "invalid outbox schema name {shown:?}: {rule}"
-        )))
-    };
-    if name.is_empty() || name.len() > MAX_SCHEMA_BYTES {
-        return refuse("a schema name is 1 to 63 bytes");
-    }
-    if !name
-        .bytes()
-        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
-    {
-        return refuse("a schema name holds only a-z, 0-9 and _");
-    }
-    if name.as_bytes()[0].is_ascii_digit() || name.starts_with("pg_") {
-        return refuse("a schema name starts with neither a digit nor pg_");
-    }
-    Ok(())
-}
-
 pub(crate) fn db(e: sqlx::Error) -> Error {
     Error::Database(Box::new(e))
 }
@@ -275,38 +164,6 @@ impl Outbox {
 
     pub(crate) fn max_event_bytes(&self) -> usize {
         self.inner.max_event_bytes
-    }
-
-    /// The SQL [`migrate`](Self::migrate) runs, one string per migration.
-    fn migration_sql(&self) -> [String; 2] {
-        MIGRATIONS.map(|m| m.replace("{schema}", &self.inner.schema))
-    }
-
-    /// Creates the schema, tables, sequences and trigger where missing
-    /// (`migrations/0001_outbox.sql` and `0002_relay_fence.sql`, in this
-    /// outbox's schema), in one transaction. Safe to run at every start and
-    /// from several processes at once: an advisory lock on the schema's
-    /// name lets one run at a time, and every statement is idempotent, so
-    /// it also brings an outbox made by an earlier release up to date (a
-    /// relay refuses to start on a schema without the second migration).
-    /// Needs PostgreSQL 14 or later.
-    pub async fn migrate(&self, pool: &PgPool) -> Result<()> {
-        let mut tx = pool.begin().await.map_err(db)?;
-        sqlx::query(LOCK_SQL)
-            .bind(format!("cache-sync migrate\n{}", self.inner.schema))
-            .execute(&mut *tx)
-            .await
-            .map_err(db)?;
-        // A plain string runs as one simple query, several statements in
-        // it. (Not `raw_sql`: its future is not `Send` for every lifetime,
-        // so a migrate could not be spawned.)
-        for sql in self.migration_sql() {
-            let conn: &mut PgConnection = &mut tx;
-            sqlx::Executor::execute(conn, sql.as_str())
-                .await
-                .map_err(db)?;
-        }
-        tx.commit().await.map_err(db)
     }
 
     /// Enqueues an unversioned insert of these entries in `cache` (see
@@ -543,219 +400,6 @@ impl Outbox {
     }
 }
 
-/// bincode's standard configuration, with the crate's ceiling as the limit
-/// on what any length prefix may claim.
-/// The dictionary helper's outbox mode: typed rows of one table, enqueued
-/// in the caller's transaction with a row version each.
-///
-/// Like [`DictionaryPublisher`](crate::DictionaryPublisher), by default it
-/// assigns versions ([`Outbox::next_version`]: database microseconds, made
-/// strictly increasing per cache, in commit order), or takes the caller's
-/// own (a row version column) with the `_versioned` methods; automatic
-/// versions always exceed versions passed in. Every method returns the
-/// version used, once the row is written.
-pub struct OutboxDictionary<K, V> {
-    outbox: Outbox,
-    cache: String,
-    topic: Option<&'static str>,
-    _types: PhantomData<fn(&K, &V)>,
-}
-
-impl<K, V> Clone for OutboxDictionary<K, V> {
-    fn clone(&self) -> Self {
-        Self {
-            outbox: self.outbox.clone(),
-            cache: self.cache.clone(),
-            topic: self.topic,
-            _types: PhantomData,
-        }
-    }
-}
-
-impl<K, V> fmt::Debug for OutboxDictionary<K, V> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OutboxDictionary")
-            .field("cache", &self.cache)
-            .field("schema", &self.outbox.inner.schema)
-            .finish_non_exhaustive()
-    }
-}
-
-impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
-    /// The cache name it enqueues for.
-    pub fn cache(&self) -> &str {
-        &self.cache
-    }
-
-    /// A row was inserted or updated. Returns the version assigned. Key
-    /// and row are borrowed as in
-    /// [`DictionaryPublisher::insert`](crate::DictionaryPublisher::insert).
-    pub async fn insert<Q, R>(&self, conn: &mut PgConnection, key: &Q, row: &R) -> Result<u64>
-    where
-        K: Borrow<Q>,
-        V: Borrow<R>,
-        Q: Serialize + ?Sized,
-        R: Serialize + ?Sized,
-    {
-        self.enqueue(conn, None, |o, v| {
-            refreshes([(key, row, Some(v))], o.budget())
-        })
-        .await
-    }
-
-    /// [`insert`](Self::insert) at the caller's version.
-    pub async fn insert_versioned<Q, R>(
-        &self,
-        conn: &mut PgConnection,
-        key: &Q,
-        row: &R,
-        version: u64,
-    ) -> Result<u64>
-    where
-        K: Borrow<Q>,
-        V: Borrow<R>,
-        Q: Serialize + ?Sized,
-        R: Serialize + ?Sized,
-    {
-        self.enqueue(conn, Some(version), |o, v| {
-            refreshes([(key, row, Some(v))], o.budget())
-        })
-        .await
-    }
-
-    /// Several rows at one version.
-    pub async fn insert_many<'a>(
-        &self,
-        conn: &mut PgConnection,
-        rows: impl IntoIterator<Item = (&'a K, &'a V)>,
-    ) -> Result<u64>
-    where
-        K: 'a,
-        V: 'a,
-    {
-        self.enqueue(conn, None, |o, v| {
-            refreshes(rows.into_iter().map(|(k, r)| (k, r, Some(v))), o.budget())
-        })
-        .await
-    }
-
-    /// A row was deleted: nodes drop it and keep a tombstone at the
-    /// version.
-    pub async fn invalidate<Q>(&self, conn: &mut PgConnection, key: &Q) -> Result<u64>
-    where
-        K: Borrow<Q>,
-        Q: Serialize + ?Sized,
-    {
-        self.enqueue(conn, None, |o, v| {
-            invalidations([(key, Some(v))], o.budget())
-        })
-        .await
-    }
-
-    /// [`invalidate`](Self::invalidate) at the caller's version.
-    pub async fn invalidate_versioned<Q>(
-        &self,
-        conn: &mut PgConnection,
-        key: &Q,
-        version: u64,
-    ) -> Result<u64>
-    where
-        K: Borrow<Q>,
-        Q: Serialize + ?Sized,
-    {
-        self.enqueue(conn, Some(version), |o, v| {
-            invalidations([(key, Some(v))], o.budget())
-        })
-        .await
-    }
-
-    /// Every row goes: nodes drop the whole cache, the version a floor
-    /// below which later-arriving inserts are ignored.
-    pub async fn invalidate_all(&self, conn: &mut PgConnection) -> Result<u64> {
-        self.enqueue(conn, None, |_, v| {
-            Ok(vec![Change::Clear { version: Some(v) }])
-        })
-        .await
-    }
-
-    /// [`invalidate_all`](Self::invalidate_all) at the caller's version.
-    pub async fn invalidate_all_versioned(
-        &self,
-        conn: &mut PgConnection,
-        version: u64,
-    ) -> Result<u64> {
-        self.enqueue(conn, Some(version), |_, v| {
-            Ok(vec![Change::Clear { version: Some(v) }])
-        })
-        .await
-    }
-
-    /// The table was replaced wholesale: a clear at the version, then the
-    /// rows at the same version (see
-    /// [`DictionaryPublisher::replace_all`](crate::DictionaryPublisher::replace_all)).
-    pub async fn replace_all<'a>(
-        &self,
-        conn: &mut PgConnection,
-        rows: impl IntoIterator<Item = (&'a K, &'a V)>,
-    ) -> Result<u64>
-    where
-        K: 'a,
-        V: 'a,
-    {
-        self.enqueue(conn, None, |o, v| replacement(rows, v, o.budget()))
-            .await
-    }
-
-    /// [`replace_all`](Self::replace_all) at the caller's version.
-    pub async fn replace_all_versioned<'a>(
-        &self,
-        conn: &mut PgConnection,
-        rows: impl IntoIterator<Item = (&'a K, &'a V)>,
-        version: u64,
-    ) -> Result<u64>
-    where
-        K: 'a,
-        V: 'a,
-    {
-        self.enqueue(conn, Some(version), |o, v| replacement(rows, v, o.budget()))
-            .await
-    }
-
-    /// Takes the lock, then the version, then the ids. On an error the
-    /// caller rolls back, which also returns the version.
-    async fn enqueue(
-        &self,
-        conn: &mut PgConnection,
-        version: Option<u64>,
-        build: impl FnOnce(&Outbox, u64) -> Result<Vec<Change>>,
-    ) -> Result<u64> {
-        let o = &self.outbox;
-        match (self.topic, o.topic()) {
-            (Some(pinned), None) => {
-                return Err(Error::Config(format!(
-                    "table {:?} lives on topic {pinned:?}, and this outbox has no topic to check \
-                     it against: set OutboxBuilder::topic to its relay's topic",
-                    self.cache
-                )));
-            }
-            (pinned, Some(topic)) => check_topic(&self.cache, pinned, topic)?,
-            (None, None) => {}
-        }
-        o.lock(conn, &self.cache).await?;
-        let v = match version {
-            Some(v) => {
-                let stored = i64::try_from(v).unwrap_or(i64::MAX);
-                o.store_version(conn, &self.cache, stored, true).await?;
-                v
-            }
-            None => o.auto_version(conn, &self.cache).await?,
-        };
-        let changes = build(o, v)?;
-        o.write_rows(conn, &self.cache, &changes).await?;
-        Ok(v)
-    }
-}
-
 /// Bytes of a key as the outbox stores it, for tests.
 #[cfg(test)]
 fn key_bytes<K: Serialize>(k: &K) -> bytes::Bytes {
@@ -765,7 +409,38 @@ fn key_bytes<K: Serialize>(k: &K) -> bytes::Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::util::MAX_TIMEOUT;
     use crate::wire::MAX_EVENT_BYTES_CEILING;
+
+    proptest::proptest! {
+        /// A topic is checked by the rule every transport's names follow:
+        /// `build` takes exactly the names it takes, keeps them byte for
+        /// byte, and refuses the rest as configuration, without echoing a
+        /// huge name whole.
+        #[test]
+        fn a_topic_is_kept_or_refused_by_the_name_rule(topic in proptest::prop_oneof![
+            proptest::strategy::Just(String::new()),
+            proptest::strategy::Just("x".repeat(255)),
+            proptest::strategy::Just("x".repeat(256)),
+            proptest::strategy::Just("é".repeat(200)),
+            proptest::strategy::Just("tenant.a > *: b".to_owned()),
+            "[.*>: \\x00\\n\\u{7f}a-zé日]{0,12}",
+            "\\PC{0,300}",
+        ]) {
+            let built = Outbox::builder().topic(topic.clone()).build();
+            match names::check(NameKind::Topic, &topic) {
+                Ok(()) => {
+                    let outbox = built.unwrap();
+                    proptest::prop_assert_eq!(outbox.topic(), Some(topic.as_str()));
+                }
+                Err(_) => {
+                    let err = built.unwrap_err();
+                    proptest::prop_assert!(err.is_config(), "{}", err);
+                    proptest::prop_assert!(err.to_string().len() < 400, "{}", err);
+                }
+            }
+        }
+    }
 
     #[test]
     fn the_shipped_migrations_are_what_migrate_runs_for_cache_sync() {
