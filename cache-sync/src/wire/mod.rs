@@ -36,8 +36,10 @@ use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
 
 mod codec;
 mod keyring;
+mod reader;
 #[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
 mod row;
+mod view;
 
 pub(crate) use codec::{Channel, Codec, Refused};
 #[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
@@ -47,6 +49,8 @@ pub(crate) use row::{decode_row, encode_row};
 pub(crate) use keyring::FORMAT_SIGNED;
 pub use keyring::Keyring;
 pub(crate) use keyring::strip_unverified;
+use reader::Reader;
+pub(crate) use view::{ChangeView, Items};
 
 /// The longest topic or cache name, in bytes: short enough for every
 /// transport's resource names, and a bound on the header's size.
@@ -237,236 +241,6 @@ impl Change {
             Change::Invalidate { keys } => keys.iter().filter_map(|k| k.version).max(),
             Change::Refresh { entries } => entries.iter().filter_map(|e| e.version).max(),
             Change::Clear { version } => *version,
-        }
-    }
-}
-
-/// What changed, as a node reads it: checked whole when it is read, then
-/// walked in place, so applying an event copies no key or value bytes and
-/// allocates nothing of its own.
-#[derive(Debug, Clone)]
-pub(crate) enum ChangeView<'a> {
-    Invalidate(Items<'a>),
-    Refresh(Items<'a>),
-    Clear {
-        version: Option<u64>,
-    },
-    /// An empty invalidation: the publisher's last sequence number for the
-    /// cache, repeated (see the module docs). It changes no entry.
-    Announce,
-}
-
-/// One key of an invalidation or one entry of a refresh. An invalidation's
-/// items have an empty `value`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Item<'a> {
-    pub(crate) key: &'a [u8],
-    pub(crate) value: &'a [u8],
-    pub(crate) version: Option<u64>,
-}
-
-/// The items of a change, read one at a time from bytes already checked.
-#[derive(Debug, Clone)]
-pub(crate) struct Items<'a> {
-    /// Read while checking, so that a one-entry change, the usual kind, is
-    /// not read twice.
-    first: Option<Item<'a>>,
-    /// After `first`.
-    reader: Reader<'a>,
-    left: u64,
-    values: bool,
-}
-
-impl<'a> Items<'a> {
-    /// Reads the item count and checks every item, leaving the reader
-    /// after the last one.
-    fn check(reader: &mut Reader<'a>, values: bool) -> Result<Self, DecodeError> {
-        let count = reader.u64()?;
-        let first = match count {
-            0 => None,
-            _ => Some(Self::read(reader, values)?),
-        };
-        let items = Self {
-            first,
-            reader: reader.clone(),
-            left: count,
-            values,
-        };
-        // Each read takes at least two bytes or fails, so a forged count
-        // ends at the end of the payload.
-        for _ in 1..count {
-            Self::read(reader, values)?;
-        }
-        Ok(items)
-    }
-
-    fn read(reader: &mut Reader<'a>, values: bool) -> Result<Item<'a>, DecodeError> {
-        let key = reader.bytes()?;
-        let value = if values { reader.bytes()? } else { &[][..] };
-        let version = reader.option_u64()?;
-        Ok(Item {
-            key,
-            value,
-            version,
-        })
-    }
-}
-
-impl<'a> Iterator for Items<'a> {
-    type Item = Item<'a>;
-
-    fn next(&mut self) -> Option<Item<'a>> {
-        self.left = self.left.checked_sub(1)?;
-        if let Some(first) = self.first.take() {
-            return Some(first);
-        }
-        // Checked when the change was read, so this cannot fail; were it to,
-        // the walk would end early, never read out of bounds.
-        Self::read(&mut self.reader, self.values).ok()
-    }
-
-    fn size_hint(&self) -> (usize, Option<usize>) {
-        (0, usize::try_from(self.left).ok())
-    }
-}
-
-impl ChangeView<'_> {
-    /// The change as a publisher would have built it.
-    #[cfg(any(test, feature = "_fuzz"))]
-    pub(crate) fn to_change(&self) -> Change {
-        let copy = |b: &[u8]| Bytes::copy_from_slice(b);
-        match self {
-            ChangeView::Invalidate(items) => Change::Invalidate {
-                keys: items
-                    .clone()
-                    .map(|i| KeyVersion {
-                        key: copy(i.key),
-                        version: i.version,
-                    })
-                    .collect(),
-            },
-            ChangeView::Refresh(items) => Change::Refresh {
-                entries: items
-                    .clone()
-                    .map(|i| EntryVersion {
-                        key: copy(i.key),
-                        value: copy(i.value),
-                        version: i.version,
-                    })
-                    .collect(),
-            },
-            ChangeView::Clear { version } => Change::Clear { version: *version },
-            ChangeView::Announce => Change::ANNOUNCE,
-        }
-    }
-}
-
-/// Reads the envelope's bincode values in place, one after another.
-///
-/// bincode's own decoder builds a reader and decoder per value and takes a
-/// slow path for every varint within nine bytes of the end; reading the
-/// envelope with it cost about a third of applying an event. This reads the
-/// same format (bincode 2's standard config: little-endian, varint
-/// integers) directly: a varint is one byte up to 250, or a marker (251,
-/// 252, 253 for u16, u32, u64) and that many little-endian bytes; a length
-/// prefix is a u64 varint; an `Option` is a 0 or 1 byte, then the value.
-/// Lengths are checked against the bytes left, so a forged prefix cannot
-/// reach past the payload, whose size the codec has already bounded. The
-/// keys and values inside are still decoded by bincode, with its limit.
-/// `cargo test` checks it against bincode on random values and bytes.
-#[derive(Debug, Clone)]
-struct Reader<'a> {
-    rest: &'a [u8],
-}
-
-impl<'a> Reader<'a> {
-    #[cold]
-    fn malformed(what: &str) -> DecodeError {
-        DecodeError::new(DecodeErrorKind::Malformed(what.to_owned()))
-    }
-
-    #[inline(always)]
-    fn take_n(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
-        if n > self.rest.len() {
-            return Err(Self::malformed("unexpected end of event"));
-        }
-        let (head, rest) = self.rest.split_at(n);
-        self.rest = rest;
-        Ok(head)
-    }
-
-    #[inline(always)]
-    fn byte(&mut self) -> Result<u8, DecodeError> {
-        let (&b, rest) = self
-            .rest
-            .split_first()
-            .ok_or_else(|| Self::malformed("unexpected end of event"))?;
-        self.rest = rest;
-        Ok(b)
-    }
-
-    /// A varint of at most `widest` bytes (2, 4 or 8).
-    #[inline(always)]
-    fn varint(&mut self, widest: usize) -> Result<u64, DecodeError> {
-        let Some((&first, tail)) = self.rest.split_first() else {
-            return Err(Self::malformed("unexpected end of event"));
-        };
-        // Each arm reads a fixed width, so none becomes a call to memcpy.
-        let (value, used) = match first {
-            0..=250 => (Some(u64::from(first)), 0),
-            251 => (
-                tail.first_chunk()
-                    .map(|b| u64::from(u16::from_le_bytes(*b))),
-                2,
-            ),
-            252 if widest >= 4 => (
-                tail.first_chunk()
-                    .map(|b| u64::from(u32::from_le_bytes(*b))),
-                4,
-            ),
-            253 if widest >= 8 => (tail.first_chunk().map(|b| u64::from_le_bytes(*b)), 8),
-            b => return Err(Self::bad_marker(b)),
-        };
-        let value = value.ok_or_else(|| Self::malformed("unexpected end of event"))?;
-        self.rest = tail.get(used..).unwrap_or_default();
-        Ok(value)
-    }
-
-    #[cold]
-    fn bad_marker(b: u8) -> DecodeError {
-        Self::malformed(&format!("invalid varint marker {b}"))
-    }
-
-    #[inline(always)]
-    fn u64(&mut self) -> Result<u64, DecodeError> {
-        self.varint(8)
-    }
-
-    fn u32(&mut self) -> Result<u32, DecodeError> {
-        // At most four bytes were read, so it fits.
-        u32::try_from(self.varint(4)?).map_err(|_| Self::malformed("u32 out of range"))
-    }
-
-    #[inline(always)]
-    fn bytes(&mut self) -> Result<&'a [u8], DecodeError> {
-        let len = self.u64()?;
-        let len = usize::try_from(len).map_err(|_| Self::malformed("length out of range"))?;
-        self.take_n(len)
-    }
-
-    fn str_expecting(&mut self, expected: Option<&'a str>) -> Result<&'a str, DecodeError> {
-        let bytes = self.bytes()?;
-        match expected {
-            Some(known) if known.as_bytes() == bytes => Ok(known),
-            _ => std::str::from_utf8(bytes).map_err(|e| Self::malformed(&e.to_string())),
-        }
-    }
-
-    fn option_u64(&mut self) -> Result<Option<u64>, DecodeError> {
-        match self.byte()? {
-            0 => Ok(None),
-            1 => self.u64().map(Some),
-            b => Err(Self::malformed(&format!("invalid option tag {b}"))),
         }
     }
 }

@@ -1,0 +1,124 @@
+//! Building a [`SyncedCache`] with non-default settings.
+
+use std::fmt;
+use std::hash::Hash;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::stats::Stats;
+use super::versions::VersionTable;
+use super::write::{Stripe, WRITE_STRIPES};
+use super::{Inner, SyncedCache};
+use crate::util::{Hasher, check_at_least, check_duration};
+
+/// Builds a [`SyncedCache`] with non-default settings.
+pub struct SyncedCacheBuilder<K, V> {
+    pub(super) name: String,
+    pub(super) topic: Option<&'static str>,
+    pub(super) cache: moka::future::Cache<K, V>,
+    pub(super) max_tracked_keys: usize,
+    pub(super) max_load_retries: u32,
+    pub(super) max_pin_wait: Duration,
+}
+
+impl<K, V> fmt::Debug for SyncedCacheBuilder<K, V> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SyncedCacheBuilder")
+            .field("name", &self.name)
+            .field("max_tracked_keys", &self.max_tracked_keys)
+            .field("max_load_retries", &self.max_load_retries)
+            .field("max_pin_wait", &self.max_pin_wait)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K, V> SyncedCacheBuilder<K, V>
+where
+    K: Hash + Eq + Clone + Send + Sync + 'static,
+    V: Clone + Send + Sync + 'static,
+{
+    /// How many per-key version records (tombstones included) are kept.
+    /// Default 100 000. Each costs one key clone and 24 bytes, plus 6 to 12
+    /// bytes of hash index: for a `u64` key, 38 to 42 bytes over raw moka,
+    /// as measured at 100k and 1M keys, churned or not
+    /// (`docs/benchmarks.md`). The memory grows with the keys written, up
+    /// to this limit, and stays there. Values above 2³² − 2 count as that.
+    ///
+    /// Once full, the least recently written record is dropped and its
+    /// version folded into a floor for untracked keys: a refresh at or below
+    /// the floor becomes an invalidation, so eviction never lets an older
+    /// value in. At least 1: [`build`](Self::build) refuses 0.
+    pub fn max_tracked_keys(mut self, n: usize) -> Self {
+        self.max_tracked_keys = n;
+        self
+    }
+
+    /// How many times a load whose key was written meanwhile is retried
+    /// without holding anything. After that, one more load runs with the key
+    /// pinned, so it cannot be overtaken (see the type's docs). Default 3;
+    /// 0 pins the key at the first retry.
+    pub fn max_load_retries(mut self, n: u32) -> Self {
+        self.max_load_retries = n;
+        self
+    }
+
+    /// How long a write to a key waits for a pinned last load of that key
+    /// (see [`max_load_retries`](Self::max_load_retries) and the type's
+    /// docs) before it is applied anyway. Default 1 s. The node's consumer
+    /// never waits itself: it parks such writes and goes on with other keys
+    /// and caches, and the parked writes are applied, in order, when the
+    /// load installs or at this bound, whichever comes first. Local writes
+    /// from other tasks wait up to this long. A load overtaken at the bound
+    /// returns the newer cached value, or loads again; it never returns or
+    /// caches its own.
+    ///
+    /// `Duration::ZERO` waits for nothing (a pinned load is then overtaken
+    /// by any write to its key); `Duration::MAX` waits as long as the load
+    /// runs, so its key's events wait for the database.
+    pub fn max_pin_wait(mut self, wait: Duration) -> Self {
+        self.max_pin_wait = wait;
+        self
+    }
+
+    /// The cache, or [`Error::Config`](crate::Error::Config) for a setting
+    /// out of range.
+    pub fn build(self) -> crate::Result<SyncedCache<K, V>> {
+        check_at_least("max_tracked_keys", self.max_tracked_keys, 1)?;
+        // Every duration is in range: 0 waits for nothing, and a wait too
+        // long for the clock lasts as long as the load (`deadline_after`).
+        check_duration(
+            "max_pin_wait",
+            self.max_pin_wait,
+            Duration::ZERO,
+            Duration::MAX,
+        )?;
+        Ok(self.build_checked())
+    }
+
+    pub(super) fn build_checked(self) -> SyncedCache<K, V> {
+        let hasher = Hasher::default();
+        SyncedCache {
+            inner: Arc::new_cyclic(|me| Inner {
+                me: me.clone(),
+                name: self.name,
+                topic: self.topic,
+                cache: self.cache,
+                table: Mutex::new(VersionTable::new(self.max_tracked_keys, hasher.clone())),
+                write_locks: (0..WRITE_STRIPES).map(|_| Stripe::default()).collect(),
+                hasher,
+                pins: Mutex::default(),
+                pinned: AtomicUsize::new(0),
+                parked_items: AtomicUsize::new(0),
+                max_pin_wait: self.max_pin_wait,
+                flights: Mutex::default(),
+                max_load_retries: self.max_load_retries,
+                owner: AtomicU64::new(0),
+                quarantine_until: Mutex::new(None),
+                quarantine: Mutex::new(Duration::ZERO),
+                emptied_at: Mutex::new(tokio::time::Instant::now()),
+                stats: Stats::default(),
+            }),
+        }
+    }
+}
