@@ -410,6 +410,42 @@ async fn a_versioned_clear_keeps_older_refreshes_out() {
     assert_eq!(c.get("c").await.as_deref(), Some("same"));
 }
 
+/// The floor's edge: a clear at the largest version keeps out every
+/// refresh but one at that version itself, and nothing wraps.
+#[tokio::test]
+async fn a_versioned_clear_at_the_largest_version() {
+    let c = cache();
+    refresh(&c, "a", "1", Some(1)).await;
+    apply(
+        &c,
+        &Change::Clear {
+            version: Some(u64::MAX),
+        },
+    )
+    .await;
+    assert_eq!(c.get("a").await, None);
+    refresh(&c, "a", "older", Some(u64::MAX - 1)).await;
+    refresh(&c, "b", "older", Some(0)).await;
+    assert_eq!((c.get("a").await, c.get("b").await), (None, None));
+    assert_eq!(c.status().stale_ignored, 2);
+    refresh(&c, "a", "at the floor", Some(u64::MAX)).await;
+    assert_eq!(c.get("a").await.as_deref(), Some("at the floor"));
+    // Nothing is newer than the largest version: a second refresh at it
+    // is stale, and an invalidation at it still removes.
+    refresh(&c, "a", "again", Some(u64::MAX)).await;
+    assert_eq!(c.get("a").await.as_deref(), Some("at the floor"));
+    invalidate(&c, "a", Some(u64::MAX)).await;
+    assert_eq!(c.get("a").await, None);
+    apply(
+        &c,
+        &Change::Clear {
+            version: Some(u64::MAX),
+        },
+    )
+    .await;
+    assert_eq!(c.get("a").await, None);
+}
+
 #[tokio::test]
 async fn reads_count_hits_and_misses() {
     let c = cache();
