@@ -17,7 +17,8 @@
 
 use std::time::Duration;
 
-use cache_sync::{Acks, Cluster, EmbeddedTransport, Node, Publisher, SyncedCache};
+use cache_sync::cluster::Acks;
+use cache_sync::{Cluster, EmbeddedTransport, Node, Publisher, SyncedCache};
 
 const CACHE: &str = "countries";
 

@@ -15,7 +15,8 @@ use std::net::SocketAddr;
 
 use axum::Router;
 use axum::routing::get;
-use cache_sync::{EmbeddedTransport, Node, NodeStatus, SyncedCache, Table};
+use cache_sync::status::NodeStatus;
+use cache_sync::{EmbeddedTransport, Node, SyncedCache, Table};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 

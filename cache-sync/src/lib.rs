@@ -261,18 +261,18 @@
 //! - [`Node::cluster`] (and a [`Cluster`] watcher, for parties that are not
 //!   nodes) holds every live node's last heartbeat: a node is live until three
 //!   of its own intervals pass without one, then listed as gone for five
-//!   minutes. `GET /cache-sync/cluster` serves the [`ClusterView`] as JSON,
+//!   minutes. `GET /cache-sync/cluster` serves the [`ClusterView`](cluster::ClusterView) as JSON,
 //!   `GET /cache-sync/` as a page for people, a page at a time. A view is
 //!   bounded (10,000 nodes, 256 KiB each, 128 MiB in all: see [`Cluster`]);
 //!   a heartbeat past a bound is dropped and counted. How long a node has
-//!   been behind ([`NodeCacheView::behind_ms`]) is a lower bound timed on the
+//!   been behind ([`NodeCacheView::behind_ms`](cluster::NodeCacheView::behind_ms)) is a lower bound timed on the
 //!   observer's own clock, from when heartbeats arrive and how long ago each
 //!   node says its version rose: a skewed clock on another machine changes
 //!   nothing.
 //! - [`Published::applied_by`] waits until every live node holding the cache
 //!   answers that it applied the publish, or a timeout, and says which did,
 //!   how long after the publish each answer arrived, and why not all if not
-//!   ([`Acks::incomplete`]); [`Cluster::applied_version`] does the same for a
+//!   ([`Acks::incomplete`](cluster::Acks::incomplete)); [`Cluster::applied_version`] does the same for a
 //!   version (an outbox's). Each node answers as soon as it has applied the
 //!   event, with a message of a few dozen bytes that only the asking party
 //!   reads, so it completes about one transport round trip after the
@@ -326,7 +326,7 @@
 #![cfg_attr(not(test), warn(clippy::arithmetic_side_effects))]
 
 mod cache;
-mod cluster;
+pub mod cluster;
 mod error;
 #[cfg(any(test, feature = "_fuzz"))]
 #[doc(hidden)]
@@ -335,7 +335,7 @@ mod node;
 #[cfg(feature = "postgres")]
 mod outbox;
 mod publish;
-mod status;
+pub mod status;
 mod table;
 pub mod transport;
 mod util;
@@ -344,10 +344,7 @@ mod wire;
 #[doc(inline)]
 pub use cache::{SyncedCache, SyncedCacheBuilder};
 #[doc(inline)]
-pub use cluster::{
-    Acks, CacheHeartbeat, CacheSummary, Cluster, ClusterBuilder, ClusterView, GoneNode, Heartbeat,
-    Incomplete, NodeAck, NodeCacheView, NodeView,
-};
+pub use cluster::{Cluster, ClusterBuilder};
 #[doc(inline)]
 pub use error::{DecodeError, DecodeErrorKind, Error, Result};
 #[doc(inline)]
@@ -360,9 +357,9 @@ pub use outbox::{
 #[doc(inline)]
 pub use publish::{DictionaryPublisher, Published, Publisher, PublisherBuilder};
 #[doc(inline)]
-pub use status::{CacheStatus, NodeStatus};
-#[doc(inline)]
 pub use table::Table;
+#[doc(inline)]
+pub use transport::StartFrom;
 #[doc(inline)]
 pub use transport::embedded::{EmbeddedBuilder, EmbeddedTransport};
 #[cfg(feature = "nats")]

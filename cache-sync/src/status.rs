@@ -1,5 +1,6 @@
-//! What a node reports about itself and its caches: plain data, served as
-//! JSON by the node's status endpoint.
+//! What a node reports about itself and its caches
+//! ([`Node::status`](crate::Node::status)): plain data, served as JSON at
+//! `GET /cache-sync/status`.
 
 use std::collections::BTreeMap;
 

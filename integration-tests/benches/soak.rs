@@ -114,7 +114,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use cache_sync::{Node, NodeStatus, Publisher, RedisStreamsTransport, SyncedCache};
+use cache_sync::status::NodeStatus;
+use cache_sync::{Node, Publisher, RedisStreamsTransport, SyncedCache};
 use hdrhistogram::Histogram;
 use integration_tests::redis_server::RedisServer;
 use redis::Client;

@@ -11,8 +11,9 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use cache_sync::cluster::ClusterView;
 use cache_sync::transport::Transport;
-use cache_sync::{ClusterView, Node, Publisher, RedisStreamsTransport, SyncedCache};
+use cache_sync::{Node, Publisher, RedisStreamsTransport, SyncedCache};
 use integration_tests::eventually;
 use integration_tests::redis_server::RedisServer;
 

@@ -36,7 +36,7 @@ use crate::wire::{Codec, DEFAULT_MAX_EVENT_BYTES, Keyring};
 /// nodes, 256 KiB per node and 128 MiB in all, as it accounts bytes (an
 /// estimate of its heap, over rather than under). A heartbeat that does
 /// not fit is dropped: counted in `heartbeats_dropped`
-/// ([`NodeStatus`](crate::NodeStatus), `/metrics`), logged at warn at most
+/// ([`NodeStatus`](crate::status::NodeStatus), `/metrics`), logged at warn at most
 /// once per interval, and an acknowledged publish does not call itself
 /// complete while the view may be missing a node for it. Taking a
 /// heartbeat in costs `O(c log n)` for c caches and n nodes.

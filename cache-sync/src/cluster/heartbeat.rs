@@ -61,7 +61,7 @@ pub struct CacheHeartbeat {
     /// The cache name.
     pub name: String,
     /// The highest entry version the node took in for it (see
-    /// [`CacheStatus::version`](crate::CacheStatus::version)).
+    /// [`CacheStatus::version`](crate::status::CacheStatus::version)).
     pub version: Option<u64>,
     /// Microseconds since the Unix epoch when `version` last rose, on the
     /// node's clock. For display: another machine's clock may be off, so

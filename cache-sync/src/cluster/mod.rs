@@ -1,18 +1,23 @@
 //! The cluster view: every node's last heartbeat, as any party on the topic
-//! sees it (a node, or a [`Cluster`] watcher that is not a node), and what
-//! follows from them: who is live, who lags, who applied a publish.
+//! sees it, and what follows from it: who is live, who lags, who applied a
+//! publish.
+//!
+//! A [`Cluster`] watches the view without being a node (`Node::cluster`
+//! gives a node's own). [`ClusterView`] and the types under it are what
+//! `GET /cache-sync/cluster` serves; [`Acks`] is what
+//! [`Published::applied_by`](crate::Published::applied_by) reports.
 //!
 //! Nodes publish heartbeats on their transport's heartbeat channel (see
 //! [`Transport::publish_heartbeat`](crate::transport::Transport::publish_heartbeat)),
 //! a resource apart from the change history. Nothing has to be configured:
 //! whoever shares the topic sees the nodes.
-//!
-//! The parts: `heartbeat` (what a node sends), `message` (how it goes over
-//! the channel), `handle` (the [`Cluster`] handle and its builder),
-//! `membership` and `members` (taking heartbeats in, and what is kept of
-//! them), `channel` (sending and reading, as the node uses it), `watcher`
-//! (a watcher's task), `ack` (acknowledged publishes) and `view` (the view
-//! as served).
+
+// The parts: `heartbeat` (what a node sends), `message` (how it goes over
+// the channel), `handle` (the `Cluster` handle and its builder),
+// `membership` and `members` (taking heartbeats in, and what is kept of
+// them), `channel` (sending and reading, as the node uses it), `watcher`
+// (a watcher's task), `ack` (acknowledged publishes) and `view` (the view
+// as served).
 
 mod ack;
 mod channel;

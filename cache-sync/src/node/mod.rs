@@ -6,7 +6,7 @@
 //! holds) and `stats` (its counters and status); the rest by task:
 //! `builder`, `consume` and `route` (with `seqs` and `fences`),
 //! `maintenance` and `offsets`, `heartbeat` and `acks`, and the status
-//! server (`http`, `metrics`, `page`).
+//! routes and server (`http`, `server`, `metrics`, `page`).
 
 use std::fmt;
 use std::hash::Hash;
@@ -40,14 +40,15 @@ mod offsets;
 mod registry;
 mod route;
 mod seqs;
+mod server;
 mod shared;
 mod stats;
 
 pub use builder::NodeBuilder;
-pub use http::StatusServer;
 pub use offsets::{FileOffsetStore, MemoryOffsetStore, OffsetStore};
 #[cfg(any(test, feature = "_fuzz"))]
 pub(crate) use route::RawNode;
+pub use server::StatusServer;
 
 /// The `offsets` fuzz target: `offsets.json` parsing.
 #[cfg(any(test, feature = "_fuzz"))]
@@ -283,9 +284,9 @@ impl Node {
     /// An axum router to mount in the application's own server. No keys or
     /// values are shown. It serves:
     /// - `GET /cache-sync/status`: [`NodeStatus`] as JSON;
-    /// - `GET /cache-sync/caches/{name}`: one [`CacheStatus`](crate::CacheStatus), or 404;
+    /// - `GET /cache-sync/caches/{name}`: one [`CacheStatus`](crate::status::CacheStatus), or 404;
     /// - `GET /cache-sync/cluster`: [`cluster`](Self::cluster)'s
-    ///   [`ClusterView`](crate::ClusterView) as JSON;
+    ///   [`ClusterView`](crate::cluster::ClusterView) as JSON;
     /// - `GET /cache-sync/` (and `/cache-sync`): the cluster page, an HTML
     ///   view of the same for a browser, paged past a size (`?page=N`);
     /// - `GET /livez`: 200 while [`is_alive`](Self::is_alive), else 503;
@@ -308,7 +309,7 @@ impl Node {
     ///   `_refresh_fallbacks_total`, `_refreshes_quarantined_total`,
     ///   `_loss_resyncs_total`, `_hits_total`, `_misses_total`,
     ///   `_loads_total`, `_load_failures_total`, `_loads_superseded_total`,
-    ///   `_loads_stale_total`: the [`CacheStatus`](crate::CacheStatus)
+    ///   `_loads_stale_total`: the [`CacheStatus`](crate::status::CacheStatus)
     ///   fields of those names (`events_rejected` is `rejected_events`);
     /// - gauges `cache_sync_cache_entries`, `cache_sync_cache_tracked_keys`
     ///   and `cache_sync_cache_version` (only caches with a version have a

@@ -589,8 +589,8 @@ mod tests {
 
     /// A heartbeat of `id` holding caches `c000`.. `c{caches - 1}`, the
     /// first `behind` of them one version behind the others.
-    fn crafted(id: &str, caches: usize, behind: usize) -> crate::Heartbeat {
-        crate::Heartbeat {
+    fn crafted(id: &str, caches: usize, behind: usize) -> crate::cluster::Heartbeat {
+        crate::cluster::Heartbeat {
             node_id: id.into(),
             topic: "cache-sync".into(),
             started_at_us: 1,
@@ -602,7 +602,7 @@ mod tests {
             position: crate::transport::Position::default(),
             losses: 0,
             caches: (0..caches)
-                .map(|i| crate::CacheHeartbeat {
+                .map(|i| crate::cluster::CacheHeartbeat {
                     name: format!("c{i:03}"),
                     version: Some(if i < behind { 99 } else { 100 }),
                     version_at_us: None,

@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use cache_sync::ClusterView;
+use cache_sync::cluster::ClusterView;
 
 use crate::duration::show;
 
@@ -159,7 +159,7 @@ pub(crate) fn render(view: &ClusterView) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cache_sync::{GoneNode, NodeCacheView, NodeView};
+    use cache_sync::cluster::{GoneNode, NodeCacheView, NodeView};
 
     // The view types are `#[non_exhaustive]`: outside the library they are
     // built the way a client gets them, from JSON.

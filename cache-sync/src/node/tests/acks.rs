@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use super::*;
-use crate::cluster::{Ack, Message, Request, Target};
-use crate::{Cluster, Incomplete};
+use crate::Cluster;
+use crate::cluster::{Ack, Incomplete, Message, Request, Target};
 
 const EVERY: Duration = Duration::from_millis(100);
 

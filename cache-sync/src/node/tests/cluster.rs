@@ -7,8 +7,9 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::*;
+use crate::Cluster;
+use crate::cluster::Heartbeat;
 use crate::cluster::{Message, Request};
-use crate::{Cluster, Heartbeat};
 
 const EVERY: Duration = Duration::from_millis(100);
 
