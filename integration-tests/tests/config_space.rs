@@ -493,7 +493,20 @@ where
     }
     eprintln!("ordinary settings worked after {:?}", ready.elapsed());
     for (what, settings) in valid_edges() {
-        let outcome = run(settings);
+        // A transport failure (never a refusal) is tried twice more on a
+        // broker: on a loaded 2-core machine the RocketMQ client's start
+        // once timed out on an edge that has nothing to do with
+        // connecting (`reorder_window 0`). One that keeps failing fails.
+        let mut outcome = run(settings.clone());
+        for _ in 0..2 {
+            match &outcome {
+                Ok(Outcome::Failed(e)) if broker => {
+                    eprintln!("{what}: a transport failure, tried again: {e}");
+                    outcome = run(settings.clone());
+                }
+                _ => break,
+            }
+        }
         assert_eq!(
             outcome,
             Ok(Outcome::Worked),
