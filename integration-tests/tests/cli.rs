@@ -19,12 +19,22 @@ use integration_tests::redis_server::RedisServer;
 
 const EVERY: Duration = Duration::from_millis(100);
 
-/// Builds the binary with `cargo build`, as trybuild builds its cases: the
-/// cargo that runs this test (`CARGO`), the same target directory, so a
-/// second run rebuilds nothing. Once per test process.
+/// The binary: the one `CACHE_SYNC_BIN` names, which must be built with at
+/// least the features `cli`, `redis` and `nats` (`scripts/test` passes the
+/// one its test build just made with every feature: a build of its own
+/// here took another 75 s on a fresh 2-core machine, for a dependency
+/// graph with other features). Otherwise built with `cargo build`, as
+/// trybuild builds its cases: the cargo that runs this test (`CARGO`), the
+/// same target directory, so a second run rebuilds nothing. Once per test
+/// process.
 fn binary() -> &'static PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
+        if let Some(bin) = std::env::var_os("CACHE_SYNC_BIN") {
+            let bin = PathBuf::from(bin);
+            assert!(bin.is_file(), "CACHE_SYNC_BIN names no file: {bin:?}");
+            return bin;
+        }
         // This test runs as <target>/<profile>/deps/cli-<hash>.
         let exe = std::env::current_exe().expect("the test's own path");
         let profile_dir = exe
