@@ -365,6 +365,7 @@ mod replay {
                 crate::transport::Offset::Id("1700-3".into()),
             ),
             losses: 2,
+            live_nodes: Some(3),
             caches: vec![crate::cluster::CacheHeartbeat {
                 name: "countries".into(),
                 version: Some(12),

@@ -52,9 +52,15 @@ pub enum Incomplete {
     Pending,
     /// No live node holds the cache.
     NoNode,
-    /// The view started reading the heartbeat channel too recently to know
-    /// every live node: it needs 1.5 heartbeat intervals, or 500 ms after
-    /// its roll call, whichever comes first.
+    /// The view may not have heard every live node yet: it started reading
+    /// the heartbeat channel too recently (it needs 1.5 heartbeat
+    /// intervals, or 500 ms after its roll call, whichever comes first),
+    /// or it holds fewer live nodes than a node it heard counts in its own
+    /// view ([`Heartbeat::live_nodes`](crate::cluster::Heartbeat::live_nodes)):
+    /// no clock tells when a slow node's answer will come, but a count
+    /// does. A node that stopped lately is still counted by the others
+    /// until it expires there, so a view that has just started may say
+    /// this for up to four heartbeat intervals after a node stops.
     Settling,
     /// The view is not reading the heartbeat channel (its subscription
     /// broke, or the transport has none): any node may be missing from it.
@@ -346,14 +352,13 @@ pub(crate) async fn wait(cluster: &Cluster, cache: &str, goal: Goal, timeout: Du
         nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
         // Whether the view may be missing a live node, first: then no
         // tally of the nodes it knows can be complete.
-        let incomplete = match cluster.settled_at() {
-            None => Some(Incomplete::NotListening),
-            Some(_) if cluster.overflowing() => Some(Incomplete::ViewFull),
-            Some(at) if now < at => Some(Incomplete::Settling),
-            Some(_) if nodes.is_empty() => Some(Incomplete::NoNode),
-            Some(_) if nodes.iter().any(|n| !n.applied) => Some(Incomplete::Pending),
-            Some(_) => None,
-        };
+        let incomplete = cluster.unsettled().or(if nodes.is_empty() {
+            Some(Incomplete::NoNode)
+        } else if nodes.iter().any(|n| !n.applied) {
+            Some(Incomplete::Pending)
+        } else {
+            None
+        });
         if incomplete.is_none() || now >= deadline {
             return Acks {
                 cache: cache.to_owned(),

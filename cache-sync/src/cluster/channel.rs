@@ -13,7 +13,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::message::{self, Opened};
-use super::{Ack, Cluster, Message, Request, ack};
+use super::{Ack, Cluster, Incomplete, Message, Request, ack};
 use crate::util::lock;
 use crate::wire::Codec;
 
@@ -213,5 +213,24 @@ impl Cluster {
             wait = wait.min(ROLL_CALL_GRACE);
         }
         Some(since.checked_add(wait).unwrap_or(since))
+    }
+
+    /// Why this view may be missing a live node now, or `None` once it
+    /// can be trusted to hold every one: it reads the heartbeat channel
+    /// ([`Incomplete::NotListening`] otherwise), is not full
+    /// ([`Incomplete::ViewFull`]), and has read the channel for 1.5
+    /// heartbeat intervals, or 500 ms after the roll call it sent, and
+    /// holds at least as many live nodes as any node it heard counts in its
+    /// own view ([`Incomplete::Settling`]). An acknowledged publish is
+    /// complete only through a view that is settled; `cache-sync status`
+    /// waits for one.
+    pub fn unsettled(&self) -> Option<Incomplete> {
+        match self.settled_at() {
+            None => Some(Incomplete::NotListening),
+            Some(_) if self.overflowing() => Some(Incomplete::ViewFull),
+            Some(at) if Instant::now() < at => Some(Incomplete::Settling),
+            Some(_) if self.missing_nodes() => Some(Incomplete::Settling),
+            Some(_) => None,
+        }
     }
 }

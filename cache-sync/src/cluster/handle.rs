@@ -163,9 +163,10 @@ impl ClusterBuilder {
 
     /// The nodes' heartbeat interval (default 2 s). A watcher asks every
     /// node for a heartbeat as it starts; until it has given them 500 ms
-    /// to answer (or 1.5 intervals, if sooner) it may not know every node,
-    /// and an acknowledged publish waits for that before it calls itself
-    /// complete.
+    /// to answer (or 1.5 intervals, if sooner), and while it holds fewer
+    /// nodes than one of them counts, it may not know every node (see
+    /// [`Cluster::unsettled`]), and an acknowledged publish waits for that
+    /// before it calls itself complete.
     pub fn heartbeat_interval(mut self, every: Duration) -> Self {
         self.interval = every;
         self

@@ -49,6 +49,14 @@ pub struct Heartbeat {
     pub position: Position,
     /// Losses the node answered by a resync.
     pub losses: u64,
+    /// How many live nodes the node's own view held when it sent this, the
+    /// node included: a lower bound on the cluster (a node that stopped is
+    /// counted until it expires there). A party whose view holds fewer has
+    /// not heard every node yet, whatever its clock says (see
+    /// [`Incomplete::Settling`](crate::cluster::Incomplete::Settling)).
+    /// Absent from older nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub live_nodes: Option<u64>,
     /// Each cache the node holds, by name.
     #[serde(default)]
     pub caches: Vec<CacheHeartbeat>,

@@ -123,6 +123,23 @@ impl Cluster {
         self.members(now).overflowing(now, self.owner())
     }
 
+    /// How many live nodes this view holds, the owning node included: what
+    /// the node's heartbeat tells as [`Heartbeat::live_nodes`].
+    pub(crate) fn live_nodes(&self) -> u64 {
+        self.members(Instant::now()).live(self.owner())
+    }
+
+    /// Whether some live node's own view holds more live nodes than this
+    /// one: this one has not heard every node yet, however long it has
+    /// listened (a node slow to answer the roll call, a heartbeat late on
+    /// a loaded machine). A node that stopped lately is counted by the
+    /// others until it expires there, so this may hold for up to four
+    /// heartbeat intervals after one stops. `O(log n)`.
+    pub(crate) fn missing_nodes(&self) -> bool {
+        let members = self.members(Instant::now());
+        members.most_claimed() > members.live(self.owner())
+    }
+
     /// The owning node's id, if a node owns this view: its observer.
     fn owner(&self) -> Option<&str> {
         self.inner

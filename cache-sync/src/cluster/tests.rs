@@ -45,6 +45,7 @@ fn heartbeat(id: &str, caches: Vec<CacheHeartbeat>) -> Heartbeat {
         ready: true,
         position: Position::default(),
         losses: 0,
+        live_nodes: None,
         caches,
     }
 }
@@ -332,4 +333,53 @@ async fn the_owning_nodes_echo_takes_no_room_under_the_member_cap() {
     assert!(c.overflowing());
     c.observe(heartbeat("late", vec![cache("a", Some(1))]));
     assert_eq!(c.stats().dropped.load(Relaxed), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_live_nodes_members_count_follow_their_heartbeats() {
+    let claiming = |id: &str, sent_at_us: u64, live: u64| {
+        let mut h = heartbeat(id, vec![]);
+        h.sent_at_us = sent_at_us;
+        h.live_nodes = Some(live);
+        h
+    };
+    let c = watcher(None);
+    assert!(!c.missing_nodes());
+    c.observe(claiming("a", 2_000_000, 3));
+    assert_eq!(c.live_nodes(), 1);
+    assert!(c.missing_nodes(), "a counts three");
+    c.observe(heartbeat("b", vec![]));
+    c.observe(heartbeat("c", vec![]));
+    assert!(!c.missing_nodes());
+    // A member's newer count replaces its last, up or down.
+    c.observe(claiming("a", 3_000_000, 5));
+    assert!(c.missing_nodes());
+    c.observe(claiming("a", 4_000_000, 2));
+    assert!(!c.missing_nodes());
+    // An older heartbeat's count is no count.
+    c.observe(claiming("a", 3_500_000, 9));
+    assert!(!c.missing_nodes());
+    // A member's count leaves with it.
+    c.observe(claiming("a", 5_000_000, 9));
+    assert!(c.missing_nodes());
+    tokio::time::advance(Duration::from_millis(250)).await;
+    for (id, sent) in [("b", 6_000_000), ("c", 6_000_000)] {
+        let mut h = heartbeat(id, vec![]);
+        h.sent_at_us = sent;
+        c.observe(h);
+    }
+    tokio::time::advance(Duration::from_millis(100)).await;
+    assert_eq!(ids(&c), ["b", "c"]);
+    assert!(!c.missing_nodes());
+
+    // A node's view counts the node itself, its echo arrived or not.
+    let own = heartbeat("me", vec![]);
+    let local: LocalHeartbeat = Box::new(move || Some(own.clone()));
+    let c = watcher(Some(local));
+    assert_eq!(c.live_nodes(), 1);
+    c.observe(claiming("a", 2_000_000, 2));
+    assert_eq!(c.live_nodes(), 2);
+    assert!(!c.missing_nodes());
+    c.observe(heartbeat("me", vec![]));
+    assert_eq!(c.live_nodes(), 2, "the echo is the node itself");
 }

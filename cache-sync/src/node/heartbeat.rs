@@ -198,6 +198,7 @@ impl Shared {
             ready,
             position: status.position,
             losses: status.losses,
+            live_nodes: Some(self.cluster.live_nodes()),
             caches: status
                 .caches
                 .into_iter()

@@ -601,6 +601,7 @@ mod tests {
             ready: true,
             position: crate::transport::Position::default(),
             losses: 0,
+            live_nodes: None,
             caches: (0..caches)
                 .map(|i| crate::cluster::CacheHeartbeat {
                     name: format!("c{i:03}"),

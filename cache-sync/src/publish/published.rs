@@ -45,7 +45,8 @@ impl Published {
     /// last three heartbeat intervals. A view that may not know every node
     /// (a node's own younger than 1.5 heartbeat intervals; a watcher that
     /// has given the nodes less than 500 ms to answer the roll call it sent
-    /// as it started; a view that is not reading the heartbeat channel; a
+    /// as it started; a view holding fewer live nodes than a node it heard
+    /// counts in its own; a view that is not reading the heartbeat channel; a
     /// view full to its member or byte bound, or that dropped a node's
     /// heartbeat for lack of room lately) never calls it complete, and says
     /// so. An empty publish (no event) resolves at once, with no node.

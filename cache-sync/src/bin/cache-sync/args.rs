@@ -42,8 +42,9 @@ pub(crate) struct Args {
 pub(crate) enum Command {
     /// Prints the nodes and their caches once. Exits 0 when every node is
     /// within --max-lag of the newest version of each cache, 1 when some
-    /// node has been behind for longer (listed on stderr) or no node
-    /// answered, 2 on errors
+    /// node has been behind for longer (listed on stderr), no node
+    /// answered, or the view may miss a node (a node it heard counts more
+    /// than it holds, still so four intervals after --wait), 2 on errors
     #[command(verbatim_doc_comment)]
     Status {
         /// How long a cache may trail the newest version before the

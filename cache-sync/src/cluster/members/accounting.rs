@@ -18,9 +18,12 @@ use crate::transport::Offset;
 const ARC_HEADER: usize = 2 * size_of::<usize>();
 /// A member beyond its strings, caches and position: the map's slot (a
 /// hash table runs up to half empty after growing), the expiry queue's
-/// entry, the id's `Arc` header.
-const MEMBER_FIXED: usize =
-    2 * size_of::<(Arc<str>, Member)>() + 2 * size_of::<((Instant, u64), Arc<str>)>() + ARC_HEADER;
+/// entry, the id's `Arc` header, its count among the claims (one B-tree
+/// entry at worst).
+const MEMBER_FIXED: usize = 2 * size_of::<(Arc<str>, Member)>()
+    + 2 * size_of::<((Instant, u64), Arc<str>)>()
+    + ARC_HEADER
+    + 2 * size_of::<(u64, u32)>();
 /// A cache of a member beyond its name's text: the
 /// stored cache, its slot in the name's holder set (up to half empty),
 /// and its count in the name's versions (one B-tree entry at worst).

@@ -37,6 +37,7 @@ impl Members {
                 continue;
             };
             self.bytes = self.bytes.saturating_sub(m.bytes);
+            self.unclaim(m.live_nodes);
             for c in &m.caches {
                 if let Some(idx) = self.caches.get_mut(&c.name) {
                     idx.remove(&m.id, c.version);

@@ -24,6 +24,8 @@ pub(in crate::cluster) struct Member {
     /// one partition takes a whole node, about 600 bytes.
     position: Box<[(Box<str>, Offset)]>,
     pub(in crate::cluster) losses: u64,
+    /// The live nodes its own view held (see [`Heartbeat::live_nodes`]).
+    pub(in crate::cluster) live_nodes: Option<u64>,
     /// By name, each name once.
     pub(in crate::cluster) caches: Box<[StoredCache]>,
     /// When its heartbeat arrived, on this party's monotonic clock.
@@ -94,6 +96,7 @@ impl Member {
                 .map(|(partition, offset)| (Box::from(partition), offset.clone()))
                 .collect(),
             losses: h.losses,
+            live_nodes: h.live_nodes,
             caches,
             seen: seen.0,
             seen_at_us: seen.1,
@@ -139,6 +142,7 @@ impl Member {
             ready: self.ready,
             position: self.position(),
             losses: self.losses,
+            live_nodes: self.live_nodes,
             caches: self
                 .caches
                 .iter()

@@ -123,6 +123,10 @@ pub(super) struct Members {
     gone: HashMap<Arc<str>, Gone>,
     /// Gone nodes by last heartbeat: the first is the next to be forgotten.
     gone_order: BTreeMap<(Instant, u64), Arc<str>>,
+    /// How many members claim each count of live nodes
+    /// ([`Heartbeat::live_nodes`]): the largest is at hand without a pass
+    /// over the members.
+    claims: BTreeMap<u64, u32>,
     /// Everything accounted: members, names with their indexes, gone nodes.
     bytes: usize,
     /// Of which, gone nodes (given up first when room is needed).
@@ -255,6 +259,7 @@ impl Members {
         let (id, old_names) = match self.nodes.remove_entry(h.node_id.as_str()) {
             Some((id, m)) => {
                 self.expiry.remove(&m.expires);
+                self.unclaim(m.live_nodes);
                 self.bytes = self.bytes.saturating_sub(m.bytes);
                 for c in &m.caches {
                     if let Some(idx) = self.caches.get_mut(&c.name) {
@@ -290,6 +295,7 @@ impl Members {
         let expires = (deadline, self.next_tie());
         self.expiry.insert(expires, id.clone());
         self.bytes = self.bytes.saturating_add(own);
+        self.claim(h.live_nodes);
         let member = Member::new(h, id.clone(), caches, (now, now_us), expires, own);
         self.nodes.insert(id, member);
         Intake::Stored
@@ -344,6 +350,40 @@ impl Members {
     fn others(&self, owner: Option<&str>) -> usize {
         let echo = owner.is_some_and(|id| self.nodes.contains_key(id));
         self.nodes.len().saturating_sub(usize::from(echo))
+    }
+
+    /// Live nodes, the owning node (if any) included whether or not its
+    /// echo arrived.
+    pub(super) fn live(&self, owner: Option<&str>) -> u64 {
+        let n = self
+            .others(owner)
+            .saturating_add(usize::from(owner.is_some()));
+        u64::try_from(n).unwrap_or(u64::MAX)
+    }
+
+    /// The most live nodes any member's own view held: this view has not
+    /// heard every node while it holds fewer. `O(log n)`.
+    pub(super) fn most_claimed(&self) -> u64 {
+        self.claims.last_key_value().map_or(0, |(&n, _)| n)
+    }
+
+    fn claim(&mut self, live_nodes: Option<u64>) {
+        if let Some(n) = live_nodes {
+            let count = self.claims.entry(n).or_default();
+            *count = count.saturating_add(1);
+        }
+    }
+
+    pub(super) fn unclaim(&mut self, live_nodes: Option<u64>) {
+        let Some(n) = live_nodes else {
+            return;
+        };
+        if let std::collections::btree_map::Entry::Occupied(mut e) = self.claims.entry(n) {
+            *e.get_mut() = e.get().saturating_sub(1);
+            if *e.get() == 0 {
+                e.remove();
+            }
+        }
     }
 
     /// At the member cap, with less room than one member may take, or

@@ -9,7 +9,7 @@ use tokio::time::Instant;
 use super::*;
 use crate::Cluster;
 use crate::cluster::Heartbeat;
-use crate::cluster::{Message, Request};
+use crate::cluster::{Incomplete, Message, Request};
 
 const EVERY: Duration = Duration::from_millis(100);
 
@@ -718,6 +718,7 @@ fn skewed(id: &str, skew_us: i64, version: u64, age_ms: u64) -> Heartbeat {
         ready: true,
         position: Position::default(),
         losses: 0,
+        live_nodes: None,
         caches: vec![crate::cluster::CacheHeartbeat {
             name: "countries".into(),
             version: Some(version),
@@ -903,4 +904,67 @@ async fn a_heartbeat_gives_how_long_ago_each_version_rose() {
     let age = own.caches[0].version_age_ms.unwrap();
     assert!((200..10_000).contains(&age), "{age}");
     node.shutdown().await.unwrap();
+}
+
+/// A watcher that has waited out its roll call's grace, but holds fewer
+/// nodes than a node it heard says are live, has not heard every node: an
+/// acknowledgement through it stays incomplete (the one-shot CLI once said
+/// "applied on 1/1 nodes" of three, on a loaded machine).
+#[tokio::test(start_paused = true)]
+async fn a_view_holding_fewer_nodes_than_a_node_counts_is_still_settling() {
+    const SLOW: Duration = Duration::from_secs(2);
+    let transport = EmbeddedTransport::new();
+    let quiet = [
+        FaultyTransport::new(transport.clone()),
+        FaultyTransport::new(transport.clone()),
+    ];
+    let (a, b, c) = (cache("countries"), cache("countries"), cache("countries"));
+    let start = async |id: &str, t: Arc<dyn Transport>, cache: &Cache| {
+        Node::builder(id, t)
+            .heartbeat_interval(SLOW)
+            .reorder_window(Duration::ZERO)
+            .register(cache)
+            .start()
+            .await
+            .unwrap()
+    };
+    let n1 = start("n1", Arc::new(transport.clone()), &a).await;
+    let n2 = start("n2", Arc::new(quiet[0].clone()), &b).await;
+    let n3 = start("n3", Arc::new(quiet[1].clone()), &c).await;
+    eventually("n1 knows all three", async || {
+        n1.cluster().live_nodes() == 3
+    })
+    .await;
+    // n2 and n3 go on applying events, but nothing they send on the
+    // heartbeat channel arrives: to a watcher starting now they are as
+    // nodes slow to answer its roll call. n1 still counts them live.
+    for q in &quiet {
+        q.drop_heartbeats(true);
+    }
+    let watcher = Cluster::builder(transport.clone())
+        .heartbeat_interval(SLOW)
+        .start()
+        .await
+        .unwrap();
+    let published = Publisher::new(transport.clone())
+        .insert("countries", [("de", "Germany")])
+        .await
+        .unwrap();
+    // Past the roll call's 500 ms, short of 1.5 intervals.
+    let acks = published
+        .applied_by(&watcher, Duration::from_millis(1200))
+        .await;
+    assert_eq!(acks.incomplete, Some(Incomplete::Settling), "{acks}");
+    assert_eq!(acks.nodes.len(), 1, "{acks}");
+    assert_eq!(watcher.unsettled(), Some(Incomplete::Settling));
+    for q in &quiet {
+        q.drop_heartbeats(false);
+    }
+    let acks = published.applied_by(&watcher, Duration::from_secs(5)).await;
+    assert!(acks.is_complete(), "{acks}");
+    assert_eq!(acks.applied(), 3, "{acks}");
+    watcher.shutdown().await;
+    for n in [n1, n2, n3] {
+        n.shutdown().await.unwrap();
+    }
 }
