@@ -13,6 +13,7 @@ pub mod cluster_view;
 pub mod conformance;
 pub mod nats_server;
 mod process;
+pub mod redis_cluster;
 pub mod redis_server;
 pub mod rocketmq_server;
 

@@ -1,7 +1,7 @@
 //! A `redis-server` of the test's own, on a free loopback port, that the test
 //! can kill, restart on the same data, pause, and cut connections to.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -31,11 +31,39 @@ impl RedisServer {
 
     /// Starts a server with extra `redis-server` arguments.
     pub fn start_with(extra: &[&str]) -> Self {
+        Self::start_made(|| extra.iter().map(|s| (*s).to_owned()).collect())
+    }
+
+    /// Starts a server in cluster mode, not yet in any cluster: its cluster
+    /// bus on a free port of its own (not the default port + 10000, which
+    /// may be taken or past 65535), `node_timeout_ms` before its peers
+    /// count it failed. See `redis_cluster`.
+    pub fn start_cluster_node(node_timeout_ms: u64) -> Self {
+        Self::start_made(|| {
+            // Taken by the time the server binds it: the server's log says
+            // so, and the start is tried again on other ports.
+            let bus = free_port();
+            vec![
+                "--cluster-enabled".into(),
+                "yes".into(),
+                "--cluster-config-file".into(),
+                "nodes.conf".into(),
+                "--cluster-node-timeout".into(),
+                node_timeout_ms.to_string(),
+                "--cluster-port".into(),
+                bus.to_string(),
+            ]
+        })
+    }
+
+    /// Starts a server with the arguments `extra()` makes, fresh for each
+    /// try on other ports.
+    fn start_made(mut extra: impl FnMut() -> Vec<String>) -> Self {
         start_on_free_ports("redis-server", || {
             let mut server = Self {
                 port: free_port(),
                 dir: tempfile::tempdir().expect("temp dir for redis-server"),
-                extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+                extra: extra(),
                 process: ServerProcess::default(),
             };
             server.spawn().map(|()| server)
@@ -119,6 +147,16 @@ impl RedisServer {
         std::fs::read_to_string(self.dir.path().join("redis.log")).unwrap_or_default()
     }
 
+    /// Its port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Whether its process runs (it may be paused): not killed, not exited.
+    pub fn is_running(&mut self) -> bool {
+        self.process.pid().is_some() && self.process.exited().is_none()
+    }
+
     /// `redis://127.0.0.1:PORT/`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
@@ -180,38 +218,109 @@ impl RedisServer {
         reply.trim_start_matches(':').trim().parse().unwrap_or(0)
     }
 
-    /// Runs one command and returns the first line of the reply (enough for
-    /// status, integer and error replies).
     /// `INFO server`, whole.
     fn info_server(&self) -> std::io::Result<String> {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
-        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-        stream.write_all(b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n")?;
-        let mut reader = BufReader::new(&mut stream);
-        let mut header = String::new();
-        reader.read_line(&mut header)?;
-        let len: usize = header
-            .trim_end()
-            .strip_prefix('$')
-            .and_then(|n| n.parse().ok())
-            .ok_or_else(|| std::io::Error::other(format!("INFO answered {header:?}")))?;
-        let mut body = vec![0; len];
-        reader.read_exact(&mut body)?;
-        Ok(String::from_utf8_lossy(&body).into_owned())
+        match self.query(&["INFO", "server"])? {
+            Reply::Bulk(Some(body)) => Ok(String::from_utf8_lossy(&body).into_owned()),
+            other => Err(std::io::Error::other(format!("INFO answered {other:?}"))),
+        }
     }
 
+    /// Runs one command and returns its whole reply, parsed.
+    pub fn query(&self, args: &[&str]) -> std::io::Result<Reply> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        stream.write_all(&request(args))?;
+        read_reply(&mut BufReader::new(&mut stream))
+    }
+
+    /// Runs one command and returns the first line of the reply (enough for
+    /// status, integer and error replies).
     pub fn command(&self, args: &[&str]) -> std::io::Result<String> {
         let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
         stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-        let mut req = format!("*{}\r\n", args.len());
-        for a in args {
-            req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
-        }
-        stream.write_all(req.as_bytes())?;
+        stream.write_all(&request(args))?;
         let mut line = String::new();
         BufReader::new(&mut stream).read_line(&mut line)?;
         Ok(line.trim_end().to_owned())
     }
+}
+
+/// A command as RESP: an array of bulk strings.
+fn request(args: &[&str]) -> Vec<u8> {
+    let mut req = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        req.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        req.extend_from_slice(a.as_bytes());
+        req.extend_from_slice(b"\r\n");
+    }
+    req
+}
+
+/// A RESP2 reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    Status(String),
+    Error(String),
+    Int(i64),
+    Bulk(Option<Vec<u8>>),
+    Array(Option<Vec<Reply>>),
+}
+
+impl Reply {
+    /// A status or bulk reply as text.
+    pub fn text(&self) -> Option<String> {
+        match self {
+            Reply::Status(s) => Some(s.clone()),
+            Reply::Bulk(Some(b)) => Some(String::from_utf8_lossy(b).into_owned()),
+            _ => None,
+        }
+    }
+
+    /// An array reply's elements (none for a nil or non-array reply).
+    pub fn items(&self) -> &[Reply] {
+        match self {
+            Reply::Array(Some(items)) => items,
+            _ => &[],
+        }
+    }
+}
+
+/// Reads one RESP2 reply.
+fn read_reply(r: &mut impl BufRead) -> std::io::Result<Reply> {
+    let mut line = String::new();
+    if r.read_line(&mut line)? == 0 {
+        return Err(std::io::Error::other("connection closed before a reply"));
+    }
+    let line = line.trim_end_matches(['\r', '\n']);
+    let (kind, rest) = line.split_at(line.len().min(1));
+    let number = || {
+        rest.parse::<i64>()
+            .map_err(|_| std::io::Error::other(format!("not a RESP length: {line:?}")))
+    };
+    Ok(match kind {
+        "+" => Reply::Status(rest.to_owned()),
+        "-" => Reply::Error(rest.to_owned()),
+        ":" => Reply::Int(number()?),
+        "$" => match usize::try_from(number()?) {
+            Err(_) => Reply::Bulk(None),
+            Ok(len) => {
+                let mut body = vec![0; len + 2];
+                r.read_exact(&mut body)?;
+                body.truncate(len);
+                Reply::Bulk(Some(body))
+            }
+        },
+        "*" => match usize::try_from(number()?) {
+            Err(_) => Reply::Array(None),
+            Ok(n) => Reply::Array(Some(
+                (0..n)
+                    .map(|_| read_reply(r))
+                    .collect::<std::io::Result<_>>()?,
+            )),
+        },
+        _ => return Err(std::io::Error::other(format!("not a RESP reply: {line:?}"))),
+    })
 }
 
 /// A port that was free a moment ago.

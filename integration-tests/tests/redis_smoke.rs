@@ -299,3 +299,72 @@ async fn streams_a_wiped_history_is_caught_even_when_ordinals_line_up() {
         other => panic!("resumed inside another history as if nothing happened: {other:?}"),
     }
 }
+
+/// The Redis Cluster harness itself: a killed master's replica takes over
+/// its slots with what it acknowledged, the old master rejoins as a
+/// replica, a manual failover swaps them back, a paused master is failed
+/// over and comes back a replica, and a slot moves with its keys.
+#[test]
+fn the_cluster_harness_fails_over_and_moves_a_slot() {
+    use integration_tests::redis_cluster::RedisCluster;
+    use integration_tests::redis_server::Reply;
+
+    let mut cluster = RedisCluster::start();
+    assert_eq!(cluster.masters().len(), 3);
+    let key = "{cache-sync}:probe";
+    let slot = cluster.slot(key);
+    let master = cluster.master_of(slot);
+    let replica = cluster.replica_of(master);
+    let on = |c: &RedisCluster, i: usize, args: &[&str]| c.server(i).query(args).expect("query");
+    assert_eq!(
+        on(&cluster, master, &["SET", key, "1"]),
+        Reply::Status("OK".into())
+    );
+    // Replication is asynchronous: wait for the replica to have it.
+    assert_eq!(on(&cluster, master, &["WAIT", "1", "5000"]), Reply::Int(1));
+
+    cluster.kill(master);
+    let promoted = cluster.wait_for_new_master(slot, master);
+    assert_eq!(promoted, replica);
+    assert_eq!(
+        on(&cluster, promoted, &["GET", key]),
+        Reply::Bulk(Some(b"1".to_vec()))
+    );
+    cluster.restart(master);
+    cluster.wait_whole();
+    assert_eq!(
+        cluster.replica_of(promoted),
+        master,
+        "the old master rejoins as a replica"
+    );
+
+    cluster.failover(master);
+    cluster.wait_whole();
+    assert_eq!(cluster.master_of(slot), master);
+
+    cluster.pause(master);
+    let promoted = cluster.wait_for_new_master(slot, master);
+    cluster.resume(master);
+    cluster.wait_whole();
+    assert_eq!(
+        cluster.replica_of(promoted),
+        master,
+        "the stale master turns replica"
+    );
+
+    let other = *cluster
+        .masters()
+        .iter()
+        .find(|&&m| m != promoted)
+        .expect("another master");
+    cluster.move_slot(slot, other);
+    assert_eq!(cluster.master_of(slot), other);
+    assert_eq!(
+        on(&cluster, other, &["GET", key]),
+        Reply::Bulk(Some(b"1".to_vec()))
+    );
+    match on(&cluster, promoted, &["GET", key]) {
+        Reply::Error(e) => assert!(e.starts_with("MOVED"), "{e}"),
+        r => panic!("the old owner still answers: {r:?}"),
+    }
+}
