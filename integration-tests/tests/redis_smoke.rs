@@ -368,3 +368,112 @@ fn the_cluster_harness_fails_over_and_moves_a_slot() {
         r => panic!("the old owner still answers: {r:?}"),
     }
 }
+
+/// A history that went another way after a node's position, though its
+/// epoch and its count live on: a promoted replica (or a server restarted
+/// from an append-only file not yet synced) lost the last two entries, and
+/// the new server, its clock behind, gave the next two ids before the
+/// position's. Read on from the position's id, the first entry after it
+/// carries exactly the ordinal expected next, and two events are lost
+/// without a word; the resume must see that the position's own entry is
+/// gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_notice_a_history_that_went_another_way() {
+    use integration_tests::redis_server::Reply;
+
+    let server = RedisServer::start();
+    let transport = RedisStreamsTransport::connect(server.url()).await.unwrap();
+    let mut sub = transport
+        .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
+        .await
+        .unwrap();
+    for i in 1..=10u32 {
+        if i >= 9 {
+            // Ids a few milliseconds apart: room for others between them.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        transport
+            .publish("t", "c", Bytes::from(i.to_string()))
+            .await
+            .unwrap();
+    }
+    let mut ids = Vec::new();
+    let mut position = None;
+    while ids.len() < 10 {
+        let Delivery::Batch {
+            records,
+            position: p,
+        } = sub.next(10).await.unwrap()
+        else {
+            panic!("a loss while reading ten entries");
+        };
+        ids.extend(records.into_iter().map(|r| match r.offset {
+            Some(Offset::Id(id)) => id,
+            other => panic!("a record without its id: {other:?}"),
+        }));
+        position = Some(p);
+    }
+    drop(sub);
+    let position = position.unwrap();
+    assert_eq!(position.get("n"), Some(&Offset::Seq(10)));
+
+    // The promoted replica's stream: entries 1 to 8, and its count and
+    // last id as of entry 8 (the epoch key is the same).
+    let ok = |r: std::io::Result<Reply>| r.expect("query");
+    assert_eq!(
+        ok(server.query(&["XDEL", "cache-sync:t", &ids[8], &ids[9]])),
+        Reply::Int(2)
+    );
+    assert_eq!(
+        ok(server.query(&["XSETID", "cache-sync:t", &ids[7], "ENTRIESADDED", "8"])),
+        Reply::Status("OK".into())
+    );
+    assert_eq!(
+        ok(server.query(&["SET", "cache-sync:t:n", "8"])),
+        Reply::Status("OK".into())
+    );
+    // Two new events, ids between entry 8's and the lost entry 10's.
+    let epoch = ok(server.query(&["GET", "cache-sync:t:e"])).text().unwrap();
+    let ms = |id: &str| -> u64 { id.split('-').next().unwrap().parse().unwrap() };
+    let base = ms(&ids[7]);
+    assert!(base + 2 < ms(&ids[9]), "{ids:?}");
+    for (n, at) in [(9, base + 1), (10, base + 2)] {
+        let id = format!("{at}-0");
+        let (n, payload) = (n.to_string(), format!("new {n}"));
+        let reply = ok(server.query(&[
+            "XADD",
+            "cache-sync:t",
+            &id,
+            "n",
+            &n,
+            "e",
+            &epoch,
+            "t",
+            "c",
+            "p",
+            &payload,
+        ]));
+        assert_eq!(reply.text().as_deref(), Some(id.as_str()));
+    }
+    assert_eq!(
+        ok(server.query(&["SET", "cache-sync:t:n", "10"])),
+        Reply::Status("OK".into())
+    );
+    transport
+        .publish("t", "c", Bytes::from("new 11"))
+        .await
+        .unwrap();
+
+    let mut sub = transport
+        .subscribe("t", SubscribeOptions::new(StartFrom::Position(position)))
+        .await
+        .unwrap();
+    match sub.next(10).await.unwrap() {
+        Delivery::Lost(loss) => assert_eq!(loss.reason, LossReason::HistoryReset),
+        Delivery::Batch { records, .. } => panic!(
+            "read on past two lost events: {:?}",
+            records.iter().map(|r| &r.payload).collect::<Vec<_>>()
+        ),
+        other => panic!("expected the divergence as a loss, got {other:?}"),
+    }
+}

@@ -41,7 +41,11 @@ use subscription::StreamsSubscription;
 ///   last id with backoff, losing nothing still in the stream.
 /// - **History reset** (the stream deleted, or a Redis without persistence
 ///   restarted): detected from the ordinals and signalled as
-///   [`LossReason::HistoryReset`].
+///   [`LossReason::HistoryReset`]; so is a history that went another way
+///   after a node's position (a promoted replica, or an append-only file
+///   not yet synced, lost the last entries, and new ones took their
+///   ordinals): a resume checks that the entry its position names is
+///   still there.
 /// - **Start positions:** latest, earliest, a stored position, a timestamp.
 /// - **Heartbeats** ([`Transport::publish_heartbeat`]) go to a stream of
 ///   their own beside the topic's, `<stream key>:hb`, so they never take
@@ -113,6 +117,52 @@ impl RedisStreamsTransport {
     }
 }
 
+/// The entry at `id`, if the stream holds it: `Some(None)` when it does
+/// not.
+async fn entry_at(
+    conn: &mut MultiplexedConnection,
+    keys: &StreamKeys,
+    id: &str,
+) -> Result<Option<reply::Entry>> {
+    let reply: Value = redis::cmd("XRANGE")
+        .arg(&keys.stream)
+        .arg(id)
+        .arg(id)
+        .arg("COUNT")
+        .arg(1)
+        .query_async(conn)
+        .await
+        .map_err(|e| map_err(STREAMS, e))?;
+    Ok(match reply {
+        Value::Array(mut v) if !v.is_empty() => parse_entry(v.swap_remove(0)),
+        _ => None,
+    })
+}
+
+/// Whether the stream's history went another way after a position of
+/// ordinal `n`, though its epoch and its count say it lives on: the entry
+/// the position names (`named`, read before the state) is gone although
+/// nothing trimmed it (`n` is past `trimmed`), or holds another ordinal.
+///
+/// A Redis replica promoted after its master failed (Redis Cluster,
+/// Sentinel) lacks the writes the master acknowledged but had not passed
+/// on, and so does a server restarted from an append-only file that was
+/// not yet synced; the epoch and the ordinal counter are rolled back with
+/// the entries. New entries then take the lost ordinals again, and their
+/// ids come from the new server's clock: one behind the old server's puts
+/// them before the position's id, where `XREAD` from it never looks, and
+/// the first entry after it carries exactly the ordinal expected next. Only
+/// the entry the position names tells that history from this one.
+fn diverged(n: u64, named: Option<&Option<reply::Entry>>, trimmed: u64) -> bool {
+    match named {
+        // Not read (no stored position with an id), or nothing to compare
+        // with (an entry of a cache-sync before ordinals).
+        None | Some(Some(reply::Entry { ordinal: None, .. })) => false,
+        Some(Some(entry)) => entry.ordinal != Some(n),
+        Some(None) => n > trimmed,
+    }
+}
+
 #[async_trait]
 impl Transport for RedisStreamsTransport {
     fn kind(&self) -> &'static str {
@@ -146,6 +196,17 @@ impl Transport for RedisStreamsTransport {
         self.check_topic(topic)?;
         let keys = self.keys(topic);
         let mut conn = self.reader().await?;
+        // The entry a stored position names, read before the state: see
+        // `diverged`.
+        let named = match &options.from {
+            StartFrom::Position(p) => match (p.get(ID), p.get(ORDINAL)) {
+                (Some(Offset::Id(id)), Some(Offset::Seq(n))) if *n > 0 => {
+                    Some(entry_at(&mut conn, &keys, id).await?)
+                }
+                _ => None,
+            },
+            _ => None,
+        };
         let state = stream_state(&mut conn, &keys).await?;
         let trimmed = state.trimmed();
         let mut pending = None;
@@ -154,7 +215,9 @@ impl Transport for RedisStreamsTransport {
             StartFrom::Earliest => ("0-0".to_owned(), trimmed),
             StartFrom::Position(p) => match (p.get(ID), p.get(ORDINAL), p.get(EPOCH)) {
                 (Some(Offset::Id(id)), Some(Offset::Seq(n)), Some(Offset::Seq(e)))
-                    if *e == state.epoch && *n <= state.entries_added =>
+                    if *e == state.epoch
+                        && *n <= state.entries_added
+                        && !diverged(*n, named.as_ref(), trimmed) =>
                 {
                     if let Some(missed) = trimmed.checked_sub(*n).filter(|&m| m > 0) {
                         // Entries after the stored position are gone already.
@@ -169,7 +232,8 @@ impl Transport for RedisStreamsTransport {
                     }
                 }
                 // Another history (another epoch, or a position from before
-                // epochs), or an ordinal past this one's end.
+                // epochs), an ordinal past this one's end, or a history that
+                // went another way after the position (see `diverged`).
                 _ => {
                     pending = Some(Loss::new(
                         LossReason::HistoryReset,
@@ -255,5 +319,40 @@ impl Transport for RedisStreamsTransport {
     ) -> Result<Box<dyn HeartbeatSubscription>> {
         self.check_topic(topic)?;
         self.read_beats(self.reply_key(topic, to)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(ordinal: Option<u64>) -> reply::Entry {
+        reply::Entry {
+            id: "5-0".into(),
+            ordinal,
+            epoch: Some(1),
+            tag: None,
+            payload: Bytes::new(),
+        }
+    }
+
+    #[test]
+    fn a_position_whose_entry_is_gone_but_not_trimmed_went_another_way() {
+        assert!(!diverged(10, None, 0), "nothing read: nothing to tell");
+        assert!(!diverged(10, Some(&Some(entry(Some(10)))), 0));
+        assert!(diverged(10, Some(&Some(entry(Some(9)))), 0), "renumbered");
+        assert!(
+            !diverged(10, Some(&Some(entry(None))), 0),
+            "before ordinals"
+        );
+        assert!(diverged(10, Some(&None), 9), "gone, untrimmed");
+        assert!(
+            !diverged(10, Some(&None), 10),
+            "trimmed, nothing after it lost"
+        );
+        assert!(
+            !diverged(10, Some(&None), 12),
+            "trimmed past it: a loss of its own"
+        );
     }
 }
