@@ -125,7 +125,7 @@ impl Fixture for Streams {
             Fault::TrimPastReader => {
                 let reply = self
                     .server
-                    .command(&["XTRIM", "cache-sync:cache-sync", "MAXLEN", "0"])
+                    .command(&["XTRIM", "cache-sync:{cache-sync}", "MAXLEN", "0"])
                     .expect("XTRIM");
                 assert!(reply.starts_with(':'), "XTRIM: {reply}");
             }
@@ -144,8 +144,9 @@ impl Fixture for Streams {
     }
 
     fn stored(&self, topic: &str) -> Option<integration_tests::conformance::Stored> {
-        // The default key prefix; the suite's topics here need no escaping.
-        let key = format!("cache-sync:{topic}");
+        // The default key prefix, the topic as the hash tag; the suite's
+        // topics here need no escaping.
+        let key = format!("cache-sync:{{{topic}}}");
         let heartbeats = format!("{key}:hb");
         let int = |args: &[&str]| -> i64 {
             let reply = self.server.command(args).expect("redis command");

@@ -109,7 +109,7 @@ async fn streams_notice_a_trim_while_idle() {
         .await
         .unwrap();
     let reply = server
-        .command(&["XTRIM", "cache-sync:t", "MAXLEN", "0"])
+        .command(&["XTRIM", "cache-sync:{t}", "MAXLEN", "0"])
         .unwrap();
     assert_eq!(reply, ":2");
     let next = tokio::time::timeout(Duration::from_secs(5), sub.next(10)).await;
@@ -136,13 +136,17 @@ async fn streams_ordinals_continue_without_their_counter() {
             .unwrap();
     }
     assert_eq!(
-        server.command(&["INCRBY", "cache-sync:t:n", "0"]).unwrap(),
+        server
+            .command(&["INCRBY", "cache-sync:{t}:n", "0"])
+            .unwrap(),
         ":2"
     );
-    assert_eq!(server.command(&["DEL", "cache-sync:t:n"]).unwrap(), ":1");
+    assert_eq!(server.command(&["DEL", "cache-sync:{t}:n"]).unwrap(), ":1");
     transport.publish("t", "c", Bytes::from("c")).await.unwrap();
     assert_eq!(
-        server.command(&["INCRBY", "cache-sync:t:n", "0"]).unwrap(),
+        server
+            .command(&["INCRBY", "cache-sync:{t}:n", "0"])
+            .unwrap(),
         ":3"
     );
 
@@ -282,7 +286,7 @@ async fn streams_a_wiped_history_is_caught_even_when_ordinals_line_up() {
     }
     // Keep ordinals 11..=20: the next one the old reader expects comes first.
     let reply = server
-        .command(&["XTRIM", "cache-sync:cache-sync", "MAXLEN", "10"])
+        .command(&["XTRIM", "cache-sync:{cache-sync}", "MAXLEN", "10"])
         .unwrap();
     assert_eq!(reply, ":10");
 
@@ -421,19 +425,21 @@ async fn streams_notice_a_history_that_went_another_way() {
     // last id as of entry 8 (the epoch key is the same).
     let ok = |r: std::io::Result<Reply>| r.expect("query");
     assert_eq!(
-        ok(server.query(&["XDEL", "cache-sync:t", &ids[8], &ids[9]])),
+        ok(server.query(&["XDEL", "cache-sync:{t}", &ids[8], &ids[9]])),
         Reply::Int(2)
     );
     assert_eq!(
-        ok(server.query(&["XSETID", "cache-sync:t", &ids[7], "ENTRIESADDED", "8"])),
+        ok(server.query(&["XSETID", "cache-sync:{t}", &ids[7], "ENTRIESADDED", "8"])),
         Reply::Status("OK".into())
     );
     assert_eq!(
-        ok(server.query(&["SET", "cache-sync:t:n", "8"])),
+        ok(server.query(&["SET", "cache-sync:{t}:n", "8"])),
         Reply::Status("OK".into())
     );
     // Two new events, ids between entry 8's and the lost entry 10's.
-    let epoch = ok(server.query(&["GET", "cache-sync:t:e"])).text().unwrap();
+    let epoch = ok(server.query(&["GET", "cache-sync:{t}:e"]))
+        .text()
+        .unwrap();
     let ms = |id: &str| -> u64 { id.split('-').next().unwrap().parse().unwrap() };
     let base = ms(&ids[7]);
     assert!(base + 2 < ms(&ids[9]), "{ids:?}");
@@ -442,7 +448,7 @@ async fn streams_notice_a_history_that_went_another_way() {
         let (n, payload) = (n.to_string(), format!("new {n}"));
         let reply = ok(server.query(&[
             "XADD",
-            "cache-sync:t",
+            "cache-sync:{t}",
             &id,
             "n",
             &n,
@@ -456,7 +462,7 @@ async fn streams_notice_a_history_that_went_another_way() {
         assert_eq!(reply.text().as_deref(), Some(id.as_str()));
     }
     assert_eq!(
-        ok(server.query(&["SET", "cache-sync:t:n", "10"])),
+        ok(server.query(&["SET", "cache-sync:{t}:n", "10"])),
         Reply::Status("OK".into())
     );
     transport
@@ -476,4 +482,87 @@ async fn streams_notice_a_history_that_went_another_way() {
         ),
         other => panic!("expected the divergence as a loss, got {other:?}"),
     }
+}
+
+/// Streams on a Redis Cluster: a node follows its topic's slot through a
+/// master killed (its replica promoted) and through a slot moved to another
+/// master while it reads, never keeping an older value, and its heartbeats
+/// go round on the cluster too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_on_a_cluster_follow_a_failover_and_a_slot_move() {
+    use integration_tests::redis_cluster::RedisCluster;
+    use tokio::task::block_in_place;
+
+    let mut cluster = block_in_place(RedisCluster::start);
+    let urls = cluster.urls();
+    let connect = async || {
+        RedisStreamsTransport::cluster(urls.clone())
+            .block(Duration::from_millis(200))
+            .response_timeout(Duration::from_secs(2))
+            .connect()
+            .await
+            .expect("connect to the cluster")
+    };
+    let cache: SyncedCache<String, String> = SyncedCache::new("t", moka::future::Cache::new(100));
+    let node = Node::builder("n1", connect().await)
+        .heartbeat_interval(Duration::from_millis(100))
+        .reconnect_backoff(Duration::from_millis(10), Duration::from_millis(200))
+        .register(&cache)
+        .start()
+        .await
+        .expect("start the node");
+    let publisher = Publisher::new(connect().await);
+    // A publish may fail while the cluster fails over; a user retries.
+    let publish = async |v: u64| {
+        let value = v.to_string();
+        for _ in 0..100 {
+            match publisher
+                .insert_versioned("t", [("k", value.as_str(), Some(v))])
+                .await
+            {
+                Ok(_) => return,
+                Err(e) => {
+                    eprintln!("publish {v}: {e}; again");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+        panic!("publish {v} failed 100 times");
+    };
+    // The newest value, or none (a loss answered by invalidating): never
+    // an older one.
+    let settles_on = async |v: u64| {
+        let want = v.to_string();
+        eventually(&format!("k = {v}"), async || {
+            cache.peek("k").await.as_deref() == Some(want.as_str())
+        })
+        .await;
+    };
+    publish(1).await;
+    settles_on(1).await;
+    eventually("the node's heartbeat heard on the cluster", async || {
+        node.cluster()
+            .nodes()
+            .iter()
+            .any(|h| h.node_id == "n1" && h.sent_at_us > 0)
+            && node.status().heartbeats_received > 0
+    })
+    .await;
+
+    let slot = cluster.slot("cache-sync:{cache-sync}");
+    let master = cluster.master_of(slot);
+    block_in_place(|| cluster.kill(master));
+    let promoted = block_in_place(|| cluster.wait_for_new_master(slot, master));
+    publish(2).await;
+    settles_on(2).await;
+
+    let other = *cluster
+        .masters()
+        .iter()
+        .find(|&&m| m != promoted)
+        .expect("another master");
+    block_in_place(|| cluster.move_slot(slot, other));
+    publish(3).await;
+    settles_on(3).await;
+    node.shutdown().await.expect("shutdown");
 }

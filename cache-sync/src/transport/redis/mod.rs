@@ -10,12 +10,14 @@ use crate::error::{Error, Result};
 use crate::transport::names;
 use crate::util::{MAX_TIMEOUT, check_duration};
 
-/// A topic as part of a Redis key or channel: `:` and `%` escaped.
+/// A topic as part of a Redis key or channel: `:`, `{`, `}` and `%`
+/// escaped (braces, so that a topic never ends or opens a key's hash tag).
 fn key_part(topic: &str) -> std::borrow::Cow<'_, str> {
-    names::escape(topic, |c| c != ':')
+    names::escape(topic, |c| !matches!(c, ':' | '{' | '}'))
 }
 
 mod pubsub;
+mod servers;
 mod streams;
 
 pub use pubsub::{RedisPubSubBuilder, RedisPubSubTransport};
@@ -64,17 +66,21 @@ fn check_timeout(setting: &str, value: Duration) -> Result<()> {
 /// events one by one, each as a loss.
 const MIN_BACKLOG_BYTES: usize = 64 << 10;
 
+/// How a publisher's connection manager connects and retries.
+fn manager_config(response_timeout: Duration) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(response_timeout))
+        .set_response_timeout(Some(response_timeout))
+        .set_number_of_retries(3)
+}
+
 async fn publisher_connection(
     client: &Client,
     transport: &'static str,
     response_timeout: Duration,
 ) -> Result<ConnectionManager> {
-    let config = ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(response_timeout))
-        .set_response_timeout(Some(response_timeout))
-        .set_number_of_retries(3);
     client
-        .get_connection_manager_with_config(config)
+        .get_connection_manager_with_config(manager_config(response_timeout))
         .await
         .map_err(|e| map_err(transport, e))
 }

@@ -2,14 +2,16 @@
 //! the checks `connect` makes before any I/O, and the server version check.
 //! Apart from the transport itself, which only reads the settings.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use redis::Client;
+use redis::AsyncConnectionConfig;
 
 use super::RedisStreamsTransport;
 use super::state::XADD_SCRIPT;
 use crate::error::{Error, Result};
-use crate::transport::redis::{STREAMS, check_timeout, map_err, publisher_connection};
+use crate::transport::redis::servers::Servers;
+use crate::transport::redis::{STREAMS, check_timeout, map_err};
 use crate::util::check_at_least;
 
 #[derive(Debug, Clone)]
@@ -24,8 +26,15 @@ pub(super) struct StreamsConfig {
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 #[derive(Debug, Clone)]
 pub struct RedisStreamsBuilder {
-    url: String,
+    /// One server's URL, or a cluster's seeds.
+    target: Target,
     config: StreamsConfig,
+}
+
+#[derive(Debug, Clone)]
+enum Target {
+    Server(String),
+    Cluster(Vec<String>),
 }
 
 impl RedisStreamsBuilder {
@@ -54,7 +63,10 @@ impl RedisStreamsBuilder {
         self
     }
 
-    /// Prefix of the stream key; the topic follows. Default `"cache-sync:"`.
+    /// Prefix of the stream key; the topic follows, in braces (a hash tag:
+    /// every key of a topic is in one slot of a Redis Cluster). Default
+    /// `"cache-sync:"`; no `{` or `}`, or [`connect`](Self::connect)
+    /// refuses it (the prefix would take the hash tag's place).
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.config.key_prefix = prefix.into();
         self
@@ -66,12 +78,20 @@ impl RedisStreamsBuilder {
     /// anything is sent.
     pub async fn connect(self) -> Result<RedisStreamsTransport> {
         self.check()?;
-        let client = Client::open(self.url.as_str()).map_err(|e| Error::Config(e.to_string()))?;
-        let mut publisher =
-            publisher_connection(&client, STREAMS, self.config.response_timeout).await?;
+        let servers = match &self.target {
+            Target::Server(url) => Servers::single(url)?,
+            Target::Cluster(seeds) => Servers::cluster(seeds)?,
+        };
+        let timeout = self.config.response_timeout;
+        let publisher = servers.commands(STREAMS, timeout).await?;
+        // Asked of one server: a cluster connection would ask every master
+        // and answer with a map of their replies.
+        let one = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout));
         let info: String = redis::cmd("INFO")
             .arg("server")
-            .query_async(&mut publisher)
+            .query_async(&mut servers.any(&one, STREAMS).await?)
             .await
             .map_err(|e| map_err(STREAMS, e))?;
         let version = info
@@ -85,7 +105,7 @@ impl RedisStreamsBuilder {
             });
         }
         Ok(RedisStreamsTransport {
-            client,
+            servers: Arc::new(servers),
             publisher,
             script: redis::Script::new(XADD_SCRIPT),
             config: self.config,
@@ -96,6 +116,12 @@ impl RedisStreamsBuilder {
     pub(in crate::transport::redis) fn check(&self) -> Result<()> {
         let c = &self.config;
         check_at_least("redis-streams max_len", c.max_len, 1)?;
+        if c.key_prefix.contains(['{', '}']) {
+            return Err(Error::Config(format!(
+                "redis-streams key_prefix {:?}: no `{{` or `}}` (the topic is the keys' hash tag)",
+                c.key_prefix
+            )));
+        }
         check_timeout("redis-streams block", c.block)?;
         check_timeout("redis-streams response_timeout", c.response_timeout)
     }
@@ -104,8 +130,24 @@ impl RedisStreamsBuilder {
 impl RedisStreamsTransport {
     /// Configures a transport for the server at `url` (`redis://127.0.0.1:6379/`).
     pub fn builder(url: impl Into<String>) -> RedisStreamsBuilder {
+        Self::builder_for(Target::Server(url.into()))
+    }
+
+    /// Configures a transport for the Redis Cluster that `seeds` belong to
+    /// (`redis://host:port/` each; any of its servers, one is enough, more
+    /// are tried in turn while some are down). Publishes follow the
+    /// cluster's redirects and failovers; each reader reads from the master
+    /// that serves its topic's slot, and on a redirect, a failover or a
+    /// lost connection ends its subscription, so the node resumes from its
+    /// position, checked against the history it finds (see
+    /// [`RedisStreamsTransport`]).
+    pub fn cluster<S: Into<String>>(seeds: impl IntoIterator<Item = S>) -> RedisStreamsBuilder {
+        Self::builder_for(Target::Cluster(seeds.into_iter().map(Into::into).collect()))
+    }
+
+    fn builder_for(target: Target) -> RedisStreamsBuilder {
         RedisStreamsBuilder {
-            url: url.into(),
+            target,
             config: StreamsConfig {
                 max_len: 100_000,
                 block: Duration::from_secs(5),

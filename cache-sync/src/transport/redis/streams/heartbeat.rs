@@ -15,7 +15,7 @@ use super::RedisStreamsTransport;
 use super::reply::{parse_entry, parse_xread};
 use crate::error::Result;
 use crate::transport::HeartbeatSubscription;
-use crate::transport::redis::{STREAMS, bad_reply, key_part, map_err};
+use crate::transport::redis::{STREAMS, bad_reply, map_err};
 
 /// Entries the heartbeat stream keeps (`MAXLEN ~`, so Redis may keep up to
 /// one more radix-tree node of them): a subscriber reads only what arrives
@@ -38,7 +38,7 @@ impl RedisStreamsTransport {
     /// other topic's stream, counter or epoch key, nor theirs this one.
     /// Made apart from [`keys`](Self::keys), which every publish calls.
     pub(super) fn heartbeat_key(&self, topic: &str) -> String {
-        format!("{}{}:hb", self.config.key_prefix, key_part(topic))
+        format!("{}:hb", self.stream_key(topic))
     }
 
     /// `<stream key>:hb:r:<to, 16 hex digits>`: a party's reply stream,
@@ -75,7 +75,7 @@ impl RedisStreamsTransport {
 
     /// Reads a heartbeat or reply stream from where it ends now.
     pub(super) async fn read_beats(&self, key: String) -> Result<Box<dyn HeartbeatSubscription>> {
-        let mut conn = self.reader().await?;
+        let mut conn = self.reader(&key).await?;
         // The end is fixed now, not by the first `XREAD` with `$`: what is
         // published between this return and the first `next` is delivered.
         // No key yet: everything it will hold comes after this.

@@ -4,17 +4,19 @@
 //! in the files below.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::UNIX_EPOCH;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use redis::aio::{ConnectionManager, MultiplexedConnection};
-use redis::{AsyncConnectionConfig, Client, Value};
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, Value};
 
 use super::super::{
     HeartbeatSubscription, Loss, LossReason, Offset, Position, StartFrom, SubscribeOptions,
     Subscription, Tags, Transport,
 };
+use super::servers::{Commands, Servers};
 use super::{EPOCH, ID, ORDINAL, STREAMS, key_part, map_err};
 use crate::error::Result;
 
@@ -62,8 +64,8 @@ use subscription::StreamsSubscription;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 #[derive(Clone)]
 pub struct RedisStreamsTransport {
-    client: Client,
-    publisher: ConnectionManager,
+    servers: Arc<Servers>,
+    publisher: Commands,
     script: redis::Script,
     config: StreamsConfig,
 }
@@ -85,24 +87,33 @@ impl fmt::Debug for RedisStreamsTransport {
 }
 
 impl RedisStreamsTransport {
-    /// `<prefix><topic>`, with `:` (and `%`) in the topic escaped: the
-    /// counter and epoch keys append `:n` and `:e`, and unescaped, topic
-    /// `x:n` would have been topic `x`'s counter.
+    /// `<prefix>{<topic>}`, with `:`, `{`, `}` (and `%`) in the topic
+    /// escaped: the counter and epoch keys append `:n` and `:e`, and
+    /// unescaped, topic `x:n` would have been topic `x`'s counter. The
+    /// braces make the topic the keys' hash tag: on a Redis Cluster every
+    /// key of a topic (these, and the heartbeat and reply streams) is in
+    /// one slot, so each script touches one.
     fn keys(&self, topic: &str) -> StreamKeys {
-        let stream = format!("{}{}", self.config.key_prefix, key_part(topic));
+        let stream = self.stream_key(topic);
         StreamKeys {
             counter: format!("{stream}:n"),
             epoch: format!("{stream}:e"),
             stream,
         }
     }
+    fn stream_key(&self, topic: &str) -> String {
+        format!("{}{{{}}}", self.config.key_prefix, key_part(topic))
+    }
+
     fn block_ms(&self) -> u64 {
         u64::try_from(self.config.block.as_millis())
             .unwrap_or(u64::MAX)
             .max(1)
     }
 
-    async fn reader(&self) -> Result<MultiplexedConnection> {
+    /// A blocking reader's own connection, to the server that serves
+    /// `key` (see `servers`).
+    async fn reader(&self, key: &str) -> Result<MultiplexedConnection> {
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.config.response_timeout))
             .set_response_timeout(Some(
@@ -110,10 +121,7 @@ impl RedisStreamsTransport {
                     .block
                     .saturating_add(self.config.response_timeout),
             ));
-        self.client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await
-            .map_err(|e| map_err(STREAMS, e))
+        self.servers.connection_for(key, &config, STREAMS).await
     }
 }
 
@@ -195,7 +203,7 @@ impl Transport for RedisStreamsTransport {
     ) -> Result<Box<dyn Subscription>> {
         self.check_topic(topic)?;
         let keys = self.keys(topic);
-        let mut conn = self.reader().await?;
+        let mut conn = self.reader(&keys.stream).await?;
         // The entry a stored position names, read before the state: see
         // `diverged`.
         let named = match &options.from {

@@ -1,0 +1,304 @@
+//! Where a Redis transport's commands go: one server, or a Redis Cluster.
+//!
+//! On a cluster, publishes and other one-shot commands go through the
+//! `redis` crate's cluster connection, which follows `MOVED` and `ASK`,
+//! retries `TRYAGAIN` and refreshes its slot map after a failover. A
+//! blocking reader does not: it holds a connection of its own to the master
+//! that serves its key, found by following `MOVED` from the seeds, and any
+//! redirect or lost connection ends its subscription, so the node subscribes
+//! again from its position and the resume checks run (a reader carried over
+//! to a promoted replica without a word would read a history that may have
+//! lost entries as if it were the old one).
+
+use std::fmt;
+use std::sync::Mutex;
+
+use redis::aio::{ConnectionLike, ConnectionManager, MultiplexedConnection};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{
+    AsyncConnectionConfig, Client, Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo,
+    Pipeline, RedisFuture, Value,
+};
+
+use super::map_err;
+use crate::error::{Error, Result};
+use crate::util::lock;
+
+/// Redirects a reader follows before it gives up: a slot map that moves
+/// under it more often than this is a cluster in the middle of a change,
+/// and the node's backoff tries again.
+const MAX_HOPS: usize = 5;
+
+/// One server, or a cluster's seeds.
+pub(super) enum Servers {
+    Single(Client),
+    Cluster {
+        seeds: Vec<ConnectionInfo>,
+        /// The server that served the last reader's key: tried first.
+        last_owner: Mutex<Option<ConnectionInfo>>,
+    },
+}
+
+impl fmt::Debug for Servers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Servers::Single(_) => f.write_str("Single"),
+            Servers::Cluster { seeds, .. } => write!(f, "Cluster({} seeds)", seeds.len()),
+        }
+    }
+}
+
+/// A connection for one-shot commands: a connection manager to one server,
+/// or a cluster connection.
+#[derive(Clone)]
+pub(super) enum Commands {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Commands {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Commands::Single(c) => c.req_packed_command(cmd),
+            Commands::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Commands::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Commands::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Commands::Single(c) => c.get_db(),
+            Commands::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+impl Servers {
+    /// One server at `url`.
+    pub(super) fn single(url: &str) -> Result<Self> {
+        Client::open(url)
+            .map(Servers::Single)
+            .map_err(|e| Error::Config(e.to_string()))
+    }
+
+    /// A cluster reached through `seeds` (any of its servers; at least
+    /// one).
+    pub(super) fn cluster(seeds: &[String]) -> Result<Self> {
+        if seeds.is_empty() {
+            return Err(Error::Config(
+                "a Redis Cluster needs at least one seed address".into(),
+            ));
+        }
+        let seeds = seeds
+            .iter()
+            .map(|s| {
+                let info = s
+                    .as_str()
+                    .into_connection_info()
+                    .map_err(|e| Error::Config(format!("seed {s:?}: {e}")))?;
+                match info.addr() {
+                    ConnectionAddr::Tcp(..) => Ok(info),
+                    _ => Err(Error::Config(format!(
+                        "seed {s:?}: a Redis Cluster is reached over plain TCP (redis://host:port)"
+                    ))),
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Servers::Cluster {
+            seeds,
+            last_owner: Mutex::new(None),
+        })
+    }
+
+    /// A connection for one-shot commands, each step bounded by `timeout`.
+    pub(super) async fn commands(
+        &self,
+        transport: &'static str,
+        timeout: std::time::Duration,
+    ) -> Result<Commands> {
+        match self {
+            Servers::Single(client) => client
+                .get_connection_manager_with_config(super::manager_config(timeout))
+                .await
+                .map(Commands::Single)
+                .map_err(|e| map_err(transport, e)),
+            Servers::Cluster { seeds, .. } => ClusterClientBuilder::new(seeds.clone())
+                .connection_timeout(timeout)
+                .response_timeout(timeout)
+                .build()
+                .map_err(|e| Error::Config(e.to_string()))?
+                .get_async_connection()
+                .await
+                .map(Commands::Cluster)
+                .map_err(|e| map_err(transport, e)),
+        }
+    }
+
+    /// A connection to the one server, or to the first seed of a cluster
+    /// that answers: for what any server can tell (its version).
+    pub(super) async fn any(
+        &self,
+        config: &AsyncConnectionConfig,
+        transport: &'static str,
+    ) -> Result<MultiplexedConnection> {
+        let seeds = match self {
+            Servers::Single(client) => {
+                return client
+                    .get_multiplexed_async_connection_with_config(config)
+                    .await
+                    .map_err(|e| map_err(transport, e));
+            }
+            Servers::Cluster { seeds, .. } => seeds,
+        };
+        let mut last_error = None;
+        for seed in seeds {
+            let conn = match Client::open(seed.clone()) {
+                Ok(client) => {
+                    client
+                        .get_multiplexed_async_connection_with_config(config)
+                        .await
+                }
+                Err(e) => Err(e),
+            };
+            match conn {
+                Ok(conn) => return Ok(conn),
+                Err(e) => last_error = Some(map_err(transport, e)),
+            }
+        }
+        Err(last_error.unwrap_or_else(|| {
+            Error::Config("a Redis Cluster needs at least one seed address".into())
+        }))
+    }
+
+    /// A connection of its own to the server that serves `key`: the one
+    /// server, or on a cluster the master its slot is on now.
+    pub(super) async fn connection_for(
+        &self,
+        key: &str,
+        config: &AsyncConnectionConfig,
+        transport: &'static str,
+    ) -> Result<MultiplexedConnection> {
+        let (seeds, last_owner) = match self {
+            Servers::Single(client) => {
+                return client
+                    .get_multiplexed_async_connection_with_config(config)
+                    .await
+                    .map_err(|e| map_err(transport, e));
+            }
+            Servers::Cluster { seeds, last_owner } => (seeds, last_owner),
+        };
+        let first = lock(last_owner).clone();
+        let mut last_error = None;
+        for start in first.iter().chain(seeds) {
+            let mut at = start.clone();
+            for _ in 0..MAX_HOPS {
+                let conn = match Client::open(at.clone()) {
+                    Ok(client) => {
+                        client
+                            .get_multiplexed_async_connection_with_config(config)
+                            .await
+                    }
+                    Err(e) => Err(e),
+                };
+                let mut conn = match conn {
+                    Ok(conn) => conn,
+                    Err(e) => {
+                        // Down (a failed master): the next seed.
+                        last_error = Some(map_err(transport, e));
+                        break;
+                    }
+                };
+                // A key command: the server answers it, or says where
+                // the key's slot is served (`MOVED`).
+                match redis::cmd("EXISTS")
+                    .arg(key)
+                    .query_async::<i64>(&mut conn)
+                    .await
+                {
+                    Ok(_) => {
+                        *lock(last_owner) = Some(at);
+                        return Ok(conn);
+                    }
+                    Err(e) => match e.redirect_node().and_then(|(addr, _)| moved_to(&at, addr)) {
+                        Some(next)
+                            if e.kind()
+                                == redis::ErrorKind::Server(redis::ServerErrorKind::Moved) =>
+                        {
+                            at = next;
+                        }
+                        _ => {
+                            // A slot being migrated (`ASK`), a cluster that
+                            // is down for now: the node tries again later.
+                            last_error = Some(map_err(transport, e));
+                            break;
+                        }
+                    },
+                }
+            }
+        }
+        Err(last_error.unwrap_or_else(|| {
+            Error::Config("a Redis Cluster needs at least one seed address".into())
+        }))
+    }
+}
+
+/// `seed`'s settings (credentials, database, protocol) at another address,
+/// `host:port` as a redirect names it.
+fn moved_to(seed: &ConnectionInfo, addr: &str) -> Option<ConnectionInfo> {
+    let (host, port) = addr.rsplit_once(':')?;
+    let port = port.parse().ok()?;
+    Some(seed.clone().set_addr(ConnectionAddr::Tcp(
+        host.trim_matches(['[', ']']).to_owned(),
+        port,
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_redirect_keeps_the_seeds_settings_at_its_address() {
+        let seed = "redis://user:pw@10.0.0.1:7000/"
+            .into_connection_info()
+            .unwrap();
+        let moved = moved_to(&seed, "10.0.0.2:7001").unwrap();
+        assert_eq!(moved.addr(), &ConnectionAddr::Tcp("10.0.0.2".into(), 7001));
+        let (m, s) = (moved.redis_settings(), seed.redis_settings());
+        assert_eq!(
+            (m.username(), m.password(), m.db()),
+            (s.username(), s.password(), s.db())
+        );
+        assert_eq!(m.username(), Some("user"));
+        assert!(moved_to(&seed, "nowhere").is_none());
+        assert!(moved_to(&seed, "host:port").is_none());
+        let v6 = moved_to(&seed, "::1:7002").unwrap();
+        assert_eq!(v6.addr(), &ConnectionAddr::Tcp("::1".into(), 7002));
+    }
+
+    #[test]
+    fn a_cluster_needs_tcp_seeds() {
+        assert!(Servers::cluster(&[]).unwrap_err().is_config());
+        assert!(
+            Servers::cluster(&["redis+unix:///tmp/r.sock".into()])
+                .unwrap_err()
+                .is_config()
+        );
+        assert!(matches!(
+            Servers::cluster(&["redis://127.0.0.1:7000/".into()]),
+            Ok(Servers::Cluster { .. })
+        ));
+    }
+}
