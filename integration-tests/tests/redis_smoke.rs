@@ -485,9 +485,10 @@ async fn streams_notice_a_history_that_went_another_way() {
 }
 
 /// Streams on a Redis Cluster: a node follows its topic's slot through a
-/// master killed (its replica promoted) and through a slot moved to another
-/// master while it reads, never keeping an older value, and its heartbeats
-/// go round on the cluster too.
+/// master killed (its replica promoted), a slot moved to another master
+/// while it reads, and a master paused past the node timeout and resumed
+/// stale, applying each newer value, and its heartbeats go round on the
+/// cluster too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_on_a_cluster_follow_a_failover_and_a_slot_move() {
     use integration_tests::redis_cluster::RedisCluster;
@@ -564,5 +565,18 @@ async fn streams_on_a_cluster_follow_a_failover_and_a_slot_move() {
     block_in_place(|| cluster.move_slot(slot, other));
     publish(3).await;
     settles_on(3).await;
+
+    // The slot's master paused past the node timeout: its replica takes
+    // over; resumed, the old master is stale until it learns so.
+    block_in_place(|| cluster.pause(other));
+    block_in_place(|| cluster.wait_for_new_master(slot, other));
+    publish(4).await;
+    settles_on(4).await;
+    block_in_place(|| cluster.resume(other));
+    publish(5).await;
+    settles_on(5).await;
+    block_in_place(|| cluster.wait_whole());
+    publish(6).await;
+    settles_on(6).await;
     node.shutdown().await.expect("shutdown");
 }

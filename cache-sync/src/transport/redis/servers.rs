@@ -11,15 +11,17 @@
 //! lost entries as if it were the old one).
 
 use std::fmt;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
+use futures_util::FutureExt as _;
 use redis::aio::{ConnectionLike, ConnectionManager, MultiplexedConnection};
-use redis::cluster::ClusterClientBuilder;
+use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::{
     AsyncConnectionConfig, Client, Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo,
     Pipeline, RedisFuture, Value,
 };
+use redis::{RedisError, RedisResult};
 
 use super::map_err;
 use crate::error::{Error, Result};
@@ -54,14 +56,61 @@ impl fmt::Debug for Servers {
 #[derive(Clone)]
 pub(super) enum Commands {
     Single(ConnectionManager),
-    Cluster(ClusterConnection),
+    Cluster(Arc<Renewing>),
+}
+
+/// A cluster connection made again after a timeout or a lost connection.
+///
+/// The `redis` crate's cluster connection learns of a failover from a
+/// redirect or a connection that fails, but a master that is paused (or cut
+/// off) keeps its connection open and only times out: the connection sends
+/// every command for its slots there until told otherwise, which nothing
+/// does (seen: a publisher timing out for minutes after the replica took
+/// over). A new one reads the slot map afresh from the seeds, where the
+/// failover shows. The command that timed out still fails: a publish is
+/// never sent twice behind its caller's back.
+pub(super) struct Renewing {
+    client: ClusterClient,
+    current: Mutex<ClusterConnection>,
+    /// Held while a new connection is made: one at a time, the others go on
+    /// with the current one meanwhile.
+    renewing: tokio::sync::Mutex<()>,
+}
+
+impl Renewing {
+    fn current(&self) -> ClusterConnection {
+        lock(&self.current).clone()
+    }
+
+    /// After `result`, makes a new connection if it says the server did
+    /// not answer or the connection broke.
+    async fn after<T>(&self, result: RedisResult<T>) -> RedisResult<T> {
+        if let Err(e) = &result
+            && lost(e)
+            && let Ok(_one_at_a_time) = self.renewing.try_lock()
+            && let Ok(fresh) = self.client.get_async_connection().await
+        {
+            *lock(&self.current) = fresh;
+        }
+        result
+    }
+}
+
+/// Whether an error says the server did not answer, or the connection
+/// broke: what a failover looks like to a client of the old master.
+fn lost(e: &RedisError) -> bool {
+    e.is_timeout() || e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal()
 }
 
 impl ConnectionLike for Commands {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             Commands::Single(c) => c.req_packed_command(cmd),
-            Commands::Cluster(c) => c.req_packed_command(cmd),
+            Commands::Cluster(r) => async move {
+                let result = r.current().req_packed_command(cmd).await;
+                r.after(result).await
+            }
+            .boxed(),
         }
     }
 
@@ -73,14 +122,21 @@ impl ConnectionLike for Commands {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Commands::Single(c) => c.req_packed_commands(pipeline, offset, count),
-            Commands::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Commands::Cluster(r) => async move {
+                let result = r
+                    .current()
+                    .req_packed_commands(pipeline, offset, count)
+                    .await;
+                r.after(result).await
+            }
+            .boxed(),
         }
     }
 
     fn get_db(&self) -> i64 {
         match self {
             Commands::Single(c) => c.get_db(),
-            Commands::Cluster(c) => c.get_db(),
+            Commands::Cluster(_) => 0,
         }
     }
 }
@@ -134,15 +190,22 @@ impl Servers {
                 .await
                 .map(Commands::Single)
                 .map_err(|e| map_err(transport, e)),
-            Servers::Cluster { seeds, .. } => ClusterClientBuilder::new(seeds.clone())
-                .connection_timeout(timeout)
-                .response_timeout(timeout)
-                .build()
-                .map_err(|e| Error::Config(e.to_string()))?
-                .get_async_connection()
-                .await
-                .map(Commands::Cluster)
-                .map_err(|e| map_err(transport, e)),
+            Servers::Cluster { seeds, .. } => {
+                let client = ClusterClientBuilder::new(seeds.clone())
+                    .connection_timeout(timeout)
+                    .response_timeout(timeout)
+                    .build()
+                    .map_err(|e| Error::Config(e.to_string()))?;
+                let conn = client
+                    .get_async_connection()
+                    .await
+                    .map_err(|e| map_err(transport, e))?;
+                Ok(Commands::Cluster(Arc::new(Renewing {
+                    client,
+                    current: Mutex::new(conn),
+                    renewing: tokio::sync::Mutex::new(()),
+                })))
+            }
         }
     }
 
@@ -216,6 +279,7 @@ impl Servers {
                     Ok(conn) => conn,
                     Err(e) => {
                         // Down (a failed master): the next seed.
+                        forget(last_owner, &at);
                         last_error = Some(map_err(transport, e));
                         break;
                     }
@@ -240,7 +304,12 @@ impl Servers {
                         }
                         _ => {
                             // A slot being migrated (`ASK`), a cluster that
-                            // is down for now: the node tries again later.
+                            // is down for now, a server that does not
+                            // answer (paused, cut off): the next seed, and
+                            // the node tries again later. Not first next
+                            // time: a paused master would cost each try a
+                            // timeout.
+                            forget(last_owner, &at);
                             last_error = Some(map_err(transport, e));
                             break;
                         }
@@ -251,6 +320,15 @@ impl Servers {
         Err(last_error.unwrap_or_else(|| {
             Error::Config("a Redis Cluster needs at least one seed address".into())
         }))
+    }
+}
+
+/// Forgets the server that served the last reader's key if it is `at`,
+/// which failed.
+fn forget(last_owner: &Mutex<Option<ConnectionInfo>>, at: &ConnectionInfo) {
+    let mut owner = lock(last_owner);
+    if owner.as_ref().is_some_and(|o| o.addr() == at.addr()) {
+        *owner = None;
     }
 }
 
