@@ -227,15 +227,7 @@ impl Servers {
         };
         let mut last_error = None;
         for seed in seeds {
-            let conn = match Client::open(seed.clone()) {
-                Ok(client) => {
-                    client
-                        .get_multiplexed_async_connection_with_config(config)
-                        .await
-                }
-                Err(e) => Err(e),
-            };
-            match conn {
+            match connect(seed, config).await {
                 Ok(conn) => return Ok(conn),
                 Err(e) => last_error = Some(map_err(transport, e)),
             }
@@ -267,15 +259,7 @@ impl Servers {
         for start in first.iter().chain(seeds) {
             let mut at = start.clone();
             for _ in 0..MAX_HOPS {
-                let conn = match Client::open(at.clone()) {
-                    Ok(client) => {
-                        client
-                            .get_multiplexed_async_connection_with_config(config)
-                            .await
-                    }
-                    Err(e) => Err(e),
-                };
-                let mut conn = match conn {
+                let mut conn = match connect(&at, config).await {
                     Ok(conn) => conn,
                     Err(e) => {
                         // Down (a failed master): the next seed.
@@ -321,6 +305,16 @@ impl Servers {
             Error::Config("a Redis Cluster needs at least one seed address".into())
         }))
     }
+}
+
+/// A connection of its own to the server at `info`.
+async fn connect(
+    info: &ConnectionInfo,
+    config: &AsyncConnectionConfig,
+) -> RedisResult<MultiplexedConnection> {
+    Client::open(info.clone())?
+        .get_multiplexed_async_connection_with_config(config)
+        .await
 }
 
 /// Forgets the server that served the last reader's key if it is `at`,
