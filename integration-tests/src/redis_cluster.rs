@@ -148,13 +148,9 @@ impl RedisCluster {
 
     /// The server that serves `slot`, as a live server sees it.
     pub fn master_of(&self, slot: u16) -> usize {
-        let nodes = self.nodes_seen_by(self.any_live());
-        let port = nodes
-            .iter()
-            .find(|n| n.master && !n.failing && n.serves(slot))
-            .unwrap_or_else(|| panic!("no master serves slot {slot}: {nodes:?}"))
-            .port;
-        self.index_of(port)
+        let i = self.any_live();
+        self.master_of_seen_by(i, slot)
+            .unwrap_or_else(|| panic!("no master serves slot {slot}: {:?}", self.nodes_seen_by(i)))
     }
 
     /// The masters that serve slots, as a live server sees them.
@@ -215,15 +211,10 @@ impl RedisCluster {
                 .live()
                 .filter(|&i| i != old)
                 .map(|i| {
-                    let nodes = self.nodes_seen_by(i);
                     let info = self.text(i, &["CLUSTER", "INFO"]).unwrap_or_default();
-                    if !info.contains("cluster_state:ok") {
-                        return None;
-                    }
-                    nodes
-                        .iter()
-                        .find(|n| n.master && !n.failing && n.serves(slot))
-                        .map(|n| self.index_of(n.port))
+                    info.contains("cluster_state:ok")
+                        .then(|| self.master_of_seen_by(i, slot))
+                        .flatten()
                 })
                 .collect();
             match views.first() {
