@@ -39,6 +39,37 @@ pub enum Fault {
     /// restarted on an empty store), and the new history grows past the
     /// paused node's position before the node resumes.
     WipeWhilePaused,
+    /// On a cluster, the server that leads the topic (the master of its
+    /// slot, the stream's leader) is killed while events flow; a replica
+    /// takes over, and the killed server comes back as a replica.
+    LeaderKilled,
+    /// The same server paused past the cluster's failover timeout while
+    /// events flow, then resumed: it comes back a stale old leader.
+    LeaderPaused,
+    /// On a Redis Cluster, the topic's slot is moved to another master
+    /// while events flow.
+    SlotMoved,
+    /// On a Redis Cluster, a failover that loses writes the old master had
+    /// acknowledged: its replica stops replicating while events flow, the
+    /// master is killed and the replica takes over with what it has.
+    FailoverLosesWrites,
+    /// On a cluster, the server a node is connected to is killed (and
+    /// started again) while events flow; others serve the topic on.
+    ConnectedServerKilled,
+}
+
+impl Fault {
+    /// Whether the fault needs a cluster of servers.
+    pub fn needs_a_cluster(self) -> bool {
+        matches!(
+            self,
+            Fault::LeaderKilled
+                | Fault::LeaderPaused
+                | Fault::SlotMoved
+                | Fault::FailoverLosesWrites
+                | Fault::ConnectedServerKilled
+        )
+    }
 }
 
 /// What a fault should do to a node's view, per transport.
@@ -48,6 +79,10 @@ pub enum Expect {
     NoLoss,
     /// Events may be lost: at least one loss must be signalled and counted.
     Loss,
+    /// Events may or may not be lost (a failover loses what its replica
+    /// had not received, if anything): the check is that every node agrees
+    /// with the source of truth afterwards, so any loss was detected.
+    MayLose,
 }
 
 /// A transport under test.
@@ -515,6 +550,20 @@ pub async fn survives(fixture: &mut dyn Fixture, fault: Fault) {
     cluster.converge().await;
 
     let after = cluster.losses();
+    if fault.needs_a_cluster() {
+        // What the failover cost, for the record (docs/transports.md).
+        let reasons: Vec<_> = cluster
+            .nodes
+            .iter()
+            .map(|n| n.node.status().last_loss_reason)
+            .collect();
+        eprintln!(
+            "{}: {fault:?}: losses per node {before:?} -> {after:?}, from the transport \
+             {transport_before:?} -> {:?}, last reasons {reasons:?}",
+            fixture.name(),
+            cluster.transport_losses()
+        );
+    }
     match (fault, expect) {
         // The transport itself must tell: publisher gaps alone would miss
         // the writers that published nothing after the wipe.
@@ -543,6 +592,8 @@ pub async fn survives(fixture: &mut dyn Fixture, fault: Fault) {
                 fixture.name()
             );
         }
+        // Printed above; the convergence checks are the test.
+        (_, Expect::MayLose) => {}
         (_, Expect::Loss) => {
             let signalled = after.iter().zip(&before).filter(|(a, b)| a > b).count();
             assert!(

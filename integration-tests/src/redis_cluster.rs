@@ -233,9 +233,22 @@ impl RedisCluster {
     /// the replica has them all). Returns once every live server sees it as
     /// master.
     pub fn failover(&self, replica: usize) {
-        match self.servers[replica].query(&["CLUSTER", "FAILOVER"]) {
+        self.promote(replica, &["CLUSTER", "FAILOVER"]);
+    }
+
+    /// `CLUSTER FAILOVER TAKEOVER` on the replica at `replica`: it makes
+    /// itself master without asking its master or the others, with what
+    /// it has; writes its master took and had not sent it are lost, as
+    /// after an automatic failover of a master that died ahead of its
+    /// replica. Returns once every live server sees it as master.
+    pub fn take_over(&self, replica: usize) {
+        self.promote(replica, &["CLUSTER", "FAILOVER", "TAKEOVER"]);
+    }
+
+    fn promote(&self, replica: usize, command: &[&str]) {
+        match self.servers[replica].query(command) {
             Ok(Reply::Status(s)) if s == "OK" => {}
-            other => panic!("CLUSTER FAILOVER on server {replica} answered {other:?}"),
+            other => panic!("{command:?} on server {replica} answered {other:?}"),
         }
         let port = self.servers[replica].port();
         self.wait_until(&format!("server {replica} a master"), || {

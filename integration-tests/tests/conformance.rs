@@ -212,6 +212,8 @@ impl Fixture for PubSub {
         match fault {
             // Pub/Sub keeps no history: there is nothing to trim.
             Fault::TrimPastReader => None,
+            // One server: no replica, no slot.
+            f if f.needs_a_cluster() => None,
             // A new process starts with empty caches: what it missed while
             // down cannot be stale in it, and there is no position to resume.
             Fault::NodeRestart => Some(Expect::NoLoss),
@@ -266,7 +268,7 @@ impl Fixture for PubSub {
                 );
                 let big = "x".repeat(64 * 1024);
                 self.server
-                    .command(&["PUBLISH", "cache-sync:cache-sync", &big])
+                    .command(&["PUBLISH", "cache-sync:{cache-sync}", &big])
                     .expect("PUBLISH");
                 let restore = [
                     "CONFIG",
@@ -537,6 +539,21 @@ macro_rules! case {
     ($f:expr, readiness_follows_a_paused_broker) => {
         cluster_view::readiness_follows_a_paused_broker(&mut $f).await
     };
+    ($f:expr, leader_killed_while_events_flow) => {
+        survives(&mut $f, Fault::LeaderKilled).await
+    };
+    ($f:expr, leader_paused_past_failover_then_resumed_stale) => {
+        survives(&mut $f, Fault::LeaderPaused).await
+    };
+    ($f:expr, slot_moved_while_events_flow) => {
+        survives(&mut $f, Fault::SlotMoved).await
+    };
+    ($f:expr, failover_lost_acknowledged_writes) => {
+        survives(&mut $f, Fault::FailoverLosesWrites).await
+    };
+    ($f:expr, connected_server_killed) => {
+        survives(&mut $f, Fault::ConnectedServerKilled).await
+    };
 }
 
 /// The scenarios every transport lists, each either run or ignored with
@@ -562,6 +579,11 @@ const SCENARIOS: &[&str] = &[
     "cluster_view_converges_and_publishes_are_acknowledged",
     "a_stopped_node_leaves_the_cluster_view",
     "readiness_follows_a_paused_broker",
+    "leader_killed_while_events_flow",
+    "leader_paused_past_failover_then_resumed_stale",
+    "slot_moved_while_events_flow",
+    "failover_lost_acknowledged_writes",
+    "connected_server_killed",
 ];
 
 /// A module of tests for one transport: every scenario in [`SCENARIOS`],
@@ -616,6 +638,11 @@ conformance!(embedded, Embedded::new(), {
     cluster_view_converges_and_publishes_are_acknowledged,
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker = ignore "in-process: no broker to pause",
+    leader_killed_while_events_flow = ignore "in-process: no servers",
+    leader_paused_past_failover_then_resumed_stale = ignore "in-process: no servers",
+    slot_moved_while_events_flow = ignore "in-process: no servers",
+    failover_lost_acknowledged_writes = ignore "in-process: no servers",
+    connected_server_killed = ignore "in-process: no servers",
 });
 
 #[cfg(feature = "redis")]
@@ -641,6 +668,11 @@ conformance!(redis_streams, Streams { server: RedisServer::start() }, {
     cluster_view_converges_and_publishes_are_acknowledged,
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker,
+    leader_killed_while_events_flow = ignore "one server: no replica to take over",
+    leader_paused_past_failover_then_resumed_stale = ignore "one server: no replica to take over",
+    slot_moved_while_events_flow = ignore "one server: no slot to move",
+    failover_lost_acknowledged_writes = ignore "one server: no replica to take over",
+    connected_server_killed = ignore "one server: no other to connect to",
 });
 
 #[cfg(feature = "redis")]
@@ -666,6 +698,11 @@ conformance!(redis_pubsub, PubSub { server: RedisServer::start() }, {
     cluster_view_converges_and_publishes_are_acknowledged,
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker,
+    leader_killed_while_events_flow = ignore "one server: no replica to take over",
+    leader_paused_past_failover_then_resumed_stale = ignore "one server: no replica to take over",
+    slot_moved_while_events_flow = ignore "one server: no slot to move",
+    failover_lost_acknowledged_writes = ignore "one server: no replica to take over",
+    connected_server_killed = ignore "one server: no other to connect to",
 });
 
 #[cfg(feature = "nats")]
@@ -692,6 +729,11 @@ conformance!(nats_jetstream, Nats { server: NatsServer::start() }, {
     cluster_view_converges_and_publishes_are_acknowledged,
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker,
+    leader_killed_while_events_flow = ignore "one server: no replica to take over",
+    leader_paused_past_failover_then_resumed_stale = ignore "one server: no replica to take over",
+    slot_moved_while_events_flow = ignore "one server: no slot to move",
+    failover_lost_acknowledged_writes = ignore "one server: no replica to take over",
+    connected_server_killed = ignore "one server: no other to connect to",
 });
 
 #[cfg(feature = "rocketmq")]
@@ -720,4 +762,13 @@ conformance!(rocketmq, RocketMq { server: RocketMqServer::start() }, {
     cluster_view_converges_and_publishes_are_acknowledged,
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker = ignore "the client notices a hung (SIGSTOPped) broker only when a connection closes: nodes stay ready through a pause (docs/transports.md)",
+    leader_killed_while_events_flow = ignore "one server: no replica to take over",
+    leader_paused_past_failover_then_resumed_stale = ignore "one server: no replica to take over",
+    slot_moved_while_events_flow = ignore "one server: no slot to move",
+    failover_lost_acknowledged_writes = ignore "one server: no replica to take over",
+    connected_server_killed = ignore "one server: no other to connect to",
 });
+
+#[cfg(feature = "redis")]
+#[path = "conformance/redis_cluster.rs"]
+mod redis_cluster;

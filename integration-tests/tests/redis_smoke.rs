@@ -580,3 +580,65 @@ async fn streams_on_a_cluster_follow_a_failover_and_a_slot_move() {
     settles_on(6).await;
     node.shutdown().await.expect("shutdown");
 }
+
+/// `redis+cluster://host:port,host:port` (the command-line tool's `--url`)
+/// reaches a cluster: Streams, and Pub/Sub sharded by default; a classic
+/// publish is not heard by a sharded subscriber.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_url_reaches_the_cluster_and_pubsub_is_sharded_there() {
+    use integration_tests::redis_cluster::RedisCluster;
+
+    let cluster = RedisCluster::start();
+    let hosts: Vec<String> = (0..2)
+        .map(|i| format!("127.0.0.1:{}", cluster.server(i).port()))
+        .collect();
+    let url = format!("redis+cluster://{}/", hosts.join(","));
+    let streams = RedisStreamsTransport::connect(url.as_str()).await.unwrap();
+    let pubsub = RedisPubSubTransport::connect(url.as_str()).await.unwrap();
+    let classic = RedisPubSubTransport::builder(url.as_str())
+        .sharded(false)
+        .connect()
+        .await
+        .unwrap();
+    let mut from_streams = streams
+        .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
+        .await
+        .unwrap();
+    let mut from_pubsub = pubsub
+        .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
+        .await
+        .unwrap();
+    classic
+        .publish("t", "c", Bytes::from_static(b"classic"))
+        .await
+        .unwrap();
+    streams
+        .publish("t", "c", Bytes::from_static(b"s"))
+        .await
+        .unwrap();
+    pubsub
+        .publish("t", "c", Bytes::from_static(b"p"))
+        .await
+        .unwrap();
+    let first = |d: Delivery| match d {
+        Delivery::Batch { records, .. } => records[0].payload.clone(),
+        other => panic!("expected a batch, got {other:?}"),
+    };
+    assert_eq!(first(from_streams.next(10).await.unwrap()), "s");
+    // The sharded subscriber hears the sharded publish, and the classic one
+    // published before it never.
+    assert_eq!(first(from_pubsub.next(10).await.unwrap()), "p");
+    let channel = "cache-sync:{t}";
+    let master = cluster.master_of(cluster.slot(channel));
+    let reply = cluster
+        .server(master)
+        .query(&["PUBSUB", "SHARDNUMSUB", channel])
+        .unwrap();
+    assert!(
+        matches!(
+            reply.items(),
+            [_, integration_tests::redis_server::Reply::Int(1)]
+        ),
+        "PUBSUB SHARDNUMSUB on the slot's master: {reply:?}"
+    );
+}

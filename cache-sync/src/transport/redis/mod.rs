@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Client, RedisError};
+use redis::RedisError;
+use redis::aio::ConnectionManagerConfig;
 
 use crate::error::{Error, Result};
 use crate::transport::names;
@@ -74,17 +74,6 @@ fn manager_config(response_timeout: Duration) -> ConnectionManagerConfig {
         .set_number_of_retries(3)
 }
 
-async fn publisher_connection(
-    client: &Client,
-    transport: &'static str,
-    response_timeout: Duration,
-) -> Result<ConnectionManager> {
-    client
-        .get_connection_manager_with_config(manager_config(response_timeout))
-        .await
-        .map_err(|e| map_err(transport, e))
-}
-
 #[cfg(test)]
 mod tests {
     use std::fmt;
@@ -144,6 +133,10 @@ mod tests {
             for d in BAD_TIMEOUTS {
                 assert_refused(set(builder(), d).connect().await, setting);
             }
+        }
+        for prefix in ["a{", "}b", "{x}"] {
+            let refused = builder().channel_prefix(prefix).connect().await;
+            assert_refused(refused, "channel_prefix");
         }
         let e = builder().connect().await.unwrap_err();
         assert!(e.is_disconnected(), "{e:?}");

@@ -19,7 +19,7 @@ use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::{
     AsyncConnectionConfig, Client, Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo,
-    Pipeline, RedisFuture, Value,
+    Pipeline, ProtocolVersion, RedisFuture, Value,
 };
 use redis::{RedisError, RedisResult};
 
@@ -31,6 +31,13 @@ use crate::util::lock;
 /// under it more often than this is a cluster in the middle of a change,
 /// and the node's backoff tries again.
 const MAX_HOPS: usize = 5;
+
+/// Where a builder connects: one server's URL, or a cluster's seeds.
+#[derive(Debug, Clone)]
+pub(super) enum Target {
+    Server(String),
+    Cluster(Vec<String>),
+}
 
 /// One server, or a cluster's seeds.
 pub(super) enum Servers {
@@ -142,6 +149,37 @@ impl ConnectionLike for Commands {
 }
 
 impl Servers {
+    /// The servers `target` names. A server URL of the scheme
+    /// [`CLUSTER_SCHEME`] names a cluster's seeds.
+    pub(super) fn open(target: &Target) -> Result<Self> {
+        match target {
+            Target::Server(url) => match cluster_seeds(url) {
+                Some(seeds) => Self::cluster(&seeds),
+                None => Self::single(url),
+            },
+            Target::Cluster(seeds) => Self::cluster(seeds),
+        }
+    }
+
+    /// The same servers, spoken to in `protocol` (RESP3 for push messages).
+    pub(super) fn with_protocol(&self, protocol: ProtocolVersion) -> Result<Self> {
+        Ok(match self {
+            Servers::Single(client) => Servers::Single(
+                Client::open(in_protocol(client.get_connection_info(), protocol))
+                    .map_err(|e| Error::Config(e.to_string()))?,
+            ),
+            Servers::Cluster { seeds, .. } => Servers::Cluster {
+                seeds: seeds.iter().map(|s| in_protocol(s, protocol)).collect(),
+                last_owner: Mutex::new(None),
+            },
+        })
+    }
+
+    /// Whether these are a cluster's seeds.
+    pub(super) fn is_cluster(&self) -> bool {
+        matches!(self, Servers::Cluster { .. })
+    }
+
     /// One server at `url`.
     pub(super) fn single(url: &str) -> Result<Self> {
         Client::open(url)
@@ -207,6 +245,35 @@ impl Servers {
                 })))
             }
         }
+    }
+
+    /// A classic Pub/Sub connection to the one server, or to the first seed
+    /// of a cluster that answers (a cluster forwards classic messages to
+    /// every node).
+    pub(super) async fn pubsub(&self, transport: &'static str) -> Result<redis::aio::PubSub> {
+        let seeds = match self {
+            Servers::Single(client) => {
+                return client
+                    .get_async_pubsub()
+                    .await
+                    .map_err(|e| map_err(transport, e));
+            }
+            Servers::Cluster { seeds, .. } => seeds,
+        };
+        let mut last_error = None;
+        for seed in seeds {
+            let pubsub = match Client::open(seed.clone()) {
+                Ok(client) => client.get_async_pubsub().await,
+                Err(e) => Err(e),
+            };
+            match pubsub {
+                Ok(pubsub) => return Ok(pubsub),
+                Err(e) => last_error = Some(map_err(transport, e)),
+            }
+        }
+        Err(last_error.unwrap_or_else(|| {
+            Error::Config("a Redis Cluster needs at least one seed address".into())
+        }))
     }
 
     /// A connection to the one server, or to the first seed of a cluster
@@ -307,6 +374,34 @@ impl Servers {
     }
 }
 
+/// The scheme of a URL that names a Redis Cluster by its seeds:
+/// `redis+cluster://[user:password@]host:port[,host:port…][/db][?params]`.
+pub(super) const CLUSTER_SCHEME: &str = "redis+cluster://";
+
+/// The seeds a [`CLUSTER_SCHEME`] URL names, each a `redis://` URL with the
+/// URL's credentials, database and parameters; `None` for another scheme.
+fn cluster_seeds(url: &str) -> Option<Vec<String>> {
+    let rest = url.strip_prefix(CLUSTER_SCHEME)?;
+    let (hosts, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
+    let (user, hosts) = match hosts.rsplit_once('@') {
+        Some((user, hosts)) => (format!("{user}@"), hosts),
+        None => (String::new(), hosts),
+    };
+    Some(
+        hosts
+            .split(',')
+            .filter(|h| !h.is_empty())
+            .map(|h| format!("redis://{user}{h}{tail}"))
+            .collect(),
+    )
+}
+
+/// `info` in `protocol`.
+fn in_protocol(info: &ConnectionInfo, protocol: ProtocolVersion) -> ConnectionInfo {
+    let settings = info.redis_settings().clone().set_protocol(protocol);
+    info.clone().set_redis_settings(settings)
+}
+
 /// A connection of its own to the server at `info`.
 async fn connect(
     info: &ConnectionInfo,
@@ -340,6 +435,30 @@ fn moved_to(seed: &ConnectionInfo, addr: &str) -> Option<ConnectionInfo> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cluster_url_names_every_seed_with_its_settings() {
+        assert_eq!(
+            cluster_seeds("redis+cluster://u:p@10.0.0.1:7000,10.0.0.2:7001/2?protocol=resp3"),
+            Some(vec![
+                "redis://u:p@10.0.0.1:7000/2?protocol=resp3".to_owned(),
+                "redis://u:p@10.0.0.2:7001/2?protocol=resp3".to_owned(),
+            ])
+        );
+        assert_eq!(
+            cluster_seeds("redis+cluster://h:1"),
+            Some(vec!["redis://h:1".to_owned()])
+        );
+        assert_eq!(cluster_seeds("redis://h:1/"), None);
+        // No seed at all: refused by `Servers::cluster`.
+        assert_eq!(cluster_seeds("redis+cluster://"), Some(vec![]));
+        let e = Servers::open(&Target::Server("redis+cluster://,".into())).unwrap_err();
+        assert!(e.is_config(), "{e:?}");
+        assert!(matches!(
+            Servers::open(&Target::Server("redis+cluster://127.0.0.1:7000,127.0.0.1:7001".into())),
+            Ok(Servers::Cluster { ref seeds, .. }) if seeds.len() == 2
+        ));
+    }
 
     #[test]
     fn a_redirect_keeps_the_seeds_settings_at_its_address() {

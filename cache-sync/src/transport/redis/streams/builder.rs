@@ -10,7 +10,7 @@ use redis::AsyncConnectionConfig;
 use super::RedisStreamsTransport;
 use super::state::XADD_SCRIPT;
 use crate::error::{Error, Result};
-use crate::transport::redis::servers::Servers;
+use crate::transport::redis::servers::{Servers, Target};
 use crate::transport::redis::{STREAMS, check_timeout, map_err};
 use crate::util::check_at_least;
 
@@ -29,12 +29,6 @@ pub struct RedisStreamsBuilder {
     /// One server's URL, or a cluster's seeds.
     target: Target,
     config: StreamsConfig,
-}
-
-#[derive(Debug, Clone)]
-enum Target {
-    Server(String),
-    Cluster(Vec<String>),
 }
 
 impl RedisStreamsBuilder {
@@ -78,10 +72,7 @@ impl RedisStreamsBuilder {
     /// anything is sent.
     pub async fn connect(self) -> Result<RedisStreamsTransport> {
         self.check()?;
-        let servers = match &self.target {
-            Target::Server(url) => Servers::single(url)?,
-            Target::Cluster(seeds) => Servers::cluster(seeds)?,
-        };
+        let servers = Servers::open(&self.target)?;
         let timeout = self.config.response_timeout;
         let publisher = servers.commands(STREAMS, timeout).await?;
         // Asked of one server: a cluster connection would ask every master
@@ -128,7 +119,11 @@ impl RedisStreamsBuilder {
 }
 
 impl RedisStreamsTransport {
-    /// Configures a transport for the server at `url` (`redis://127.0.0.1:6379/`).
+    /// Configures a transport for the server at `url` (`redis://127.0.0.1:6379/`),
+    /// or for a Redis Cluster when `url` names its seeds as
+    /// `redis+cluster://host:port,host:port/` (the same as
+    /// [`cluster`](Self::cluster) with each seed as a `redis://` URL; the
+    /// form the command-line tool's `--url` takes).
     pub fn builder(url: impl Into<String>) -> RedisStreamsBuilder {
         Self::builder_for(Target::Server(url.into()))
     }

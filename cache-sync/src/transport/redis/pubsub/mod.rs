@@ -1,26 +1,44 @@
 //! Redis Pub/Sub: the lowest latency, and lossy, so every reconnect is a
-//! loss.
+//! loss. Classic (`PUBLISH`) on one server, sharded (`SPUBLISH`) on a
+//! cluster by default.
 
 use std::collections::VecDeque;
 use std::fmt;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::StreamExt;
-use redis::aio::ConnectionManager;
-use redis::{Client, Value};
+use redis::{AsyncConnectionConfig, ProtocolVersion, Value};
 
 use super::super::{
     Delivery, HeartbeatSubscription, Loss, LossReason, Position, Record, StartFrom,
     SubscribeOptions, Subscription, Transport,
 };
-use super::{MIN_BACKLOG_BYTES, PUBSUB, check_timeout, key_part, map_err, publisher_connection};
+use super::servers::{Commands, Servers, Target};
+use super::{MIN_BACKLOG_BYTES, PUBSUB, check_timeout, key_part, map_err};
 use crate::error::{Error, Result};
 use crate::util::{check_at_least, deadline_after};
 
-/// The Redis Pub/Sub transport: `PUBLISH` to one channel per topic.
+mod sharded;
+
+use sharded::{Settings, ShardHeartbeats, ShardSubscription};
+
+/// The Redis Pub/Sub transport: one channel per topic, `<prefix>{<topic>}`.
+///
+/// On one server it uses classic Pub/Sub (`PUBLISH`, `SUBSCRIBE`). On a
+/// Redis Cluster ([`cluster`](Self::cluster)) it uses sharded Pub/Sub
+/// (`SPUBLISH`, `SSUBSCRIBE`, Redis 7) unless told otherwise
+/// ([`RedisPubSubBuilder::sharded`]): the topic is the channel's hash tag,
+/// so a topic's channels live on the master that serves its slot, and each
+/// event crosses the cluster bus to no other master. Classic `PUBLISH` on a
+/// cluster is forwarded to every node of the cluster, whatever listens
+/// there. A sharded subscription holds a connection to that master and ends
+/// when the master goes (killed, paused past the PING timeout), steps down,
+/// or gives the slot away (Redis unsubscribes it); the node then subscribes
+/// again on the slot's new master, with the loss signalled.
 ///
 /// The lowest latency, and lossy: Redis keeps nothing for a subscriber that
 /// is not connected, and disconnects a subscriber whose output buffer passes
@@ -40,8 +58,11 @@ use crate::util::{check_at_least, deadline_after};
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 #[derive(Clone)]
 pub struct RedisPubSubTransport {
-    client: Client,
-    publisher: ConnectionManager,
+    servers: Arc<Servers>,
+    /// The same servers in RESP3, for sharded subscriptions (push messages);
+    /// `None` for classic Pub/Sub.
+    sharded: Option<Arc<Servers>>,
+    publisher: Commands,
     config: PubSubConfig,
 }
 
@@ -60,13 +81,15 @@ struct PubSubConfig {
     ping_timeout: Duration,
     response_timeout: Duration,
     channel_prefix: String,
+    /// `None`: sharded on a cluster, classic on one server.
+    sharded: Option<bool>,
 }
 
 /// Configures a [`RedisPubSubTransport`].
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 #[derive(Debug, Clone)]
 pub struct RedisPubSubBuilder {
-    url: String,
+    target: Target,
     config: PubSubConfig,
 }
 
@@ -109,22 +132,43 @@ impl RedisPubSubBuilder {
         self
     }
 
-    /// Prefix of the channel name; the topic follows. Default `"cache-sync:"`.
+    /// Prefix of the channel name; the topic follows, in braces (a hash
+    /// tag: on a cluster, a topic's channels share one slot). Default
+    /// `"cache-sync:"`; no `{` or `}`, or [`connect`](Self::connect)
+    /// refuses it.
     pub fn channel_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.config.channel_prefix = prefix.into();
         self
     }
 
-    /// Connects.
+    /// Sharded Pub/Sub (`SPUBLISH`, `SSUBSCRIBE`; Redis 7) or classic
+    /// (`PUBLISH`, `SUBSCRIBE`). Default: sharded on a cluster, classic on
+    /// one server. Nodes and publishers of one topic must agree: a sharded
+    /// subscriber hears no classic publish, and the other way round.
+    pub fn sharded(mut self, sharded: bool) -> Self {
+        self.config.sharded = Some(sharded);
+        self
+    }
+
+    /// Connects; for sharded Pub/Sub, checks that the server is Redis 7 or
+    /// later.
     ///
     /// A setting out of its range is refused with [`Error::Config`] before
     /// anything is sent.
     pub async fn connect(self) -> Result<RedisPubSubTransport> {
         self.check()?;
-        let client = Client::open(self.url.as_str()).map_err(|e| Error::Config(e.to_string()))?;
-        let publisher = publisher_connection(&client, PUBSUB, self.config.response_timeout).await?;
+        let servers = Servers::open(&self.target)?;
+        let timeout = self.config.response_timeout;
+        let publisher = servers.commands(PUBSUB, timeout).await?;
+        let sharded = if self.config.sharded.unwrap_or(servers.is_cluster()) {
+            check_version(&servers, timeout).await?;
+            Some(Arc::new(servers.with_protocol(ProtocolVersion::RESP3)?))
+        } else {
+            None
+        };
         Ok(RedisPubSubTransport {
-            client,
+            servers: Arc::new(servers),
+            sharded,
             publisher,
             config: self.config,
         })
@@ -133,6 +177,12 @@ impl RedisPubSubBuilder {
     /// Everything `connect` refuses, checked without touching the network.
     pub(super) fn check(&self) -> Result<()> {
         let c = &self.config;
+        if c.channel_prefix.contains(['{', '}']) {
+            return Err(Error::Config(format!(
+                "redis-pubsub channel_prefix {:?}: no `{{` or `}}` (the topic is the channels' hash tag)",
+                c.channel_prefix
+            )));
+        }
         check_at_least(
             "redis-pubsub max_backlog_bytes",
             c.max_backlog_bytes,
@@ -144,17 +194,57 @@ impl RedisPubSubBuilder {
     }
 }
 
+/// Refuses a server older than Redis 7, which has no sharded Pub/Sub.
+async fn check_version(servers: &Servers, timeout: Duration) -> Result<()> {
+    // Asked of one server: a cluster connection would ask every master.
+    let one = AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(timeout))
+        .set_response_timeout(Some(timeout));
+    let info: String = redis::cmd("INFO")
+        .arg("server")
+        .query_async(&mut servers.any(&one, PUBSUB).await?)
+        .await
+        .map_err(|e| map_err(PUBSUB, e))?;
+    let major = info
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .and_then(|v| v.split('.').next()?.parse::<u32>().ok());
+    if major.is_none_or(|major| major < 7) {
+        return Err(Error::Unsupported {
+            transport: PUBSUB,
+            what: "sharded Pub/Sub before Redis 7.0",
+        });
+    }
+    Ok(())
+}
+
 impl RedisPubSubTransport {
-    /// Configures a transport for the server at `url`.
+    /// Configures a transport for the server at `url` (`redis://127.0.0.1:6379/`),
+    /// or for a Redis Cluster when `url` names its seeds as
+    /// `redis+cluster://host:port,host:port/` (the same as
+    /// [`cluster`](Self::cluster) with each seed as a `redis://` URL; the
+    /// form the command-line tool's `--url` takes).
     pub fn builder(url: impl Into<String>) -> RedisPubSubBuilder {
+        Self::builder_for(Target::Server(url.into()))
+    }
+
+    /// Configures a transport for the Redis Cluster that `seeds` belong to
+    /// (`redis://host:port/` each; any of its servers, one is enough, more
+    /// are tried in turn while some are down). Sharded Pub/Sub by default.
+    pub fn cluster<S: Into<String>>(seeds: impl IntoIterator<Item = S>) -> RedisPubSubBuilder {
+        Self::builder_for(Target::Cluster(seeds.into_iter().map(Into::into).collect()))
+    }
+
+    fn builder_for(target: Target) -> RedisPubSubBuilder {
         RedisPubSubBuilder {
-            url: url.into(),
+            target,
             config: PubSubConfig {
                 max_backlog_bytes: 32 << 20,
                 ping_interval: Duration::from_secs(1),
                 ping_timeout: Duration::from_secs(1),
                 response_timeout: Duration::from_secs(5),
                 channel_prefix: "cache-sync:".into(),
+                sharded: None,
             },
         }
     }
@@ -164,13 +254,13 @@ impl RedisPubSubTransport {
         Self::builder(url).connect().await
     }
 
-    /// `<prefix><topic>`, `:` and `%` in the topic escaped.
+    /// `<prefix>{<topic>}`, `:`, `{`, `}` and `%` in the topic escaped.
     fn channel(&self, topic: &str) -> String {
-        format!("{}{}", self.config.channel_prefix, key_part(topic))
+        format!("{}{{{}}}", self.config.channel_prefix, key_part(topic))
     }
 
-    /// `<channel>:hb`: the escaped topic holds no `:`, so no topic's change
-    /// channel is another's heartbeat channel.
+    /// `<channel>:hb`: the escaped topic holds no `:` or `}`, so no topic's
+    /// change channel is another's heartbeat channel.
     fn heartbeat_channel(&self, topic: &str) -> String {
         format!("{}:hb", self.channel(topic))
     }
@@ -180,17 +270,25 @@ impl RedisPubSubTransport {
         format!("{}:r:{to:016x}", self.heartbeat_channel(topic))
     }
 
-    /// A pub/sub connection subscribed to `channel`, each step bounded by
-    /// the response timeout.
+    fn shard_settings(&self) -> Settings {
+        Settings {
+            max_bytes: self.config.max_backlog_bytes,
+            ping_interval: self.config.ping_interval,
+            ping_timeout: self.config.ping_timeout,
+            response_timeout: self.config.response_timeout,
+        }
+    }
+
+    /// A classic pub/sub connection subscribed to `channel`, each step
+    /// bounded by the response timeout.
     async fn listen(
         &self,
         channel: &str,
     ) -> Result<(redis::aio::PubSubSink, redis::aio::PubSubStream)> {
-        let connect = self.client.get_async_pubsub();
+        let connect = self.servers.pubsub(PUBSUB);
         let pubsub = tokio::time::timeout(self.config.response_timeout, connect)
             .await
-            .map_err(|_| Error::disconnected(PUBSUB, "connect timed out"))?
-            .map_err(|e| map_err(PUBSUB, e))?;
+            .map_err(|_| Error::disconnected(PUBSUB, "connect timed out"))??;
         let (mut sink, stream) = pubsub.split();
         tokio::time::timeout(self.config.response_timeout, sink.subscribe(channel))
             .await
@@ -201,12 +299,16 @@ impl RedisPubSubTransport {
 
     async fn publish_to(&self, channel: String, payload: &[u8]) -> Result<()> {
         let mut conn = self.publisher.clone();
-        redis::cmd("PUBLISH")
-            .arg(channel)
-            .arg(payload)
-            .query_async::<i64>(&mut conn)
-            .await
-            .map_err(|e| map_err(PUBSUB, e))?;
+        redis::cmd(if self.sharded.is_some() {
+            "SPUBLISH"
+        } else {
+            "PUBLISH"
+        })
+        .arg(channel)
+        .arg(payload)
+        .query_async::<i64>(&mut conn)
+        .await
+        .map_err(|e| map_err(PUBSUB, e))?;
         Ok(())
     }
 }
@@ -245,6 +347,12 @@ impl Transport for RedisPubSubTransport {
             }
         };
         self.check_topic(topic)?;
+        if let Some(servers) = &self.sharded {
+            let channel = self.channel(topic);
+            let settings = self.shard_settings();
+            let sub = ShardSubscription::start(servers, &channel, settings, pending).await?;
+            return Ok(Box::new(sub));
+        }
         let (sink, stream) = self.listen(&self.channel(topic)).await?;
         Ok(Box::new(PubSubSubscription {
             sink,
@@ -291,6 +399,10 @@ impl RedisPubSubTransport {
     /// A heartbeat or reply channel's subscription, on a connection of its
     /// own.
     async fn listen_beats(&self, channel: &str) -> Result<Box<dyn HeartbeatSubscription>> {
+        if let Some(servers) = &self.sharded {
+            let beats = ShardHeartbeats::start(servers, channel, self.shard_settings()).await?;
+            return Ok(Box::new(beats));
+        }
         let (sink, stream) = self.listen(channel).await?;
         Ok(Box::new(PubSubHeartbeats {
             sink,
