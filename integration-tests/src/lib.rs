@@ -11,6 +11,7 @@ use cache_sync::{Node, NodeBuilder, Publisher, SyncedCache};
 
 pub mod cluster_view;
 pub mod conformance;
+pub mod nats_cluster;
 pub mod nats_server;
 mod process;
 pub mod redis_cluster;

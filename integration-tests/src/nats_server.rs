@@ -19,6 +19,8 @@ pub struct NatsServer {
     port: u16,
     dir: tempfile::TempDir,
     process: ServerProcess,
+    /// More arguments: a cluster member's routes and monitoring port.
+    extra: Vec<String>,
 }
 
 const MISSING: &str = "nats-server is not on PATH. Install it (Debian: `apt-get install nats-server`); \
@@ -43,9 +45,28 @@ impl NatsServer {
                 port: free_port(),
                 dir: tempfile::tempdir().expect("temp dir for nats-server"),
                 process: ServerProcess::default(),
+                extra: Vec::new(),
             };
             server.spawn().map(|()| server)
         })
+    }
+
+    /// Starts a server on `port` with `extra` arguments (a cluster
+    /// member's); `Err` when one of its ports is taken.
+    pub(crate) fn start_with(port: u16, extra: Vec<String>) -> Result<Self, String> {
+        let mut server = Self {
+            name: unique_name(),
+            port,
+            dir: tempfile::tempdir().expect("temp dir for nats-server"),
+            process: ServerProcess::default(),
+            extra,
+        };
+        server.spawn().map(|()| server)
+    }
+
+    /// The server's name (`server_name`), as the cluster reports it.
+    pub fn server_name(&self) -> &str {
+        &self.name
     }
 
     /// Unique to this server (kept over restarts), so its greeting tells it
@@ -69,6 +90,7 @@ impl NatsServer {
             "-sd",
         ])
         .arg(self.dir.path().join("store"))
+        .args(&self.extra)
         .stdin(Stdio::null())
         .stdout(log.try_clone().expect("log file"))
         .stderr(log);
@@ -170,6 +192,7 @@ mod tests {
             port: other.port,
             dir: tempfile::tempdir().expect("temp dir"),
             process: ServerProcess::default(),
+            extra: Vec::new(),
         };
         let taken = second.spawn();
         assert!(taken.is_err(), "started on a port another server holds");

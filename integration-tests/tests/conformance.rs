@@ -772,3 +772,7 @@ conformance!(rocketmq, RocketMq { server: RocketMqServer::start() }, {
 #[cfg(feature = "redis")]
 #[path = "conformance/redis_cluster.rs"]
 mod redis_cluster;
+
+#[cfg(feature = "nats")]
+#[path = "conformance/nats_cluster.rs"]
+mod nats_cluster;

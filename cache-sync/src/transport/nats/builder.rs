@@ -21,13 +21,18 @@ pub(super) struct NatsConfig {
     ping_interval: Duration,
     pub(super) subject_prefix: String,
     pub(super) storage: stream::StorageType,
+    pub(super) replicas: usize,
 }
+
+/// The most replicas JetStream keeps of a stream.
+const MAX_REPLICAS: usize = 5;
 
 /// Configures a [`NatsJetStreamTransport`].
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 #[derive(Debug, Clone)]
 pub struct NatsJetStreamBuilder {
-    url: String,
+    /// One server, or several of a cluster: tried in turn.
+    urls: Vec<String>,
     config: NatsConfig,
 }
 
@@ -81,7 +86,19 @@ impl NatsJetStreamBuilder {
         self
     }
 
-    /// Connects. The client reconnects by itself after a disconnect.
+    /// Copies JetStream keeps of each topic's stream, on as many servers of
+    /// a cluster. Default 1; between 1 and 5, or
+    /// [`connect`](Self::connect) refuses it. With 3, a publish is
+    /// acknowledged once two servers hold it, and the stream lives on when
+    /// its leader fails. Applied when the stream is made: a stream that
+    /// exists keeps its own.
+    pub fn replicas(mut self, n: usize) -> Self {
+        self.config.replicas = n;
+        self
+    }
+
+    /// Connects. The client reconnects by itself after a disconnect, to any
+    /// server it was given or has learnt of from the cluster.
     ///
     /// A setting out of its range, or a subject prefix that is not a literal
     /// subject, is refused with [`Error::Config`] before anything is sent.
@@ -110,7 +127,7 @@ impl NatsJetStreamBuilder {
                     }
                 }
             })
-            .connect(self.url.as_str())
+            .connect(self.urls.as_slice())
             .await
             .map_err(|e| Error::disconnected(KIND, e))?;
         Ok(NatsJetStreamTransport {
@@ -125,7 +142,16 @@ impl NatsJetStreamBuilder {
     /// Everything `connect` refuses, checked without touching the network.
     fn check(&self) -> Result<()> {
         let c = &self.config;
+        if self.urls.is_empty() {
+            return Err(Error::Config("nats-jetstream: no server URL".into()));
+        }
         check_at_least("nats-jetstream max_messages", c.max_messages, 1)?;
+        if !(1..=MAX_REPLICAS).contains(&c.replicas) {
+            return Err(Error::Config(format!(
+                "nats-jetstream replicas {}: between 1 and {MAX_REPLICAS}",
+                c.replicas
+            )));
+        }
         check_duration(
             "nats-jetstream pull_expiry",
             c.pull_expiry,
@@ -143,16 +169,27 @@ impl NatsJetStreamBuilder {
 }
 
 impl NatsJetStreamTransport {
-    /// Configures a transport for the server at `url` (`nats://127.0.0.1:4222`).
+    /// Configures a transport for the server at `url` (`nats://127.0.0.1:4222`),
+    /// or for the servers of a cluster, comma-separated as NATS clients take
+    /// them (`nats://127.0.0.1:4222,nats://127.0.0.1:4223`); with several,
+    /// set [`replicas`](NatsJetStreamBuilder::replicas) too.
     pub fn builder(url: impl Into<String>) -> NatsJetStreamBuilder {
+        let urls = url
+            .into()
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(str::to_owned)
+            .collect();
         NatsJetStreamBuilder {
-            url: url.into(),
+            urls,
             config: NatsConfig {
                 max_messages: 100_000,
                 pull_expiry: Duration::from_secs(2),
                 ping_interval: Duration::from_secs(5),
                 subject_prefix: "cache-sync".into(),
                 storage: stream::StorageType::File,
+                replicas: 1,
             },
         }
     }
@@ -215,6 +252,19 @@ mod tests {
                 assert_refused(set(builder(), d), setting).await;
             }
         }
+        for n in [0, MAX_REPLICAS + 1, usize::MAX] {
+            assert_refused(builder().replicas(n), "replicas").await;
+        }
+        for url in ["", ",", " , "] {
+            let refused = NatsJetStreamTransport::builder(url);
+            assert_refused(refused, "no server URL").await;
+        }
+    }
+
+    #[test]
+    fn several_urls_are_a_cluster_s_servers() {
+        let b = NatsJetStreamTransport::builder("nats://a:1, nats://b:2,,");
+        assert_eq!(b.urls, ["nats://a:1", "nats://b:2"]);
     }
 
     #[test]
@@ -223,10 +273,12 @@ mod tests {
             NatsJetStreamTransport::builder(NOWHERE),
             NatsJetStreamTransport::builder(NOWHERE)
                 .max_messages(1)
+                .replicas(1)
                 .pull_expiry(MIN_INTERVAL)
                 .ping_interval(MIN_INTERVAL),
             NatsJetStreamTransport::builder(NOWHERE)
                 .max_messages(i64::MAX)
+                .replicas(MAX_REPLICAS)
                 .pull_expiry(MAX_TIMEOUT)
                 .ping_interval(MAX_TIMEOUT),
         ] {

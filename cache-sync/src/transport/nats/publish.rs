@@ -66,6 +66,7 @@ impl NatsJetStreamTransport {
                 retention: stream::RetentionPolicy::Limits,
                 discard: stream::DiscardPolicy::Old,
                 storage: self.config.storage,
+                num_replicas: self.config.replicas,
                 ..Default::default()
             })
             .await

@@ -1,0 +1,248 @@
+//! A JetStream cluster of three `nats-server` processes of the test's own,
+//! routed to each other on loopback ports, each with its own store and
+//! monitoring port. A test can kill, pause, resume or restart any server,
+//! find the server that leads a stream (from `/jsz`) or holds client
+//! connections (from `/connz`), and wait for a new leader.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::nats_server::NatsServer;
+use crate::redis_server::free_port;
+
+/// Servers in the cluster: the fewest for a quorum that outlives one.
+const SERVERS: usize = 3;
+
+/// The longest wait for the cluster to settle after a change.
+const SETTLE: Duration = Duration::from_secs(30);
+
+/// A running three-server JetStream cluster, stopped on drop.
+#[derive(Debug)]
+pub struct NatsCluster {
+    servers: Vec<NatsServer>,
+    /// Each server's monitoring port.
+    monitors: Vec<u16>,
+    /// Servers killed or paused: not asked anything.
+    down: Vec<bool>,
+}
+
+impl NatsCluster {
+    /// Starts three servers routed to each other; returns once every one
+    /// sees the same JetStream meta leader.
+    pub fn start() -> Self {
+        let mut last = String::new();
+        for _ in 0..5 {
+            match Self::try_start() {
+                Ok(cluster) => {
+                    cluster.wait_for_meta_leader();
+                    return cluster;
+                }
+                // A port taken between choosing and binding: other ports.
+                Err(e) => last = e,
+            }
+        }
+        panic!("a NATS cluster did not start in 5 attempts: {last}");
+    }
+
+    fn try_start() -> Result<Self, String> {
+        let clients: Vec<u16> = (0..SERVERS).map(|_| free_port()).collect();
+        let routes: Vec<u16> = (0..SERVERS).map(|_| free_port()).collect();
+        let monitors: Vec<u16> = (0..SERVERS).map(|_| free_port()).collect();
+        let name = format!("cache-sync-{}-{}", std::process::id(), clients[0]);
+        let mut servers = Vec::new();
+        for i in 0..SERVERS {
+            let others: Vec<String> = (0..SERVERS)
+                .filter(|&j| j != i)
+                .map(|j| format!("nats://127.0.0.1:{}", routes[j]))
+                .collect();
+            let extra = vec![
+                "--cluster".to_owned(),
+                format!("nats://127.0.0.1:{}", routes[i]),
+                "--cluster_name".to_owned(),
+                name.clone(),
+                "--routes".to_owned(),
+                others.join(","),
+                "-m".to_owned(),
+                monitors[i].to_string(),
+            ];
+            servers.push(NatsServer::start_with(clients[i], extra)?);
+        }
+        Ok(Self {
+            servers,
+            monitors,
+            down: vec![false; SERVERS],
+        })
+    }
+
+    /// Every server's URL, comma-separated: what a client is given.
+    pub fn urls(&self) -> String {
+        self.servers
+            .iter()
+            .map(NatsServer::url)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// How many servers the cluster has.
+    pub fn len(&self) -> usize {
+        self.servers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.servers.is_empty()
+    }
+
+    /// `kill -9` of one server.
+    pub fn kill(&mut self, i: usize) {
+        self.servers[i].kill();
+        self.down[i] = true;
+    }
+
+    /// Starts a killed server again on its ports and store.
+    pub fn restart(&mut self, i: usize) {
+        self.servers[i].restart();
+        self.down[i] = false;
+    }
+
+    /// SIGSTOP: its routes and clients time out.
+    pub fn pause(&mut self, i: usize) {
+        self.servers[i].pause();
+        self.down[i] = true;
+    }
+
+    /// SIGCONT: a stale leader comes back and learns of the newer term.
+    pub fn resume(&mut self, i: usize) {
+        self.servers[i].resume();
+        self.down[i] = false;
+    }
+
+    /// The server that leads `stream`, as a live server reports it.
+    pub fn stream_leader(&self, stream: &str) -> Option<usize> {
+        self.live().find_map(|i| {
+            let jsz = self.get(i, "/jsz?accounts=true&streams=true")?;
+            let leader = stream_detail(&jsz, stream)?
+                .pointer("/cluster/leader")?
+                .as_str()?
+                .to_owned();
+            self.index_of(&leader)
+        })
+    }
+
+    /// Waits until a server other than `old` leads `stream`, every replica
+    /// of it on a live server is current, and returns the leader.
+    pub fn wait_for_new_leader(&self, stream: &str, old: usize) -> usize {
+        let mut found = None;
+        self.wait_until(&format!("a new leader of {stream}"), || {
+            found = self.stream_leader(stream).filter(|&l| l != old);
+            found.is_some()
+        });
+        found.expect("found")
+    }
+
+    /// Waits until the leader of `stream` reports every other replica
+    /// current (only the leader keeps that account; a follower's is stale).
+    pub fn wait_in_sync(&self, stream: &str) {
+        self.wait_until(&format!("{stream} in sync"), || {
+            let Some(leader) = self.stream_leader(stream) else {
+                return false;
+            };
+            if self.down[leader] {
+                return false;
+            }
+            let Some(jsz) = self.get(leader, "/jsz?accounts=true&streams=true") else {
+                return false;
+            };
+            let Some(detail) = stream_detail(&jsz, stream) else {
+                return false;
+            };
+            let leads = detail.pointer("/cluster/leader").and_then(Value::as_str)
+                == Some(self.servers[leader].server_name());
+            let replicas = detail
+                .pointer("/cluster/replicas")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default();
+            leads
+                && replicas.len() + 1 == self.servers.len()
+                && replicas
+                    .iter()
+                    .all(|r| r.get("current").and_then(Value::as_bool) == Some(true))
+        });
+    }
+
+    /// The live server with the most client connections.
+    pub fn busiest(&self) -> usize {
+        self.live()
+            .max_by_key(|&i| {
+                self.get(i, "/connz")
+                    .and_then(|c| c.get("num_connections")?.as_u64())
+                    .unwrap_or(0)
+            })
+            .expect("no live server")
+    }
+
+    fn wait_for_meta_leader(&self) {
+        self.wait_until("a JetStream meta leader", || {
+            let leaders: Vec<Option<String>> = self
+                .live()
+                .map(|i| {
+                    self.get(i, "/jsz")
+                        .and_then(|j| Some(j.pointer("/meta_cluster/leader")?.as_str()?.to_owned()))
+                })
+                .collect();
+            leaders.first().is_some_and(Option::is_some) && leaders.windows(2).all(|w| w[0] == w[1])
+        });
+    }
+
+    fn index_of(&self, name: &str) -> Option<usize> {
+        self.servers.iter().position(|s| s.server_name() == name)
+    }
+
+    fn live(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.servers.len()).filter(|&i| !self.down[i])
+    }
+
+    /// A monitoring endpoint's JSON, or `None` if the server did not answer.
+    fn get(&self, i: usize, path: &str) -> Option<Value> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.monitors[i])).ok()?;
+        stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+        write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).ok()?;
+        let (_, body) = response.split_once("\r\n\r\n")?;
+        serde_json::from_str(body).ok()
+    }
+
+    fn wait_until(&self, what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + SETTLE;
+        while !done() {
+            if Instant::now() >= deadline {
+                let seen: Vec<String> = self
+                    .live()
+                    .map(|i| {
+                        let jsz = self.get(i, "/jsz?accounts=true&streams=true");
+                        format!("server {i}: {jsz:?}")
+                    })
+                    .collect();
+                panic!(
+                    "waited {SETTLE:?} for {what}; the live servers report:\n{}",
+                    seen.join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// `stream`'s entry in a `/jsz?accounts=true&streams=true` report.
+fn stream_detail<'a>(jsz: &'a Value, stream: &str) -> Option<&'a Value> {
+    jsz.get("account_details")?
+        .as_array()?
+        .iter()
+        .filter_map(|a| a.get("stream_detail")?.as_array())
+        .flatten()
+        .find(|s| s.get("name").and_then(Value::as_str) == Some(stream))
+}

@@ -1,0 +1,168 @@
+//! The conformance scenarios on a JetStream cluster of three servers, the
+//! topic's stream kept on all three (`replicas(3)`). The faults are a
+//! cluster's: the stream's leader killed, or paused past the election
+//! timeout and resumed stale, and the server the nodes are connected to
+//! killed. Whole-cluster faults are the one-server fixture's scenarios.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use cache_sync::NatsJetStreamTransport;
+use cache_sync::transport::Transport;
+use integration_tests::conformance::{Expect, Fault, Fixture, retry};
+use integration_tests::nats_cluster::NatsCluster;
+
+use super::*;
+
+/// The suite's topic's stream: `<prefix>_<topic>`, both `cache-sync`.
+const STREAM: &str = "cache-sync_cache-sync";
+
+struct NatsOnCluster {
+    cluster: NatsCluster,
+}
+
+impl NatsOnCluster {
+    /// Lets events flow for a while with the cluster as it is.
+    async fn let_events_flow() {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
+    async fn fail(&mut self, fault: Fault) {
+        match fault {
+            Fault::LeaderKilled => {
+                Self::let_events_flow().await;
+                let leader = self.leader();
+                self.cluster.kill(leader);
+                let new = self.cluster.wait_for_new_leader(STREAM, leader);
+                eprintln!("{STREAM}: leader {leader} killed, server {new} leads");
+                Self::let_events_flow().await;
+                self.cluster.restart(leader);
+                self.cluster.wait_in_sync(STREAM);
+            }
+            Fault::LeaderPaused => {
+                Self::let_events_flow().await;
+                let leader = self.leader();
+                self.cluster.pause(leader);
+                let new = self.cluster.wait_for_new_leader(STREAM, leader);
+                eprintln!("{STREAM}: leader {leader} paused, server {new} leads");
+                Self::let_events_flow().await;
+                self.cluster.resume(leader);
+                self.cluster.wait_in_sync(STREAM);
+            }
+            Fault::ConnectedServerKilled => {
+                Self::let_events_flow().await;
+                let busiest = self.cluster.busiest();
+                self.cluster.kill(busiest);
+                eprintln!("server {busiest}, which held the most client connections, killed");
+                Self::let_events_flow().await;
+                self.cluster.restart(busiest);
+                self.cluster.wait_in_sync(STREAM);
+            }
+            other => panic!("not injectable here: {other:?}"),
+        }
+    }
+
+    fn leader(&self) -> usize {
+        self.cluster
+            .stream_leader(STREAM)
+            .unwrap_or_else(|| panic!("no server reports a leader of {STREAM}"))
+    }
+}
+
+#[async_trait]
+impl Fixture for NatsOnCluster {
+    fn name(&self) -> &'static str {
+        "nats-jetstream-cluster"
+    }
+
+    async fn transport(&self) -> Arc<dyn Transport> {
+        let urls = self.cluster.urls();
+        let transport = retry(|| {
+            NatsJetStreamTransport::builder(urls.as_str())
+                .max_messages(2000)
+                .replicas(3)
+                .connect()
+        })
+        .await;
+        Arc::new(transport)
+    }
+
+    fn expect(&self, fault: Fault) -> Option<Expect> {
+        match fault {
+            // A publish is acknowledged once two of the three servers hold
+            // it: a leader lost, or the server a node reads through, loses
+            // none of what was acknowledged, and a node resumes by sequence.
+            Fault::LeaderKilled | Fault::ConnectedServerKilled | Fault::NodeRestart => {
+                Some(Expect::NoLoss)
+            }
+            // The same, but a node whose server is paused hears nothing on
+            // its stream until its PINGs time out, while the publishers'
+            // announcements reach it through the other servers: past the
+            // reorder window it takes the events it has not seen for lost
+            // and resyncs their caches. Safe, and a cost (seen: one
+            // publisher gap on the node reading through the paused leader).
+            Fault::LeaderPaused => Some(Expect::MayLose),
+            Fault::TrimPastReader => Some(Expect::Loss),
+            _ => None,
+        }
+    }
+
+    async fn inject(&mut self, fault: Fault) {
+        match fault {
+            Fault::NodeRestart => {}
+            Fault::TrimPastReader => {
+                // More than the stream keeps, while the node is parked.
+                let p = cache_sync::Publisher::new(self.transport().await);
+                for i in 0..2500u32 {
+                    retry(|| p.insert("filler", [(i, i)])).await;
+                }
+            }
+            // The harness waits with blocking calls: the runtime's other
+            // worker goes on with the nodes and the traffic meanwhile.
+            fault => tokio::task::block_in_place(|| {
+                tokio::runtime::Handle::current().block_on(self.fail(fault))
+            }),
+        }
+    }
+
+    fn health_bound(&self) -> Option<Duration> {
+        None
+    }
+
+    fn max_message_bytes(&self) -> Option<usize> {
+        // The servers' default `max_payload`.
+        Some(1 << 20)
+    }
+}
+
+conformance!(nats_jetstream_cluster, NatsOnCluster { cluster: NatsCluster::start() }, {
+    normal_path_every_node_gets_every_event_in_order,
+    leader_killed_while_events_flow,
+    leader_paused_past_failover_then_resumed_stale,
+    slot_moved_while_events_flow = ignore "NATS has no slots: a stream lives on its replicas",
+    failover_lost_acknowledged_writes =
+        ignore "JetStream acknowledges a publish once a quorum holds it: a failover loses none",
+    connected_server_killed,
+    broker_killed_and_restarted = ignore "not on the cluster fixture, which fails one server at a time: the whole broker killed, paused or wiped is the one-server fixture's scenario",
+    broker_paused_past_client_timeouts = ignore "not on the cluster fixture, which fails one server at a time: the whole broker killed, paused or wiped is the one-server fixture's scenario",
+    connections_killed = ignore "the server has no command to cut one client off",
+    history_trimmed_past_a_reader,
+    slow_subscriber_disconnected_by_buffer_limit =
+        ignore "a consumer that falls behind stays in the stream; only its limits lose",
+    node_process_restarted,
+    broker_wiped_while_a_node_was_paused = ignore "not on the cluster fixture, which fails one server at a time: the whole broker killed, paused or wiped is the one-server fixture's scenario",
+    health_follows_a_killed_broker = ignore "not on the cluster fixture, which fails one server at a time: the whole broker killed, paused or wiped is the one-server fixture's scenario",
+    publish_cut_mid_flight_resyncs_only_that_cache,
+    publish_cut_at_the_tail_is_found_by_the_announcement,
+    names_map_one_to_one_onto_broker_resources,
+    heartbeat_channel_beside_the_change_history,
+    heartbeats_take_no_room_in_the_change_history =
+        ignore "heartbeats are core NATS messages, which the server never stores",
+    optional_channels_are_declared_on_both_sides,
+    replies_reach_only_their_party,
+    a_refused_publish_is_no_disconnect,
+    cluster_view_converges_and_publishes_are_acknowledged,
+    a_stopped_node_leaves_the_cluster_view,
+    readiness_follows_a_paused_broker = ignore "not on the cluster fixture, which fails one server at a time: the whole broker killed, paused or wiped is the one-server fixture's scenario",
+});
