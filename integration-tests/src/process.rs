@@ -2,6 +2,7 @@
 //! resumed on request, and never left running (or stopped) after a test.
 
 use std::process::{Child, Command, ExitStatus};
+use std::time::Duration;
 
 /// A server process; killed on drop.
 #[derive(Debug, Default)]
@@ -43,6 +44,21 @@ impl ServerProcess {
     fn running_pid(&self) -> u32 {
         self.pid().expect("server is running")
     }
+}
+
+/// CPU time (user and system) process `pid` has used, from
+/// `/proc/<pid>/stat`, in the kernel's user-visible ticks of 10 ms
+/// (`USER_HZ`, 100 on every Linux).
+pub(crate) fn cpu_time(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command name, which may hold spaces, in parentheses.
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // Fields 14 and 15 of the line (utime, stime); `rest` starts at field 3.
+    let user = fields.get(11)?.parse::<u64>().ok()?;
+    let system = fields.get(12)?.parse::<u64>().ok()?;
+    let ticks = user.checked_add(system)?;
+    Some(Duration::from_millis(ticks.saturating_mul(10)))
 }
 
 impl Drop for ServerProcess {

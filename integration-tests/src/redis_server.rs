@@ -147,6 +147,12 @@ impl RedisServer {
         std::fs::read_to_string(self.dir.path().join("redis.log")).unwrap_or_default()
     }
 
+    /// The CPU time (user and system) the server has used so far, from
+    /// `/proc`; `None` when it is not running.
+    pub fn cpu_time(&self) -> Option<std::time::Duration> {
+        crate::process::cpu_time(self.process.pid()?)
+    }
+
     /// Its port.
     pub fn port(&self) -> u16 {
         self.port

@@ -1,7 +1,7 @@
-//! A RocketMQ name server and broker of the test's own (the Rust
-//! `rocketmq-namesrv-rust` and `rocketmq-broker-rust`), on free loopback
-//! ports with a temporary store, that the test can kill, restart on the same
-//! store, and pause.
+//! A RocketMQ name server and one broker or more of the test's own (the
+//! Rust `rocketmq-namesrv-rust` and `rocketmq-broker-rust`), on free loopback
+//! ports with a temporary store each, that the test can kill, restart on the
+//! same store, wipe, and pause, one broker at a time.
 
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -16,7 +16,8 @@ const LOG_TAIL: usize = 8 * 1024;
 
 const NAMESRV: &str = "rocketmq-namesrv-rust";
 const BROKER: &str = "rocketmq-broker-rust";
-const BROKER_NAME: &str = "broker-a";
+/// Broker names, in start order: `broker-a`, `broker-b`, ….
+const BROKER_NAMES: [&str; 4] = ["broker-a", "broker-b", "broker-c", "broker-d"];
 /// Logged once the broker has registered with the name server.
 const BROKER_READY: &str = "started successfully";
 /// The broker measures the whole disk its store is on, not its own store,
@@ -30,14 +31,31 @@ const DISK_MAX_USED_PERCENT: u8 = 96;
 const DISK_CLEAN_FORCIBLY_PERCENT: u8 = 97;
 const DISK_WARNING_PERCENT: u8 = 98;
 
-/// A running name server and one broker, stopped on drop.
+/// A running name server and its brokers, stopped on drop.
 #[derive(Debug)]
 pub struct RocketMqServer {
     namesrv_port: u16,
-    broker_port: u16,
     dir: tempfile::TempDir,
     namesrv: ServerProcess,
-    broker: ServerProcess,
+    brokers: Vec<Broker>,
+}
+
+/// One master broker, of its own name, ports, store and log.
+#[derive(Debug)]
+struct Broker {
+    port: u16,
+    process: ServerProcess,
+}
+
+/// Broker `i`'s file names: the first keeps the names of the days of one
+/// broker (`broker.toml`, `store`, `broker.log`).
+fn broker_file(i: usize, what: &str) -> String {
+    match (i, what) {
+        (0, "store") => "store".into(),
+        (0, _) => format!("broker.{what}"),
+        (_, "store") => format!("store-{i}"),
+        (_, _) => format!("broker-{i}.{what}"),
+    }
 }
 
 fn missing(binary: &str) -> String {
@@ -82,17 +100,34 @@ fn broker_port() -> u16 {
 impl RocketMqServer {
     /// Starts a name server and a broker (64 MiB commit log, no message index).
     pub fn start() -> Self {
-        start_on_free_ports("rocketmq", Self::start_once)
+        Self::start_with_brokers(1)
+    }
+
+    /// Starts a name server and `n` master brokers of different names
+    /// (`broker-a`, `broker-b`, …; at most four) in one cluster, each with
+    /// a store of its own.
+    pub fn start_with_brokers(n: usize) -> Self {
+        assert!((1..=BROKER_NAMES.len()).contains(&n), "1 to 4 brokers");
+        start_on_free_ports("rocketmq", || Self::start_once(n))
     }
 
     /// One try at [`start`](Self::start); `Err` when a port was taken.
-    fn start_once() -> Result<Self, String> {
+    fn start_once(n: usize) -> Result<Self, String> {
         let dir = tempfile::tempdir().expect("temp dir for rocketmq");
         let namesrv_port = free_port();
-        let broker_port = broker_port();
-        let mut ha_port = free_port();
-        while [namesrv_port, broker_port, broker_port - 2].contains(&ha_port) {
-            ha_port = free_port();
+        let mut taken = vec![namesrv_port];
+        let mut ports = Vec::new();
+        for _ in 0..n {
+            let mut port = broker_port();
+            while taken.contains(&port) || taken.contains(&(port - 2)) {
+                port = broker_port();
+            }
+            let mut ha_port = free_port();
+            while taken.contains(&ha_port) || [port, port - 2].contains(&ha_port) {
+                ha_port = free_port();
+            }
+            taken.extend([port, port - 2, ha_port]);
+            ports.push((port, ha_port));
         }
         let run = dir.path();
         let namesrv_home = run.join("namesrv");
@@ -114,18 +149,20 @@ impl RocketMqServer {
             ),
         )
         .expect("namesrv config");
-        let store = run.join("store").display().to_string();
-        std::fs::write(
-            run.join("broker.toml"),
-            format!(
-                "[broker]\n\
+        for (i, &(broker_port, ha_port)) in ports.iter().enumerate() {
+            let name = BROKER_NAMES[i];
+            let store = run.join(broker_file(i, "store")).display().to_string();
+            std::fs::write(
+                run.join(broker_file(i, "toml")),
+                format!(
+                    "[broker]\n\
                  brokerIp1 = \"127.0.0.1\"\n\
                  listenPort = {broker_port}\n\
                  namesrvAddr = \"127.0.0.1:{namesrv_port}\"\n\
                  storePathRootDir = {store:?}\n\
                  \n\
                  [broker.brokerIdentity]\n\
-                 brokerName = \"{BROKER_NAME}\"\n\
+                 brokerName = \"{name}\"\n\
                  brokerClusterName = \"DefaultCluster\"\n\
                  brokerId = 0\n\
                  \n\
@@ -143,18 +180,27 @@ impl RocketMqServer {
                  timerWheelEnable = false\n\
                  haListenAddress = \"127.0.0.1\"\n\
                  haListenPort = {ha_port}\n"
-            ),
-        )
-        .expect("broker config");
+                ),
+            )
+            .expect("broker config");
+        }
         let mut server = Self {
             namesrv_port,
-            broker_port,
             dir,
             namesrv: ServerProcess::default(),
-            broker: ServerProcess::default(),
+            brokers: ports
+                .iter()
+                .map(|&(port, _)| Broker {
+                    port,
+                    process: ServerProcess::default(),
+                })
+                .collect(),
         };
         server.spawn_namesrv()?;
-        server.spawn_broker()?;
+        for i in 0..n {
+            server.spawn_broker(i)?;
+        }
+        server.wait_registered();
         // The broker registered with whatever answers on the name server's
         // port: that must be this name server, still running.
         if let Some(status) = server.namesrv.exited() {
@@ -163,6 +209,29 @@ impl RocketMqServer {
             ));
         }
         Ok(server)
+    }
+
+    /// Waits until the name server has every broker in its routes. A
+    /// broker logs its start once the name server answered its
+    /// registration, but with two, a client asking at once was seen to get
+    /// only the first.
+    fn wait_registered(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for (i, b) in self.brokers.iter().enumerate() {
+            let line = format!(
+                "broker={}, id=0, addr=127.0.0.1:{}",
+                BROKER_NAMES[i], b.port
+            );
+            while !self.log("namesrv").contains(&line) {
+                assert!(
+                    Instant::now() < deadline,
+                    "the name server did not register {} in 10 s; its log:\n{}",
+                    BROKER_NAMES[i],
+                    self.log("namesrv")
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
     }
 
     fn log_path(&self, name: &str) -> PathBuf {
@@ -188,7 +257,14 @@ impl RocketMqServer {
 
     fn spawn_namesrv(&mut self) -> Result<(), String> {
         let config = self.dir.path().join("namesrv.toml");
-        let child = self.spawn(NAMESRV, &config, "warn", &self.log_path("namesrv"));
+        // Info from the route table only: its "New broker registered" lines
+        // say when a broker is in the routes clients are given.
+        let child = self.spawn(
+            NAMESRV,
+            &config,
+            "warn,rocketmq_namesrv::route::route_info_manager=info",
+            &self.log_path("namesrv"),
+        );
         self.namesrv.set(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         while TcpStream::connect(("127.0.0.1", self.namesrv_port)).is_err() {
@@ -213,15 +289,18 @@ impl RocketMqServer {
         Ok(())
     }
 
-    /// Starts the broker; `Err` when its ports were taken.
-    fn spawn_broker(&mut self) -> Result<(), String> {
-        let log = self.log_path("broker");
+    /// Starts broker `i`; `Err` when its ports were taken.
+    fn spawn_broker(&mut self, i: usize) -> Result<(), String> {
+        let log_name = broker_file(i, "log");
+        let log_name = log_name.trim_end_matches(".log").to_owned();
+        let log = self.log_path(&log_name);
         let seen = std::fs::read_to_string(&log).map_or(0, |s| s.len());
-        let config = self.dir.path().join("broker.toml");
+        let config = self.dir.path().join(broker_file(i, "toml"));
         // Info only from the broker's own startup: at info the store logs a
         // line every 125 ms.
         let child = self.spawn(BROKER, &config, "warn,rocketmq_broker=info", &log);
-        self.broker.set(child);
+        self.brokers[i].process.set(child);
+        let broker_port = self.brokers[i].port;
         let deadline = Instant::now() + Duration::from_secs(20);
         // The port opens a few ms before the broker registers its routes.
         while !self
@@ -230,15 +309,15 @@ impl RocketMqServer {
             .unwrap_or("")
             .contains(BROKER_READY)
         {
-            if let Some(status) = self.broker.exited() {
-                let log = self.log("broker");
+            if let Some(status) = self.brokers[i].process.exited() {
+                let log = self.log(&log_name);
                 // What it says when a listen port is taken, in this run's
                 // part of the log (a restart appends to it).
                 let this_run = log.get(seen..).unwrap_or("");
                 if this_run.contains("could not be started") || says_port_taken(this_run) {
                     return Err(format!(
                         "{BROKER} exited with {status}: a port of {} taken",
-                        self.broker_port
+                        broker_port
                     ));
                 }
                 // The broker refuses to start on a disk over its limit,
@@ -255,7 +334,7 @@ impl RocketMqServer {
             assert!(
                 Instant::now() < deadline,
                 "{BROKER} did not start in 20 s; log:\n{}",
-                self.log("broker")
+                self.log(&log_name)
             );
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -274,48 +353,78 @@ impl RocketMqServer {
         format!("127.0.0.1:{}", self.namesrv_port)
     }
 
-    /// The broker's address, `127.0.0.1:PORT`.
+    /// The (first) broker's address, `127.0.0.1:PORT`.
     pub fn broker_addr(&self) -> String {
-        format!("127.0.0.1:{}", self.broker_port)
+        self.broker_addr_of(0)
     }
 
-    /// The broker's name (the first half of a partition name).
+    /// Broker `i`'s address.
+    pub fn broker_addr_of(&self, i: usize) -> String {
+        format!("127.0.0.1:{}", self.brokers[i].port)
+    }
+
+    /// The (first) broker's name (the first half of a partition name).
     pub fn broker_name(&self) -> &'static str {
-        BROKER_NAME
+        BROKER_NAMES[0]
     }
 
-    /// `kill -9` the broker.
+    /// Broker `i`'s name.
+    pub fn broker_name_of(&self, i: usize) -> &'static str {
+        BROKER_NAMES[i]
+    }
+
+    /// How many brokers run (or were started).
+    pub fn brokers(&self) -> usize {
+        self.brokers.len()
+    }
+
+    /// `kill -9` the (first) broker.
     pub fn kill(&mut self) {
-        self.broker.kill();
+        self.kill_broker(0);
     }
 
-    /// Starts the broker again on the same ports and store.
+    /// `kill -9` broker `i`.
+    pub fn kill_broker(&mut self, i: usize) {
+        self.brokers[i].process.kill();
+    }
+
+    /// Starts the (first) broker again on the same ports and store.
     pub fn restart(&mut self) {
-        self.kill();
-        self.spawn_broker()
+        self.restart_broker(0);
+    }
+
+    /// Starts broker `i` again on the same ports and store.
+    pub fn restart_broker(&mut self, i: usize) {
+        self.kill_broker(i);
+        self.spawn_broker(i)
             .unwrap_or_else(|e| panic!("restart: {e}"));
     }
 
-    /// `kill -9` the broker, then starts it again on the same ports with an
-    /// empty store: commit log, queues and topic configuration are gone, so
-    /// queue offsets start again from 0.
+    /// `kill -9` the (first) broker, then starts it again on the same ports
+    /// with an empty store: commit log, queues and topic configuration are
+    /// gone, so queue offsets start again from 0.
     pub fn wipe(&mut self) {
-        self.kill();
-        let store = self.dir.path().join("store");
+        self.wipe_broker(0);
+    }
+
+    /// [`wipe`](Self::wipe) for broker `i`.
+    pub fn wipe_broker(&mut self, i: usize) {
+        self.kill_broker(i);
+        let store = self.dir.path().join(broker_file(i, "store"));
         if store.exists() {
             std::fs::remove_dir_all(&store).expect("remove the broker store");
         }
-        self.spawn_broker().unwrap_or_else(|e| panic!("wipe: {e}"));
+        self.spawn_broker(i).unwrap_or_else(|e| panic!("wipe: {e}"));
     }
 
-    /// SIGSTOP the broker.
+    /// SIGSTOP the (first) broker.
     pub fn pause(&self) {
-        self.broker.pause();
+        self.brokers[0].process.pause();
     }
 
-    /// SIGCONT the broker.
+    /// SIGCONT the (first) broker.
     pub fn resume(&self) {
-        self.broker.resume();
+        self.brokers[0].process.resume();
     }
 }
 
@@ -325,8 +434,10 @@ impl Drop for RocketMqServer {
         // route registration, a store error), or the evidence goes with the
         // temporary directory.
         if std::thread::panicking() {
-            for name in ["namesrv", "broker"] {
-                let log = self.log(name);
+            let names = (0..self.brokers.len())
+                .map(|i| broker_file(i, "log").trim_end_matches(".log").to_owned());
+            for name in std::iter::once("namesrv".to_owned()).chain(names) {
+                let log = self.log(&name);
                 let from = (log.len().saturating_sub(LOG_TAIL)..log.len())
                     .find(|&i| log.is_char_boundary(i))
                     .unwrap_or(log.len());
@@ -335,7 +446,9 @@ impl Drop for RocketMqServer {
             }
         }
         // Before the fields drop: the temporary directory goes first.
-        self.broker.kill();
+        for b in &mut self.brokers {
+            b.process.kill();
+        }
         self.namesrv.kill();
     }
 }

@@ -1,0 +1,247 @@
+//! Recovery after a failover (issue 23): how long from killing the server
+//! that leads the topic (the master of its slot on a Redis Cluster, the
+//! stream's leader on a NATS JetStream cluster) to the first event published
+//! after the kill being applied on every node; p50 and max over the runs,
+//! per cluster mode.
+//!
+//! ```text
+//! cargo bench -p integration-tests --bench failover
+//! ```
+//!
+//! Without `--bench` (as under `cargo test --all-targets`) it makes one run
+//! per mode: a smoke pass over the same code.
+//!
+//! Method:
+//! - A cluster of the test harness (`integration_tests::redis_cluster`,
+//!   six servers, `cluster-node-timeout` 1 s; `integration_tests::nats_cluster`,
+//!   three servers, the stream on all three), four nodes each on a client of
+//!   its own, and a publisher that inserts a rising number into one key
+//!   every 5 ms, whatever happens (a failed publish is skipped).
+//! - Each run: 1 s of steady traffic; note the highest number whose publish
+//!   began before the kill; kill the leader (`kill -9`); poll every node's
+//!   cache every millisecond until each holds a larger number. That time is
+//!   the run's recovery. Then the killed server is started again and the
+//!   cluster is let settle (it rejoins as a replica), and the next run kills
+//!   whichever server leads then.
+//! - The figure includes the cluster's own failover (the replica's
+//!   promotion after the node timeout, or JetStream's election) and the
+//!   client's part (finding the new leader, resubscribing, a resync after a
+//!   loss). Losses the nodes signalled are counted alongside.
+
+// A benchmark's output is its table: printing to stdout is the point.
+#![allow(clippy::print_stdout)]
+
+// Uses the node start-up and report helpers only.
+#[allow(dead_code)]
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use cache_sync::transport::Transport;
+use cache_sync::{NatsJetStreamTransport, Publisher, RedisPubSubTransport, RedisStreamsTransport};
+use common::{BenchNode, CACHE, now_us, run_footer, run_header, start_nodes};
+use integration_tests::nats_cluster::NatsCluster;
+use integration_tests::redis_cluster::RedisCluster;
+
+const NODES: usize = 4;
+/// Runs per mode under `cargo bench`.
+const RUNS: usize = 10;
+/// The longest a recovery may take before the bench gives up.
+const GIVE_UP: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Clone, Copy)]
+enum Mode {
+    RedisStreams,
+    RedisShardedPubSub,
+    NatsJetStream,
+}
+
+impl Mode {
+    fn label(self) -> &'static str {
+        match self {
+            Mode::RedisStreams => "Redis Streams, Redis Cluster (3+3)",
+            Mode::RedisShardedPubSub => "sharded Pub/Sub, Redis Cluster (3+3)",
+            Mode::NatsJetStream => "NATS JetStream, 3 servers, R3",
+        }
+    }
+}
+
+/// The cluster a mode runs on.
+enum Servers {
+    Redis(RedisCluster),
+    Nats(NatsCluster),
+}
+
+impl Servers {
+    fn start(mode: Mode) -> Self {
+        match mode {
+            Mode::RedisStreams | Mode::RedisShardedPubSub => Servers::Redis(RedisCluster::start()),
+            Mode::NatsJetStream => Servers::Nats(NatsCluster::start()),
+        }
+    }
+
+    async fn transport(&self, mode: Mode) -> Arc<dyn Transport> {
+        match (self, mode) {
+            (Servers::Redis(c), Mode::RedisStreams) => Arc::new(
+                RedisStreamsTransport::cluster(c.urls())
+                    .response_timeout(Duration::from_millis(500))
+                    .block(Duration::from_millis(500))
+                    .connect()
+                    .await
+                    .expect("connect"),
+            ),
+            (Servers::Redis(c), _) => Arc::new(
+                RedisPubSubTransport::cluster(c.urls())
+                    .response_timeout(Duration::from_millis(500))
+                    .ping_timeout(Duration::from_millis(500))
+                    .connect()
+                    .await
+                    .expect("connect"),
+            ),
+            (Servers::Nats(c), _) => Arc::new(
+                NatsJetStreamTransport::builder(c.urls())
+                    .replicas(3)
+                    .connect()
+                    .await
+                    .expect("connect"),
+            ),
+        }
+    }
+
+    /// Kills the topic's leader; returns a way to bring it back.
+    fn kill_leader(&mut self, topic: &str) -> usize {
+        match self {
+            Servers::Redis(c) => {
+                let master = c.master_of(c.slot(&format!("{{{topic}}}")));
+                c.kill(master);
+                master
+            }
+            Servers::Nats(c) => {
+                let stream = format!("cache-sync_{topic}");
+                let leader = c.stream_leader(&stream).expect("a stream leader");
+                c.kill(leader);
+                leader
+            }
+        }
+    }
+
+    fn heal(&mut self, killed: usize, topic: &str) {
+        match self {
+            Servers::Redis(c) => {
+                c.restart(killed);
+                c.wait_whole();
+            }
+            Servers::Nats(c) => {
+                c.restart(killed);
+                c.wait_in_sync(&format!("cache-sync_{topic}"));
+            }
+        }
+    }
+}
+
+/// Recovery times of one mode, and the losses its nodes signalled.
+async fn measure(mode: Mode, runs: usize) -> (Vec<Duration>, u64) {
+    let mut servers = tokio::task::block_in_place(|| Servers::start(mode));
+    let topic = format!("failover-{}", now_us());
+    let servers_ref = &servers;
+    let nodes: Vec<BenchNode> = start_nodes(&topic, NODES, || servers_ref.transport(mode)).await;
+    let publisher = Publisher::builder(servers.transport(mode).await)
+        .topic(topic.clone())
+        .origin("failover-bench")
+        .build()
+        .expect("publisher");
+    // The number whose publish began last.
+    let begun = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let traffic = tokio::spawn({
+        let (begun, stop) = (Arc::clone(&begun), Arc::clone(&stop));
+        async move {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                i = i.saturating_add(1);
+                begun.store(i, Ordering::Relaxed);
+                // Failed publishes (the leader gone) are skipped: the next
+                // number carries the key on.
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(2),
+                    publisher.insert(CACHE, [(0u64, i)]),
+                )
+                .await;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    });
+    let mut times = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let mark = begun.load(Ordering::Relaxed);
+        let killed = tokio::task::block_in_place(|| servers.kill_leader(&topic));
+        let t0 = Instant::now();
+        loop {
+            let mut all = true;
+            for n in &nodes {
+                if n.cache.get(&0).await.is_none_or(|v| v <= mark) {
+                    all = false;
+                    break;
+                }
+            }
+            if all {
+                break;
+            }
+            assert!(
+                t0.elapsed() < GIVE_UP,
+                "{}: no event after the kill reached every node in {GIVE_UP:?}",
+                mode.label()
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        times.push(t0.elapsed());
+        tokio::task::block_in_place(|| servers.heal(killed, &topic));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let _ = traffic.await;
+    let mut losses = 0;
+    for n in nodes {
+        losses = n.node.status().losses.saturating_add(losses);
+        n.node.shutdown().await.expect("shutdown");
+    }
+    drop(servers);
+    (times, losses)
+}
+
+fn main() {
+    common::main(|full, workers| async move {
+        let started = Instant::now();
+        run_header(full, workers);
+        let runs = if full { RUNS } else { 1 };
+        println!(
+            "\nrecovery after the topic's leader is killed: kill -> the first event published \
+             after it applied on all {NODES} nodes, {runs} run(s) per mode\n"
+        );
+        println!(
+            "| mode | runs | p50 | max | runs, ms | losses signalled |\n|---|---:|---:|---:|---|---:|"
+        );
+        for mode in [
+            Mode::RedisStreams,
+            Mode::RedisShardedPubSub,
+            Mode::NatsJetStream,
+        ] {
+            let (mut times, losses) = measure(mode, runs).await;
+            let listed: Vec<String> = times.iter().map(|t| t.as_millis().to_string()).collect();
+            times.sort_unstable();
+            let p50 = times[times.len() / 2];
+            let max = times[times.len() - 1];
+            println!(
+                "| {} | {} | {} ms | {} ms | {} | {losses} |",
+                mode.label(),
+                times.len(),
+                p50.as_millis(),
+                max.as_millis(),
+                listed.join(", ")
+            );
+        }
+        run_footer(started);
+    });
+}
