@@ -276,6 +276,33 @@ impl Servers {
         }))
     }
 
+    /// Refuses a server older than Redis 7.0 (`what` says what needs it),
+    /// asked of one server: a cluster connection would ask every master
+    /// and answer with a map of their replies.
+    pub(super) async fn require_redis_7(
+        &self,
+        transport: &'static str,
+        timeout: std::time::Duration,
+        what: &'static str,
+    ) -> Result<()> {
+        let one = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout));
+        let info: String = redis::cmd("INFO")
+            .arg("server")
+            .query_async(&mut self.any(&one, transport).await?)
+            .await
+            .map_err(|e| map_err(transport, e))?;
+        let major = info
+            .lines()
+            .find_map(|l| l.strip_prefix("redis_version:"))
+            .and_then(|v| v.split('.').next()?.parse::<u32>().ok());
+        if major.is_none_or(|major| major < 7) {
+            return Err(Error::Unsupported { transport, what });
+        }
+        Ok(())
+    }
+
     /// A connection to the one server, or to the first seed of a cluster
     /// that answers: for what any server can tell (its version).
     pub(super) async fn any(

@@ -11,7 +11,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::StreamExt;
-use redis::{AsyncConnectionConfig, ProtocolVersion, Value};
+use redis::{ProtocolVersion, Value};
 
 use super::super::{
     Delivery, HeartbeatSubscription, Loss, LossReason, Position, Record, StartFrom,
@@ -161,7 +161,9 @@ impl RedisPubSubBuilder {
         let timeout = self.config.response_timeout;
         let publisher = servers.commands(PUBSUB, timeout).await?;
         let sharded = if self.config.sharded.unwrap_or(servers.is_cluster()) {
-            check_version(&servers, timeout).await?;
+            servers
+                .require_redis_7(PUBSUB, timeout, "sharded Pub/Sub before Redis 7.0")
+                .await?;
             Some(Arc::new(servers.with_protocol(ProtocolVersion::RESP3)?))
         } else {
             None
@@ -192,30 +194,6 @@ impl RedisPubSubBuilder {
         check_timeout("redis-pubsub ping_timeout", c.ping_timeout)?;
         check_timeout("redis-pubsub response_timeout", c.response_timeout)
     }
-}
-
-/// Refuses a server older than Redis 7, which has no sharded Pub/Sub.
-async fn check_version(servers: &Servers, timeout: Duration) -> Result<()> {
-    // Asked of one server: a cluster connection would ask every master.
-    let one = AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(timeout))
-        .set_response_timeout(Some(timeout));
-    let info: String = redis::cmd("INFO")
-        .arg("server")
-        .query_async(&mut servers.any(&one, PUBSUB).await?)
-        .await
-        .map_err(|e| map_err(PUBSUB, e))?;
-    let major = info
-        .lines()
-        .find_map(|l| l.strip_prefix("redis_version:"))
-        .and_then(|v| v.split('.').next()?.parse::<u32>().ok());
-    if major.is_none_or(|major| major < 7) {
-        return Err(Error::Unsupported {
-            transport: PUBSUB,
-            what: "sharded Pub/Sub before Redis 7.0",
-        });
-    }
-    Ok(())
 }
 
 impl RedisPubSubTransport {

@@ -5,13 +5,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::AsyncConnectionConfig;
-
 use super::RedisStreamsTransport;
 use super::state::XADD_SCRIPT;
 use crate::error::{Error, Result};
 use crate::transport::redis::servers::{Servers, Target};
-use crate::transport::redis::{STREAMS, check_timeout, map_err};
+use crate::transport::redis::{STREAMS, check_timeout};
 use crate::util::check_at_least;
 
 #[derive(Debug, Clone)]
@@ -75,26 +73,9 @@ impl RedisStreamsBuilder {
         let servers = Servers::open(&self.target)?;
         let timeout = self.config.response_timeout;
         let publisher = servers.commands(STREAMS, timeout).await?;
-        // Asked of one server: a cluster connection would ask every master
-        // and answer with a map of their replies.
-        let one = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(timeout))
-            .set_response_timeout(Some(timeout));
-        let info: String = redis::cmd("INFO")
-            .arg("server")
-            .query_async(&mut servers.any(&one, STREAMS).await?)
-            .await
-            .map_err(|e| map_err(STREAMS, e))?;
-        let version = info
-            .lines()
-            .find_map(|l| l.strip_prefix("redis_version:"))
-            .and_then(|v| v.split('.').next()?.parse::<u32>().ok());
-        if version.is_none_or(|major| major < 7) {
-            return Err(Error::Unsupported {
-                transport: STREAMS,
-                what: "Redis before 7.0",
-            });
-        }
+        servers
+            .require_redis_7(STREAMS, timeout, "Redis before 7.0")
+            .await?;
         Ok(RedisStreamsTransport {
             servers: Arc::new(servers),
             publisher,
