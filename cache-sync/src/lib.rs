@@ -195,6 +195,12 @@
 //! every cache on the topic. Each is counted (`losses`, `publisher_gaps`,
 //! each cache's `loss_resyncs`) and logged.
 //!
+//! An event numbered at or below one its publisher already sent for its
+//! cache (a redelivery, or an event that took another queue when a broker
+//! failed and arrived after later ones) may carry an older value than the
+//! cache holds, or than a resync loaded since: its refreshes are applied as
+//! invalidations of their keys, and counted (`events_late`).
+//!
 //! ## Bad input
 //! Garbage, truncated, oversized (over 1 MiB by default) or unknown-format
 //! payloads, and keys or values that do not decode into the cache's types,

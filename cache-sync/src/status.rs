@@ -58,6 +58,14 @@ pub struct NodeStatus {
     /// rows the new relay sent. Each was logged.
     #[serde(default)]
     pub events_fenced: u64,
+    /// Events numbered at or below one already seen from the same
+    /// publisher for their cache: a redelivery, or an event that arrived
+    /// after later ones (on a transport with several queues, a publisher's
+    /// events can change queue when a broker fails). What they carry may be
+    /// older than what the cache holds or a resync loaded since, so their
+    /// refreshes were applied as invalidations.
+    #[serde(default)]
+    pub events_late: u64,
     /// Errors from the transport (each followed by a re-subscription).
     pub transport_errors: u64,
     /// The label of the latest loss's reason (`trimmed`, `history_reset`,

@@ -243,7 +243,7 @@ const CACHE_GAUGES: [CacheGauge; 4] = [
 /// A node-wide counter, as [`CacheCounter`].
 type NodeCounter = (&'static str, &'static str, fn(&NodeStatus) -> u64);
 
-const NODE_COUNTERS: [NodeCounter; 10] = [
+const NODE_COUNTERS: [NodeCounter; 11] = [
     (
         "node_events_received",
         "Records read from the transport.",
@@ -268,6 +268,11 @@ const NODE_COUNTERS: [NodeCounter; 10] = [
         "node_events_fenced",
         "Events from a replaced outbox relay, applied as invalidations.",
         |n| n.events_fenced,
+    ),
+    (
+        "node_events_late",
+        "Events at or below their publisher's last number, applied as invalidations.",
+        |n| n.events_late,
     ),
     (
         "node_transport_errors",

@@ -322,7 +322,8 @@ impl Node {
     ///
     /// Per node: counters `cache_sync_node_events_received_total`,
     /// `_events_skipped_total`, `_events_rejected_total`,
-    /// `_publisher_gaps_total`, `_transport_errors_total`, and
+    /// `_publisher_gaps_total`, `_events_fenced_total`, `_events_late_total`,
+    /// `_transport_errors_total`, and
     /// `cache_sync_node_losses_total` labelled `reason` (every
     /// [`LossReason`](crate::transport::LossReason) label, zeros included: [`NodeStatus::losses`] split by
     /// reason), `_heartbeats_sent_total`, `_heartbeats_received_total`,

@@ -108,6 +108,21 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
                 change = Ok(ChangeView::Invalidate(items));
             }
         }
+        if seqs.seen(header.publisher, header.cache, header.seq) {
+            // Late: its publisher's later events for this cache came first
+            // (a redelivery, or a publisher whose events moved to another
+            // queue when a broker failed, read from the old one after the
+            // new). A gap may have resynced the cache meanwhile, and an
+            // unversioned cache cannot tell its value from a newer one, so
+            // a refresh lands as an invalidation of its keys.
+            shared.stats.late.fetch_add(1, Relaxed);
+            tracing::debug!(node = %shared.id, cache = %header.cache, origin = %header.origin,
+                publisher = header.publisher, seq = header.seq,
+                "event at or below its publisher's last number; applying it as an invalidation");
+            if let Ok(ChangeView::Refresh(items)) = change {
+                change = Ok(ChangeView::Invalidate(items));
+            }
+        }
         if let Some(missed) = seqs.observe_after(header.publisher, header.cache, header.seq, prior)
         {
             shared.stats.publisher_gaps.fetch_add(1, Relaxed);

@@ -202,6 +202,13 @@ impl PublisherSeqs {
             .map(|e| e.last)
     }
 
+    /// Whether `seq` is at or below a number already seen from `publisher`
+    /// for `cache` (in any loss epoch: a resync since does not make an
+    /// older event new). Unknown after the baseline was forgotten for room.
+    pub(super) fn seen(&self, publisher: u64, cache: &str, seq: u64) -> bool {
+        self.find(publisher, cache).is_some_and(|e| seq <= e.last)
+    }
+
     /// The last number applied from `publisher` to `cache`, or covered by a
     /// resync of the cache since, losses or not: what an acknowledgement is
     /// answered from.
@@ -379,7 +386,7 @@ impl PublisherSeqs {
             e.touched = touches;
             let known = e.epoch == epoch;
             e.epoch = epoch;
-            // A redelivery (seq <= last) is applied again but does not move back.
+            // A late event (seq <= last; see `seen`) does not move it back.
             let missed = seq.checked_sub(e.last).and_then(|d| d.checked_sub(1));
             e.last = e.last.max(seq);
             if known {

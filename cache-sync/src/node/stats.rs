@@ -21,6 +21,9 @@ pub(super) struct NodeStats {
     pub(super) publisher_gaps: AtomicU64,
     /// Events from a replaced outbox relay, applied as invalidations.
     pub(super) fenced: AtomicU64,
+    /// Events at or below their publisher's last number for their cache,
+    /// applied as invalidations.
+    pub(super) late: AtomicU64,
     pub(super) transport_errors: AtomicU64,
     pub(super) last_loss: Mutex<Option<(String, u64)>>,
 }
@@ -73,6 +76,7 @@ impl Shared {
                 .collect(),
             publisher_gaps: s.stats.publisher_gaps.load(Relaxed),
             events_fenced: s.stats.fenced.load(Relaxed),
+            events_late: s.stats.late.load(Relaxed),
             transport_errors: s.stats.transport_errors.load(Relaxed),
             last_loss_reason: last_loss.as_ref().map(|(r, _)| r.clone()),
             last_loss_at_us: last_loss.map(|(_, at)| at),
