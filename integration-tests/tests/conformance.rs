@@ -586,6 +586,17 @@ const SCENARIOS: &[&str] = &[
     "connected_server_killed",
 ];
 
+/// What the library logs, to the test's output, when `RUST_LOG` asks
+/// (`RUST_LOG=cache_sync=info cargo test … -- --nocapture`).
+fn logs() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+    }
+}
+
 /// A module of tests for one transport: every scenario in [`SCENARIOS`],
 /// those its fixture cannot produce marked `ignore` with the reason, so
 /// that `cargo test` prints them as ignored rather than `ok`. The fixture
@@ -599,6 +610,7 @@ macro_rules! conformance {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 $(#[ignore = $why])?
                 async fn $name() {
+                    logs();
                     case!($fixture, $name)
                 }
             )*

@@ -443,6 +443,13 @@ where
     Fut: Future<Output = ()> + Send + 'static,
 {
     let full = std::env::args().skip(1).any(|a| a == "--bench");
+    // What the library logs, to stderr, when RUST_LOG asks for it.
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)

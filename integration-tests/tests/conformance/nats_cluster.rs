@@ -20,6 +20,8 @@ const STREAM: &str = "cache-sync_cache-sync";
 
 struct NatsOnCluster {
     cluster: NatsCluster,
+    /// A server killed by the fault, until it is healed.
+    down: Option<usize>,
 }
 
 impl NatsOnCluster {
@@ -37,8 +39,7 @@ impl NatsOnCluster {
                 let new = self.cluster.wait_for_new_leader(STREAM, leader);
                 eprintln!("{STREAM}: leader {leader} killed, server {new} leads");
                 Self::let_events_flow().await;
-                self.cluster.restart(leader);
-                self.cluster.wait_in_sync(STREAM);
+                self.down = Some(leader);
             }
             Fault::LeaderPaused => {
                 Self::let_events_flow().await;
@@ -56,8 +57,7 @@ impl NatsOnCluster {
                 self.cluster.kill(busiest);
                 eprintln!("server {busiest}, which held the most client connections, killed");
                 Self::let_events_flow().await;
-                self.cluster.restart(busiest);
-                self.cluster.wait_in_sync(STREAM);
+                self.down = Some(busiest);
             }
             other => panic!("not injectable here: {other:?}"),
         }
@@ -126,6 +126,16 @@ impl Fixture for NatsOnCluster {
         }
     }
 
+    async fn heal(&mut self, _fault: Fault) {
+        if let Some(server) = self.down.take() {
+            tokio::task::block_in_place(|| {
+                self.cluster.restart(server);
+                self.cluster.wait_in_sync(STREAM);
+            });
+            eprintln!("{STREAM}: server {server} back and in sync");
+        }
+    }
+
     fn health_bound(&self) -> Option<Duration> {
         None
     }
@@ -136,7 +146,7 @@ impl Fixture for NatsOnCluster {
     }
 }
 
-conformance!(nats_jetstream_cluster, NatsOnCluster { cluster: NatsCluster::start() }, {
+conformance!(nats_jetstream_cluster, NatsOnCluster { cluster: NatsCluster::start(), down: None }, {
     normal_path_every_node_gets_every_event_in_order,
     leader_killed_while_events_flow,
     leader_paused_past_failover_then_resumed_stale,

@@ -29,6 +29,8 @@ enum Kind {
 struct OnCluster {
     cluster: RedisCluster,
     kind: Kind,
+    /// A server killed by the fault, until it is healed.
+    down: Option<usize>,
 }
 
 impl OnCluster {
@@ -36,6 +38,7 @@ impl OnCluster {
         Self {
             cluster: RedisCluster::start(),
             kind,
+            down: None,
         }
     }
 
@@ -73,8 +76,7 @@ impl OnCluster {
                 let new = self.cluster.wait_for_new_master(slot, master);
                 eprintln!("slot {slot}: server {master} killed, server {new} took over");
                 self.let_events_flow().await;
-                self.cluster.restart(master);
-                self.cluster.wait_whole();
+                self.down = Some(master);
             }
             Fault::LeaderPaused => {
                 self.let_events_flow().await;
@@ -220,6 +222,17 @@ impl Fixture for OnCluster {
             fault => tokio::task::block_in_place(|| {
                 tokio::runtime::Handle::current().block_on(self.fail(fault))
             }),
+        }
+    }
+
+    async fn heal(&mut self, _fault: Fault) {
+        if let Some(server) = self.down.take() {
+            // It rejoins as the new master's replica.
+            tokio::task::block_in_place(|| {
+                self.cluster.restart(server);
+                self.cluster.wait_whole();
+            });
+            eprintln!("server {server} back as a replica");
         }
     }
 

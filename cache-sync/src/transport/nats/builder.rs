@@ -19,6 +19,7 @@ pub(super) struct NatsConfig {
     pub(super) max_messages: i64,
     pub(super) pull_expiry: Duration,
     ping_interval: Duration,
+    request_timeout: Duration,
     pub(super) subject_prefix: String,
     pub(super) storage: stream::StorageType,
     pub(super) replicas: usize,
@@ -67,6 +68,19 @@ impl NatsJetStreamBuilder {
     /// between 100 ms and an hour, or [`connect`](Self::connect) refuses it.
     pub fn ping_interval(mut self, every: Duration) -> Self {
         self.config.ping_interval = every;
+        self
+    }
+
+    /// How long a JetStream request waits for its answer: a publish's
+    /// acknowledgement, a stream or consumer looked up or made. While a
+    /// stream's leader is being elected, requests go unanswered and only a
+    /// new one, sent after the election, is answered: the wait bounds how
+    /// long a node takes to resume after its stream's leader failed (a
+    /// publish meanwhile fails after it, and can be retried). Default 4 s
+    /// (the client's own is 10 s); between 100 ms and an hour, or
+    /// [`connect`](Self::connect) refuses it.
+    pub fn request_timeout(mut self, wait: Duration) -> Self {
+        self.config.request_timeout = wait;
         self
     }
 
@@ -130,8 +144,10 @@ impl NatsJetStreamBuilder {
             .connect(self.urls.as_slice())
             .await
             .map_err(|e| Error::disconnected(KIND, e))?;
+        let mut js = jetstream::new(client.clone());
+        js.set_timeout(self.config.request_timeout);
         Ok(NatsJetStreamTransport {
-            js: jetstream::new(client.clone()),
+            js,
             client,
             config: self.config,
             link,
@@ -164,6 +180,12 @@ impl NatsJetStreamBuilder {
             MIN_INTERVAL,
             MAX_TIMEOUT,
         )?;
+        check_duration(
+            "nats-jetstream request_timeout",
+            c.request_timeout,
+            MIN_INTERVAL,
+            MAX_TIMEOUT,
+        )?;
         check_prefix(&c.subject_prefix)
     }
 }
@@ -187,6 +209,7 @@ impl NatsJetStreamTransport {
                 max_messages: 100_000,
                 pull_expiry: Duration::from_secs(2),
                 ping_interval: Duration::from_secs(5),
+                request_timeout: Duration::from_secs(4),
                 subject_prefix: "cache-sync".into(),
                 storage: stream::StorageType::File,
                 replicas: 1,
@@ -243,9 +266,10 @@ mod tests {
         let below = MIN_INTERVAL - Duration::from_nanos(1);
         let above = MAX_TIMEOUT + Duration::from_nanos(1);
         type Set = fn(NatsJetStreamBuilder, Duration) -> NatsJetStreamBuilder;
-        let durations: [(&str, Set); 2] = [
+        let durations: [(&str, Set); 3] = [
             ("pull_expiry", NatsJetStreamBuilder::pull_expiry),
             ("ping_interval", NatsJetStreamBuilder::ping_interval),
+            ("request_timeout", NatsJetStreamBuilder::request_timeout),
         ];
         for (setting, set) in durations {
             for d in [Duration::ZERO, below, above, Duration::MAX] {
@@ -275,12 +299,14 @@ mod tests {
                 .max_messages(1)
                 .replicas(1)
                 .pull_expiry(MIN_INTERVAL)
-                .ping_interval(MIN_INTERVAL),
+                .ping_interval(MIN_INTERVAL)
+                .request_timeout(MIN_INTERVAL),
             NatsJetStreamTransport::builder(NOWHERE)
                 .max_messages(i64::MAX)
                 .replicas(MAX_REPLICAS)
                 .pull_expiry(MAX_TIMEOUT)
-                .ping_interval(MAX_TIMEOUT),
+                .ping_interval(MAX_TIMEOUT)
+                .request_timeout(MAX_TIMEOUT),
         ] {
             builder.check().unwrap();
         }

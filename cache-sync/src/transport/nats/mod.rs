@@ -17,7 +17,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::transport::names::{self, NameKind};
-use crate::util::lock;
+use crate::util::{deadline_after, lock};
 
 mod builder;
 mod error;
@@ -48,6 +48,15 @@ const KIND: &str = "nats-jetstream";
 ///   goes backwards (stream deleted and recreated) as
 ///   [`LossReason::HistoryReset`], and a stored position below the stream's
 ///   first sequence as a trim before the first delivery.
+/// - **Stalls:** the ordered consumer recreates itself when its server
+///   goes, and retries that without end and without a word (seen with a
+///   stream's leader killed and kept down: a node heard nothing more while
+///   it reported itself consuming). So after a silence of one
+///   [`pull_expiry`](NatsJetStreamBuilder::pull_expiry) the subscription
+///   asks the stream how far it reaches (one request, besides the pull
+///   requests an idle consumer makes anyway); behind it twice in a row, the
+///   subscription ends, and the node resumes from its position through a
+///   new consumer, or reports itself not consuming while it cannot.
 /// - **Start positions:** latest, earliest, a stored sequence, a timestamp.
 /// - **Heartbeats** ([`Transport::publish_heartbeat`]) are core NATS
 ///   messages on `<subject>.hb`, kept nowhere (no JetStream): the topic's
@@ -208,6 +217,7 @@ impl Transport for NatsJetStreamTransport {
             last
         };
         let messages = consumer.messages().await.map_err(|e| self.err(e))?;
+        let silence = self.config.pull_expiry;
         Ok(Box::new(NatsSubscription {
             messages,
             last,
@@ -217,6 +227,10 @@ impl Transport for NatsJetStreamTransport {
             link,
             connects,
             tags: Tags::default(),
+            stream,
+            silence,
+            quiet: Box::pin(tokio::time::sleep_until(deadline_after(silence))),
+            behind: false,
         }))
     }
 

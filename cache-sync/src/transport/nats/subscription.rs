@@ -1,20 +1,25 @@
 //! A change subscription: the ordered consumer it reads, with every
-//! sequence checked (the consumer skips gaps without a word) and the
-//! connection watched (a reconnect may lead to another history).
+//! sequence checked (the consumer skips gaps without a word), the
+//! connection watched (a reconnect may lead to another history), and the
+//! stream asked after a silence whether the consumer fell behind it.
 
 use std::fmt;
+use std::pin::Pin;
+use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer};
+use async_nats::jetstream::{self, consumer, stream};
 use async_trait::async_trait;
 use futures_util::{FutureExt, StreamExt};
 use tokio::sync::watch;
+use tokio::time::Sleep;
 
 use super::super::{Delivery, Loss, LossReason, Offset, Position, Record, Subscription, Tags};
 use super::KIND;
 use super::link::{Link, link_lost};
-use super::naming::{MARKER, TAG_HEADER, seq_position};
+use super::naming::{MARKER, TAG_HEADER, created, seq_position};
 use crate::error::{Error, Result};
 use crate::transport::names;
+use crate::util::deadline_after;
 
 pub(super) fn after(seq: u64) -> consumer::DeliverPolicy {
     consumer::DeliverPolicy::ByStartSequence {
@@ -41,6 +46,15 @@ pub(super) struct NatsSubscription {
     /// Connections made when the subscription began (at least the first).
     pub(super) connects: u64,
     pub(super) tags: Tags,
+    /// The topic's stream, asked how far it reaches after a silence.
+    pub(super) stream: stream::Stream,
+    /// The silence after which the stream is asked: the pull expiry.
+    pub(super) silence: Duration,
+    /// Fires once nothing was read for `silence`.
+    pub(super) quiet: Pin<Box<Sleep>>,
+    /// Whether the last silence found the consumer behind the stream; a
+    /// second one in a row ends the subscription.
+    pub(super) behind: bool,
 }
 
 impl fmt::Debug for NatsSubscription {
@@ -69,6 +83,80 @@ impl NatsSubscription {
     fn position_at(&self, seq: u64) -> Position {
         seq_position(seq, self.created)
     }
+
+    /// The next message, waiting as long as the stream has none for us.
+    async fn wait(&mut self) -> Result<jetstream::Message> {
+        loop {
+            let message = tokio::select! {
+                // First: a message that came after a reconnect may be from
+                // another history.
+                biased;
+                what = link_lost(&mut self.link, self.connects) => {
+                    return Err(Error::disconnected(KIND, what));
+                }
+                m = self.messages.next() => m,
+                () = &mut self.quiet => {
+                    self.check_not_behind().await?;
+                    continue;
+                }
+            };
+            self.rearm();
+            self.behind = false;
+            return match message {
+                Some(Ok(m)) => Ok(m),
+                // A missed heartbeat, a deleted consumer: "disconnected"
+                // only while the client is.
+                Some(Err(e)) if self.link.borrow().up => Err(Error::Transport {
+                    transport: KIND,
+                    source: Box::new(e),
+                }),
+                Some(Err(e)) => Err(Error::disconnected(KIND, e)),
+                None => Err(Error::disconnected(
+                    KIND,
+                    "the consumer's message stream ended",
+                )),
+            };
+        }
+    }
+
+    fn rearm(&mut self) {
+        self.quiet.as_mut().reset(deadline_after(self.silence));
+    }
+
+    /// After a silence: whether the stream holds messages the consumer has
+    /// not delivered. The ordered consumer recreates itself when its server
+    /// goes away, and retries that without end and without a word: with a
+    /// stream's leader killed and kept down, a node was seen to wait on it
+    /// for good while its stream grew. Behind the stream at two silences in
+    /// a row (one could be a message on its way), the subscription ends, so
+    /// the node shows it is not consuming and resumes from its position
+    /// through a consumer of its own making, or keeps saying why it cannot.
+    async fn check_not_behind(&mut self) -> Result<()> {
+        let info = self.stream.get_info().await.map_err(|e| Error::Transport {
+            transport: KIND,
+            source: Box::new(e),
+        })?;
+        let (last, born) = (info.state.last_sequence, created(&info));
+        if born == self.created && last == self.last {
+            // A quiet stream.
+            self.behind = false;
+        } else if self.behind {
+            return Err(Error::Transport {
+                transport: KIND,
+                source: format!(
+                    "the consumer delivered nothing for {:?} while the stream went on \
+                     (to sequence {last}, read to {}); reading on through a new consumer",
+                    self.silence.saturating_mul(2),
+                    self.last
+                )
+                .into(),
+            });
+        } else {
+            self.behind = true;
+        }
+        self.rearm();
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -81,34 +169,7 @@ impl Subscription for NatsSubscription {
         while records.len() < max.max(1) {
             let message = match self.stashed.take() {
                 Some(m) => m,
-                None if records.is_empty() => match tokio::select! {
-                    // First: a message that came after a reconnect may be
-                    // from another history.
-                    biased;
-                    what = link_lost(&mut self.link, self.connects) => {
-                        return Err(Error::disconnected(KIND, what));
-                    }
-                    m = self.messages.next() => m,
-                } {
-                    Some(Ok(m)) => m,
-                    // A missed heartbeat, a deleted consumer: "disconnected"
-                    // only while the client is.
-                    Some(Err(e)) if self.link.borrow().up => {
-                        return Err(Error::Transport {
-                            transport: KIND,
-                            source: Box::new(e),
-                        });
-                    }
-                    Some(Err(e)) => {
-                        return Err(Error::disconnected(KIND, e));
-                    }
-                    None => {
-                        return Err(Error::disconnected(
-                            KIND,
-                            "the consumer's message stream ended",
-                        ));
-                    }
-                },
+                None if records.is_empty() => self.wait().await?,
                 // Only what is already buffered; an error here surfaces on the
                 // next call, and a skipped message would show as a gap.
                 None => match self.messages.next().now_or_never() {
