@@ -1,8 +1,9 @@
 //! Recovery after a failover (issue 23): how long from killing the server
 //! that leads the topic (the master of its slot on a Redis Cluster, the
-//! stream's leader on a NATS JetStream cluster) to the first event published
-//! after the kill being applied on every node; p50 and max over the runs,
-//! per cluster mode.
+//! stream's leader on a NATS JetStream cluster, the broker of the cache's
+//! queue on RocketMQ with two brokers) to the first event published after
+//! the kill being applied on every node; p50 and max over the runs, per
+//! cluster mode.
 //!
 //! ```text
 //! cargo bench -p integration-tests --bench failover
@@ -15,7 +16,8 @@
 //! Method:
 //! - A cluster of the test harness (`integration_tests::redis_cluster`,
 //!   six servers, `cluster-node-timeout` 1 s; `integration_tests::nats_cluster`,
-//!   three servers, the stream on all three), four nodes each on a client of
+//!   three servers, the stream on all three; `RocketMqServer::start_with_brokers(2)`,
+//!   a queue per broker), four nodes each on a client of
 //!   its own, and a publisher that inserts a rising number into one key
 //!   every 5 ms, whatever happens (a failed publish is skipped).
 //! - Each run: 1 s of steady traffic; kill the leader (`kill -9`); note the
@@ -23,12 +25,14 @@
 //!   poll every node's cache every millisecond until each holds a larger
 //!   number. That time is
 //!   the run's recovery. Then the killed server is started again and the
-//!   cluster is let settle (it rejoins as a replica), and the next run kills
-//!   whichever server leads then.
+//!   cluster is let settle (it rejoins as a replica; a RocketMQ broker is
+//!   given the 11 s its publishers leave it out, so the cache's events are
+//!   on it again), and the next run kills whichever server leads then.
 //! - The figure includes the cluster's own failover (the replica's
-//!   promotion after the node timeout, or JetStream's election) and the
-//!   client's part (finding the new leader, resubscribing, a resync after a
-//!   loss). Losses the nodes signalled are counted alongside.
+//!   promotion after the node timeout, JetStream's election; RocketMQ has
+//!   none, its publishers move to the other broker) and the client's part
+//!   (finding the new leader, resubscribing, a resync after a loss). Losses
+//!   the nodes signalled are counted alongside.
 
 // A benchmark's output is its table: printing to stdout is the point.
 #![allow(clippy::print_stdout)]
@@ -42,10 +46,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use cache_sync::transport::Transport;
-use cache_sync::{NatsJetStreamTransport, Publisher, RedisPubSubTransport, RedisStreamsTransport};
+use cache_sync::{
+    NatsJetStreamTransport, Publisher, RedisPubSubTransport, RedisStreamsTransport,
+    RocketMqTransport,
+};
 use common::{BenchNode, CACHE, now_us, run_footer, run_header, start_nodes};
 use integration_tests::nats_cluster::NatsCluster;
 use integration_tests::redis_cluster::RedisCluster;
+use integration_tests::rocketmq_server::RocketMqServer;
 
 const NODES: usize = 4;
 /// Runs per mode under `cargo bench`.
@@ -58,6 +66,7 @@ enum Mode {
     RedisStreams,
     RedisShardedPubSub,
     NatsJetStream,
+    RocketMqBrokers,
 }
 
 impl Mode {
@@ -66,6 +75,7 @@ impl Mode {
             Mode::RedisStreams => "Redis Streams, Redis Cluster (3+3)",
             Mode::RedisShardedPubSub => "sharded Pub/Sub, Redis Cluster (3+3)",
             Mode::NatsJetStream => "NATS JetStream, 3 servers, R3",
+            Mode::RocketMqBrokers => "RocketMQ, 2 brokers, a queue on each",
         }
     }
 }
@@ -74,6 +84,8 @@ impl Mode {
 enum Servers {
     Redis(RedisCluster),
     Nats(NatsCluster),
+    /// With the broker the bench cache's queue is on, once known.
+    RocketMq(RocketMqServer, Option<usize>),
 }
 
 impl Servers {
@@ -81,6 +93,7 @@ impl Servers {
         match mode {
             Mode::RedisStreams | Mode::RedisShardedPubSub => Servers::Redis(RedisCluster::start()),
             Mode::NatsJetStream => Servers::Nats(NatsCluster::start()),
+            Mode::RocketMqBrokers => Servers::RocketMq(RocketMqServer::start_with_brokers(2), None),
         }
     }
 
@@ -109,6 +122,34 @@ impl Servers {
                     .await
                     .expect("connect"),
             ),
+            (Servers::RocketMq(s, _), _) => Arc::new(
+                RocketMqTransport::builder(s.namesrv_addr())
+                    .queues_per_topic(1)
+                    .connect()
+                    .await
+                    .expect("connect"),
+            ),
+        }
+    }
+
+    /// On RocketMQ, learns which broker the bench cache's events go to: a
+    /// cache's queue is its name's hash among the topic's queues, the same
+    /// on every topic the transport made, so a publish to another topic
+    /// under its name tells.
+    async fn find_the_caches_broker(&mut self, mode: Mode) {
+        if !matches!(self, Servers::RocketMq(..)) {
+            return;
+        }
+        let transport = self.transport(mode).await;
+        let position = transport
+            .publish("placement", CACHE, bytes::Bytes::from_static(b"?"))
+            .await
+            .expect("publish")
+            .expect("a RocketMQ publish says where it went");
+        let (partition, _) = position.iter().next().expect("one queue");
+        let name = partition.split(':').next().unwrap_or_default().to_owned();
+        if let Servers::RocketMq(s, broker) = self {
+            *broker = (0..s.brokers()).find(|&i| s.broker_name_of(i) == name);
         }
     }
 
@@ -126,6 +167,11 @@ impl Servers {
                 c.kill(leader);
                 leader
             }
+            Servers::RocketMq(s, broker) => {
+                let broker = broker.expect("the cache's broker is known");
+                s.kill_broker(broker);
+                broker
+            }
         }
     }
 
@@ -139,6 +185,12 @@ impl Servers {
                 c.restart(killed);
                 c.wait_in_sync(&format!("cache-sync_{topic}"));
             }
+            Servers::RocketMq(s, _) => {
+                s.restart_broker(killed);
+                // Publishers leave a broker they found down out for 10 s:
+                // the next run's kill must find the cache's events on it.
+                std::thread::sleep(Duration::from_secs(11));
+            }
         }
     }
 }
@@ -147,6 +199,7 @@ impl Servers {
 /// first publish after it acknowledged), and the losses the nodes signalled.
 async fn measure(mode: Mode, runs: usize) -> (Vec<(Duration, Duration)>, u64) {
     let mut servers = tokio::task::block_in_place(|| Servers::start(mode));
+    servers.find_the_caches_broker(mode).await;
     let topic = format!("failover-{}", now_us());
     let servers_ref = &servers;
     let nodes: Vec<BenchNode> = start_nodes(&topic, NODES, || servers_ref.transport(mode)).await;
@@ -263,6 +316,7 @@ fn main() {
             Mode::RedisStreams,
             Mode::RedisShardedPubSub,
             Mode::NatsJetStream,
+            Mode::RocketMqBrokers,
         ] {
             if !picked.is_empty() && !picked.iter().any(|w| mode.label().contains(w.as_str())) {
                 continue;

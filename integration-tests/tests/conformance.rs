@@ -788,3 +788,7 @@ mod redis_cluster;
 #[cfg(feature = "nats")]
 #[path = "conformance/nats_cluster.rs"]
 mod nats_cluster;
+
+#[cfg(feature = "rocketmq")]
+#[path = "conformance/rocketmq_brokers.rs"]
+mod rocketmq_brokers;

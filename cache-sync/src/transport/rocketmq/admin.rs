@@ -1,6 +1,6 @@
 //! The admin client: topic routes, queues, offsets, reachability.
 
-use rocketmq_client_rust::{DefaultMQAdminExt, OffsetAdmin, TopicAdmin};
+use rocketmq_client_rust::{DefaultMQAdminExt, OffsetAdmin, RouteAdmin, TopicAdmin};
 use rocketmq_model::common::message::message_queue::MessageQueue;
 
 use super::*;
@@ -68,6 +68,25 @@ pub(super) async fn queues_of(admin: &DefaultMQAdminExt, topic: &str) -> Result<
         ));
     }
     Ok(queues)
+}
+
+impl Inner {
+    /// Whether the name server lists `broker` as a master: a broker that
+    /// was restarted accepts connections a moment before it registers, and
+    /// until it registers, its topics' routes may lack it.
+    pub(super) async fn registered(&self, broker: &str) -> bool {
+        let Ok(mut admin) = self.admin().await else {
+            return false;
+        };
+        let listed = match RouteAdmin::examine_broker_cluster_info(admin.get()).await {
+            Ok(cluster) => cluster.broker_addr_table.iter().flatten().any(|(_, b)| {
+                b.broker_name().as_str() == broker && b.broker_addrs().contains_key(&0)
+            }),
+            Err(_) => false,
+        };
+        admin.shutdown().await;
+        listed
+    }
 }
 
 /// A plain TCP connect: the broker process accepts connections.

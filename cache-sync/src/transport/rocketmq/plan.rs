@@ -14,7 +14,15 @@ use crate::error::{Error, Result};
 
 /// Where a subscription starts, per queue.
 pub(super) struct StartPlan {
+    /// The queues read: those whose broker answered.
     pub(super) queues: Vec<QueueRef>,
+    /// Brokers not read now: those of the topic's route that did not
+    /// answer (down, while another is up), with their address, and those
+    /// the starting position names that the route lacks (gone from the name
+    /// server, or back without the topic). Their queues are read once they
+    /// return, by a subscription that checks what they hold then; their
+    /// place in the position is kept meanwhile.
+    pub(super) missing: Vec<(String, Option<String>)>,
     pub(super) seed: Position,
     pub(super) loss: Option<Loss>,
     pub(super) from_where: ConsumeFromWhere,
@@ -25,13 +33,32 @@ pub(super) async fn plan_start(
     topic: &str,
     from: &StartFrom,
 ) -> Result<StartPlan> {
-    let queues = queues_of(admin, topic).await?;
+    let route = queues_of(admin, topic).await?;
+    let mut queues = Vec::with_capacity(route.len());
+    let mut missing: Vec<(String, Option<String>)> = Vec::new();
     let mut seed = Position::default();
     let mut trimmed = 0u64;
     let mut reset = false;
     let mut maybe_trimmed = false;
-    for q in &queues {
-        let (min, max) = offsets(admin, q).await?;
+    for q in route {
+        if missing
+            .iter()
+            .any(|(_, addr)| addr.as_deref() == Some(&q.addr))
+        {
+            continue;
+        }
+        let (min, max) = match offsets(admin, &q).await {
+            Ok(o) => o,
+            // Down: the other brokers are read meanwhile.
+            Err(e) if !reachable(&q.addr).await => {
+                tracing::warn!(transport = KIND, topic, broker = %q.mq.broker_name(),
+                    addr = %q.addr, error = %e,
+                    "a broker of the topic is down; reading the others until it returns");
+                missing.push((q.mq.broker_name().to_string(), Some(q.addr)));
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         let offset = match from {
             StartFrom::Latest => max,
             StartFrom::Earliest => min,
@@ -45,7 +72,7 @@ pub(super) async fn plan_start(
                         trimmed = trimmed
                             .saturating_add(u64::try_from(min.saturating_sub(n)).unwrap_or(0));
                         min
-                    } else if n > 0 && !same_history(admin, topic, q, n, p).await? {
+                    } else if n > 0 && !same_history(admin, topic, &q, n, p).await? {
                         // The message before the position is not the one this
                         // node read there: the broker's store was replaced
                         // (wiped, or another broker under the same name).
@@ -88,6 +115,30 @@ pub(super) async fn plan_start(
             q.name.clone(),
             Offset::Seq(u64::try_from(offset).unwrap_or(0)),
         );
+        queues.push(q);
+    }
+    if queues.is_empty() {
+        return Err(Error::disconnected(
+            KIND,
+            format!("no broker of topic {topic} answers"),
+        ));
+    }
+    if let StartFrom::Position(p) = from {
+        // What the position says of queues not read now (their broker is
+        // down, or out of the route): kept, so that a subscription after
+        // their return resumes them there and checks their history.
+        for (partition, offset) in p.iter() {
+            let read = queues
+                .iter()
+                .any(|q| q.name == partition || anchor_partition(&q.name) == partition);
+            if !read {
+                seed.set(partition, offset.clone());
+                let broker = partition.split(':').next().unwrap_or_default();
+                if !missing.iter().any(|(name, _)| name == broker) {
+                    missing.push((broker.to_owned(), None));
+                }
+            }
+        }
     }
     if reset {
         // Continue from the end of what the brokers hold now.
@@ -124,6 +175,7 @@ pub(super) async fn plan_start(
     };
     Ok(StartPlan {
         queues,
+        missing,
         seed,
         loss,
         from_where,

@@ -3,6 +3,7 @@
 //! means (a broker down, or the client's circuit breaker, which a new
 //! producer escapes). Subscriptions use only `ensure_topic` from here.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -12,6 +13,7 @@ use rocketmq_client_rust::{DefaultMQProducer, RouteAdmin, TopicAdmin};
 use rocketmq_model::common::config::TopicConfig;
 use rocketmq_model::common::message::message_queue::MessageQueue;
 use rocketmq_model::common::message::message_single::Message;
+use rocketmq_protocol::protocol::route::topic_route_data::TopicRouteData;
 
 use super::super::Position;
 use super::*;
@@ -32,10 +34,27 @@ const ROUTE_WAIT: Duration = Duration::from_secs(45);
 /// with the name server failed or was slow.
 const ROUTE_WAIT_WARN: Duration = Duration::from_secs(1);
 
+/// How long a broker found down is left out of the queue choice: its
+/// route stays with the name server and the client for a while after it
+/// died. Past this it is tried again; a send that finds it still down
+/// leaves it out again and goes elsewhere.
+const AVOID_FOR: Duration = Duration::from_secs(10);
+
 #[derive(Debug, Default)]
 pub(super) struct SendFailures {
     consecutive: u32,
     last_recreate: Option<Instant>,
+    /// Brokers found down, by name, with when they may be tried again.
+    avoid: HashMap<String, Instant>,
+}
+
+impl SendFailures {
+    /// The brokers to leave out now; those whose time is up are forgotten.
+    fn avoided(&mut self) -> HashSet<String> {
+        let now = Instant::now();
+        self.avoid.retain(|_, until| *until > now);
+        self.avoid.keys().cloned().collect()
+    }
 }
 
 impl Inner {
@@ -83,36 +102,70 @@ impl Inner {
         let result = async {
             let a = admin.get();
             let mut found = route(a, topic).await?;
-            if found.is_none() {
-                let cluster = RouteAdmin::examine_broker_cluster_info(a)
+            let cluster = RouteAdmin::examine_broker_cluster_info(a)
+                .await
+                .map_err(err)?;
+            let masters: TopicBrokers = cluster
+                .broker_addr_table
+                .iter()
+                .flatten()
+                .filter_map(|(_, b)| {
+                    let addr = b.broker_addrs().get(&0)?;
+                    Some((b.broker_name().to_string(), addr.to_string()))
+                })
+                .collect();
+            // Masters without the topic: all of them for a new topic, and a
+            // broker that came back without its store (wiped, or replaced)
+            // for one that exists. Its queues are made again, so that its
+            // readers find its offsets behind their positions and report
+            // what it lost.
+            let lacking: Vec<(&String, &String)> = masters
+                .iter()
+                .filter(|(name, _)| {
+                    !found
+                        .iter()
+                        .flat_map(|r| &r.broker_datas)
+                        .any(|b| b.broker_name().as_str() == name.as_str())
+                })
+                .collect();
+            if found.is_none() && masters.is_empty() {
+                return Err(Error::disconnected(KIND, "no master broker registered"));
+            }
+            let mut made = Vec::with_capacity(lacking.len());
+            for (name, addr) in lacking {
+                let config =
+                    TopicConfig::with_queues(topic, self.config.queues, self.config.queues);
+                match TopicAdmin::create_and_update_topic_config(a, addr.as_str().into(), config)
                     .await
-                    .map_err(err)?;
-                let masters: Vec<String> = cluster
-                    .broker_addr_table
-                    .iter()
-                    .flatten()
-                    .filter_map(|(_, b)| b.broker_addrs().get(&0).map(ToString::to_string))
-                    .collect();
-                if masters.is_empty() {
-                    return Err(Error::disconnected(KIND, "no master broker registered"));
+                {
+                    Ok(()) => made.push(name),
+                    // The others serve the topic meanwhile.
+                    Err(e) if found.is_some() => {
+                        tracing::warn!(topic, broker = %name, error = %e,
+                            "could not make the topic's queues on a broker that lacks them");
+                    }
+                    Err(e) => return Err(err(e)),
                 }
-                for addr in masters {
-                    let config =
-                        TopicConfig::with_queues(topic, self.config.queues, self.config.queues);
-                    TopicAdmin::create_and_update_topic_config(a, addr.into(), config)
-                        .await
-                        .map_err(err)?;
-                }
+            }
+            if !made.is_empty() {
                 // The name server learns the route when the broker registers
                 // the topic with it: at once on a quiet machine. That
                 // registration has a 3 s timeout, and one that fails (a
                 // debug broker beside a full test run on 2 cores) is only
                 // repaired by the broker's periodic registration, every 30 s
                 // by default, so the wait outlasts one period.
+                let routed = |found: &Option<TopicRouteData>| {
+                    made.iter().all(|name| {
+                        found
+                            .iter()
+                            .flat_map(|r| &r.broker_datas)
+                            .any(|b| b.broker_name().as_str() == name.as_str())
+                    })
+                };
                 let started = Instant::now();
                 loop {
                     found = route(a, topic).await?;
-                    if found.is_some() {
+                    if routed(&found) {
                         let waited = started.elapsed();
                         if waited > ROUTE_WAIT_WARN {
                             tracing::warn!(
@@ -124,6 +177,16 @@ impl Inner {
                         break;
                     }
                     if started.elapsed() > ROUTE_WAIT {
+                        if found.is_some() {
+                            // Used as it is; the next look-up tries again.
+                            tracing::warn!(
+                                topic,
+                                "a broker's queues of the topic, made again, \
+                                were not routed {} s later",
+                                ROUTE_WAIT.as_secs()
+                            );
+                            break;
+                        }
                         // The name server answers, so this is no disconnect.
                         return Err(Error::Transport {
                             transport: KIND,
@@ -190,8 +253,11 @@ impl Inner {
         e
     }
 
-    /// Sends to the queue the tag hashes to; `picked` learns that queue's
-    /// broker, so a failure can be told apart (see `classify_send_failure`).
+    /// Sends to the queue the tag hashes to, so that a cache's events keep
+    /// one queue and their order; if that queue's broker was found down, to
+    /// a queue of another broker the tag hashes to among those. `picked`
+    /// learns the queue's broker, so a failure can be told apart (see
+    /// `classify_send_failure`).
     async fn send(
         &self,
         topic: &str,
@@ -210,13 +276,26 @@ impl Inner {
             return Err(Error::disconnected(KIND, "the transport was shut down"));
         };
         let picked = picked.clone();
+        let avoid = lock(&self.send_failures).avoided();
         let sent = producer
             .send_with_selector(
                 message,
                 move |mqs: &[MessageQueue], _: &Message, tag: &String| {
-                    let n = i64::try_from(mqs.len()).ok().filter(|n| *n > 0)?;
-                    let i = usize::try_from(i64::from(java_hash(tag)).rem_euclid(n)).ok()?;
-                    let mq = mqs.get(i)?;
+                    // The tag's place among `n` queues.
+                    let at = |n: usize| {
+                        let n = i64::try_from(n).ok().filter(|n| *n > 0)?;
+                        usize::try_from(i64::from(java_hash(tag)).rem_euclid(n)).ok()
+                    };
+                    let mut mq = mqs.get(at(mqs.len())?)?;
+                    if avoid.contains(mq.broker_name().as_str()) {
+                        let up: Vec<&MessageQueue> = mqs
+                            .iter()
+                            .filter(|q| !avoid.contains(q.broker_name().as_str()))
+                            .collect();
+                        if let Some(q) = at(up.len()).and_then(|i| up.get(i)) {
+                            mq = q;
+                        }
+                    }
                     *lock(&picked) = Some(mq.broker_name().to_string());
                     Some(mq.clone())
                 },
@@ -232,6 +311,34 @@ impl Inner {
                 next_offset(offset),
             ))
         }))
+    }
+
+    /// After a failed send: whether the broker it went to is down while the
+    /// topic has another, which is then left out for a while.
+    async fn went_down(&self, brokers: &TopicBrokers, picked: &Mutex<Option<String>>) -> bool {
+        let Some(name) = lock(picked).clone() else {
+            return false;
+        };
+        if !brokers.keys().any(|b| *b != name) {
+            return false;
+        }
+        // Out of the route the send was made with: the name server dropped
+        // it (it does at once when a broker's connection closes), while the
+        // client's own copy of the route, refreshed every 30 s, still had it.
+        if let Some(addr) = brokers.get(&name)
+            && reachable(addr).await
+        {
+            return false;
+        }
+        tracing::warn!(transport = KIND, broker = %name,
+            "a broker is down; its caches' events go to the others for now");
+        lock(&self.send_failures).avoid.insert(
+            name,
+            Instant::now()
+                .checked_add(AVOID_FOR)
+                .unwrap_or_else(Instant::now),
+        );
+        true
     }
 
     /// After repeated send failures while the broker accepts connections,
@@ -294,7 +401,14 @@ impl RocketMqTransport {
         inner.ensure_open()?;
         let brokers = inner.ensure_topic(topic).await?;
         let picked = Arc::new(Mutex::new(None));
-        match inner.send(topic, tag, payload, &picked).await {
+        let mut sent = inner.send(topic, tag, payload.clone(), &picked).await;
+        if sent.is_err() && inner.went_down(&brokers, &picked).await {
+            // Once, on another broker: the cache's events change queue, and
+            // a node that reads the old queue's rest late applies it as
+            // invalidations (a later number of the publisher came first).
+            sent = inner.send(topic, tag, payload, &picked).await;
+        }
+        match sent {
             Ok(p) => {
                 lock(&inner.send_failures).consecutive = 0;
                 Ok(p)

@@ -111,6 +111,9 @@ pub(super) struct RocketMqSubscription {
     pub(super) position: Position,
     pub(super) pending: Option<Loss>,
     pub(super) brokers: watch::Receiver<Brokers>,
+    /// Set when the consumer offered messages of a queue the plan did not
+    /// check (its broker was down then, or joined the topic's route since).
+    pub(super) stray: watch::Receiver<bool>,
     pub(super) watchdog: tokio::task::JoinHandle<()>,
     pub(super) consumer: Option<Consumer>,
 }
@@ -149,15 +152,31 @@ impl Subscription for RocketMqSubscription {
                     Some(b) => self.buffered.extend(b),
                     None => return Err(Error::disconnected(KIND, "the consumer stopped")),
                 },
+                Ok(_) = self.stray.wait_for(|s| *s) => {
+                    return Err(Error::Transport {
+                        transport: KIND,
+                        source: "the consumer offered messages of a queue whose history was \
+                                 not checked; the consumer starts afresh to check it"
+                            .into(),
+                    });
+                }
                 Ok(state) = self.brokers.wait_for(|b| *b != Brokers::Up) => {
                     // Ending here shows the outage at once (the node stops
                     // reporting itself healthy), and a fresh consumer does
                     // not wait out the client's 30 s pull timeout.
-                    let why = match *state {
-                        Brokers::Down => "a broker went down",
-                        _ => "a broker closed its connection; the consumer starts afresh",
-                    };
-                    return Err(Error::disconnected(KIND, why));
+                    return Err(match *state {
+                        Brokers::Down => Error::disconnected(KIND, "a broker went down"),
+                        Brokers::Returned => Error::Transport {
+                            transport: KIND,
+                            source: "a broker that was down is back; the consumer starts \
+                                     afresh to read its queues from where it stopped"
+                                .into(),
+                        },
+                        _ => Error::disconnected(
+                            KIND,
+                            "a broker closed its connection; the consumer starts afresh",
+                        ),
+                    });
                 }
             }
         }
@@ -202,6 +221,9 @@ impl Subscription for RocketMqSubscription {
 const BUFFER_BATCHES: usize = 64;
 /// How long the client holds a queue back after the buffer was full.
 const SUSPEND_MS: i64 = 50;
+/// How long it holds back a queue the plan did not check, until the
+/// subscription ends.
+const STRAY_SUSPEND_MS: i64 = 1000;
 
 impl RocketMqTransport {
     /// A subscription to the RocketMQ topic `topic` (already escaped) from
@@ -231,6 +253,8 @@ impl RocketMqTransport {
         let (tx, rx) = mpsc::channel::<Vec<Received>>(BUFFER_BATCHES);
         let tags = std::sync::Mutex::new(Tags::default());
         let (assigned_tx, mut assigned) = watch::channel(HashSet::new());
+        let planned: HashSet<String> = plan.queues.iter().map(|q| q.name.clone()).collect();
+        let (stray_tx, stray) = watch::channel(false);
         let mut consumer = DefaultMQPushConsumer::builder(inner.rt.clone())
             .client_config(client_config(&inner.config.namesrv, &instance))
             .consumer_group(group.as_str())
@@ -251,6 +275,17 @@ impl RocketMqTransport {
                 move |msgs: &[&MessageExt],
                       ctx: &mut ConsumeOrderlyContext|
                       -> ClientResult<ConsumeOrderlyStatus> {
+                    // A call's messages come from one queue. One the plan
+                    // did not check may hold another history than the
+                    // position says: nothing of it passes before a new
+                    // subscription checked it.
+                    if let Some(m) = msgs.first()
+                        && !planned.contains(&partition(m.broker_name(), m.queue_id()))
+                    {
+                        stray_tx.send_replace(true);
+                        ctx.set_suspend_current_queue_time_millis(STRAY_SUSPEND_MS);
+                        return Ok(ConsumeOrderlyStatus::SuspendCurrentQueueAMoment);
+                    }
                     let batch = received(msgs, &mut lock(&tags));
                     match tx.try_send(batch) {
                         Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {
@@ -294,13 +329,41 @@ impl RocketMqTransport {
         addrs.sort();
         addrs.dedup();
         let (report, brokers) = watch::channel(Brokers::Up);
-        let watchdog = tokio::spawn(watchdog(addrs, report));
+        // A broker that was down is back once it accepts connections and
+        // the name server lists it again (so that its queues, made again if
+        // it lost its store, are in the topic's route for the next plan).
+        let shared = self.inner.clone();
+        let missing = plan.missing;
+        let returned = async move {
+            if missing.is_empty() {
+                return std::future::pending().await;
+            }
+            // A broker known by name only is asked of the name server, a
+            // heavier call: every 2 s for five minutes, as a restart takes,
+            // then every 30 s (it may have been taken out for good, while
+            // positions still name it).
+            for poll in 0u64.. {
+                tokio::time::sleep(RETURN_POLL).await;
+                for (name, addr) in &missing {
+                    let up = match addr {
+                        Some(addr) => reachable(addr).await,
+                        None if poll < 600 => poll % 4 == 3,
+                        None => poll % 60 == 59,
+                    };
+                    if up && shared.get().registered(name).await {
+                        return;
+                    }
+                }
+            }
+        };
+        let watchdog = tokio::spawn(watchdog(addrs, returned, report));
         Ok(RocketMqSubscription {
             rx,
             buffered: VecDeque::new(),
             position: plan.seed,
             pending: plan.loss,
             brokers,
+            stray,
             watchdog,
             consumer: Some(consumer),
         })

@@ -21,6 +21,10 @@ pub(super) enum Brokers {
     /// may now lead to another store, so the subscription starts afresh and
     /// checks its position's history.
     Closed,
+    /// A broker that was down when the subscription began accepts
+    /// connections: the subscription starts afresh to read its queues,
+    /// from the position it had there, once their history is checked.
+    Returned,
 }
 
 /// How often the watchdog replaces its own connections: well inside the
@@ -28,13 +32,31 @@ pub(super) enum Brokers {
 /// a silent connection.
 pub(super) const WATCHDOG_REFRESH: Duration = Duration::from_secs(30);
 
-/// Holds a TCP connection to each broker, and reports the first time one
-/// closes. A broker that dies closes it at once, however quickly it comes
-/// back; the pull requests of the client, by contrast, hang for 30 s.
-pub(super) async fn watchdog(addrs: Vec<String>, report: watch::Sender<Brokers>) {
+/// How often a broker that is down is tried.
+pub(super) const RETURN_POLL: Duration = Duration::from_millis(500);
+
+/// Holds a TCP connection to each broker read (`addrs`), and reports the
+/// first time one closes. A broker that dies closes it at once, however
+/// quickly it comes back; the pull requests of the client, by contrast,
+/// hang for 30 s. `returned` resolves once a broker that was down is back
+/// (see `RocketMqTransport::open`), which is reported too.
+pub(super) async fn watchdog(
+    addrs: Vec<String>,
+    returned: impl Future<Output = ()>,
+    report: watch::Sender<Brokers>,
+) {
+    tokio::select! {
+        () = watch_open(&addrs, &report) => {}
+        () = returned => {
+            report.send_replace(Brokers::Returned);
+        }
+    }
+}
+
+async fn watch_open(addrs: &[String], report: &watch::Sender<Brokers>) {
     loop {
         let mut conns = HashMap::new();
-        for addr in &addrs {
+        for addr in addrs {
             match connect(addr).await {
                 Some(s) => {
                     conns.insert(addr.clone(), s);
