@@ -7,7 +7,13 @@
 //! cargo bench -p integration-tests --bench broker_propagation              # both brokers
 //! cargo bench -p integration-tests --bench broker_propagation -- nats      # NATS only
 //! cargo bench -p integration-tests --bench broker_propagation -- rocketmq  # RocketMQ only
+//! cargo bench -p integration-tests --bench broker_propagation -- nats-cluster rocketmq-brokers
 //! ```
+//!
+//! The last line runs the same rows on clusters (issue 23): three NATS
+//! servers with every stream, the transport's and the raw floor's, on all
+//! three (`replicas(3)`); and RocketMQ with two brokers, every topic's
+//! queues on both (one each).
 //!
 //! Without `--bench` on the command line (as under `cargo test
 //! --all-targets`) it runs a tiny smoke pass over the same code and checks.
@@ -61,6 +67,7 @@ use common::{
     latency_row, new_slots, now_us, run_footer, run_header, stamp_of,
 };
 use futures_util::StreamExt;
+use integration_tests::nats_cluster::NatsCluster;
 use integration_tests::nats_server::NatsServer;
 use integration_tests::rocketmq_server::RocketMqServer;
 use rocketmq_client_rust::{
@@ -92,6 +99,8 @@ const SMOKE: Sizes = Sizes {
 enum Broker {
     Nats,
     RocketMq,
+    NatsCluster,
+    RocketMqBrokers,
 }
 
 async fn run(s: Sizes, full: bool, workers: usize, brokers: Vec<Broker>) {
@@ -103,8 +112,10 @@ async fn run(s: Sizes, full: bool, workers: usize, brokers: Vec<Broker>) {
     run_header(full, workers);
     for broker in brokers {
         match broker {
-            Broker::Nats => nats_pass(s).await,
-            Broker::RocketMq => rocketmq_pass(s).await,
+            Broker::Nats => nats_pass(s, false).await,
+            Broker::RocketMq => rocketmq_pass(s, 1).await,
+            Broker::NatsCluster => nats_pass(s, true).await,
+            Broker::RocketMqBrokers => rocketmq_pass(s, 2).await,
         }
     }
     run_footer(started);
@@ -123,7 +134,11 @@ fn main() {
         brokers.push(match arg.as_str() {
             "nats" => Broker::Nats,
             "rocketmq" => Broker::RocketMq,
-            other => panic!("unknown broker {other:?}: expected nats or rocketmq"),
+            "nats-cluster" => Broker::NatsCluster,
+            "rocketmq-brokers" => Broker::RocketMqBrokers,
+            other => panic!(
+                "unknown broker {other:?}: expected nats, rocketmq, nats-cluster or rocketmq-brokers"
+            ),
         });
     }
     if brokers.is_empty() {
@@ -152,12 +167,33 @@ fn command_line(program: &str, args: &[&str]) -> String {
 /// The transport's default, so the raw consumers poll as its nodes do.
 const NATS_PULL_EXPIRY: Duration = Duration::from_secs(2);
 
-async fn nats_pass(s: Sizes) {
-    let server = NatsServer::start();
-    let url = server.url();
+/// The servers a NATS pass runs on, kept alive for it.
+enum NatsServers {
+    One(NatsServer),
+    Cluster(NatsCluster),
+}
+
+async fn nats_pass(s: Sizes, cluster: bool) {
+    let (servers, replicas) = if cluster {
+        (
+            NatsServers::Cluster(tokio::task::block_in_place(NatsCluster::start)),
+            3,
+        )
+    } else {
+        (NatsServers::One(NatsServer::start()), 1)
+    };
+    let url = match &servers {
+        NatsServers::One(server) => server.url(),
+        NatsServers::Cluster(cluster) => cluster.urls(),
+    };
     println!(
-        "\n#### NATS JetStream ({}, file storage)\n",
-        command_line("nats-server", &["--version"])
+        "\n#### NATS JetStream ({}, file storage{})\n",
+        command_line("nats-server", &["--version"]),
+        if cluster {
+            "; 3 servers, every stream on all 3"
+        } else {
+            ""
+        }
     );
     latency_intro(
         s,
@@ -167,15 +203,17 @@ async fn nats_pass(s: Sizes) {
     let url = url.as_str();
     for &n in s.nodes {
         let transport = move || async move {
-            let transport = NatsJetStreamTransport::connect(url)
+            let transport = NatsJetStreamTransport::builder(url)
+                .replicas(replicas)
+                .connect()
                 .await
                 .expect("connect nats transport");
             Arc::new(transport) as Arc<dyn Transport>
         };
         let systems = vec![
             cache_sync_system(format!("lat-{n}-{}", now_us()), n, transport).await,
-            NatsRaw::start(url, NatsKind::JetStream, n).await,
-            NatsRaw::start(url, NatsKind::Core, n).await,
+            NatsRaw::start(url, NatsKind::JetStream, n, replicas).await,
+            NatsRaw::start(url, NatsKind::Core, n, replicas).await,
         ];
         latency_row(
             s,
@@ -202,13 +240,18 @@ struct NatsRaw {
     subject: String,
 }
 
+/// A client of `url`: one server, or several comma-separated.
 async fn nats_client(url: &str) -> async_nats::Client {
-    async_nats::connect(url).await.expect("connect to nats")
+    let servers: Vec<&str> = url.split(',').collect();
+    async_nats::connect(servers.as_slice())
+        .await
+        .expect("connect to nats")
 }
 
 /// The stream for `subject`, configured as the transport configures its own.
-async fn raw_stream(js: &jetstream::Context, subject: &str) -> stream::Stream {
+async fn raw_stream(js: &jetstream::Context, subject: &str, replicas: usize) -> stream::Stream {
     js.get_or_create_stream(stream::Config {
+        num_replicas: replicas,
         name: subject.replace('.', "_"),
         subjects: vec![subject.to_owned()],
         max_messages: 100_000,
@@ -222,7 +265,7 @@ async fn raw_stream(js: &jetstream::Context, subject: &str) -> stream::Stream {
 }
 
 impl NatsRaw {
-    async fn start(url: &str, kind: NatsKind, n: usize) -> System {
+    async fn start(url: &str, kind: NatsKind, n: usize, replicas: usize) -> System {
         let subject = format!("raw.{kind:?}-{n}-{}", now_us());
         let js = jetstream::new(nats_client(url).await);
         let slots = new_slots(n);
@@ -232,7 +275,7 @@ impl NatsRaw {
             let slot = slot.clone();
             let task = match kind {
                 NatsKind::JetStream => {
-                    let stream = raw_stream(&jetstream::new(client), &subject).await;
+                    let stream = raw_stream(&jetstream::new(client), &subject, replicas).await;
                     let next = stream.cached_info().state.last_sequence + 1;
                     let consumer = stream
                         .create_consumer(consumer::pull::OrderedConfig {
@@ -302,11 +345,20 @@ impl RawFloor for NatsRaw {
 
 const SEND_TIMEOUT_MS: u32 = 3000;
 
-async fn rocketmq_pass(s: Sizes) {
-    let server = RocketMqServer::start();
+async fn rocketmq_pass(s: Sizes, brokers: usize) {
+    let server = RocketMqServer::start_with_brokers(brokers);
     let namesrv = server.namesrv_addr();
     let namesrv = namesrv.as_str();
-    println!("\n#### RocketMQ (Rust name server and broker, client 1.0.0; one queue per topic)\n");
+    if brokers == 1 {
+        println!(
+            "\n#### RocketMQ (Rust name server and broker, client 1.0.0; one queue per topic)\n"
+        );
+    } else {
+        println!(
+            "\n#### RocketMQ (Rust name server and {brokers} brokers, client 1.0.0; one queue per \
+             topic on each broker)\n"
+        );
+    }
     latency_intro(
         s,
         "rocketmq-client-rust: a producer send → a broadcasting push consumer per node",
@@ -457,8 +509,8 @@ impl RmqRaw {
     }
 }
 
-/// The topic with one queue, through an admin client, once the name server
-/// routes it.
+/// The topic with one queue on each broker, through an admin client, once
+/// the name server routes every one.
 async fn create_topic(runtime: &RmqRuntime, server: &RocketMqServer, topic: &str, id: &str) {
     let mut admin = DefaultMQAdminExt::new(runtime.rt.clone());
     admin.set_namesrv_addr(server.namesrv_addr().as_str());
@@ -467,18 +519,20 @@ async fn create_topic(runtime: &RmqRuntime, server: &RocketMqServer, topic: &str
         .set_instance_name(format!("{id}-admin").into());
     admin.client_config_mut().set_client_ip("127.0.0.1".into());
     admin.start().await.expect("start admin");
-    TopicAdmin::create_and_update_topic_config(
-        &admin,
-        server.broker_addr().into(),
-        TopicConfig::with_queues(topic, 1, 1),
-    )
-    .await
-    .expect("create topic");
+    for i in 0..server.brokers() {
+        TopicAdmin::create_and_update_topic_config(
+            &admin,
+            server.broker_addr_of(i).into(),
+            TopicConfig::with_queues(topic, 1, 1),
+        )
+        .await
+        .expect("create topic");
+    }
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         // The name server answers a topic it does not know yet with an error.
         if let Ok(Some(route)) = TopicAdmin::examine_topic_route_info(&admin, topic.into()).await
-            && !route.queue_datas.is_empty()
+            && route.queue_datas.len() >= server.brokers()
         {
             break;
         }
