@@ -71,16 +71,20 @@ pub(super) async fn queues_of(admin: &DefaultMQAdminExt, topic: &str) -> Result<
 }
 
 impl Inner {
-    /// Whether the name server lists `broker` as a master: a broker that
-    /// was restarted accepts connections a moment before it registers, and
-    /// until it registers, its topics' routes may lack it.
-    pub(super) async fn registered(&self, broker: &str) -> bool {
+    /// Whether the name server lists one of `brokers` as a master (one
+    /// request, however many are asked about): a broker that was restarted
+    /// accepts connections a moment before it registers, and until it
+    /// registers, its topics' routes may lack it.
+    pub(super) async fn registered(&self, brokers: &[&str]) -> bool {
+        if brokers.is_empty() {
+            return false;
+        }
         let Ok(mut admin) = self.admin().await else {
             return false;
         };
         let listed = match RouteAdmin::examine_broker_cluster_info(admin.get()).await {
             Ok(cluster) => cluster.broker_addr_table.iter().flatten().any(|(_, b)| {
-                b.broker_name().as_str() == broker && b.broker_addrs().contains_key(&0)
+                brokers.contains(&b.broker_name().as_str()) && b.broker_addrs().contains_key(&0)
             }),
             Err(_) => false,
         };

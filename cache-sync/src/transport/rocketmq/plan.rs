@@ -1,6 +1,7 @@
 //! Where a subscription starts: positions, timestamps and the anchors that
 //! prove a stored offset belongs to the history that is there now.
 
+use std::collections::HashSet;
 use std::path::Path;
 use std::time::UNIX_EPOCH;
 
@@ -127,16 +128,17 @@ pub(super) async fn plan_start(
         // What the position says of queues not read now (their broker is
         // down, or out of the route): kept, so that a subscription after
         // their return resumes them there and checks their history.
+        // Sets, not scans: a position may name many queues.
+        let read: HashSet<&str> = queues.iter().map(|q| q.name.as_str()).collect();
+        let mut named: HashSet<String> = missing.iter().map(|(name, _)| name.clone()).collect();
         for (partition, offset) in p.iter() {
-            let read = queues
-                .iter()
-                .any(|q| q.name == partition || anchor_partition(&q.name) == partition);
-            if !read {
-                seed.set(partition, offset.clone());
-                let broker = partition.split(':').next().unwrap_or_default();
-                if !missing.iter().any(|(name, _)| name == broker) {
-                    missing.push((broker.to_owned(), None));
-                }
+            if read.contains(partition.strip_suffix('@').unwrap_or(partition)) {
+                continue;
+            }
+            seed.set(partition, offset.clone());
+            let broker = partition.split(':').next().unwrap_or_default();
+            if named.insert(broker.to_owned()) {
+                missing.push((broker.to_owned(), None));
             }
         }
     }

@@ -342,17 +342,23 @@ impl RocketMqTransport {
             // heavier call: every 2 s for five minutes, as a restart takes,
             // then every 30 s (it may have been taken out for good, while
             // positions still name it).
+            // One request to the name server per poll, however many
+            // brokers a position names.
             for poll in 0u64.. {
                 tokio::time::sleep(RETURN_POLL).await;
+                let mut asked = Vec::new();
                 for (name, addr) in &missing {
                     let up = match addr {
                         Some(addr) => reachable(addr).await,
                         None if poll < 600 => poll % 4 == 3,
                         None => poll % 60 == 59,
                     };
-                    if up && shared.get().registered(name).await {
-                        return;
+                    if up {
+                        asked.push(name.as_str());
                     }
+                }
+                if shared.get().registered(&asked).await {
+                    return;
                 }
             }
         };
