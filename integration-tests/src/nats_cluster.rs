@@ -131,6 +131,34 @@ impl NatsCluster {
         })
     }
 
+    /// The servers that host consumers of `stream` (an ordered consumer
+    /// is a one-replica consumer: it lives on one server), as a live server
+    /// reports them.
+    pub fn consumer_hosts(&self, stream: &str) -> Vec<usize> {
+        for i in self.live() {
+            let Some(jsz) = self.get(i, "/jsz?accounts=true&streams=true&consumers=true") else {
+                continue;
+            };
+            let Some(consumers) = stream_detail(&jsz, stream)
+                .and_then(|s| s.get("consumer_detail"))
+                .and_then(Value::as_array)
+            else {
+                continue;
+            };
+            return consumers
+                .iter()
+                .filter_map(|c| c.pointer("/cluster/leader")?.as_str())
+                .filter_map(|name| self.index_of(name))
+                .collect();
+        }
+        Vec::new()
+    }
+
+    /// Server `i`'s client URL.
+    pub fn url_of(&self, i: usize) -> String {
+        self.servers[i].url()
+    }
+
     /// Waits until a server other than `old` leads `stream`, every replica
     /// of it on a live server is current, and returns the leader.
     pub fn wait_for_new_leader(&self, stream: &str, old: usize) -> usize {
