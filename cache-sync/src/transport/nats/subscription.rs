@@ -86,6 +86,13 @@ impl NatsSubscription {
 
     /// The next message, waiting as long as the stream has none for us.
     async fn wait(&mut self) -> Result<jetstream::Message> {
+        if self.quiet.deadline() <= tokio::time::Instant::now() {
+            // The silence ran out while nobody waited: the caller was away
+            // (a node cancels a wait only to come straight back), and the
+            // consumer, not polled meanwhile, says nothing of a stall yet.
+            self.rearm();
+            self.behind = false;
+        }
         loop {
             let message = tokio::select! {
                 // First: a message that came after a reconnect may be from
