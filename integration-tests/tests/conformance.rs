@@ -376,6 +376,20 @@ impl Fixture for Nats {
     }
 }
 
+/// A RocketMQ transport with one queue per topic on each broker: the
+/// suite's fence proves earlier events arrived only where it shares their
+/// queue.
+#[cfg(feature = "rocketmq")]
+async fn rocketmq_transport(server: &RocketMqServer) -> Arc<dyn Transport> {
+    let transport = retry(|| {
+        RocketMqTransport::builder(server.namesrv_addr())
+            .queues_per_topic(1)
+            .connect()
+    })
+    .await;
+    Arc::new(transport)
+}
+
 #[cfg(feature = "rocketmq")]
 struct RocketMq {
     server: RocketMqServer,
@@ -394,13 +408,7 @@ impl Fixture for RocketMq {
         // each cache keeps its order, but a fence can overtake the table's
         // events while consumers catch up after a fault (measured: no loss,
         // fences ahead by microseconds), which `converge` reads as stale.
-        let transport = retry(|| {
-            RocketMqTransport::builder(self.server.namesrv_addr())
-                .queues_per_topic(1)
-                .connect()
-        })
-        .await;
-        Arc::new(transport)
+        rocketmq_transport(&self.server).await
     }
 
     fn expect(&self, fault: Fault) -> Option<Expect> {

@@ -79,13 +79,27 @@ fn raw_event_ext(
 }
 
 fn refresh_change(k: &str, v: &str) -> Change {
+    versioned_change(k, v, None)
+}
+
+/// A one-entry refresh of `k` to `v`, at `version` if any.
+fn versioned_change(k: &str, v: &str, version: Option<u64>) -> Change {
     Change::Refresh {
         entries: vec![EntryVersion {
             key: encode_part(k, "key").unwrap(),
             value: encode_part(v, "value").unwrap(),
-            version: None,
+            version,
         }],
     }
+}
+
+/// A node holding only `c`, reading `transport`.
+async fn node_with(transport: &EmbeddedTransport, c: &Cache) -> Node {
+    Node::builder("n1", transport.clone())
+        .register(c)
+        .start()
+        .await
+        .unwrap()
 }
 
 #[tokio::test]

@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use cache_sync::RocketMqTransport;
 use cache_sync::transport::Transport;
 use integration_tests::TABLE;
 use integration_tests::conformance::{Expect, Fault, Fixture, retry};
@@ -69,13 +68,7 @@ impl Fixture for TwoBrokers {
     }
 
     async fn transport(&self) -> Arc<dyn Transport> {
-        let transport = retry(|| {
-            RocketMqTransport::builder(self.server.namesrv_addr())
-                .queues_per_topic(1)
-                .connect()
-        })
-        .await;
-        Arc::new(transport)
+        rocketmq_transport(&self.server).await
     }
 
     fn expect(&self, fault: Fault) -> Option<Expect> {

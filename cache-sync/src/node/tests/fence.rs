@@ -14,13 +14,7 @@ fn fenced(publisher: u64, seq: u64, term: u64, change: &Change) -> Bytes {
 }
 
 fn versioned(k: &str, v: &str, version: u64) -> Change {
-    Change::Refresh {
-        entries: vec![EntryVersion {
-            key: encode_part(k, "key").unwrap(),
-            value: encode_part(v, "value").unwrap(),
-            version: Some(version),
-        }],
-    }
+    versioned_change(k, v, Some(version))
 }
 
 /// Issue 21, item 1, as seen on the wire: relay A (term 7) publishes rows

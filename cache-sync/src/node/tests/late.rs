@@ -14,11 +14,7 @@ use super::*;
 async fn an_event_behind_its_publishers_last_lands_as_an_invalidation() {
     let transport = EmbeddedTransport::new();
     let c = cache("t");
-    let node = Node::builder("n1", transport.clone())
-        .register(&c)
-        .start()
-        .await
-        .unwrap();
+    let node = node_with(&transport, &c).await;
     let send = |publisher, seq, v: &str| {
         let t = transport.clone();
         let payload = raw_event("t", publisher, seq, &refresh_change("k", v));
@@ -60,21 +56,10 @@ async fn an_event_behind_its_publishers_last_lands_as_an_invalidation() {
 async fn a_late_versioned_row_never_hides_a_newer_one() {
     let transport = EmbeddedTransport::new();
     let c = cache("t");
-    let node = Node::builder("n1", transport.clone())
-        .register(&c)
-        .start()
-        .await
-        .unwrap();
+    let node = node_with(&transport, &c).await;
     let send = |seq, v: &str, version| {
         let t = transport.clone();
-        let change = Change::Refresh {
-            entries: vec![EntryVersion {
-                key: encode_part("k", "key").unwrap(),
-                value: encode_part(v, "value").unwrap(),
-                version: Some(version),
-            }],
-        };
-        let payload = raw_event("t", 7, seq, &change);
+        let payload = raw_event("t", 7, seq, &versioned_change("k", v, Some(version)));
         async move { t.publish(DEFAULT_TOPIC, "t", payload).await.unwrap() }
     };
     send(2, "v20", 20).await;
