@@ -108,7 +108,8 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
                 change = Ok(ChangeView::Invalidate(items));
             }
         }
-        if seqs.seen(header.publisher, header.cache, header.seq) {
+        let observed = seqs.observe_late(header.publisher, header.cache, header.seq, prior);
+        if observed.late {
             // Late: its publisher's later events for this cache came first
             // (a redelivery, or a publisher whose events moved to another
             // queue when a broker failed, read from the old one after the
@@ -123,8 +124,7 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
                 change = Ok(ChangeView::Invalidate(items));
             }
         }
-        if let Some(missed) = seqs.observe_after(header.publisher, header.cache, header.seq, prior)
-        {
+        if let Some(missed) = observed.missed {
             shared.stats.publisher_gaps.fetch_add(1, Relaxed);
             shared.record_loss(LossReason::PublisherGap);
             tracing::warn!(node = %shared.id, cache = %header.cache, origin = %header.origin,

@@ -103,6 +103,14 @@ pub(super) struct Missing {
     pub(super) to: u64,
 }
 
+/// What [`PublisherSeqs::observe_late`] found of one event's number.
+pub(super) struct Observed {
+    /// How many events may have been missed before it.
+    pub(super) missed: Option<u64>,
+    /// At or below the publisher's last number for the cache.
+    pub(super) late: bool,
+}
+
 /// Bounds memory when publishers come and go: forgetting baselines only
 /// delays gap detection for the next event of each, it never raises a false one.
 pub(super) const MAX_TRACKED_PUBLISHERS: usize = 100_000;
@@ -200,13 +208,6 @@ impl PublisherSeqs {
         self.find(publisher, cache)
             .filter(|e| e.epoch == self.epoch)
             .map(|e| e.last)
-    }
-
-    /// Whether `seq` is at or below a number already seen from `publisher`
-    /// for `cache` (in any loss epoch: a resync since does not make an
-    /// older event new). Unknown after the baseline was forgotten for room.
-    pub(super) fn seen(&self, publisher: u64, cache: &str, seq: u64) -> bool {
-        self.find(publisher, cache).is_some_and(|e| seq <= e.last)
     }
 
     /// The last number applied from `publisher` to `cache`, or covered by a
@@ -375,6 +376,21 @@ impl PublisherSeqs {
         seq: u64,
         prior: impl FnOnce() -> Option<Prior>,
     ) -> Option<u64> {
+        self.observe_late(publisher, cache, seq, prior).missed
+    }
+
+    /// [`observe_after`](Self::observe_after), and whether `seq` is late:
+    /// at or below a number already seen from `publisher` for `cache` (in
+    /// any loss epoch: a resync since does not make an older event new;
+    /// unknown once the baseline was forgotten for room). One look-up for
+    /// both, on the path of every event.
+    pub(super) fn observe_late(
+        &mut self,
+        publisher: u64,
+        cache: &str,
+        seq: u64,
+        prior: impl FnOnce() -> Option<Prior>,
+    ) -> Observed {
         let hash = self.hasher.hash_one((publisher, cache));
         let touches = self.touches.wrapping_add(1);
         self.touches = touches;
@@ -386,18 +402,24 @@ impl PublisherSeqs {
             e.touched = touches;
             let known = e.epoch == epoch;
             e.epoch = epoch;
-            // A late event (seq <= last; see `seen`) does not move it back.
+            let late = seq <= e.last;
+            // A late event does not move it back.
             let missed = seq.checked_sub(e.last).and_then(|d| d.checked_sub(1));
             e.last = e.last.max(seq);
-            if known {
-                return missed.filter(|&m| m > 0);
-            }
-            // The first number since a loss: judged as a first event.
-            return self.first_missed(cache, seq, prior);
+            let missed = if known {
+                missed.filter(|&m| m > 0)
+            } else {
+                // The first number since a loss: judged as a first event.
+                self.first_missed(cache, seq, prior)
+            };
+            return Observed { missed, late };
         }
         let missed = self.first_missed(cache, seq, prior);
         self.insert(hash, publisher, cache, seq);
-        missed
+        Observed {
+            missed,
+            late: false,
+        }
     }
 
     /// How many events before `seq`, a publisher's first number the node
