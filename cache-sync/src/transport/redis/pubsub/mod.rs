@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -25,6 +25,11 @@ use crate::util::{check_at_least, deadline_after};
 mod sharded;
 
 use sharded::{Settings, ShardHeartbeats, ShardSubscription};
+
+/// `SPUBLISH` on the slot's master only (see `publish_to`). Hashed once:
+/// `Script::new` computes the SHA-1 that `EVALSHA` sends.
+static SPUBLISH: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new("return redis.call('SPUBLISH', KEYS[1], ARGV[1])"));
 
 /// The Redis Pub/Sub transport: one channel per topic, `<prefix>{<topic>}`.
 ///
@@ -277,15 +282,27 @@ impl RedisPubSubTransport {
 
     async fn publish_to(&self, channel: String, payload: &[u8]) -> Result<()> {
         let mut conn = self.publisher.clone();
-        redis::cmd(if self.sharded.is_some() {
-            "SPUBLISH"
+        if self.sharded.is_some() {
+            // Through a script, not a bare `SPUBLISH`: a replica of the
+            // slot's master takes `SPUBLISH` itself and passes it on over the
+            // cluster bus, late, after what others published on the master
+            // since (a publisher whose slot map still names the old master,
+            // now a replica, would go on publishing there, and its events
+            // would arrive out of step with everyone else's). A
+            // replica answers a script with `MOVED`, so the publish lands on
+            // the master and the client learns the new map.
+            SPUBLISH
+                .key(channel)
+                .arg(payload)
+                .invoke_async::<i64>(&mut conn)
+                .await
         } else {
-            "PUBLISH"
-        })
-        .arg(channel)
-        .arg(payload)
-        .query_async::<i64>(&mut conn)
-        .await
+            redis::cmd("PUBLISH")
+                .arg(channel)
+                .arg(payload)
+                .query_async::<i64>(&mut conn)
+                .await
+        }
         .map_err(|e| map_err(PUBSUB, e))?;
         Ok(())
     }
