@@ -82,6 +82,11 @@
 //!   the caller gets the cached value if the cache holds one (a newer
 //!   refresh may have installed it while the loader ran), else the loaded
 //!   value; an equal version is cached.
+//! - A forced-fresh read ([`SyncedCache::get_fresh`]) runs its versioned
+//!   loader on every call, whatever the cache holds, and installs the row
+//!   as a versioned load does. It returns the row read, or a value the node
+//!   holds at a newer version; an older refresh delivered while the loader
+//!   ran never stands in for the row (`fresh_reads` counts the calls).
 //! - A value loaded without a version ([`SyncedCache::get_with`]) or
 //!   inserted locally ([`SyncedCache::insert`]) leaves the key's version
 //!   record as it was: a later refresh replaces it whenever that refresh is

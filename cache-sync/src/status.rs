@@ -126,6 +126,10 @@ pub struct CacheStatus {
     /// refresh or load, a versioned clear) or, the key's record evicted from
     /// the bounded table, might have been.
     pub loads_stale: u64,
+    /// Forced-fresh reads ([`get_fresh`](crate::SyncedCache::get_fresh)),
+    /// each of which ran the loader whatever the cache held.
+    #[serde(default)]
+    pub fresh_reads: u64,
     /// Events applied.
     pub events_applied: u64,
     /// Keys removed by events.

@@ -75,7 +75,19 @@ where
     /// Runs the loader until its result can be installed without having
     /// crossed a write to the key. The loader gives the value and, for a
     /// versioned load, the row version it read (see `VersionTable::loaded`).
-    pub(super) async fn load<F, Fut, E>(&self, key: &K, loader: &mut F) -> Result<V, Arc<E>>
+    ///
+    /// A read-through load that a write overtook returns what that write
+    /// left in the cache, which is no older than a change applied while it
+    /// ran. A forced-fresh one (`fresh`) returns it only if the node holds
+    /// it at the version the loader read or a newer one: an older refresh
+    /// delivered during the load must not stand in for the row the source
+    /// gave. Otherwise it loads again.
+    pub(super) async fn load<F, Fut, E>(
+        &self,
+        key: &K,
+        loader: &mut F,
+        fresh: bool,
+    ) -> Result<V, Arc<E>>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<(V, Option<u64>), E>>,
@@ -110,11 +122,27 @@ where
             }
             self.stats.loads_superseded.fetch_add(1, Relaxed);
             // A refresh that superseded us may have installed a newer value.
-            if let Some(v) = self.cache.get(key).await {
+            let cached = match (fresh, version) {
+                (true, Some(version)) => self.cached_at_least(key, version).await,
+                _ => self.cache.get(key).await,
+            };
+            if let Some(v) = cached {
                 return Ok(v);
             }
             attempt = attempt.saturating_add(1);
         }
+    }
+
+    /// The cached value, if the node holds `key` at exactly `version` or a
+    /// newer one. Under the key's stripe, so the version and the value are
+    /// those of one write.
+    async fn cached_at_least(&self, key: &K, version: u64) -> Option<V> {
+        let _stripe = self.write_locks[self.stripe(key)].lock().await;
+        let known = lock(&self.table).exact_version(key)?;
+        if known < version {
+            return None;
+        }
+        self.cache.get(key).await
     }
 
     /// A versioned load older than what the node knows for its key (the

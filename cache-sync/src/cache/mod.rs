@@ -4,7 +4,7 @@ use std::borrow::Borrow;
 use std::fmt;
 use std::future::Future;
 use std::hash::Hash;
-use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -395,6 +395,61 @@ where
         .await
     }
 
+    /// Reads `key` from the source of truth whatever the cache holds, for a
+    /// path that must not act on a cached value (a price before payment, a
+    /// permission before a grant). `loader` reads the row and its version,
+    /// as for [`get_with_versioned`](Self::get_with_versioned), and runs on
+    /// every call: neither a cached value nor a load already in flight for
+    /// the key (which may have read the source before this call began)
+    /// stands in for it. Counted in
+    /// [`fresh_reads`](CacheStatus::fresh_reads), and in `loads`.
+    ///
+    /// The row is installed as a versioned load is: cached with its version
+    /// unless the node knows a newer one for the key, so a delayed older
+    /// event cannot replace it afterwards, and a load of the key still in
+    /// flight no longer installs. Returns the row the loader read, or a
+    /// newer value the node applied while it ran:
+    /// - if a write to the key landed during the load, the cached value is
+    ///   returned only if the node holds it at the loaded version or newer;
+    ///   otherwise the loader runs again, and the last attempt is pinned, as
+    ///   in `get_with` (past that bound, what the overtaking write left);
+    /// - if the node knows a newer version than the loader read (the source
+    ///   lags: a replica, say), the row is not cached
+    ///   ([`loads_stale`](CacheStatus::loads_stale)) and the cached value is
+    ///   returned if there is one, else the row read.
+    pub async fn get_fresh<F, Fut>(&self, key: K, mut loader: F) -> V
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = (V, u64)>,
+    {
+        match self
+            .try_get_fresh(key, || {
+                let f = loader();
+                async move { Ok::<_, std::convert::Infallible>(f.await) }
+            })
+            .await
+        {
+            Ok(v) => v,
+            Err(never) => match *never {},
+        }
+    }
+
+    /// [`get_fresh`](Self::get_fresh) for a fallible loader: an error is
+    /// returned, counted in `load_failures`, and leaves the cache as it was.
+    pub async fn try_get_fresh<F, Fut, E>(&self, key: K, mut loader: F) -> Result<V, Arc<E>>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<(V, u64), E>>,
+        E: Send + Sync + 'static,
+    {
+        self.inner.stats.fresh_reads.fetch_add(1, Relaxed);
+        let mut loader = || {
+            let f = loader();
+            async move { f.await.map(|(v, version)| (v, Some(version))) }
+        };
+        self.inner.load(&key, &mut loader, true).await
+    }
+
     /// The read-through path of every `get_with` method: a hit, or a
     /// coalesced load whose loader gives the value and its version, if any.
     async fn load_through<F, Fut, E>(&self, key: K, mut loader: F) -> Result<V, Arc<E>>
@@ -432,7 +487,7 @@ where
                         flight.result.send_replace(Some(Ok(v.clone())));
                         return Ok(v);
                     }
-                    let result = self.inner.load(&key, &mut loader).await;
+                    let result = self.inner.load(&key, &mut loader, false).await;
                     let shared = result.clone().map_err(|e| e as SharedError);
                     flight.result.send_replace(Some(shared));
                     return result;

@@ -10,6 +10,7 @@ use crate::cache::Event;
 use crate::util::now_us;
 use crate::wire::{Change, EntryVersion, Header, KeyVersion, encode, encode_part};
 
+mod fresh_reads;
 mod pinned_writes;
 mod versioned_loads;
 

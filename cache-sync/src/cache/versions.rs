@@ -211,6 +211,14 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
         LoadDecision::Install
     }
 
+    /// The version recorded for `key` if it is exact (a refresh, a
+    /// versioned invalidation or load), not the evicted floor an untracked
+    /// key carries.
+    pub(crate) fn exact_version(&self, key: &K) -> Option<u64> {
+        let slot = &self.slots[self.find(key)?];
+        if slot.exact() { slot.version() } else { None }
+    }
+
     /// A local write (insert or invalidate) with no version.
     pub(crate) fn touch(&mut self, key: &K) {
         let i = self.record(key);

@@ -148,7 +148,7 @@ struct NodeCollector {
 /// help, and the field it reads.
 type CacheCounter = (&'static str, &'static str, fn(&CacheStatus) -> u64);
 
-const CACHE_COUNTERS: [CacheCounter; 16] = [
+const CACHE_COUNTERS: [CacheCounter; 17] = [
     (
         "cache_events_applied",
         "Events applied to the cache.",
@@ -210,6 +210,11 @@ const CACHE_COUNTERS: [CacheCounter; 16] = [
         "cache_loads_stale",
         "Versioned loads not cached because their version was or might have been older than one the node knew.",
         |c| c.loads_stale,
+    ),
+    (
+        "cache_fresh_reads",
+        "Forced-fresh reads, each of which ran the loader whatever the cache held.",
+        |c| c.fresh_reads,
     ),
 ];
 

@@ -526,7 +526,7 @@ async fn a_stale_load_returns_the_newer_cached_value() {
         let got = if locked {
             c.inner.load_locked(&key, &mut loader).await
         } else {
-            c.inner.load(&key, &mut loader).await
+            c.inner.load(&key, &mut loader, false).await
         };
         assert_eq!(got.unwrap(), "v12", "locked: {locked}");
         assert_eq!(c.peek("k").await.as_deref(), Some("v12"));
