@@ -20,6 +20,7 @@
 //! | `get-with-miss` | `SyncedCache::get_with`, distinct missing keys, loader ready at once | moka `get_with` |
 //! | `insert` | `SyncedCache::insert`, distinct keys | moka `insert` |
 //! | `apply-1` | a node applies `n` single-entry versioned refreshes from a backlog | moka `insert` of `n` entries |
+//! | `apply-1-traced` | `apply-1` on a cache built with `trace_bytes(64 KiB)`, full and evicting | moka `insert` of `n` entries |
 //! | `apply-100` | the same, `n / 100` events of 100 entries; cost per entry | moka `insert` of `n` entries |
 //! | `publish` | `Publisher::insert_versioned` of 1 entry on the embedded transport | `Transport::publish` of the same event, already encoded |
 //!
@@ -116,16 +117,18 @@ enum Op {
     GetWithMiss,
     Insert,
     Apply1,
+    Apply1Traced,
     Apply100,
     Publish,
 }
 
 impl Op {
-    const ALL: [Op; 6] = [
+    const ALL: [Op; 7] = [
         Op::GetHit,
         Op::GetWithMiss,
         Op::Insert,
         Op::Apply1,
+        Op::Apply1Traced,
         Op::Apply100,
         Op::Publish,
     ];
@@ -136,6 +139,7 @@ impl Op {
             Op::GetWithMiss => "get-with-miss",
             Op::Insert => "insert",
             Op::Apply1 => "apply-1",
+            Op::Apply1Traced => "apply-1-traced",
             Op::Apply100 => "apply-100",
             Op::Publish => "publish",
         }
@@ -266,9 +270,12 @@ fn measure(op: Op, side: Side, n: u64) -> Stats {
         Op::GetHit => get_hit(&rt, side, n),
         Op::GetWithMiss => get_with_miss(&rt, side, n),
         // The raw baseline of `apply` is inserting the same entries.
-        Op::Insert | Op::Apply1 | Op::Apply100 if side == Side::Raw => raw_insert(&rt, n),
+        Op::Insert | Op::Apply1 | Op::Apply1Traced | Op::Apply100 if side == Side::Raw => {
+            raw_insert(&rt, n)
+        }
         Op::Insert => synced_insert(&rt, n),
-        Op::Apply1 | Op::Apply100 => apply(&rt, n, op.unit()),
+        Op::Apply1 | Op::Apply100 => apply(&rt, n, op.unit(), None),
+        Op::Apply1Traced => apply(&rt, n, 1, Some(TRACE_BYTES)),
         Op::Publish => publish(&rt, side, n),
     }
 }
@@ -416,11 +423,23 @@ fn check_applied(node: &Node, cache: &SyncedCache<u64, u64>, entries: u64, event
     );
 }
 
-fn apply(rt: &Runtime, n: u64, per_event: u64) -> Stats {
+/// The trace's cap for `apply-1-traced`: small enough that the measured
+/// runs fill it and then evict a record for each one made, as a cache
+/// traced for long does.
+const TRACE_BYTES: usize = 64 << 10;
+
+fn apply(rt: &Runtime, n: u64, per_event: u64, trace: Option<usize>) -> Stats {
     let events = n / per_event;
     let transport = transport(events);
     rt.block_on(publish_backlog(&publisher(&transport), n, per_event));
-    let (cache, _) = synced(CAPACITY, CAPACITY as usize);
+    let cache = match trace {
+        None => synced(CAPACITY, CAPACITY as usize).0,
+        Some(bytes) => SyncedCache::builder(NAME, moka(CAPACITY))
+            .max_tracked_keys(CAPACITY as usize)
+            .trace_bytes(bytes)
+            .build()
+            .expect("valid settings"),
+    };
     // `start` completes without yielding, so the consumer it spawned has not
     // run: all of the applying happens in the region.
     let node = rt.block_on(start_node(&transport, &cache));
@@ -658,7 +677,7 @@ fn smoke() {
 const USAGE: &str =
     "usage: cost <op> <raw|cache-sync> <n>   (one measured run; see scripts/bench-cost)
        cost memory [entries...]          (bytes per entry; default 100000 1000000)
-ops: get-hit get-with-miss insert apply-1 apply-100 publish";
+ops: get-hit get-with-miss insert apply-1 apply-1-traced apply-100 publish";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();

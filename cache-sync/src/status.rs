@@ -174,3 +174,65 @@ pub struct CacheStatus {
     /// [`NodeBuilder::reorder_window`](crate::NodeBuilder::reorder_window)).
     pub quarantined: bool,
 }
+
+/// What happened to a key, in one record of its trace
+/// ([`SyncedCache::trace`](crate::SyncedCache::trace)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum TraceEvent {
+    /// An event's refresh installed its value.
+    Refreshed,
+    /// An event removed the entry: an invalidation, or a refresh applied as
+    /// one because its version was at or below the floor evicted version
+    /// records leave.
+    Invalidated,
+    /// An event's refresh was no newer than a version the node knew for
+    /// the key, and was ignored.
+    StaleIgnored,
+    /// A versioned refresh during the quarantine after a loss or a late
+    /// registration, applied as an invalidation.
+    Quarantined,
+    /// An event's write waited for a locked load of the key; what it did
+    /// follows as a record of its own, with no publisher.
+    Parked,
+    /// A load's value was cached.
+    Loaded,
+    /// A versioned load older than a version the node knew for the key (or
+    /// below the evicted floor): returned, not cached.
+    LoadStale,
+    /// A load that a write to the key overtook: its value was discarded.
+    LoadSuperseded,
+    /// Inserted locally ([`insert`](crate::SyncedCache::insert)).
+    Inserted,
+    /// Removed locally ([`invalidate`](crate::SyncedCache::invalidate)).
+    Removed,
+    /// Every entry dropped: a clear event, or
+    /// [`invalidate_all`](crate::SyncedCache::invalidate_all). Shown in
+    /// every key's trace.
+    Cleared,
+    /// Every entry dropped because events may have been lost. Shown in
+    /// every key's trace.
+    Resynced,
+}
+
+/// One record of a key's trace.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct TraceRecord {
+    /// When, by this node's clock, in µs since the Unix epoch: it orders
+    /// one node's records, and is never to be compared with another
+    /// machine's clock.
+    pub at_us: u64,
+    /// What happened.
+    pub event: TraceEvent,
+    /// The version the event item or the load carried, if any.
+    pub version: Option<u64>,
+    /// For an event: who published it (its `origin`), and its publisher
+    /// and sequence numbers.
+    pub origin: Option<String>,
+    /// See `origin`.
+    pub publisher: Option<u64>,
+    /// See `origin`.
+    pub seq: Option<u64>,
+}

@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use super::Inner;
 use super::park::{Item, Op};
 use super::stats::LatencyHistogram;
-use crate::status::CacheStatus;
+use crate::status::{CacheStatus, TraceEvent};
 use crate::util::{lock, now_us};
 use crate::wire::{ChangeView, Header, decode_part};
 
@@ -127,8 +127,10 @@ where
         // Read once per run, and again after a resync within it, which is
         // the only way a quarantine can start while this cache applies.
         let mut quarantined = self.quarantined();
+        // The trace's records of a run share one time, read once, as below.
+        let at_us = if self.trace.is_some() { now_us() } else { 0 };
         for event in events {
-            if self.apply_one(event, quarantined).await {
+            if self.apply_one(event, quarantined, at_us).await {
                 applied = applied.saturating_add(1);
                 published_at_us = Some(event.header.published_at_us);
             } else {
@@ -163,6 +165,9 @@ where
         self.quarantine();
         self.reset().await;
         self.stats.loss_resyncs.fetch_add(1, Relaxed);
+        if let Some(trace) = &self.trace {
+            trace.record(None, TraceEvent::Resynced, None, None, now_us());
+        }
     }
 
     async fn reset(&self) {
@@ -205,7 +210,7 @@ where
     V: Clone + Send + Sync + DeserializeOwned + 'static,
 {
     /// Applies one event; false if it was answered by a resync instead.
-    async fn apply_one(&self, event: &Event<'_>, quarantined: bool) -> bool {
+    async fn apply_one(&self, event: &Event<'_>, quarantined: bool, at_us: u64) -> bool {
         let s = &self.stats;
         let header = &event.header;
         // Raised only once the change is in the cache, so a node never reports
@@ -215,6 +220,9 @@ where
             ChangeView::Clear { version: v } => {
                 self.clear(*v).await;
                 s.clears.fetch_add(1, Relaxed);
+                if let Some(trace) = &self.trace {
+                    trace.record(None, TraceEvent::Cleared, *v, Some(header), at_us);
+                }
                 version = *v;
             }
             // The node answers announcements itself; one reaching a cache
@@ -253,9 +261,15 @@ where
                         }
                     };
                     let v = item.version;
+                    let traced = self.trace.as_ref().map(|_| k.clone());
+                    let done = self.apply_item(k, Item { op, version: v }).await;
                     // A parked item raises the version once it is applied.
-                    if self.apply_item(k, Item { op, version: v }).await {
+                    if done.is_some() {
                         version = version.max(v);
+                    }
+                    if let (Some(trace), Some(k)) = (&self.trace, traced) {
+                        let done = done.unwrap_or(TraceEvent::Parked);
+                        trace.record(Some(k), done, v, Some(header), at_us);
                     }
                 }
             }

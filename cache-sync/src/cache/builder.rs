@@ -6,7 +6,10 @@ use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use serde::Serialize;
+
 use super::stats::Stats;
+use super::trace::Trace;
 use super::versions::VersionTable;
 use super::write::{Stripe, WRITE_STRIPES};
 use super::{Inner, SyncedCache};
@@ -20,6 +23,9 @@ pub struct SyncedCacheBuilder<K, V> {
     pub(super) max_tracked_keys: usize,
     pub(super) max_load_retries: u32,
     pub(super) max_pin_wait: Duration,
+    /// Set by `trace_bytes`, where `K: Serialize` says how to count a
+    /// key's bytes.
+    pub(super) trace: Option<Trace<K>>,
 }
 
 impl<K, V> fmt::Debug for SyncedCacheBuilder<K, V> {
@@ -81,6 +87,26 @@ where
         self
     }
 
+    /// Keeps a trace of what happens to keys, up to `max_bytes` for the
+    /// whole cache, read with [`SyncedCache::trace`]. Off by default (0).
+    ///
+    /// A record counts its fixed size (about 100 bytes, with the key's
+    /// inline size), the key's encoded length and the publisher's origin;
+    /// past the cap the oldest records go. Keys are data: the status
+    /// routes never show a trace, and only an application that serves
+    /// one itself does.
+    ///
+    /// Each event item, load and local write then costs a clone of its
+    /// key, an allocation for an event's origin, and a lock taken once
+    /// (docs/benchmarks.md has the apply path's cost with it on and off).
+    pub fn trace_bytes(mut self, max_bytes: usize) -> Self
+    where
+        K: Serialize,
+    {
+        self.trace = (max_bytes > 0).then(|| Trace::new(max_bytes, encoded_len::<K>));
+        self
+    }
+
     /// The cache, or [`Error::Config`](crate::Error::Config) for a setting
     /// out of range.
     pub fn build(self) -> crate::Result<SyncedCache<K, V>> {
@@ -118,7 +144,18 @@ where
                 quarantine: Mutex::new(Duration::ZERO),
                 emptied_at: Mutex::new(tokio::time::Instant::now()),
                 stats: Stats::default(),
+                trace: self.trace,
             }),
         }
+    }
+}
+
+/// `key`'s length in the wire encoding; 0 for a key that does not encode
+/// (a `Serialize` impl that fails), which the wire would refuse anyway.
+fn encoded_len<K: Serialize>(key: &K) -> usize {
+    let mut size = bincode::enc::write::SizeWriter::default();
+    match bincode::serde::encode_into_writer(key, &mut size, bincode::config::standard()) {
+        Ok(()) => size.bytes_written,
+        Err(_) => 0,
     }
 }

@@ -13,6 +13,7 @@ use super::Inner;
 use super::pin::{Pin, held_by_this_task, holding};
 use super::versions::LoadDecision;
 use super::write::Write;
+use crate::status::TraceEvent;
 use crate::util::lock;
 
 pub(super) type SharedError = Arc<dyn Any + Send + Sync>;
@@ -115,6 +116,9 @@ where
                 }
             })
             .await;
+            if self.trace.is_some() {
+                self.traced(Some(key.clone()), traced(decision), version);
+            }
             match decision {
                 LoadDecision::Install => return Ok(value),
                 LoadDecision::Stale => return Ok(self.stale_load(key, value).await),
@@ -231,6 +235,9 @@ where
                     }
                     LoadDecision::Stale => {}
                 }
+                if self.trace.is_some() {
+                    self.traced(Some(key.clone()), traced(decision), version);
+                }
                 // After the decision: every write of another task that
                 // superseded it counted itself first (see `Pin`).
                 let overtaken = watched.overtaken.load(Relaxed) != overtaken_before;
@@ -252,5 +259,14 @@ where
                 return Ok(v);
             }
         }
+    }
+}
+
+/// How a load's decision shows in a key's trace.
+fn traced(decision: LoadDecision) -> TraceEvent {
+    match decision {
+        LoadDecision::Install => TraceEvent::Loaded,
+        LoadDecision::Stale => TraceEvent::LoadStale,
+        LoadDecision::Superseded => TraceEvent::LoadSuperseded,
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::status::CacheStatus;
+use crate::status::{CacheStatus, TraceEvent, TraceRecord};
 use crate::table::Table;
 use crate::util::{HashMap, Hasher, lock};
 
@@ -20,6 +20,7 @@ mod load;
 mod park;
 mod pin;
 mod stats;
+mod trace;
 mod versions;
 mod write;
 
@@ -28,6 +29,7 @@ pub use builder::SyncedCacheBuilder;
 use load::{Flight, FlightGuard, SharedError};
 use park::Pins;
 use stats::Stats;
+use trace::Trace;
 use write::{Stripe, Write};
 
 use versions::VersionTable;
@@ -161,6 +163,8 @@ pub(crate) struct Inner<K, V> {
     /// looks no further back (see `node/seqs.rs`, `Prior`).
     emptied_at: Mutex<tokio::time::Instant>,
     stats: Stats,
+    /// What happened to keys, if the builder turned it on (`trace.rs`).
+    trace: Option<Trace<K>>,
 }
 
 impl<K, V> SyncedCache<K, V>
@@ -189,6 +193,7 @@ where
             max_tracked_keys: DEFAULT_MAX_TRACKED_KEYS,
             max_load_retries: 3,
             max_pin_wait: DEFAULT_MAX_PIN_WAIT,
+            trace: None,
         }
     }
 
@@ -242,12 +247,14 @@ where
     /// Inserts locally. Not published; other nodes are unaffected.
     /// A load of `key` already in flight will not overwrite it.
     pub async fn insert(&self, key: K, value: V) {
+        let traced = self.inner.trace.as_ref().map(|_| key.clone());
         self.inner
             .write(key, |table, k| {
                 table.touch(k);
                 Write::Put(value)
             })
             .await;
+        self.inner.traced(traced, TraceEvent::Inserted, None);
     }
 
     /// Removes locally. Not published. A load of `key` already in flight will
@@ -257,13 +264,34 @@ where
         K: Borrow<Q>,
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
     {
-        self.inner.invalidate(key.to_owned(), None).await;
+        let key = key.to_owned();
+        let traced = self.inner.trace.as_ref().map(|_| key.clone());
+        self.inner.invalidate(key, None).await;
+        self.inner.traced(traced, TraceEvent::Removed, None);
     }
 
     /// Removes everything locally. Not published. No load already in flight
     /// will install its result.
     pub async fn invalidate_all(&self) {
         self.inner.clear(None).await;
+        if let Some(trace) = &self.inner.trace {
+            trace.record(None, TraceEvent::Cleared, None, None, crate::util::now_us());
+        }
+    }
+
+    /// What happened to `key` lately on this node, oldest first: events
+    /// applied or ignored (with their version, origin, publisher and
+    /// sequence numbers), loads cached or refused, local writes, and the
+    /// clears and resyncs of the whole cache. Empty unless the cache was
+    /// built with [`trace_bytes`](SyncedCacheBuilder::trace_bytes); the
+    /// oldest records go first once the cache's trace passes that many
+    /// bytes, so a key's history reaches back only as far as every key's
+    /// records since leave room for.
+    pub fn trace(&self, key: &K) -> Vec<TraceRecord> {
+        self.inner
+            .trace
+            .as_ref()
+            .map_or_else(Vec::new, |trace| trace.of(key))
     }
 
     /// Approximate number of entries, as moka reports it.

@@ -25,6 +25,7 @@ use super::Inner;
 use super::pin::{Pin, held_by_this_task};
 use super::versions::{RefreshDecision, VersionTable};
 use super::write::Write;
+use crate::status::TraceEvent;
 use crate::util::{HashMap, deadline_after, lock, now_us};
 
 /// What an event does to one key, decoded and owned, so that it can wait.
@@ -78,7 +79,7 @@ where
     /// or, when another task's locked load pins the key or earlier writes
     /// to it are parked, parked behind them. Never waits for a pin. Returns
     /// whether it was applied now.
-    pub(super) async fn apply_item(&self, key: K, item: Item<V>) -> bool {
+    pub(super) async fn apply_item(&self, key: K, item: Item<V>) -> Option<TraceEvent> {
         let _stripe = self.write_locks[self.stripe(&key)].lock().await;
         // Nearly always 0, and then this is all the pins cost. Read under
         // the key's stripe, under which its pin or queue was counted.
@@ -87,11 +88,10 @@ where
         } else {
             match self.park(key, item) {
                 Some(back) => back,
-                None => return false,
+                None => return None,
             }
         };
-        self.apply_held(key, item).await;
-        true
+        Some(self.apply_held(key, item).await)
     }
 
     /// With the key's stripe held: parks `item` behind the key's queue or
@@ -159,7 +159,10 @@ where
             };
             let Some(item) = item else { return };
             let version = item.version;
-            self.apply_held(key.clone(), item).await;
+            let done = self.apply_held(key.clone(), item).await;
+            if let Some(trace) = &self.trace {
+                trace.record(Some(key.clone()), done, version, None, now_us());
+            }
             // Only now is the event's change to this key done.
             if let Some(v) = version {
                 self.raise_version(v);
@@ -170,25 +173,35 @@ where
     }
 
     /// Applies one event item to `key`, with the key's stripe held.
-    pub(super) async fn apply_held(&self, key: K, item: Item<V>) {
+    pub(super) async fn apply_held(&self, key: K, item: Item<V>) -> TraceEvent {
         let s = &self.stats;
         // The decision and moka's change normally happen in one poll (see
         // `write`); the consumer and the drainers never cancel an apply.
-        let (write, counter) = {
+        let (write, counter, done) = {
             let mut table = lock(&self.table);
             match item.op {
                 Op::Invalidate => {
                     table.invalidate(&key, item.version);
-                    (Write::Remove, &s.invalidations)
+                    (Write::Remove, &s.invalidations, TraceEvent::Invalidated)
                 }
                 Op::Quarantined => {
                     table.invalidate(&key, item.version);
-                    (Write::Remove, &s.refreshes_quarantined)
+                    (
+                        Write::Remove,
+                        &s.refreshes_quarantined,
+                        TraceEvent::Quarantined,
+                    )
                 }
                 Op::Refresh(value) => match table.refresh(&key, item.version) {
-                    RefreshDecision::Apply => (Write::Put(value), &s.refreshes),
-                    RefreshDecision::Invalidate => (Write::Remove, &s.invalidations),
-                    RefreshDecision::Stale => (Write::Keep, &s.stale_ignored),
+                    RefreshDecision::Apply => {
+                        (Write::Put(value), &s.refreshes, TraceEvent::Refreshed)
+                    }
+                    RefreshDecision::Invalidate => {
+                        (Write::Remove, &s.invalidations, TraceEvent::Invalidated)
+                    }
+                    RefreshDecision::Stale => {
+                        (Write::Keep, &s.stale_ignored, TraceEvent::StaleIgnored)
+                    }
                 },
             }
         };
@@ -198,6 +211,7 @@ where
             Write::Keep => {}
         }
         counter.fetch_add(1, Relaxed);
+        done
     }
 
     /// For a clear, right after its stamp, under the pin map's and the

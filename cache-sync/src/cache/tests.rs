@@ -12,6 +12,7 @@ use crate::wire::{Change, EntryVersion, Header, KeyVersion, encode, encode_part}
 
 mod fresh_reads;
 mod pinned_writes;
+mod trace;
 mod versioned_loads;
 
 type Cache = SyncedCache<String, String>;
