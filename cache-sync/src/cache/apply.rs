@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use super::Inner;
 use super::park::{Item, Op};
 use super::stats::LatencyHistogram;
-use crate::status::{CacheStatus, TraceEvent};
+use crate::status::{CacheStatus, TraceEvent, TraceRecord};
 use crate::util::{lock, now_us};
 use crate::wire::{ChangeView, Header, decode_part};
 
@@ -84,6 +84,10 @@ pub(crate) trait CacheHandle: Send + Sync {
     /// every change sent before then is reflected in it.
     fn emptied_at(&self) -> tokio::time::Instant;
     fn status(&self) -> CacheStatus;
+    /// The trace of the key `key` names (JSON for the key, or else the
+    /// text itself as a JSON string would give it), for the trace route;
+    /// `None` while tracing is off, and an error for a key that is neither.
+    fn trace_of(&self, key: &str) -> Result<Option<Vec<TraceRecord>>, String>;
     /// Its publish-to-applied latency histogram, for `GET /metrics`.
     fn latency(&self) -> LatencyHistogram;
 }
@@ -193,6 +197,16 @@ where
 
     fn emptied_at(&self) -> tokio::time::Instant {
         *lock(&self.emptied_at)
+    }
+
+    fn trace_of(&self, key: &str) -> Result<Option<Vec<TraceRecord>>, String> {
+        let Some(trace) = &self.trace else {
+            return Ok(None);
+        };
+        let key = serde_json::from_str::<K>(key)
+            .or_else(|_| K::deserialize(serde_json::Value::String(key.to_owned())))
+            .map_err(|e| format!("the key is not one of this cache's: {e}"))?;
+        Ok(Some(trace.of(&key)))
     }
 
     fn status(&self) -> CacheStatus {

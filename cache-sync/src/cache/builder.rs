@@ -93,8 +93,8 @@ where
     /// A record counts its fixed size (about 100 bytes, with the key's
     /// inline size), the key's encoded length and the publisher's origin;
     /// past the cap the oldest records go. Keys are data: the status
-    /// routes never show a trace, and only an application that serves
-    /// one itself does.
+    /// routes never show a trace; [`Node::trace_router`](crate::Node::trace_router)
+    /// does, where the application mounts it.
     ///
     /// Each event item, load and local write then costs a clone of its
     /// key, an allocation for an event's origin, and a lock taken once

@@ -1,11 +1,11 @@
 //! The status endpoint: what each node's caches hold and how far they got.
 
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::Node;
 use crate::cluster::ClusterView;
@@ -20,6 +20,55 @@ mod page;
 struct ErrorBody<'a> {
     error: &'a str,
     cache: &'a str,
+}
+
+/// The trace route, which the application mounts itself: keys are data.
+pub(crate) fn trace_router(node: Node) -> Router {
+    Router::new()
+        .route("/cache-sync/caches/{name}/trace", get(trace))
+        .with_state(node)
+}
+
+#[derive(Deserialize)]
+struct TraceQuery {
+    key: Option<String>,
+}
+
+/// `GET /cache-sync/caches/{name}/trace?key=…`.
+async fn trace(
+    State(node): State<Node>,
+    Path(name): Path<String>,
+    Query(query): Query<TraceQuery>,
+) -> Response {
+    let fail = |status, error: &str| {
+        (
+            status,
+            Json(ErrorBody {
+                error,
+                cache: &name,
+            }),
+        )
+            .into_response()
+    };
+    let Some(key) = query.key else {
+        return fail(StatusCode::BAD_REQUEST, "no key: ?key=… is required");
+    };
+    let Some(cache) = node.handle.shared.cache(&name) else {
+        return fail(
+            StatusCode::NOT_FOUND,
+            "no cache of that name is registered on this node",
+        );
+    };
+    match cache.trace_of(&key) {
+        Ok(records) => Json(serde_json::json!({
+            "cache": name,
+            "key": key,
+            "tracing": records.is_some(),
+            "records": records.unwrap_or_default(),
+        }))
+        .into_response(),
+        Err(e) => fail(StatusCode::BAD_REQUEST, &e),
+    }
 }
 
 pub(crate) fn router(node: Node) -> Router {
@@ -203,6 +252,87 @@ pub(super) mod tests {
         assert_eq!(code, StatusCode::NOT_FOUND);
         assert_eq!(json["cache"], "nope");
         assert!(json["error"].as_str().unwrap().contains("no cache"));
+    }
+
+    /// Keys are data: the status router has no trace route; the trace
+    /// router, which the application mounts, shows a traced key's history.
+    #[tokio::test]
+    async fn traces_only_on_the_router_the_application_mounts() {
+        let transport = EmbeddedTransport::new();
+        let traced = SyncedCache::<String, String>::builder("traced", moka::future::Cache::new(10))
+            .trace_bytes(1 << 16)
+            .build()
+            .unwrap();
+        let ids = SyncedCache::<u64, String>::builder("ids", moka::future::Cache::new(10))
+            .trace_bytes(1 << 16)
+            .build()
+            .unwrap();
+        let plain = SyncedCache::<String, String>::new("plain", moka::future::Cache::new(10));
+        let node = Node::builder("node-7", transport)
+            .register(&traced)
+            .register(&ids)
+            .register(&plain)
+            .start()
+            .await
+            .unwrap();
+        node.publisher()
+            .insert_versioned("traced", [("secret key", "v", Some(3))])
+            .await
+            .unwrap();
+        crate::node::tests::eventually("applied", async || {
+            traced.get("secret key").await.is_some()
+        })
+        .await;
+        ids.insert(42, "x".into()).await;
+
+        let response = node
+            .status_router()
+            .oneshot(
+                Request::get("/cache-sync/caches/traced/trace?key=secret%20key")
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            response.status(),
+            StatusCode::NOT_FOUND,
+            "no trace route among the status routes"
+        );
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert!(!String::from_utf8_lossy(&body).contains("secret"));
+
+        for key in ["secret%20key", "%22secret%20key%22"] {
+            let uri = format!("/cache-sync/caches/traced/trace?key={key}");
+            let (code, json, _) = get(node.trace_router(), &uri).await;
+            assert_eq!(code, StatusCode::OK, "{json}");
+            assert_eq!(json["tracing"].as_bool(), Some(true));
+            let records = json["records"].as_array().unwrap();
+            assert_eq!(records.last().unwrap()["event"], "refreshed", "{json}");
+            assert_eq!(records.last().unwrap()["version"], 3);
+        }
+        let (code, json, _) = get(node.trace_router(), "/cache-sync/caches/ids/trace?key=42").await;
+        assert_eq!(
+            (code, json["records"][0]["event"].as_str()),
+            (StatusCode::OK, Some("inserted"))
+        );
+        let (code, json, _) =
+            get(node.trace_router(), "/cache-sync/caches/ids/trace?key=abc").await;
+        assert_eq!(code, StatusCode::BAD_REQUEST, "{json}");
+        let (code, json, _) =
+            get(node.trace_router(), "/cache-sync/caches/plain/trace?key=k").await;
+        assert_eq!(
+            (code, json["tracing"].as_bool()),
+            (StatusCode::OK, Some(false))
+        );
+        assert_eq!(json["records"], serde_json::json!([]));
+        let (code, _, _) = get(node.trace_router(), "/cache-sync/caches/traced/trace").await;
+        assert_eq!(code, StatusCode::BAD_REQUEST);
+        let (code, json, _) = get(node.trace_router(), "/cache-sync/caches/nope/trace?key=k").await;
+        assert_eq!(
+            (code, json["cache"].as_str()),
+            (StatusCode::NOT_FOUND, Some("nope"))
+        );
     }
 
     #[tokio::test]

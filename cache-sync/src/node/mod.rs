@@ -351,6 +351,23 @@ impl Node {
         http::router(self.clone())
     }
 
+    /// The trace route, off unless the application mounts it (keys are
+    /// data, and the status routes never show one):
+    /// `GET /cache-sync/caches/{name}/trace?key=…` answers with what
+    /// [`SyncedCache::trace`](crate::SyncedCache::trace) gives for the key,
+    /// `{"cache", "key", "tracing", "records"}`, where `tracing` is false
+    /// for a cache built without [`trace_bytes`](crate::SyncedCacheBuilder::trace_bytes).
+    /// The key is read as JSON (`?key=42`, `?key=%22k1%22`), or else as the
+    /// text itself for a key that deserializes from a string (`?key=k1`).
+    /// 400 for a missing key or one that is not the cache's, 404 for a
+    /// cache not registered here.
+    ///
+    /// Mount it behind the application's own access control, or on a
+    /// listener of its own bound to loopback.
+    pub fn trace_router(&self) -> axum::Router {
+        http::trace_router(self.clone())
+    }
+
     /// Serves [`status_router`](Self::status_router) on its own listener.
     /// Pass a loopback address (such as `127.0.0.1:9464`, the port the
     /// examples use) unless the endpoint is meant to be reachable from
