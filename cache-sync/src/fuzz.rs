@@ -401,6 +401,14 @@ mod replay {
                 id: 0,
                 reply: false,
             }),
+            crate::cluster::Message::Probe(crate::cluster::Probe {
+                topic: "cache-sync".into(),
+                cache: "countries".into(),
+                key: "\"de\"".into(),
+                asker: 7,
+                id: 10,
+                reply: true,
+            }),
         ];
         let plain = crate::wire::Codec::new(LIMIT, None);
         let signing = crate::wire::Codec::new(LIMIT, Some(ring.clone()));
@@ -418,6 +426,16 @@ mod replay {
                 cache: "countries".into(),
                 publisher: Some(42),
                 at: 7,
+            }],
+            probed: vec![crate::cluster::Probed {
+                id: 3,
+                state: crate::status::KeyState {
+                    held: true,
+                    version: Some(9),
+                    quarantined: false,
+                    trace: Vec::new(),
+                    error: None,
+                },
             }],
         };
         for (n, codec) in [&plain, &signing].into_iter().enumerate() {

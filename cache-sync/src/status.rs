@@ -236,3 +236,29 @@ pub struct TraceRecord {
     /// See `origin`.
     pub seq: Option<u64>,
 }
+
+/// What one node holds for one key, as a key probe
+/// ([`Cluster::probe`](crate::Cluster::probe)) reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct KeyState {
+    /// Whether the cache holds a value for the key.
+    pub held: bool,
+    /// The newest version the node knows exactly for the key (a refresh, a
+    /// versioned load or a versioned invalidation), if any. Not held with
+    /// a version: the key was removed at that version or later (a
+    /// tombstone), or its entry was evicted since.
+    pub version: Option<u64>,
+    /// Whether the cache applies versioned refreshes as invalidations for
+    /// now, after a loss or a late registration.
+    pub quarantined: bool,
+    /// The key's last records on that node, oldest first, if its cache
+    /// traces ([`SyncedCacheBuilder::trace_bytes`](crate::SyncedCacheBuilder::trace_bytes)):
+    /// at most 16.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub trace: Vec<TraceRecord>,
+    /// Why the node could not look the key up (it is not of the cache's
+    /// key type); the other fields are then empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}

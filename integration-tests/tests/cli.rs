@@ -210,8 +210,40 @@ async fn status_publish_and_lag_on_redis_streams() {
     let out = run(&["status", "--max-lag", "1h"]).await;
     let (stdout, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+
+    // The key probe finds n3 behind on the key: it still knows version 7
+    // (the key was invalidated, then the cache cleared, since).
+    let out = run(&["probe", "--cache", "countries", "--key", "de"]).await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(stdout.contains("n1: holds, version 9\n"), "{stdout}");
+    assert!(
+        stdout.contains("n3: absent, version 7  <- differs"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("the nodes disagree"), "{stdout}");
+    let out = run(&["probe", "--cache", "countries", "--key", "de", "--json"]).await;
+    let probe: cache_sync::cluster::KeyProbe =
+        serde_json::from_slice(&out.stdout).expect("a KeyProbe");
+    assert_eq!(probe.behind().collect::<Vec<_>>(), ["n3"]);
+
     stalled.stall(false);
     eventually("n3 caught up", async || c3.status().version == Some(9)).await;
+    let out = run(&["probe", "--cache", "countries", "--key", "de"]).await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    assert!(stdout.contains("all 3 nodes agree"), "{stdout}");
+    let out = run(&[
+        "probe",
+        "--cache",
+        "countries",
+        "--key",
+        "x",
+        "--key-type",
+        "u64",
+    ])
+    .await;
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
 
     // A topic no node is on: a probe must not pass.
     let out = run(&["--topic", "nobody-here", "status"]).await;

@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use super::Inner;
 use super::park::{Item, Op};
 use super::stats::LatencyHistogram;
-use crate::status::{CacheStatus, TraceEvent, TraceRecord};
+use crate::status::{CacheStatus, KeyState, TraceEvent, TraceRecord};
 use crate::util::{lock, now_us};
 use crate::wire::{ChangeView, Header, decode_part};
 
@@ -88,6 +88,9 @@ pub(crate) trait CacheHandle: Send + Sync {
     /// text itself as a JSON string would give it), for the trace route;
     /// `None` while tracing is off, and an error for a key that is neither.
     fn trace_of(&self, key: &str) -> Result<Option<Vec<TraceRecord>>, String>;
+    /// What the cache holds for the key `key` names (as for `trace_of`),
+    /// for a key probe; an unreadable key is said in the state's `error`.
+    async fn probe(&self, key: &str) -> KeyState;
     /// Its publish-to-applied latency histogram, for `GET /metrics`.
     fn latency(&self) -> LatencyHistogram;
 }
@@ -203,10 +206,33 @@ where
         let Some(trace) = &self.trace else {
             return Ok(None);
         };
-        let key = serde_json::from_str::<K>(key)
-            .or_else(|_| K::deserialize(serde_json::Value::String(key.to_owned())))
-            .map_err(|e| format!("the key is not one of this cache's: {e}"))?;
-        Ok(Some(trace.of(&key)))
+        Ok(Some(trace.of(&parse_key::<K>(key)?)))
+    }
+
+    async fn probe(&self, key: &str) -> KeyState {
+        let mut state = KeyState {
+            held: false,
+            version: None,
+            quarantined: self.quarantined(),
+            trace: Vec::new(),
+            error: None,
+        };
+        let key = match parse_key::<K>(key) {
+            Ok(key) => key,
+            Err(e) => {
+                state.error = Some(e);
+                return state;
+            }
+        };
+        // Under the key's stripe: the value and the version of one write.
+        let _stripe = self.write_locks[self.stripe(&key)].lock().await;
+        state.held = self.cache.contains_key(&key);
+        state.version = lock(&self.table).exact_version(&key);
+        if let Some(trace) = &self.trace {
+            let mut records = trace.of(&key);
+            state.trace = records.split_off(records.len().saturating_sub(PROBE_TRACE));
+        }
+        state
     }
 
     fn status(&self) -> CacheStatus {
@@ -300,4 +326,15 @@ where
         self.stats.rejected_events.fetch_add(1, Relaxed);
         self.resync().await;
     }
+}
+
+/// A key's last trace records a probe answer carries.
+const PROBE_TRACE: usize = 16;
+
+/// A key as the trace route and probes give it: JSON, or else the text
+/// itself for a key that deserializes from a string.
+fn parse_key<K: DeserializeOwned>(key: &str) -> Result<K, String> {
+    serde_json::from_str::<K>(key)
+        .or_else(|_| K::deserialize(serde_json::Value::String(key.to_owned())))
+        .map_err(|e| format!("the key is not one of this cache's: {e}"))
 }

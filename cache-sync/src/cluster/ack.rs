@@ -462,9 +462,9 @@ fn set_replies(cluster: &Weak<Inner>, on: bool) {
 }
 
 /// How often a wait looks again without a heartbeat to wake it.
-const RECHECK: Duration = Duration::from_millis(10);
+pub(super) const RECHECK: Duration = Duration::from_millis(10);
 /// When a wait first sends its request again, if still incomplete.
-const RESEND_FIRST: Duration = Duration::from_millis(100);
+pub(super) const RESEND_FIRST: Duration = Duration::from_millis(100);
 
 impl Cluster {
     /// Waits until every live node that holds `cache` reports its version
@@ -487,16 +487,21 @@ impl Cluster {
     }
 }
 
-mod micros {
+pub(super) mod micros {
     use std::time::Duration;
 
     use serde::{Deserialize, Deserializer, Serializer};
 
-    pub(super) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    pub(in crate::cluster) fn serialize<S: Serializer>(
+        d: &Duration,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
         s.serialize_u64(u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
     }
 
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    pub(in crate::cluster) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Duration, D::Error> {
         u64::deserialize(d).map(Duration::from_micros)
     }
 }

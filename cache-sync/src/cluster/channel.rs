@@ -13,9 +13,16 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::message::{self, Opened};
-use super::{Ack, Cluster, Incomplete, Message, Request, ack};
+use super::{Ack, Cluster, Incomplete, Message, Probe, Request, ack};
 use crate::util::lock;
 use crate::wire::Codec;
+
+/// What a node does something about, read off the heartbeat channel.
+#[derive(Debug)]
+pub(crate) enum Incoming {
+    Request(Request),
+    Probe(Probe),
+}
 
 /// How long a watcher gives the nodes to answer the roll call it sends as
 /// it starts before it trusts its view to hold every live node (unless 1.5
@@ -30,11 +37,11 @@ pub(crate) const CHANNEL_BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 impl Cluster {
     /// Reads one message off the heartbeat channel: a heartbeat is taken
-    /// in, an answer to one of this party's acknowledgement requests too, a
-    /// request is handed back. Answers for other parties are skipped on
+    /// in, an answer to one of this party's acknowledgement requests or
+    /// probes too, a request or a probe is handed back. Answers for other parties are skipped on
     /// their first bytes, unread. Refused ones (unsigned or forged on a
     /// verifying party, oversized, unreadable) are counted and dropped.
-    pub(crate) fn receive(&self, payload: &Bytes) -> Option<Request> {
+    pub(crate) fn receive(&self, payload: &Bytes) -> Option<Incoming> {
         let stats = &self.inner.stats;
         stats.received.fetch_add(1, Relaxed);
         if Codec::ack_for(payload).is_some_and(|asker| asker != self.inner.asker) {
@@ -52,6 +59,10 @@ impl Cluster {
                 stats.rejected.fetch_add(1, Relaxed);
                 None
             }
+            Ok(Opened::Message(Message::Probe(p))) if p.topic != self.inner.topic => {
+                stats.rejected.fetch_add(1, Relaxed);
+                None
+            }
             Ok(Opened::Ack { ack, .. }) if ack.topic != self.inner.topic => {
                 stats.rejected.fetch_add(1, Relaxed);
                 None
@@ -60,7 +71,8 @@ impl Cluster {
                 self.observe(h);
                 None
             }
-            Ok(Opened::Message(Message::Request(r))) => Some(r),
+            Ok(Opened::Message(Message::Request(r))) => Some(Incoming::Request(r)),
+            Ok(Opened::Message(Message::Probe(p))) => Some(Incoming::Probe(p)),
             Ok(Opened::Ack { ack, .. }) => {
                 self.answered(&ack);
                 None
@@ -97,7 +109,9 @@ impl Cluster {
     /// Takes in a node's answer to this party's acknowledgement requests,
     /// waking the waits.
     pub(crate) fn answered(&self, ack: &Ack) {
-        if self.inner.waiters.answered(ack) {
+        // Both, whatever the first says: one answer may carry both kinds.
+        let probed = self.inner.probes.answered(ack);
+        if self.inner.waiters.answered(ack) | probed {
             self.inner.updates.send_modify(|n| *n = n.wrapping_add(1));
         }
     }

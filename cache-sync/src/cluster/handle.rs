@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use super::heartbeat::{DEFAULT_HEARTBEAT_INTERVAL, MIN_HEARTBEAT_INTERVAL};
 use super::watcher::watch_loop;
-use super::{Heartbeat, Message, Request, ack, members};
+use super::{Heartbeat, Message, Request, ack, members, probe};
 use crate::error::Result;
 use crate::transport::{DEFAULT_TOPIC, Transport};
 use crate::util::{check_duration, lock};
@@ -92,6 +92,8 @@ pub(crate) struct Inner {
     pub(super) asker: u64,
     /// This party's acknowledgement requests waiting for answers.
     pub(super) waiters: ack::Waiters,
+    /// This party's key probes waiting for answers.
+    pub(super) probes: probe::Probes,
     /// A watcher's task, stopped with the view.
     task: Mutex<Option<WatcherTasks>>,
     /// Whether this party reads its reply channel now (`ack::reply_loop`).
@@ -255,6 +257,7 @@ impl Cluster {
                 local_request,
                 asker,
                 waiters: ack::Waiters::default(),
+                probes: probe::Probes::default(),
                 task: Mutex::new(None),
                 replies: AtomicBool::new(false),
                 stats: ClusterStats::default(),

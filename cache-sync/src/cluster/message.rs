@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use super::Heartbeat;
 use crate::error::{DecodeError, DecodeErrorKind, Result};
+use crate::status::KeyState;
 use crate::wire::{Channel, Codec};
 
 /// One message on the heartbeat channel.
@@ -26,6 +27,33 @@ pub(crate) enum Message {
     /// Asks the nodes for a heartbeat now, and again once they applied
     /// something.
     Request(Request),
+    /// Asks the nodes that hold a cache what they hold for one key.
+    Probe(Probe),
+}
+
+/// A key probe: every node that holds `cache` answers the party `asker`
+/// with an [`Ack`] whose `probed` names `id` and says what the node holds
+/// for `key`, at once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Probe {
+    /// Signed, as in a request.
+    pub(crate) topic: String,
+    pub(crate) cache: String,
+    /// The key as JSON (see `CacheHandle::probe`). Keys are data: the
+    /// probe goes only where the topic's events go, signed like them.
+    pub(crate) key: String,
+    pub(crate) asker: u64,
+    pub(crate) id: u64,
+    /// Whether the asker reads its reply channel.
+    #[serde(default)]
+    pub(crate) reply: bool,
+}
+
+/// A node's answer to one probe.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Probed {
+    pub(crate) id: u64,
+    pub(crate) state: KeyState,
 }
 
 /// A roll call (no cache: every node sends a heartbeat now), or an
@@ -73,6 +101,9 @@ pub(crate) struct Ack {
     /// moves.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub(crate) progress: Vec<Progress>,
+    /// Answers to probes (see [`Probe`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) probed: Vec<Probed>,
 }
 
 /// What an asker follows on a node for a while after each request (see

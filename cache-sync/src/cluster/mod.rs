@@ -16,8 +16,8 @@
 // the channel), `handle` (the `Cluster` handle and its builder),
 // `membership` and `members` (taking heartbeats in, and what is kept of
 // them), `channel` (sending and reading, as the node uses it), `watcher`
-// (a watcher's task), `ack` (acknowledged publishes) and `view` (the view
-// as served).
+// (a watcher's task), `ack` (acknowledged publishes), `probe` (key
+// probes) and `view` (the view as served).
 
 mod ack;
 mod channel;
@@ -26,6 +26,7 @@ mod heartbeat;
 mod members;
 mod membership;
 mod message;
+mod probe;
 #[cfg(test)]
 mod tests;
 mod view;
@@ -33,14 +34,17 @@ mod watcher;
 
 pub use ack::{Acks, Incomplete, NodeAck};
 pub(crate) use ack::{Goal, wait};
+pub(crate) use channel::Incoming;
 pub(crate) use channel::{CHANNEL_BACKOFF_MAX, CHANNEL_BACKOFF_MIN};
 pub use handle::{Cluster, ClusterBuilder};
 pub use heartbeat::{CacheHeartbeat, Heartbeat};
 pub(crate) use heartbeat::{DEFAULT_HEARTBEAT_INTERVAL, check_interval};
-pub(crate) use message::{Ack, Message, Progress, Request, Target};
+pub(crate) use message::{Ack, Message, Probe, Probed, Progress, Request, Target};
 #[cfg(any(test, feature = "_fuzz"))]
 pub(crate) use message::{
     Opened as OpenedMessage, open as open_message, seal as seal_message,
     seal_ack as seal_ack_message,
 };
+pub(crate) use probe::MAX_PROBE_KEY_BYTES;
+pub use probe::{KeyProbe, NodeKey};
 pub use view::{CacheSummary, ClusterView, GoneNode, NodeCacheView, NodeView};

@@ -251,6 +251,7 @@ fn ack(shared: &Shared, a: Answer) -> Ack {
         node_id: shared.id.clone(),
         ids: a.ids,
         progress: a.progress,
+        probed: Vec::new(),
     }
 }
 

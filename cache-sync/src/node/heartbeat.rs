@@ -13,7 +13,9 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 
 use super::Shared;
-use crate::cluster::{CacheHeartbeat, Heartbeat, Message, Request};
+use crate::cluster::{
+    Ack, CacheHeartbeat, Heartbeat, Incoming, MAX_PROBE_KEY_BYTES, Message, Probe, Probed, Request,
+};
 use crate::transport::HeartbeatSubscription;
 use crate::util::{Backoff, deadline_after, now_us};
 
@@ -90,8 +92,10 @@ pub(super) async fn heartbeat_loop(shared: Arc<Shared>, mut stop: watch::Receive
             () = sleep_until(retry_at), if sub.is_none() => continue,
             next = next_message(&mut sub) => match next {
                 Ok(payload) => {
-                    if let Some(request) = cluster.receive(&payload) {
-                        early |= take(&shared, request);
+                    match cluster.receive(&payload) {
+                        Some(Incoming::Request(request)) => early |= take(&shared, request),
+                        Some(Incoming::Probe(probe)) => answer_probe(&shared, probe),
+                        None => {}
                     }
                 }
                 Err(e) => {
@@ -244,4 +248,44 @@ pub(super) fn take(shared: &Shared, request: Request) -> bool {
     };
     shared.ack_queue.take(request, cache, target);
     false
+}
+
+/// Probes answered at once by one node; past that a probe goes unanswered
+/// (its asker shows the node without an answer). A probe costs a look-up
+/// and one small message, but on a topic whose messages are not signed
+/// anyone can send them.
+const MAX_PROBES_IN_FLIGHT: usize = 16;
+
+/// Answers a key probe for a cache this node holds, at once, from a task
+/// of its own: the heartbeat task never waits for the transport.
+fn answer_probe(shared: &Arc<Shared>, probe: Probe) {
+    let Some(cache) = shared.cache(&probe.cache) else {
+        return;
+    };
+    if probe.key.len() > MAX_PROBE_KEY_BYTES {
+        return;
+    }
+    if shared.probes_in_flight.fetch_add(1, Relaxed) >= MAX_PROBES_IN_FLIGHT {
+        shared.probes_in_flight.fetch_sub(1, Relaxed);
+        return;
+    }
+    let shared = Arc::clone(shared);
+    tokio::spawn(async move {
+        let state = cache.probe(&probe.key).await;
+        let ack = Ack {
+            topic: shared.topic.clone(),
+            node_id: shared.id.clone(),
+            ids: Vec::new(),
+            progress: Vec::new(),
+            probed: vec![Probed {
+                id: probe.id,
+                state,
+            }],
+        };
+        shared
+            .cluster
+            .send_ack(probe.asker, probe.reply, &ack)
+            .await;
+        shared.probes_in_flight.fetch_sub(1, Relaxed);
+    });
 }

@@ -15,6 +15,7 @@ mod acks;
 mod cluster;
 mod fence;
 mod late;
+mod probe;
 mod tail;
 
 type Cache = SyncedCache<String, String>;

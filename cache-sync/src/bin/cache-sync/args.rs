@@ -69,6 +69,30 @@ pub(crate) enum Command {
     /// Publishes a change to every node's cache
     #[command(subcommand)]
     Publish(Publish),
+    /// Asks every node that holds a cache what it holds for one key: a
+    /// line per node (held or absent, the newest version it knows, whether
+    /// the cache is quarantined), flagging the nodes that differ from the
+    /// newest. Exits 0 when every node answered and all agree, 1 when they
+    /// disagree or some node did not answer, 2 on errors
+    #[command(verbatim_doc_comment)]
+    Probe {
+        /// The cache's name, e.g. countries
+        #[arg(long)]
+        cache: String,
+        /// The key, of --key-type
+        #[arg(long, allow_hyphen_values = true)]
+        key: String,
+        /// The cache's key type
+        #[arg(long, value_name = "TYPE", default_value = "string")]
+        key_type: KeyType,
+        /// How long to wait for every node's answer
+        #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = duration::parse)]
+        timeout: Duration,
+        /// Prints the answers as JSON (with each node's trace of the key,
+        /// where its cache keeps one) instead of the lines
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// The key and value types of a publish.

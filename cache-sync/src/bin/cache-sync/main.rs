@@ -5,11 +5,12 @@
 //! cache-sync --transport redis-streams status --max-lag 5s
 //! cache-sync --transport nats-jetstream --url nats://10.0.0.5:4222 watch
 //! cache-sync --transport redis-streams publish insert countries de Deutschland --version 7 --ack 5s
+//! cache-sync --transport redis-streams probe --cache countries --key de
 //! ```
 //!
-//! Exit codes: 0 all good, 1 a node diverged, no node answered, or a
-//! publish was not applied everywhere in time, 2 an error (bad arguments,
-//! no broker).
+//! Exit codes: 0 all good, 1 a node diverged, no node answered, a publish
+//! was not applied everywhere in time, or a probe found nodes that
+//! disagree, 2 an error (bad arguments, no broker).
 
 // A command-line tool's output is its interface: it prints to stdout.
 #![allow(clippy::print_stdout)]
@@ -29,7 +30,7 @@ use cache_sync::transport::Transport;
 use cache_sync::{Cluster, Keyring};
 use clap::Parser as _;
 
-use args::{Args, Command};
+use args::{Args, Command, KeyType};
 
 /// Errors exit with 2, as clap's usage errors do; 1 means "unhealthy".
 const ERROR: u8 = 2;
@@ -201,5 +202,40 @@ async fn run(args: Args) -> Result<ExitCode, String> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Publish(p) => publish::run(&ctx, p).await,
+        Command::Probe {
+            cache,
+            key,
+            key_type,
+            timeout,
+            json,
+        } => {
+            let cluster = ctx.watcher(ctx.connect().await?).await?;
+            let bad = |e: std::num::ParseIntError| format!("--key {key}: {e}");
+            // As the cache's key type serializes, so each node reads it.
+            let probe = match key_type {
+                KeyType::String => cluster.probe(&cache, &key, timeout).await,
+                KeyType::U64 => {
+                    let k = key.parse::<u64>().map_err(bad)?;
+                    cluster.probe(&cache, &k, timeout).await
+                }
+                KeyType::I64 => {
+                    let k = key.parse::<i64>().map_err(bad)?;
+                    cluster.probe(&cache, &k, timeout).await
+                }
+            };
+            cluster.shutdown().await;
+            let probe = probe.map_err(|e| e.to_string())?;
+            if json {
+                let text = serde_json::to_string_pretty(&probe).map_err(|e| e.to_string())?;
+                println!("{text}");
+            } else {
+                println!("{probe}");
+            }
+            Ok(if probe.is_complete() && probe.agrees() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
     }
 }

@@ -146,6 +146,7 @@ async fn answers_are_small_and_only_their_asker_reads_them() {
         node_id: "n1".into(),
         ids: vec![u64::MAX],
         progress: Vec::new(),
+        probed: Vec::new(),
     };
     let sealed = crate::cluster::seal_ack_message(&plain, 42, &ack).unwrap();
     assert!(sealed.len() < 80, "{} bytes", sealed.len());

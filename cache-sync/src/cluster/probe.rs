@@ -1,0 +1,293 @@
+//! Key probes: which node holds which version of one key, right now.
+//!
+//! Gathered like an acknowledged publish (`ack.rs`): one request on the
+//! heartbeat channel, signed like everything on it, and one answer from
+//! each node that holds the cache, which only this party reads. A node
+//! answers at once, with what its cache holds for the key under the key's
+//! write lock, so a node held back by its transport shows the version it
+//! is at, not the one the others reached.
+
+use std::fmt;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use super::ack::Incomplete;
+use super::message::Probe;
+use super::{Ack, Cluster, Message};
+use crate::error::{Error, Result};
+use crate::status::KeyState;
+use crate::util::{HashMap, deadline_after, lock};
+
+/// What every live node that holds a cache holds for one key, as
+/// [`Cluster::probe`] found it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct KeyProbe {
+    /// The cache.
+    pub cache: String,
+    /// The key, as JSON.
+    pub key: String,
+    /// Every live node that holds the cache, by id, with what it answered
+    /// (`None`: no answer before the wait ended).
+    pub nodes: Vec<NodeKey>,
+    /// From the start of the probe until every node answered, or the
+    /// timeout.
+    #[serde(with = "super::ack::micros")]
+    pub elapsed: Duration,
+    /// Why the probe may be missing a node, if it may: see [`Incomplete`]
+    /// (`Pending`: a node did not answer).
+    pub incomplete: Option<Incomplete>,
+}
+
+/// One node in a [`KeyProbe`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct NodeKey {
+    /// The node's id.
+    pub node_id: String,
+    /// What it holds for the key; `None` if it did not answer in time.
+    pub state: Option<KeyState>,
+}
+
+impl KeyProbe {
+    /// Whether every live node that holds the cache answered, as a view
+    /// that could be trusted to know every live node tells.
+    pub fn is_complete(&self) -> bool {
+        self.incomplete.is_none()
+    }
+
+    /// The newest version any node that answered knows for the key.
+    pub fn newest(&self) -> Option<u64> {
+        self.answered().filter_map(|(_, s)| s.version).max()
+    }
+
+    /// Whether every node that answered knows the same version of the key
+    /// (or none) and holds it alike; a node that did not answer is not
+    /// counted (see [`incomplete`](Self::incomplete)).
+    pub fn agrees(&self) -> bool {
+        let mut states = self.answered().map(|(_, s)| (s.version, s.held, &s.error));
+        match states.next() {
+            None => true,
+            Some(first) => states.all(|s| s == first),
+        }
+    }
+
+    /// The nodes whose answer differs from the newest: an older version,
+    /// or none while another node knows one, or the newest not held while
+    /// another node holds it.
+    pub fn behind(&self) -> impl Iterator<Item = &str> {
+        let newest = self.newest();
+        let held_newest = self.answered().any(|(_, s)| s.held && s.version == newest);
+        self.answered()
+            .filter(move |(_, s)| s.version < newest || (held_newest && !s.held))
+            .map(|(id, _)| id)
+    }
+
+    fn answered(&self) -> impl Iterator<Item = (&str, &KeyState)> {
+        self.nodes
+            .iter()
+            .filter_map(|n| n.state.as_ref().map(|s| (n.node_id.as_str(), s)))
+    }
+}
+
+/// One line per node: `node-1 holds version 9`, `node-3 holds version 5
+/// (behind)`, `node-4 did not answer`.
+impl fmt::Display for KeyProbe {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let behind: Vec<&str> = self.behind().collect();
+        for n in &self.nodes {
+            write!(f, "{}: ", n.node_id)?;
+            match &n.state {
+                None => write!(f, "no answer")?,
+                Some(s) => {
+                    if let Some(e) = &s.error {
+                        write!(f, "error: {e}")?;
+                    } else {
+                        f.write_str(if s.held { "holds" } else { "absent" })?;
+                        match s.version {
+                            Some(v) => write!(f, ", version {v}")?,
+                            None => write!(f, ", no version")?,
+                        }
+                        if s.quarantined {
+                            write!(f, ", quarantined")?;
+                        }
+                    }
+                    if behind.contains(&n.node_id.as_str()) {
+                        write!(f, "  <- differs")?;
+                    }
+                }
+            }
+            writeln!(f)?;
+        }
+        match self.incomplete {
+            Some(why) => write!(f, "incomplete: {why}"),
+            None if self.agrees() => write!(f, "all {} nodes agree", self.nodes.len()),
+            None => write!(f, "the nodes disagree"),
+        }
+    }
+}
+
+/// The longest key a probe carries, as JSON.
+pub(crate) const MAX_PROBE_KEY_BYTES: usize = 4096;
+/// Answers kept per probe: more live nodes than a view keeps members
+/// cannot be waited for anyway.
+const MAX_ANSWERS: usize = super::members::MAX_MEMBERS;
+
+/// The probes a party waits on, and the answers in, by probe id. An entry
+/// lives while its probe does.
+#[derive(Default)]
+pub(crate) struct Probes {
+    waiting: Mutex<HashMap<u64, HashMap<String, KeyState>>>,
+}
+
+impl Probes {
+    /// Takes an answer in; whether it answered a probe still waited on.
+    pub(crate) fn answered(&self, ack: &Ack) -> bool {
+        if ack.probed.is_empty() {
+            return false;
+        }
+        let mut changed = false;
+        let mut waiting = lock(&self.waiting);
+        for p in &ack.probed {
+            if let Some(answers) = waiting.get_mut(&p.id)
+                && answers.len() < MAX_ANSWERS
+                && !answers.contains_key(&ack.node_id)
+            {
+                answers.insert(ack.node_id.clone(), p.state.clone());
+                changed = true;
+            }
+        }
+        changed
+    }
+}
+
+/// A probe waited on; its answers go with it.
+struct Registered<'a> {
+    probes: &'a Probes,
+    id: u64,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        lock(&self.probes.waiting).remove(&self.id);
+    }
+}
+
+impl Cluster {
+    /// Asks every live node that holds `cache` what it holds for `key`
+    /// now: whether it holds a value, the newest version it knows, whether
+    /// the cache is quarantined, and the key's trace there if the cache
+    /// traces. Waits until every such node answered, or `timeout`.
+    ///
+    /// The key travels as JSON on the heartbeat channel (signed when the
+    /// party has a keyring), and each node reads it as its cache's key
+    /// type; a node for which it is no such key answers with an `error`.
+    /// At most 4 KiB of JSON, or this fails with [`Error::Config`]. As
+    /// for [`Acks`](super::Acks), a view that may not know every live node
+    /// yet says so in `incomplete`.
+    pub async fn probe(
+        &self,
+        cache: &str,
+        key: &(impl Serialize + ?Sized),
+        timeout: Duration,
+    ) -> Result<KeyProbe> {
+        let key =
+            serde_json::to_string(key).map_err(|e| Error::Config(format!("probe key: {e}")))?;
+        if key.len() > MAX_PROBE_KEY_BYTES {
+            return Err(Error::Config(format!(
+                "probe key: {} bytes of JSON, over {MAX_PROBE_KEY_BYTES}",
+                key.len()
+            )));
+        }
+        let started = Instant::now();
+        let deadline = deadline_after(timeout);
+        let mut updates = self.updates();
+        let probes = &self.inner.probes;
+        let registered = {
+            let mut waiting = lock(&probes.waiting);
+            // Random, so that another party's answers never match by chance.
+            let mut id = RandomState::new().hash_one(started);
+            while id == 0 || waiting.contains_key(&id) {
+                id = id.wrapping_add(1);
+            }
+            waiting.insert(id, HashMap::default());
+            Registered { probes, id }
+        };
+        let mut probe = Probe {
+            topic: self.topic().to_owned(),
+            cache: cache.to_owned(),
+            key: key.clone(),
+            asker: self.asker(),
+            id: registered.id,
+            reply: self.reads_replies(),
+        };
+        // Sent again, as an acknowledgement request is, while nodes are
+        // missing: the channel may lose it, or a node may join meanwhile.
+        let mut resend_gap = Duration::ZERO;
+        let mut resend_at = started;
+        loop {
+            let now = Instant::now();
+            if now >= resend_at {
+                probe.reply = self.reads_replies();
+                self.send(&Message::Probe(probe.clone())).await;
+                resend_gap = (resend_gap.saturating_mul(2))
+                    .max(super::ack::RESEND_FIRST)
+                    .min(self.interval().max(super::ack::RESEND_FIRST));
+                resend_at = Instant::now().checked_add(resend_gap).unwrap_or(resend_at);
+            }
+            let answers = lock(&probes.waiting)
+                .get(&registered.id)
+                .cloned()
+                .unwrap_or_default();
+            let mut nodes: Vec<NodeKey> = self
+                .holders(cache)
+                .into_iter()
+                .map(|node_id| NodeKey {
+                    state: answers.get(&node_id).cloned(),
+                    node_id,
+                })
+                .collect();
+            nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+            let incomplete = self.unsettled().or(if nodes.is_empty() {
+                Some(Incomplete::NoNode)
+            } else if nodes.iter().any(|n| n.state.is_none()) {
+                Some(Incomplete::Pending)
+            } else {
+                None
+            });
+            let now = Instant::now();
+            if incomplete.is_none() || now >= deadline {
+                return Ok(KeyProbe {
+                    cache: cache.to_owned(),
+                    key,
+                    nodes,
+                    elapsed: started.elapsed(),
+                    incomplete,
+                });
+            }
+            let wake = now
+                .checked_add(super::ack::RECHECK)
+                .unwrap_or(now)
+                .min(deadline)
+                .min(resend_at);
+            tokio::select! {
+                changed = updates.changed() => {
+                    if changed.is_err() {
+                        return Ok(KeyProbe {
+                            cache: cache.to_owned(),
+                            key,
+                            nodes,
+                            elapsed: started.elapsed(),
+                            incomplete,
+                        });
+                    }
+                }
+                () = tokio::time::sleep_until(wake) => {}
+            }
+        }
+    }
+}
