@@ -6,6 +6,8 @@
 //! cargo bench -p integration-tests --no-default-features --features redis --bench cluster
 //! # only the acknowledged publishes, at 4, 8, 16 and 64 nodes:
 //! cargo bench -p integration-tests --no-default-features --features redis --bench cluster -- --acks-only
+//! # only the key probes, at 16 nodes:
+//! cargo bench -p integration-tests --no-default-features --features redis --bench cluster -- --probes-only
 //! ```
 //!
 //! Without `--bench` on the command line (as under `cargo test
@@ -43,6 +45,13 @@
 //!   The two take turns event by event. Every acked publish must come back
 //!   complete and list all 16 nodes, and every node must really have
 //!   applied the event when it does; the bench counts the ones that do not.
+//! - Key probe (issue 24), at 16 nodes: `Cluster::probe` of one key from a
+//!   watcher, from the call to its return, taking turns with a plain
+//!   publish to the same nodes, timed as above (call → the last node's
+//!   apply): one hop to every node, where a probe makes two (the request
+//!   out, an answer back from each). (`applied_version` of a version the
+//!   nodes applied is no floor: the nodes' follows answer it at once.)
+//!   Every probe must come back complete, listing every node, all agreeing.
 
 // A benchmark's output is its table: printing to stdout is the point.
 #![allow(clippy::print_stdout)]
@@ -195,6 +204,90 @@ async fn finish(group: Group, last: u64) -> (String, u64, u64) {
 
 fn or_zero(problems: &str) -> &str {
     if problems.is_empty() { "0" } else { problems }
+}
+
+// ------------------------------------------------------------ key probes
+
+struct ProbeResult {
+    nodes: usize,
+    probe_p50: u64,
+    probe_p99: u64,
+    publish_p50: u64,
+    publish_p99: u64,
+    /// Probes that came back incomplete, short, or with nodes that
+    /// disagree.
+    bad: u64,
+}
+
+async fn probes(s: Sizes, url: &str) -> ProbeResult {
+    let group = start_group(url, "probed", s.nodes, DEFAULT_INTERVAL).await;
+    let (t0, started) = (now_us(), Instant::now());
+    group
+        .publisher
+        .insert_versioned(CACHE, [(0_u64, 1_u64, Some(1))])
+        .await
+        .expect("publish");
+    wait_applied(&group, 1, t0, started).await;
+    let watcher = Cluster::builder(
+        RedisStreamsTransport::connect(url)
+            .await
+            .expect("connect watcher transport"),
+    )
+    .topic(group.topic.clone())
+    .observer("bench-prober")
+    .start()
+    .await
+    .expect("start watcher");
+    tokio::time::sleep(WATCHER_SETTLE).await;
+    let (mut probe_h, mut publish_h) = (histogram(), histogram());
+    let mut bad = 0;
+    // Events applied so far (the versioned one above): `wait_applied`
+    // counts them.
+    let mut published = 1;
+    for i in 0..s.warmup + s.events {
+        for j in 0..2 {
+            let started = Instant::now();
+            let (ok, took) = if (i + j) % 2 == 0 {
+                let probe = watcher
+                    .probe(CACHE, &0_u64, ACK_TIMEOUT)
+                    .await
+                    .expect("probe");
+                let took = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+                let ok = probe.is_complete() && probe.agrees() && probe.nodes.len() == s.nodes;
+                (ok, took)
+            } else {
+                published += 1;
+                let t0 = now_us();
+                group
+                    .publisher
+                    .insert(CACHE, [(0_u64, published)])
+                    .await
+                    .expect("publish");
+                let applied = wait_applied(&group, published, t0, started).await;
+                let last = applied.iter().map(|&(_, at)| at).max().unwrap_or(t0);
+                (true, last.saturating_sub(t0))
+            };
+            if i >= s.warmup {
+                let h = if (i + j) % 2 == 0 {
+                    &mut probe_h
+                } else {
+                    &mut publish_h
+                };
+                h.record(took.max(1)).expect("record");
+                bad += u64::from(!ok);
+            }
+        }
+    }
+    watcher.shutdown().await;
+    finish(group, published).await;
+    ProbeResult {
+        nodes: s.nodes,
+        probe_p50: p(&probe_h, 0.5),
+        probe_p99: p(&probe_h, 0.99),
+        publish_p50: p(&publish_h, 0.5),
+        publish_p99: p(&publish_h, 0.99),
+        bad,
+    }
 }
 
 // ------------------------------------------------------------ heartbeat cost
@@ -474,22 +567,37 @@ async fn run(s: Sizes, full: bool, workers: usize) {
     let started = Instant::now();
     run_header(full, workers);
     let acks_only = std::env::args().any(|a| a == "--acks-only");
+    let probes_only = std::env::args().any(|a| a == "--probes-only");
     let redis = RedisServer::start_with(&["--appendonly", "no"]);
     let url = redis.url();
     println!(
         "Server: redis-server with persistence off (--appendonly no; RDB saves are off too).\n"
     );
-    let cost = if acks_only {
+    let probed = if acks_only {
+        None
+    } else {
+        Some(
+            probes(
+                Sizes {
+                    events: s.events.min(300),
+                    ..s
+                },
+                &url,
+            )
+            .await,
+        )
+    };
+    let cost = if acks_only || probes_only {
         None
     } else {
         Some(heartbeat_cost(s, &url).await)
     };
     let mut acks = Vec::new();
-    if full {
+    if full && !probes_only {
         for (nodes, events) in ACK_SIZES {
             acks.push(acknowledged(Sizes { nodes, events, ..s }, &url).await);
         }
-    } else {
+    } else if !probes_only {
         acks.push(acknowledged(s, &url).await);
     }
     drop(redis);
@@ -518,58 +626,90 @@ async fn run(s: Sizes, full: bool, workers: usize) {
             ratio(cost.slowest_stress, cost.slowest_off),
         );
     }
-    println!(
-        "\n| nodes | acked p50 | plain p50 | acked ÷ plain p50 | acked p99 | plain p99 | acked ÷ plain p99 | last apply → ack p50 |"
-    );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for a in &acks {
+    if let Some(r) = &probed {
         println!(
-            "| {} | {} | {} | {:.2}× | {} | {} | {:.2}× | {} |",
-            a.nodes,
-            a.acked_p50,
-            a.plain_p50,
-            ratio(a.acked_p50, a.plain_p50),
-            a.acked_p99,
-            a.plain_p99,
-            ratio(a.acked_p99, a.plain_p99),
-            a.trail_p50,
+            "\nKey probes from a watcher (µs, call → return), taking turns with a plain publish to the same nodes (call → last node applied: one hop, where a probe makes two):\n"
         );
-    }
-    println!();
-    if let Some(a) = acks.iter().find(|a| a.nodes == 16) {
-        let r = ratio(a.acked_p50, a.plain_p50);
         println!(
-            "- acked ÷ plain p50 at 16 nodes ≤ 1.5×: {r:.2}× → {}",
-            if r <= 1.5 { "PASS" } else { "FAIL" }
+            "| nodes | probe p50 | probe p99 | publish p50 | publish p99 | p50 ratio | p99 ratio | bad |"
         );
-    }
-    if let (Some(first), Some(last)) = (acks.first(), acks.last())
-        && last.nodes > first.nodes
-    {
-        // Linear growth allows the trail to grow by the node count's ratio.
-        let grew = ratio(last.trail_p50, first.trail_p50.max(1));
-        let allowed = last.nodes as f64 / first.nodes as f64;
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
         println!(
-            "- after the last apply, {} → {} nodes: {} → {} µs = {grew:.2}× (linear allows {allowed:.0}×) → {}",
-            first.nodes,
-            last.nodes,
-            first.trail_p50,
-            last.trail_p50,
-            if grew <= allowed { "PASS" } else { "FAIL" }
+            "| {} | {} | {} | {} | {} | {:.2}× | {:.2}× | {} |",
+            r.nodes,
+            r.probe_p50,
+            r.probe_p99,
+            r.publish_p50,
+            r.publish_p99,
+            ratio(r.probe_p50, r.publish_p50),
+            ratio(r.probe_p99, r.publish_p99),
+            r.bad
         );
     }
     let ok = acks
         .iter()
         .all(|a| a.incomplete == 0 && a.short == 0 && a.early == 0);
-    for a in &acks {
+    if !acks.is_empty() {
         println!(
-            "- {} nodes: every acked publish complete, listing every node, none before the nodes applied it: {} incomplete, {} short, {} early",
-            a.nodes, a.incomplete, a.short, a.early
+            "\n| nodes | acked p50 | plain p50 | acked ÷ plain p50 | acked p99 | plain p99 | acked ÷ plain p99 | last apply → ack p50 |"
+        );
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for a in &acks {
+            println!(
+                "| {} | {} | {} | {:.2}× | {} | {} | {:.2}× | {} |",
+                a.nodes,
+                a.acked_p50,
+                a.plain_p50,
+                ratio(a.acked_p50, a.plain_p50),
+                a.acked_p99,
+                a.plain_p99,
+                ratio(a.acked_p99, a.plain_p99),
+                a.trail_p50,
+            );
+        }
+        println!();
+        if let Some(a) = acks.iter().find(|a| a.nodes == 16) {
+            let r = ratio(a.acked_p50, a.plain_p50);
+            println!(
+                "- acked ÷ plain p50 at 16 nodes ≤ 1.5×: {r:.2}× → {}",
+                if r <= 1.5 { "PASS" } else { "FAIL" }
+            );
+        }
+        if let (Some(first), Some(last)) = (acks.first(), acks.last())
+            && last.nodes > first.nodes
+        {
+            // Linear growth allows the trail to grow by the node count's ratio.
+            let grew = ratio(last.trail_p50, first.trail_p50.max(1));
+            let allowed = last.nodes as f64 / first.nodes as f64;
+            println!(
+                "- after the last apply, {} → {} nodes: {} → {} µs = {grew:.2}× (linear allows {allowed:.0}×) → {}",
+                first.nodes,
+                last.nodes,
+                first.trail_p50,
+                last.trail_p50,
+                if grew <= allowed { "PASS" } else { "FAIL" }
+            );
+        }
+        for a in &acks {
+            println!(
+                "- {} nodes: every acked publish complete, listing every node, none before the nodes applied it: {} incomplete, {} short, {} early",
+                a.nodes, a.incomplete, a.short, a.early
+            );
+        }
+        println!("- all of them → {}", if ok { "PASS" } else { "FAIL" });
+    }
+    let probes_ok = probed.as_ref().is_none_or(|r| r.bad == 0);
+    if let Some(r) = &probed {
+        println!(
+            "- {} nodes: every key probe complete, listing every node, all agreeing: {} bad → {}",
+            r.nodes,
+            r.bad,
+            if probes_ok { "PASS" } else { "FAIL" }
         );
     }
-    println!("- all of them → {}", if ok { "PASS" } else { "FAIL" });
     run_footer(started);
     assert!(ok, "acknowledged publishes went wrong (see above)");
+    assert!(probes_ok, "key probes went wrong (see above)");
 }
 
 fn main() {
