@@ -194,7 +194,8 @@ pub enum TraceEvent {
     /// registration, applied as an invalidation.
     Quarantined,
     /// An event's write waited for a locked load of the key; what it did
-    /// follows as a record of its own, with no publisher.
+    /// follows as a record of its own, with no publisher, unless a clear
+    /// dropped it meanwhile (the clear's record then says so).
     Parked,
     /// A load's value was cached.
     Loaded,
@@ -220,9 +221,13 @@ pub enum TraceEvent {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct TraceRecord {
-    /// When, by this node's clock, in µs since the Unix epoch: it orders
-    /// one node's records, and is never to be compared with another
-    /// machine's clock.
+    /// When, by this node's clock, in µs since the Unix epoch (read once
+    /// per run of events applied together); never to be compared with
+    /// another machine's clock. The records' order is the order they were
+    /// made, which is the authority: for writes to one key from different
+    /// tasks (a load installing while an event lands) it may differ by a
+    /// moment from the order the writes landed, since a record is made just
+    /// after its write.
     pub at_us: u64,
     /// What happened.
     pub event: TraceEvent,
@@ -247,7 +252,10 @@ pub struct KeyState {
     /// The newest version the node knows exactly for the key (a refresh, a
     /// versioned load or a versioned invalidation), if any. Not held with
     /// a version: the key was removed at that version or later (a
-    /// tombstone), or its entry was evicted since.
+    /// tombstone), or its entry was evicted since. An unversioned write
+    /// since (a local insert, an unversioned refresh) leaves it as it was,
+    /// and a key whose record the bounded version table evicted has none:
+    /// compare nodes' versions for keys written with versions.
     pub version: Option<u64>,
     /// Whether the cache applies versioned refreshes as invalidations for
     /// now, after a loss or a late registration.

@@ -170,7 +170,7 @@ where
 
     async fn resync(&self) {
         self.quarantine();
-        self.reset().await;
+        self.clear(None).await;
         self.stats.loss_resyncs.fetch_add(1, Relaxed);
         if let Some(trace) = &self.trace {
             trace.record(None, TraceEvent::Resynced, None, None, now_us());
@@ -179,6 +179,9 @@ where
 
     async fn reset(&self) {
         self.clear(None).await;
+        if let Some(trace) = &self.trace {
+            trace.record(None, TraceEvent::Cleared, None, None, now_us());
+        }
     }
 
     fn quarantine(&self) {
@@ -203,10 +206,8 @@ where
     }
 
     fn trace_of(&self, key: &str) -> Result<Option<Vec<TraceRecord>>, String> {
-        let Some(trace) = &self.trace else {
-            return Ok(None);
-        };
-        Ok(Some(trace.of(&parse_key::<K>(key)?)))
+        let key = parse_key::<K>(key)?;
+        Ok(self.trace.as_ref().map(|trace| trace.of(&key)))
     }
 
     async fn probe(&self, key: &str) -> KeyState {
@@ -224,13 +225,15 @@ where
                 return state;
             }
         };
-        // Under the key's stripe: the value and the version of one write.
-        let _stripe = self.write_locks[self.stripe(&key)].lock().await;
-        state.held = self.cache.contains_key(&key);
-        state.version = lock(&self.table).exact_version(&key);
+        {
+            // Under the key's stripe: the value and the version of one write.
+            let _stripe = self.write_locks[self.stripe(&key)].lock().await;
+            state.held = self.cache.contains_key(&key);
+            state.version = lock(&self.table).exact_version(&key);
+        }
+        // After the stripe: a scan of the ring must hold up no write.
         if let Some(trace) = &self.trace {
-            let mut records = trace.of(&key);
-            state.trace = records.split_off(records.len().saturating_sub(PROBE_TRACE));
+            state.trace = trace.last_of(&key, PROBE_TRACE, PROBE_ORIGIN_BYTES);
         }
         state
     }
@@ -330,6 +333,9 @@ where
 
 /// A key's last trace records a probe answer carries.
 const PROBE_TRACE: usize = 16;
+/// The most bytes of a publisher's origin each of them carries, so an
+/// answer stays far below the heartbeat channel's size limit.
+const PROBE_ORIGIN_BYTES: usize = 64;
 
 /// A key as the trace route and probes give it: JSON, or else the text
 /// itself for a key that deserializes from a string.

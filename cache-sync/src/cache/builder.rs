@@ -88,7 +88,8 @@ where
     }
 
     /// Keeps a trace of what happens to keys, up to `max_bytes` for the
-    /// whole cache, read with [`SyncedCache::trace`]. Off by default (0).
+    /// whole cache, read with [`SyncedCache::trace`]. Off by default (0);
+    /// otherwise at least 1 KiB, or [`build`](Self::build) refuses it.
     ///
     /// A record counts its fixed size (about 100 bytes, with the key's
     /// inline size), the key's encoded length and the publisher's origin;
@@ -111,6 +112,11 @@ where
     /// out of range.
     pub fn build(self) -> crate::Result<SyncedCache<K, V>> {
         check_at_least("max_tracked_keys", self.max_tracked_keys, 1)?;
+        if let Some(trace) = &self.trace {
+            // Below this a trace would cost every write its key's clone and
+            // keep nearly nothing.
+            check_at_least("trace_bytes", trace.max_bytes(), MIN_TRACE_BYTES)?;
+        }
         // Every duration is in range: 0 waits for nothing, and a wait too
         // long for the clock lasts as long as the load (`deadline_after`).
         check_duration(
@@ -159,3 +165,6 @@ fn encoded_len<K: Serialize>(key: &K) -> usize {
         Err(_) => 0,
     }
 }
+
+/// The smallest trace cap `build` takes.
+const MIN_TRACE_BYTES: usize = 1024;

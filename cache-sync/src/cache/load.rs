@@ -96,7 +96,7 @@ where
         let mut attempt = 0;
         loop {
             if attempt > self.max_load_retries {
-                return self.load_locked(key, loader).await;
+                return self.load_locked(key, loader, fresh).await;
             }
             let token = lock(&self.table).load_token();
             self.stats.loads.fetch_add(1, Relaxed);
@@ -119,10 +119,13 @@ where
             if self.trace.is_some() {
                 self.traced(Some(key.clone()), traced(decision), version);
             }
-            match decision {
-                LoadDecision::Install => return Ok(value),
-                LoadDecision::Stale => return Ok(self.stale_load(key, value).await),
-                LoadDecision::Superseded => {}
+            match (decision, fresh, version) {
+                (LoadDecision::Install, _, _) => return Ok(value),
+                (LoadDecision::Stale, true, Some(v)) => {
+                    return Ok(self.fresh_stale(key, value, v).await);
+                }
+                (LoadDecision::Stale, _, _) => return Ok(self.stale_load(key, value).await),
+                (LoadDecision::Superseded, _, _) => {}
             }
             self.stats.loads_superseded.fetch_add(1, Relaxed);
             // A refresh that superseded us may have installed a newer value.
@@ -135,6 +138,21 @@ where
             }
             attempt = attempt.saturating_add(1);
         }
+    }
+
+    /// A forced-fresh load the node cannot cache: its version is below one
+    /// the node knows for the key, or below the floor evicted records
+    /// leave. The cached value if the node holds it at the loaded version
+    /// or newer; otherwise whatever is cached may be older than the row
+    /// read, and the node cannot tell, so it is dropped (an invalidation is
+    /// always safe) and the row read is returned, uncached.
+    async fn fresh_stale(&self, key: &K, value: V, version: u64) -> V {
+        self.stats.loads_stale.fetch_add(1, Relaxed);
+        if let Some(cached) = self.cached_at_least(key, version).await {
+            return cached;
+        }
+        self.invalidate(key.clone(), None).await;
+        value
     }
 
     /// The cached value, if the node holds `key` at exactly `version` or a
@@ -182,7 +200,12 @@ where
     /// the key untracked, another key's eviction raised the floor) returns
     /// its value uncached, as it did when nothing else could pass the pin:
     /// a loader that writes its own key must not load for ever.
-    pub(super) async fn load_locked<F, Fut, E>(&self, key: &K, loader: &mut F) -> Result<V, Arc<E>>
+    pub(super) async fn load_locked<F, Fut, E>(
+        &self,
+        key: &K,
+        loader: &mut F,
+        fresh: bool,
+    ) -> Result<V, Arc<E>>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<(V, Option<u64>), E>>,
@@ -225,7 +248,7 @@ where
                     return Err(Arc::new(e));
                 }
             };
-            {
+            let (decision, overtaken) = {
                 let _stripe = self.write_locks[self.stripe(key)].lock().await;
                 let decision = lock(&self.table).loaded(key, token, version);
                 match decision {
@@ -243,19 +266,28 @@ where
                 let overtaken = watched.overtaken.load(Relaxed) != overtaken_before;
                 // Unpin before the stripe goes, so the next write sees no pin.
                 drop(pinned);
-                match decision {
-                    LoadDecision::Install => return Ok(value),
-                    LoadDecision::Stale => return Ok(self.stale_load(key, value).await),
-                    // Only this task wrote the key: its write stands, and
-                    // the value is returned uncached.
-                    LoadDecision::Superseded if !overtaken => return Ok(value),
-                    LoadDecision::Superseded => {}
+                (decision, overtaken)
+            };
+            match (decision, fresh, version) {
+                (LoadDecision::Install, _, _) => return Ok(value),
+                (LoadDecision::Stale, true, Some(v)) => {
+                    return Ok(self.fresh_stale(key, value, v).await);
                 }
+                (LoadDecision::Stale, _, _) => return Ok(self.stale_load(key, value).await),
+                // Only this task wrote the key: its write stands, and the
+                // value is returned uncached.
+                (LoadDecision::Superseded, _, _) if !overtaken => return Ok(value),
+                (LoadDecision::Superseded, _, _) => {}
             }
             // The value may be older than the write that went past the pin:
-            // what that write (or a later one) left is the answer; none left
-            // (an invalidation, a clear), load again.
-            if let Some(v) = self.cache.get(key).await {
+            // what that write (or a later one) left is the answer, for a
+            // forced-fresh load only if it is at the loaded version or
+            // newer; none left (an invalidation, a clear), load again.
+            let cached = match (fresh, version) {
+                (true, Some(version)) => self.cached_at_least(key, version).await,
+                _ => self.cache.get(key).await,
+            };
+            if let Some(v) = cached {
                 return Ok(v);
             }
         }

@@ -439,12 +439,16 @@ where
     /// newer value the node applied while it ran:
     /// - if a write to the key landed during the load, the cached value is
     ///   returned only if the node holds it at the loaded version or newer;
-    ///   otherwise the loader runs again, and the last attempt is pinned, as
-    ///   in `get_with` (past that bound, what the overtaking write left);
-    /// - if the node knows a newer version than the loader read (the source
-    ///   lags: a replica, say), the row is not cached
-    ///   ([`loads_stale`](CacheStatus::loads_stale)) and the cached value is
-    ///   returned if there is one, else the row read.
+    ///   otherwise the loader runs again, the last attempts pinned as in
+    ///   `get_with`, so a key written without pause by older events keeps
+    ///   it loading;
+    /// - if the row's version is below one the node knows for the key (the
+    ///   source lags: a replica, say) or below the floor evicted version
+    ///   records leave, the row is not cached
+    ///   ([`loads_stale`](CacheStatus::loads_stale)): the cached value is
+    ///   returned if the node holds it at the row's version or newer;
+    ///   otherwise the row read is, and a cached value the node cannot
+    ///   vouch for is dropped (an invalidation is always safe).
     pub async fn get_fresh<F, Fut>(&self, key: K, mut loader: F) -> V
     where
         F: FnMut() -> Fut,

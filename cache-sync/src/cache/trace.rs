@@ -45,6 +45,19 @@ struct Kept<K> {
     bytes: usize,
 }
 
+impl<K> Kept<K> {
+    fn to_record(&self) -> TraceRecord {
+        TraceRecord {
+            at_us: self.at_us,
+            event: self.event,
+            version: self.version,
+            origin: self.from.as_ref().map(|(o, _, _)| o.to_string()),
+            publisher: self.from.as_ref().map(|&(_, p, _)| p),
+            seq: self.from.as_ref().map(|&(_, _, s)| s),
+        }
+    }
+}
+
 impl<K: PartialEq + Clone> Trace<K> {
     pub(super) fn new(max_bytes: usize, key_bytes: fn(&K) -> usize) -> Self {
         Self {
@@ -111,15 +124,41 @@ impl<K: PartialEq + Clone> Trace<K> {
             .records
             .iter()
             .filter(|r| r.key.as_ref().is_none_or(|k| k == key))
-            .map(|r| TraceRecord {
-                at_us: r.at_us,
-                event: r.event,
-                version: r.version,
-                origin: r.from.as_ref().map(|(o, _, _)| o.to_string()),
-                publisher: r.from.as_ref().map(|&(_, p, _)| p),
-                seq: r.from.as_ref().map(|&(_, _, s)| s),
-            })
+            .map(Kept::to_record)
             .collect()
+    }
+
+    /// The cap, for the builder's check.
+    pub(super) fn max_bytes(&self) -> usize {
+        self.max_bytes
+    }
+
+    /// `key`'s last `n` records (the whole cache's among them), oldest
+    /// first, each origin cut to at most `origin_bytes`: a walk back from
+    /// the newest that stops at `n`.
+    pub(super) fn last_of(&self, key: &K, n: usize, origin_bytes: usize) -> Vec<TraceRecord> {
+        let ring = lock(&self.ring);
+        let mut out: Vec<TraceRecord> = ring
+            .records
+            .iter()
+            .rev()
+            .filter(|r| r.key.as_ref().is_none_or(|k| k == key))
+            .take(n)
+            .map(|r| {
+                let mut record = r.to_record();
+                if let Some(origin) = &mut record.origin {
+                    let mut end = origin.len().min(origin_bytes);
+                    while !origin.is_char_boundary(end) {
+                        end = end.saturating_sub(1);
+                    }
+                    origin.truncate(end);
+                }
+                record
+            })
+            .collect();
+        drop(ring);
+        out.reverse();
+        out
     }
 
     /// Bytes held, by the count `record` keeps.

@@ -269,8 +269,17 @@ fn answer_probe(shared: &Arc<Shared>, probe: Probe) {
         shared.probes_in_flight.fetch_sub(1, Relaxed);
         return;
     }
-    let shared = Arc::clone(shared);
+    // Given back however the task ends, a panic in the cache's key type
+    // included: a slot lost for good would silence the node's answers.
+    struct Slot(Arc<Shared>);
+    impl Drop for Slot {
+        fn drop(&mut self) {
+            self.0.probes_in_flight.fetch_sub(1, Relaxed);
+        }
+    }
+    let slot = Slot(Arc::clone(shared));
     tokio::spawn(async move {
+        let shared = &slot.0;
         let state = cache.probe(&probe.key).await;
         let ack = Ack {
             topic: shared.topic.clone(),
@@ -286,6 +295,5 @@ fn answer_probe(shared: &Arc<Shared>, probe: Probe) {
             .cluster
             .send_ack(probe.asker, probe.reply, &ack)
             .await;
-        shared.probes_in_flight.fetch_sub(1, Relaxed);
     });
 }

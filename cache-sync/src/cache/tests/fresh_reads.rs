@@ -138,3 +138,30 @@ async fn an_error_is_returned_and_the_cached_value_stays() {
     let s = c.status();
     assert_eq!((s.fresh_reads, s.loads, s.load_failures), (1, 1, 1));
 }
+
+/// A row below the floor that evicted version records leave cannot be
+/// cached, and the node cannot tell whether what it holds is older: the
+/// held value is dropped and the row returned, never the held value.
+#[tokio::test]
+async fn below_the_evicted_floor_the_held_value_is_dropped_and_the_row_returned() {
+    let c = SyncedCache::builder("t", moka::future::Cache::new(1000))
+        .max_tracked_keys(1)
+        .build()
+        .unwrap();
+    c.insert("k".to_string(), "held, written past the events".to_string())
+        .await;
+    // Other keys' records evict k's, then one at version 10: the floor
+    // for every untracked key is 10 from now on.
+    refresh(&c, "other", "x", Some(10)).await;
+    refresh(&c, "third", "y", Some(11)).await;
+    assert_eq!(
+        c.peek("k").await.as_deref(),
+        Some("held, written past the events")
+    );
+    let got = c
+        .get_fresh("k".into(), || async { ("the row".to_string(), 5) })
+        .await;
+    assert_eq!(got, "the row");
+    assert_eq!(c.peek("k").await, None, "what the node could not vouch for");
+    assert_eq!(c.status().loads_stale, 1);
+}

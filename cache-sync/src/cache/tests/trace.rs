@@ -147,13 +147,20 @@ proptest! {
     /// record larger than the cap on its own is not kept.
     #[test]
     fn the_trace_keeps_within_its_cap_and_keeps_the_newest(
-        cap in prop_oneof![Just(1usize), Just(100), Just(200), 0usize..4096, Just(1 << 20)],
+        cap in prop_oneof![Just(1usize), Just(1023), Just(1024), Just(1100), 0usize..8192, Just(1 << 20)],
         keys in proptest::collection::vec(
             prop_oneof![Just(String::new()), "\\PC{0,8}", "[a-z.*>: ]{0,300}"],
             1..40,
         ),
     ) {
         tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+            if (1..1024).contains(&cap) {
+                let refused = SyncedCache::<String, String>::builder("t", moka::future::Cache::new(10))
+                    .trace_bytes(cap)
+                    .build();
+                prop_assert!(refused.is_err_and(|e| e.is_config()));
+                return Ok(());
+            }
             let c = traced(cap);
             for (i, k) in keys.iter().enumerate() {
                 refresh(&c, k, "v", Some(i as u64 + 1)).await;

@@ -524,7 +524,7 @@ async fn a_stale_load_returns_the_newer_cached_value() {
         let mut loader = || async { Ok::<_, ()>(("v10".to_string(), Some(10))) };
         // What `load_through` does after its miss, with the refresh between.
         let got = if locked {
-            c.inner.load_locked(&key, &mut loader).await
+            c.inner.load_locked(&key, &mut loader, false).await
         } else {
             c.inner.load(&key, &mut loader, false).await
         };

@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::pin::Pin;
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -26,10 +26,12 @@ mod sharded;
 
 use sharded::{Settings, ShardHeartbeats, ShardSubscription};
 
-/// `SPUBLISH` on the slot's master only (see `publish_to`). Hashed once:
-/// `Script::new` computes the SHA-1 that `EVALSHA` sends.
-static SPUBLISH: LazyLock<redis::Script> =
-    LazyLock::new(|| redis::Script::new("return redis.call('SPUBLISH', KEYS[1], ARGV[1])"));
+/// `SPUBLISH` on the slot's master only (see `publish_to`). Sent whole with
+/// `EVAL`, not by hash: `EVALSHA` meets `NOSCRIPT` on a master that never
+/// saw it (a promoted replica), and the `redis` crate then loads the
+/// script on every node of the cluster, which fails while one is down,
+/// just when a failover happens. It is 49 bytes.
+const SPUBLISH: &str = "return redis.call('SPUBLISH', KEYS[1], ARGV[1])";
 
 /// The Redis Pub/Sub transport: one channel per topic, `<prefix>{<topic>}`.
 ///
@@ -291,10 +293,12 @@ impl RedisPubSubTransport {
             // would arrive out of step with everyone else's). A
             // replica answers a script with `MOVED`, so the publish lands on
             // the master and the client learns the new map.
-            SPUBLISH
-                .key(channel)
+            redis::cmd("EVAL")
+                .arg(SPUBLISH)
+                .arg(1)
+                .arg(channel)
                 .arg(payload)
-                .invoke_async::<i64>(&mut conn)
+                .query_async::<i64>(&mut conn)
                 .await
         } else {
             redis::cmd("PUBLISH")
