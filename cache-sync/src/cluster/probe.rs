@@ -259,15 +259,16 @@ impl Cluster {
             } else {
                 None
             });
+            let report = |nodes, incomplete| KeyProbe {
+                cache: cache.to_owned(),
+                key: key.clone(),
+                nodes,
+                elapsed: started.elapsed(),
+                incomplete,
+            };
             let now = Instant::now();
             if incomplete.is_none() || now >= deadline {
-                return Ok(KeyProbe {
-                    cache: cache.to_owned(),
-                    key,
-                    nodes,
-                    elapsed: started.elapsed(),
-                    incomplete,
-                });
+                return Ok(report(nodes, incomplete));
             }
             let wake = now
                 .checked_add(super::ack::RECHECK)
@@ -277,13 +278,7 @@ impl Cluster {
             tokio::select! {
                 changed = updates.changed() => {
                     if changed.is_err() {
-                        return Ok(KeyProbe {
-                            cache: cache.to_owned(),
-                            key,
-                            nodes,
-                            elapsed: started.elapsed(),
-                            incomplete,
-                        });
+                        return Ok(report(nodes, incomplete));
                     }
                 }
                 () = tokio::time::sleep_until(wake) => {}

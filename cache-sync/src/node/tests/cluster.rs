@@ -11,9 +11,9 @@ use crate::Cluster;
 use crate::cluster::Heartbeat;
 use crate::cluster::{Incomplete, Message, Request};
 
-const EVERY: Duration = Duration::from_millis(100);
+pub(super) const EVERY: Duration = Duration::from_millis(100);
 
-async fn start(id: &str, transport: impl Transport, caches: &[&Cache]) -> Node {
+pub(super) async fn start(id: &str, transport: impl Transport, caches: &[&Cache]) -> Node {
     let mut b = Node::builder(id, transport)
         .heartbeat_interval(EVERY)
         .reorder_window(Duration::ZERO);

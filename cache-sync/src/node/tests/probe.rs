@@ -6,17 +6,7 @@ use super::*;
 use crate::Cluster;
 use crate::status::TraceEvent;
 
-const EVERY: Duration = Duration::from_millis(100);
-
-async fn start(id: &str, transport: impl Transport, caches: &[&Cache]) -> Node {
-    let mut b = Node::builder(id, transport)
-        .heartbeat_interval(EVERY)
-        .reorder_window(Duration::ZERO);
-    for c in caches {
-        b = b.register(*c);
-    }
-    b.start().await.unwrap()
-}
+use super::cluster::{EVERY, start};
 
 fn traced(name: &str) -> Cache {
     SyncedCache::builder(name, moka::future::Cache::new(100))
