@@ -98,7 +98,8 @@ impl KeyProbe {
 /// (behind)`, `node-4 did not answer`.
 impl fmt::Display for KeyProbe {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let behind: Vec<&str> = self.behind().collect();
+        // A set: one look-up per node, not a scan of the others.
+        let behind: std::collections::HashSet<&str> = self.behind().collect();
         for n in &self.nodes {
             write!(f, "{}: ", n.node_id)?;
             match &n.state {
@@ -116,7 +117,7 @@ impl fmt::Display for KeyProbe {
                             write!(f, ", quarantined")?;
                         }
                     }
-                    if behind.contains(&n.node_id.as_str()) {
+                    if behind.contains(n.node_id.as_str()) {
                         write!(f, "  <- differs")?;
                     }
                 }
