@@ -353,7 +353,7 @@ mod util;
 mod wire;
 
 #[doc(inline)]
-pub use cache::{SyncedCache, SyncedCacheBuilder};
+pub use cache::{Audit, SyncedCache, SyncedCacheBuilder};
 #[doc(inline)]
 pub use cluster::{Cluster, ClusterBuilder};
 #[doc(inline)]

@@ -173,6 +173,74 @@ pub struct CacheStatus {
     /// after a loss or a late registration (see
     /// [`NodeBuilder::reorder_window`](crate::NodeBuilder::reorder_window)).
     pub quarantined: bool,
+    /// The consistency auditor's findings, if the cache is audited
+    /// ([`SyncedCacheBuilder::audit`](crate::SyncedCacheBuilder::audit)).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audit: Option<AuditStatus>,
+}
+
+/// What a cache's consistency auditor found on this node (see
+/// [`Audit`](crate::Audit)). Counters since the cache was built; the
+/// `window_` fields over the last `window_s` seconds.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct AuditStatus {
+    /// Entries compared with the source and judged (agreeing, or behind:
+    /// each suspect counts once here, not again when read a second time).
+    pub checks: u64,
+    /// Entries found behind the source: events may still be in flight.
+    pub suspects: u64,
+    /// Suspects explained within the grace window: the key was written,
+    /// the cache cleared, or the source agreed when read again.
+    pub suspects_cleared: u64,
+    /// Suspects waiting out the grace window now.
+    pub suspects_pending: u64,
+    /// Suspects still behind, with the very same entry, after the grace
+    /// window: changes no event brought. Each is logged (a warning, with
+    /// the key and its trace) and repaired.
+    pub inconsistencies: u64,
+    /// Inconsistent entries removed (the next read loads them). Fewer than
+    /// `inconsistencies` only when the key was written between the
+    /// judgement and the repair, which then stands.
+    pub repairs: u64,
+    /// Entries that could not be judged: held with no version while values
+    /// are not compared, or left out of the source's answer.
+    pub unverified: u64,
+    /// Reads of the source.
+    pub source_reads: u64,
+    /// Reads of the source that failed, timed out, or answered for keys not
+    /// asked (or one twice); each backs the auditor off, doubling up to a
+    /// minute.
+    pub source_failures: u64,
+    /// Sweeps begun over the cache's entries.
+    pub sweeps: u64,
+    /// How long the last inconsistent entry had been seen behind when it
+    /// was repaired, in milliseconds: a lower bound on how long it was
+    /// stale, from the first read that found it behind, on this node's
+    /// clock.
+    pub last_stale_age_ms: Option<u64>,
+    /// The longest such age.
+    pub max_stale_age_ms: Option<u64>,
+    /// The window the `window_` counts cover, in seconds.
+    pub window_s: u64,
+    /// Checks in the window.
+    pub window_checks: u64,
+    /// Inconsistencies in the window.
+    pub window_inconsistencies: u64,
+}
+
+impl AuditStatus {
+    /// The consistency "nines" over the window: −log10(inconsistencies ÷
+    /// checks), 3.0 for one inconsistency in a thousand checks. With no
+    /// inconsistency in the window it is the most the checks could show,
+    /// log10(checks) (a lower bound); `None` before any check.
+    pub fn nines(&self) -> Option<f64> {
+        if self.window_checks == 0 {
+            return None;
+        }
+        let bad = self.window_inconsistencies.clamp(1, self.window_checks);
+        Some((self.window_checks as f64 / bad as f64).log10())
+    }
 }
 
 /// What happened to a key, in one record of its trace
@@ -215,6 +283,10 @@ pub enum TraceEvent {
     /// Every entry dropped because events may have been lost. Shown in
     /// every key's trace.
     Resynced,
+    /// The consistency auditor found the entry older than the source of
+    /// truth past its grace window, and removed it; the version is the
+    /// source's, if it keeps one.
+    Repaired,
 }
 
 /// One record of a key's trace.

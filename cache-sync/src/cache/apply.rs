@@ -84,6 +84,9 @@ pub(crate) trait CacheHandle: Send + Sync {
     /// every change sent before then is reflected in it.
     fn emptied_at(&self) -> tokio::time::Instant;
     fn status(&self) -> CacheStatus;
+    /// Whether versioned refreshes are quarantined now (the status's
+    /// `quarantined`, without the rest of the snapshot).
+    fn is_quarantined(&self) -> bool;
     /// The trace of the key `key` names (JSON for the key, or else the
     /// text itself as a JSON string would give it), for the trace route;
     /// `None` while tracing is off, and an error for a key that is neither.
@@ -93,6 +96,18 @@ pub(crate) trait CacheHandle: Send + Sync {
     async fn probe(&self, key: &str) -> KeyState;
     /// Its publish-to-applied latency histogram, for `GET /metrics`.
     fn latency(&self) -> LatencyHistogram;
+    /// If the cache is audited, how long to wait before its first round.
+    fn audit_first_wait(&self) -> Option<Duration>;
+    /// One round of the cache's auditor (see `audit.rs`), with the grace
+    /// window the node gives by default, the last time the node was not
+    /// ready, and a check that it is ready now; returns how long to wait
+    /// before the next, or `None` when the cache is not audited.
+    async fn audit_round(
+        &self,
+        default_grace: Duration,
+        settled_since: tokio::time::Instant,
+        ready: &(dyn Fn() -> bool + Send + Sync),
+    ) -> Option<Duration>;
 }
 
 #[async_trait]
@@ -238,8 +253,26 @@ where
         state
     }
 
+    fn is_quarantined(&self) -> bool {
+        self.quarantined()
+    }
+
     fn status(&self) -> CacheStatus {
         self.snapshot()
+    }
+
+    fn audit_first_wait(&self) -> Option<Duration> {
+        let audit = &self.audit.as_ref()?.audit;
+        Some(super::first_wait(audit.rate, audit.batch))
+    }
+
+    async fn audit_round(
+        &self,
+        default_grace: Duration,
+        settled_since: tokio::time::Instant,
+        ready: &(dyn Fn() -> bool + Send + Sync),
+    ) -> Option<Duration> {
+        Inner::audit_round(self, default_grace, settled_since, ready).await
     }
 
     fn latency(&self) -> LatencyHistogram {

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use super::audit::{Audit, Auditor};
 use super::stats::Stats;
 use super::trace::Trace;
 use super::versions::VersionTable;
@@ -26,6 +27,7 @@ pub struct SyncedCacheBuilder<K, V> {
     /// Set by `trace_bytes`, where `K: Serialize` says how to count a
     /// key's bytes.
     pub(super) trace: Option<Trace<K>>,
+    pub(super) audit: Option<Audit<K, V>>,
 }
 
 impl<K, V> fmt::Debug for SyncedCacheBuilder<K, V> {
@@ -108,6 +110,16 @@ where
         self
     }
 
+    /// Audits the cache against the source of truth on the node that holds
+    /// it: see [`Audit`]. Off by default. The node runs it only while
+    /// ready; the findings are in the cache's status
+    /// ([`CacheStatus::audit`](crate::status::CacheStatus::audit)), its
+    /// metrics and the cluster view.
+    pub fn audit(mut self, audit: Audit<K, V>) -> Self {
+        self.audit = Some(audit);
+        self
+    }
+
     /// The cache, or [`Error::Config`](crate::Error::Config) for a setting
     /// out of range.
     pub fn build(self) -> crate::Result<SyncedCache<K, V>> {
@@ -116,6 +128,9 @@ where
             // Below this a trace would cost every write its key's clone and
             // keep nearly nothing.
             check_at_least("trace_bytes", trace.max_bytes(), MIN_TRACE_BYTES)?;
+        }
+        if let Some(audit) = &self.audit {
+            audit.check()?;
         }
         // Every duration is in range: 0 waits for nothing, and a wait too
         // long for the clock lasts as long as the load (`deadline_after`).
@@ -151,6 +166,7 @@ where
                 emptied_at: Mutex::new(tokio::time::Instant::now()),
                 stats: Stats::default(),
                 trace: self.trace,
+                audit: self.audit.map(Auditor::new),
             }),
         }
     }

@@ -15,6 +15,7 @@ use crate::table::Table;
 use crate::util::{HashMap, Hasher, lock};
 
 mod apply;
+mod audit;
 mod builder;
 mod load;
 mod park;
@@ -25,6 +26,9 @@ mod versions;
 mod write;
 
 pub(crate) use apply::{CacheHandle, Event};
+pub use audit::Audit;
+use audit::Auditor;
+pub(crate) use audit::{AUDIT_MARGIN, first_wait};
 pub use builder::SyncedCacheBuilder;
 use load::{Flight, FlightGuard, SharedError};
 use park::Pins;
@@ -165,6 +169,8 @@ pub(crate) struct Inner<K, V> {
     stats: Stats,
     /// What happened to keys, if the builder turned it on (`trace.rs`).
     trace: Option<Trace<K>>,
+    /// The consistency auditor, if the builder set one (`audit.rs`).
+    audit: Option<Auditor<K, V>>,
 }
 
 impl<K, V> SyncedCache<K, V>
@@ -194,6 +200,7 @@ where
             max_load_retries: 3,
             max_pin_wait: DEFAULT_MAX_PIN_WAIT,
             trace: None,
+            audit: None,
         }
     }
 

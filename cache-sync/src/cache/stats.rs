@@ -148,6 +148,7 @@ where
             last_latency_us: (last > 0).then(|| s.last_latency_us.load(Relaxed)),
             version_at_us: (version_at > 0).then_some(version_at),
             quarantined: self.quarantined(),
+            audit: self.audit.as_ref().map(|a| a.status()),
         }
     }
 }

@@ -279,12 +279,13 @@ impl NodeBuilder {
             stop_rx.clone(),
         ));
         let maintenance = tokio::spawn(maintenance_loop(shared.clone(), stop_rx.clone()));
-        let heartbeats = tokio::spawn(heartbeat_loop(shared.clone(), stop_rx));
+        let heartbeats = tokio::spawn(heartbeat_loop(shared.clone(), stop_rx.clone()));
+        let auditors = tokio::spawn(super::audit::audit_loop(shared.clone(), stop_rx));
         Ok(Node {
             handle: Arc::new(Handle {
                 shared,
                 stop,
-                tasks: tokio::sync::Mutex::new(Some((consumer, maintenance, heartbeats))),
+                tasks: tokio::sync::Mutex::new(Some((consumer, maintenance, heartbeats, auditors))),
             }),
         })
     }

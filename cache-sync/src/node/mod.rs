@@ -29,6 +29,7 @@ use crate::wire::DEFAULT_MAX_EVENT_BYTES;
 use shared::{Config, Shared};
 
 mod acks;
+mod audit;
 mod builder;
 mod consume;
 mod fences;
@@ -88,9 +89,14 @@ struct Handle {
     tasks: tokio::sync::Mutex<Option<Tasks>>,
 }
 
-/// The node's tasks: the consumer, the maintenance task, and the
-/// heartbeat task.
-type Tasks = (JoinHandle<()>, JoinHandle<()>, JoinHandle<()>);
+/// The node's tasks: the consumer, the maintenance task, the heartbeat
+/// task, and the auditors' (`audit.rs`).
+type Tasks = (
+    JoinHandle<()>,
+    JoinHandle<()>,
+    JoinHandle<()>,
+    JoinHandle<()>,
+);
 
 impl Drop for Handle {
     fn drop(&mut self) {
@@ -242,7 +248,7 @@ impl Node {
         let mut quarantined: Vec<String> = s
             .caches()
             .values()
-            .filter(|c| c.status().quarantined)
+            .filter(|c| c.is_quarantined())
             .map(|c| {
                 format!(
                     "cache {:?} quarantined after a loss or a late registration",
@@ -385,10 +391,11 @@ impl Node {
     pub async fn shutdown(&self) -> Result<()> {
         self.handle.stop.send_replace(true);
         let tasks = self.handle.tasks.lock().await.take();
-        if let Some((consumer, maintenance, heartbeats)) = tasks {
+        if let Some((consumer, maintenance, heartbeats, auditors)) = tasks {
             let _ = consumer.await;
             let _ = maintenance.await;
             let _ = heartbeats.await;
+            let _ = auditors.await;
         }
         let shared = &self.handle.shared;
         shared.consuming.store(false, Relaxed);

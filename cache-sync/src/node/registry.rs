@@ -66,6 +66,15 @@ impl Shared {
         cache.release(self.token);
     }
 
+    /// Whether the node is ready, as [`Node::is_ready`](super::Node::is_ready)
+    /// says, short of the stop its handle knows of.
+    pub(super) fn ready(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.consuming.load(Relaxed)
+            && self.caught_up.load(Relaxed)
+            && !self.caches().values().any(|c| c.is_quarantined())
+    }
+
     pub(super) fn release_caches(&self) {
         for cache in self.caches().values() {
             cache.release(self.token);

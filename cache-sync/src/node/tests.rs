@@ -12,6 +12,7 @@ use crate::wire::{Change, Codec, EntryVersion, Header, encode_part};
 use crate::{EmbeddedTransport, Keyring};
 
 mod acks;
+mod audit;
 mod cluster;
 mod fence;
 mod late;

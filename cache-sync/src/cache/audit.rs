@@ -1,0 +1,800 @@
+//! The consistency auditor: a node compares what its cache holds with the
+//! source of truth, at a bounded rate, and counts, logs and repairs what no
+//! event explains (a write that bypassed the publisher, a bug).
+//!
+//! The node's audit task (`node/audit.rs`) decides when a round runs (only
+//! while the node is ready, at the pace a round asks for); a round, here,
+//! decides what to read and what the answers mean.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::future::Future;
+use std::hash::{BuildHasher, Hash};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::time::Instant;
+
+use super::Inner;
+use super::write::Write;
+use crate::status::{AuditStatus, TraceEvent};
+use crate::util::{Backoff, HashMap, HashSet, MAX_TIMEOUT, check_at_least, check_duration, lock};
+
+/// A source row as the auditor compares it: the value and, if the source
+/// keeps one, its version.
+type Row<V> = (V, Option<u64>);
+type Rows<K, V> = Vec<(K, Option<Row<V>>)>;
+type ReadFuture<K, V> = Pin<Box<dyn Future<Output = Result<Rows<K, V>, String>> + Send>>;
+type Read<K, V> = Arc<dyn Fn(Vec<K>) -> ReadFuture<K, V> + Send + Sync>;
+
+/// The most keys one read of the source asks for.
+pub(crate) const MAX_AUDIT_BATCH: usize = 10_000;
+
+/// What the grace window adds to the reorder window and the announce
+/// interval by default: time for a delivery and its apply, and for a
+/// round to come round.
+pub(crate) const AUDIT_MARGIN: Duration = Duration::from_secs(2);
+
+/// The nines' window is kept in this many buckets: the window slides by a
+/// sixtieth of itself.
+const WINDOW_BUCKETS: u32 = 60;
+
+/// A consistency auditor for one cache: how to read the source of truth,
+/// and how fast. Give it to [`SyncedCacheBuilder::audit`](crate::SyncedCacheBuilder::audit).
+///
+/// The node that holds the cache sweeps the entries it holds, in batches,
+/// at most [`rate`](Self::rate) keys a second, and reads each batch from
+/// the source in one call. An entry older than the source's row (by
+/// version, or by value where values are compared) is a *suspect*: its
+/// event may be in flight. It is read again after the
+/// [grace window](Self::grace); if the node still holds the very same
+/// entry (no write, event or clear touched the key meanwhile) and the
+/// source still differs, it is an *inconsistency*: counted, logged with
+/// the key's trace, and repaired by removing the entry, so the next read
+/// loads it. See [`AuditStatus`] for what is reported.
+pub struct Audit<K, V> {
+    pub(super) read: Read<K, V>,
+    /// Compares a held value with the source's, where values are compared.
+    pub(super) same: Option<fn(&V, &V) -> bool>,
+    pub(super) rate: u32,
+    pub(super) batch: usize,
+    pub(super) grace: Option<Duration>,
+    pub(super) timeout: Duration,
+    pub(super) window: Duration,
+}
+
+impl<K, V> fmt::Debug for Audit<K, V> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Audit")
+            .field("compares_values", &self.same.is_some())
+            .field("rate", &self.rate)
+            .field("batch", &self.batch)
+            .field("grace", &self.grace)
+            .field("timeout", &self.timeout)
+            .field("window", &self.window)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K, V> Audit<K, V>
+where
+    K: Send + 'static,
+    V: Send + 'static,
+{
+    /// Audits against a versioned source: `read` gets a batch of keys and
+    /// answers, for each, `Some((value, version))` for the row in the
+    /// source, in the versions the table's events carry, or `None` where
+    /// there is no row (a cache that keeps absences, of `Option<V>`,
+    /// answers `Some((None, version))` instead). A key it leaves out is
+    /// not judged this time; a reply naming a key it was not asked for,
+    /// or one twice, is refused whole, as an error is.
+    ///
+    /// An entry is behind when the node knows it at a version below the
+    /// row's. An entry the node holds with no version (a plain `get_with`,
+    /// a local insert, a key whose record the bounded version table
+    /// evicted) cannot be judged by version: it is compared by value if
+    /// [`compare_values`](Self::compare_values) is on, and otherwise
+    /// counted as `unverified`. A row older than the node's entry (the
+    /// source is a lagging replica) is not held against the node.
+    pub fn versioned<F, Fut, E>(read: F) -> Self
+    where
+        F: Fn(Vec<K>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Vec<(K, Option<(V, u64)>)>, E>> + Send + 'static,
+        E: fmt::Display,
+    {
+        Self::with_read(Arc::new(move |keys| {
+            let f = read(keys);
+            Box::pin(async move {
+                match f.await {
+                    Ok(rows) => Ok(rows
+                        .into_iter()
+                        .map(|(k, row)| (k, row.map(|(v, version)| (v, Some(version)))))
+                        .collect()),
+                    Err(e) => Err(e.to_string()),
+                }
+            })
+        }))
+    }
+
+    /// Audits against a source without versions, comparing values: `read`
+    /// answers `Some(value)` for a row, or `None` where there is none.
+    /// Otherwise as [`versioned`](Self::versioned).
+    pub fn by_value<F, Fut, E>(read: F) -> Self
+    where
+        V: PartialEq,
+        F: Fn(Vec<K>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Vec<(K, Option<V>)>, E>> + Send + 'static,
+        E: fmt::Display,
+    {
+        let mut audit = Self::with_read(Arc::new(move |keys| {
+            let f = read(keys);
+            Box::pin(async move {
+                match f.await {
+                    Ok(rows) => Ok(rows
+                        .into_iter()
+                        .map(|(k, row)| (k, row.map(|v| (v, None))))
+                        .collect()),
+                    Err(e) => Err(e.to_string()),
+                }
+            })
+        }));
+        audit.same = Some(V::eq);
+        audit
+    }
+
+    fn with_read(read: Read<K, V>) -> Self {
+        Self {
+            read,
+            same: None,
+            rate: 100,
+            batch: 100,
+            grace: None,
+            timeout: Duration::from_secs(5),
+            window: Duration::from_secs(3600),
+        }
+    }
+
+    /// Also compares values: an entry the node knows at the row's version
+    /// (or at none) but whose value differs is behind, and one whose value
+    /// equals the row's is not, whatever its version.
+    pub fn compare_values(mut self) -> Self
+    where
+        V: PartialEq,
+    {
+        self.same = Some(V::eq);
+        self
+    }
+
+    /// At most this many keys a second are read from the source, suspects'
+    /// second reads included. Default 100; at least 1. A sweep of the
+    /// whole cache takes at most 1.25 × entries ÷ rate (each wait is
+    /// stretched by a random 0 to 25 %, so that nodes started together
+    /// drift apart and do not read together).
+    pub fn rate(mut self, keys_per_second: u32) -> Self {
+        self.rate = keys_per_second;
+        self
+    }
+
+    /// How many keys one read of the source asks for. Default 100; 1 to
+    /// 10 000. The reads come every batch ÷ rate seconds.
+    pub fn batch(mut self, keys: usize) -> Self {
+        self.batch = keys;
+        self
+    }
+
+    /// How long a mismatch waits, as a suspect, for the event that would
+    /// explain it before it is read again. Default: the node's
+    /// [reorder window](crate::NodeBuilder::reorder_window) + the default
+    /// announce interval (1 s) + 2 s, 13 s with the defaults: within that,
+    /// an event published when the source changed has arrived, or its
+    /// loss has been noticed (by its publisher's announcement) and the
+    /// cache resynced. Time while the node is not ready does not count:
+    /// a suspect waits a whole window after the node is ready again.
+    /// Raise it where writers commit long before they publish (an outbox
+    /// relay that lags, say). `Duration::MAX` never confirms anything.
+    pub fn grace(mut self, grace: Duration) -> Self {
+        self.grace = Some(grace);
+        self
+    }
+
+    /// A read of the source that takes longer than this counts as failed.
+    /// Default 5 s; 1 ms to 1 h.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The window the consistency nines are taken over. Default 1 h; 1 min
+    /// to 30 days. It slides by a sixtieth of itself.
+    pub fn window(mut self, window: Duration) -> Self {
+        self.window = window;
+        self
+    }
+
+    pub(super) fn check(&self) -> crate::Result<()> {
+        check_at_least("audit rate", self.rate, 1)?;
+        check_at_least("audit batch", self.batch, 1)?;
+        if self.batch > MAX_AUDIT_BATCH {
+            return Err(crate::Error::Config(format!(
+                "audit batch must be at most {MAX_AUDIT_BATCH}, not {}",
+                self.batch
+            )));
+        }
+        check_duration(
+            "audit timeout",
+            self.timeout,
+            Duration::from_millis(1),
+            MAX_TIMEOUT,
+        )?;
+        check_duration(
+            "audit window",
+            self.window,
+            Duration::from_secs(60),
+            Duration::from_secs(30 * 86_400),
+        )
+    }
+
+    /// The wait a round that read `keys` keys asks for: their share of the
+    /// rate, stretched by 0 to 25 % at random.
+    fn pace(&self, keys: usize) -> Duration {
+        let share = keys.max(1) as f64 / f64::from(self.rate);
+        let stretch = 1.0 + (random() % 1024) as f64 / 4096.0;
+        Duration::from_secs_f64(share * stretch)
+    }
+}
+
+fn random() -> u64 {
+    use std::sync::atomic::AtomicU64;
+    static N: AtomicU64 = AtomicU64::new(0);
+    std::hash::RandomState::new().hash_one(N.fetch_add(1, Relaxed))
+}
+
+/// The wait before the first round: up to one round's pace, at random, so
+/// nodes started together do not read the source together.
+pub(crate) fn first_wait(rate: u32, batch: usize) -> Duration {
+    let share = batch.max(1) as f64 / f64::from(rate.max(1));
+    Duration::from_secs_f64(share * (random() % 1024) as f64 / 1024.0)
+}
+
+/// One cache's auditor: its settings, its sweep, and its counters.
+pub(super) struct Auditor<K, V> {
+    pub(super) audit: Audit<K, V>,
+    state: Mutex<State<K>>,
+    stats: AuditStats,
+}
+
+struct State<K> {
+    /// What is left of the current sweep, taken from the end: the keys held
+    /// when it began, in the order of their hash, so a key comes round once
+    /// a sweep at about the same place.
+    pass: Vec<Arc<K>>,
+    suspects: HashMap<K, Suspect>,
+    backoff: Backoff,
+    window: Window,
+}
+
+/// A mismatch waiting out the grace window.
+#[derive(Debug, Clone, Copy)]
+struct Suspect {
+    /// The version table's stamp when the node's entry was read: a write to
+    /// the key (or a clear) since makes the entry another one.
+    token: u64,
+    /// When the mismatch was first seen, on this node's clock.
+    observed: Instant,
+}
+
+#[derive(Default)]
+struct AuditStats {
+    checks: AtomicU64,
+    suspects: AtomicU64,
+    cleared: AtomicU64,
+    inconsistencies: AtomicU64,
+    repairs: AtomicU64,
+    unverified: AtomicU64,
+    reads: AtomicU64,
+    read_failures: AtomicU64,
+    sweeps: AtomicU64,
+    pending: AtomicU64,
+    last_stale_ms: AtomicU64,
+    max_stale_ms: AtomicU64,
+}
+
+/// Checks and inconsistencies over the last `width × WINDOW_BUCKETS`.
+struct Window {
+    width: Duration,
+    /// (bucket start, checks, inconsistencies), oldest first.
+    buckets: VecDeque<(Instant, u64, u64)>,
+}
+
+impl Window {
+    fn new(window: Duration) -> Self {
+        Self {
+            width: window.checked_div(WINDOW_BUCKETS).unwrap_or(window),
+            buckets: VecDeque::new(),
+        }
+    }
+
+    fn add(&mut self, now: Instant, checks: u64, inconsistencies: u64) {
+        self.expire(now);
+        match self.buckets.back_mut() {
+            Some((start, c, i)) if now.saturating_duration_since(*start) < self.width => {
+                *c = c.saturating_add(checks);
+                *i = i.saturating_add(inconsistencies);
+            }
+            _ => self.buckets.push_back((now, checks, inconsistencies)),
+        }
+    }
+
+    fn expire(&mut self, now: Instant) {
+        let span = self.width.saturating_mul(WINDOW_BUCKETS);
+        while self
+            .buckets
+            .front()
+            .is_some_and(|(start, _, _)| now.saturating_duration_since(*start) >= span)
+        {
+            self.buckets.pop_front();
+        }
+    }
+
+    fn sums(&mut self, now: Instant) -> (u64, u64) {
+        self.expire(now);
+        self.buckets.iter().fold((0, 0), |(c, i), (_, bc, bi)| {
+            (c.saturating_add(*bc), i.saturating_add(*bi))
+        })
+    }
+}
+
+/// What a comparison says of one entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    Agrees,
+    Behind,
+    /// No version to compare and values are not compared.
+    Unverified,
+}
+
+/// The node's entry for a key: the table's stamp when read, the version
+/// the node knows exactly for the key, and the value.
+struct Held<V> {
+    token: u64,
+    version: Option<u64>,
+    value: V,
+}
+
+/// Compares the node's entry with the source's row (`None`: no row).
+fn verdict<V>(held: &Held<V>, row: Option<&Row<V>>, same: Option<fn(&V, &V) -> bool>) -> Verdict {
+    let Some((value, version)) = row else {
+        // The node holds a value for a row the source does not have.
+        return Verdict::Behind;
+    };
+    let same_value = same.map(|eq| eq(&held.value, value));
+    match (held.version, version) {
+        // The source lags the node (a replica): not the node's fault.
+        (Some(h), Some(r)) if h > *r => Verdict::Agrees,
+        (Some(h), Some(r)) if h == *r => match same_value {
+            Some(false) => Verdict::Behind,
+            _ => Verdict::Agrees,
+        },
+        (Some(_), Some(_)) => match same_value {
+            Some(true) => Verdict::Agrees,
+            _ => Verdict::Behind,
+        },
+        _ => match same_value {
+            Some(true) => Verdict::Agrees,
+            Some(false) => Verdict::Behind,
+            None => Verdict::Unverified,
+        },
+    }
+}
+
+impl<K: Hash + Eq, V> Auditor<K, V> {
+    pub(super) fn new(audit: Audit<K, V>) -> Self {
+        let window = Window::new(audit.window);
+        Self {
+            audit,
+            state: Mutex::new(State {
+                pass: Vec::new(),
+                suspects: HashMap::default(),
+                backoff: Backoff::new(Duration::ZERO, Duration::ZERO),
+                window,
+            }),
+            stats: AuditStats::default(),
+        }
+    }
+
+    /// The most suspects kept: a cache whose every entry is behind (a
+    /// source restored from an old backup) stops the sweep until they are
+    /// judged, rather than remembering every key.
+    fn max_suspects(&self) -> usize {
+        self.audit.batch.saturating_mul(4).max(64)
+    }
+
+    pub(super) fn status(&self) -> AuditStatus {
+        let s = &self.stats;
+        let (window_checks, window_inconsistencies) = lock(&self.state).window.sums(Instant::now());
+        let max_stale = s.max_stale_ms.load(Relaxed);
+        AuditStatus {
+            checks: s.checks.load(Relaxed),
+            suspects: s.suspects.load(Relaxed),
+            suspects_cleared: s.cleared.load(Relaxed),
+            suspects_pending: s.pending.load(Relaxed),
+            inconsistencies: s.inconsistencies.load(Relaxed),
+            repairs: s.repairs.load(Relaxed),
+            unverified: s.unverified.load(Relaxed),
+            source_reads: s.reads.load(Relaxed),
+            source_failures: s.read_failures.load(Relaxed),
+            sweeps: s.sweeps.load(Relaxed),
+            last_stale_age_ms: (max_stale > 0).then(|| s.last_stale_ms.load(Relaxed)),
+            max_stale_age_ms: (max_stale > 0).then_some(max_stale),
+            window_s: self.audit.window.as_secs(),
+            window_checks,
+            window_inconsistencies,
+        }
+    }
+}
+
+impl<K, V> Inner<K, V>
+where
+    K: Hash + Eq + Clone + Send + Sync + Serialize + 'static,
+    V: Clone + Send + Sync + 'static,
+{
+    /// One round: reads again the suspects whose grace window is over
+    /// (counted from `settled_since` at the earliest: the last time the
+    /// node was not ready), then the sweep's next keys, all in one read of
+    /// the source. Returns how long to wait before the next round; `None`
+    /// for a cache that is not audited.
+    pub(super) async fn audit_round(
+        &self,
+        default_grace: Duration,
+        settled_since: Instant,
+        ready: &(dyn Fn() -> bool + Send + Sync),
+    ) -> Option<Duration> {
+        let auditor = self.audit.as_ref()?;
+        let audit = &auditor.audit;
+        let grace = audit.grace.unwrap_or(default_grace);
+        let now = Instant::now();
+        let (due, sweep) = {
+            let mut state = lock(&auditor.state);
+            let due = due_keys(&state.suspects, now, settled_since, grace, audit.batch);
+            let room = audit.batch.saturating_sub(due.len());
+            // Before the due suspects leave the map: a key is asked for once.
+            let sweep = if state.suspects.len() >= auditor.max_suspects() {
+                Vec::new()
+            } else {
+                self.next_keys(&mut state, room)
+            };
+            let due: Vec<(K, Suspect)> = due
+                .into_iter()
+                .filter_map(|k| state.suspects.remove_entry(&k))
+                .collect();
+            (due, sweep)
+        };
+        // Suspects whose key was written or cleared since are explained.
+        let due: Vec<(K, Suspect)> = {
+            let table = lock(&self.table);
+            due.into_iter()
+                .filter(|(key, suspect)| {
+                    let moved = table.superseded(key, suspect.token);
+                    if moved {
+                        auditor.stats.cleared.fetch_add(1, Relaxed);
+                    }
+                    !moved
+                })
+                .collect()
+        };
+        // The node's side first, then the source's: a write landing in
+        // between shows in the stamp, and the suspect it may make clears.
+        let mut held = Vec::with_capacity(sweep.len());
+        for key in sweep {
+            if let Some(entry) = self.held(&key).await {
+                held.push(((*key).clone(), entry));
+            }
+        }
+        let asked: Vec<K> = due
+            .iter()
+            .map(|(k, _)| k.clone())
+            .chain(held.iter().map(|(k, _)| k.clone()))
+            .collect();
+        if asked.is_empty() {
+            self.audit_pending(auditor);
+            return Some(audit.pace(audit.batch));
+        }
+        let read = audit.read.clone();
+        let keys = asked.len();
+        auditor.stats.reads.fetch_add(1, Relaxed);
+        let answer = match tokio::time::timeout(audit.timeout, read(asked.clone())).await {
+            Ok(Ok(rows)) => answered(rows, &asked),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(format!("no answer within {:?}", audit.timeout)),
+        };
+        let mut rows = match answer {
+            Ok(rows) => rows,
+            Err(error) => {
+                auditor.stats.read_failures.fetch_add(1, Relaxed);
+                let mut state = lock(&auditor.state);
+                // The suspects wait for the next read; the swept keys come
+                // round again next sweep.
+                state.suspects.extend(due);
+                let pace = audit.pace(keys);
+                if state.backoff.wait().is_zero() {
+                    state.backoff = Backoff::new(pace, pace.max(Duration::from_secs(60)));
+                }
+                let wait = state.backoff.fail();
+                drop(state);
+                self.audit_pending(auditor);
+                tracing::warn!(cache = %self.name, %error, retry_in = ?wait, "audit: reading the source failed");
+                return Some(wait);
+            }
+        };
+        lock(&auditor.state).backoff = Backoff::new(Duration::ZERO, Duration::ZERO);
+        let same = audit.same;
+        let (mut checks, mut found) = (0u64, 0u64);
+        for (key, entry) in held {
+            let Some(row) = rows.remove(&key) else {
+                auditor.stats.unverified.fetch_add(1, Relaxed);
+                continue;
+            };
+            match verdict(&entry, row.as_ref(), same) {
+                Verdict::Agrees => checks = checks.saturating_add(1),
+                Verdict::Unverified => {
+                    auditor.stats.unverified.fetch_add(1, Relaxed);
+                }
+                Verdict::Behind => {
+                    checks = checks.saturating_add(1);
+                    auditor.stats.suspects.fetch_add(1, Relaxed);
+                    lock(&auditor.state).suspects.insert(
+                        key,
+                        Suspect {
+                            token: entry.token,
+                            observed: now,
+                        },
+                    );
+                }
+            }
+        }
+        for (key, suspect) in due {
+            let Some(row) = rows.remove(&key) else {
+                // Not answered: it waits for the next read.
+                lock(&auditor.state).suspects.insert(key, suspect);
+                continue;
+            };
+            let still = match self.held(&key).await {
+                Some(entry) if !lock(&self.table).superseded(&key, suspect.token) => {
+                    verdict(&entry, row.as_ref(), same) == Verdict::Behind
+                }
+                _ => false,
+            };
+            if !still {
+                auditor.stats.cleared.fetch_add(1, Relaxed);
+                continue;
+            }
+            if !ready() {
+                // Not ready now: the node may be missing the very event.
+                lock(&auditor.state).suspects.insert(key, suspect);
+                continue;
+            }
+            found = found.saturating_add(1);
+            self.inconsistent(auditor, key, suspect, row.and_then(|(_, v)| v))
+                .await;
+        }
+        lock(&auditor.state)
+            .window
+            .add(Instant::now(), checks, found);
+        auditor.stats.checks.fetch_add(checks, Relaxed);
+        self.audit_pending(auditor);
+        Some(audit.pace(keys))
+    }
+
+    /// Counts, logs and repairs an entry still behind after its grace
+    /// window: it is removed unless something wrote the key since it was
+    /// judged (which then stands).
+    async fn inconsistent(
+        &self,
+        auditor: &Auditor<K, V>,
+        key: K,
+        suspect: Suspect,
+        source_version: Option<u64>,
+    ) {
+        let stats = &auditor.stats;
+        stats.inconsistencies.fetch_add(1, Relaxed);
+        let stale = Instant::now().saturating_duration_since(suspect.observed);
+        let stale_ms = u64::try_from(stale.as_millis()).unwrap_or(u64::MAX);
+        stats.last_stale_ms.store(stale_ms, Relaxed);
+        stats.max_stale_ms.fetch_max(stale_ms.max(1), Relaxed);
+        let trace = self.trace.as_ref().map(|t| t.of(&key));
+        let repaired = self
+            .write(key.clone(), |table, k| {
+                if table.superseded(k, suspect.token) {
+                    Write::Keep
+                } else {
+                    table.touch(k);
+                    Write::Remove
+                }
+            })
+            .await;
+        if repaired {
+            stats.repairs.fetch_add(1, Relaxed);
+        }
+        let shown = serde_json::to_string(&key).unwrap_or_else(|e| format!("<{e}>"));
+        tracing::warn!(
+            cache = %self.name,
+            key = %shown,
+            ?source_version,
+            stale_for = ?stale,
+            repaired,
+            ?trace,
+            "audit: the node held an entry older than the source of truth past the grace window"
+        );
+        if repaired {
+            self.traced(Some(key), TraceEvent::Repaired, source_version);
+        }
+    }
+
+    /// The node's entry for `key`, read under its stripe so no write to it
+    /// is half done; `None` if it holds none.
+    async fn held(&self, key: &K) -> Option<Held<V>> {
+        let _stripe = self.write_locks[self.stripe(key)].lock().await;
+        let (token, version) = {
+            let table = lock(&self.table);
+            (table.load_token(), table.exact_version(key))
+        };
+        let value = self.cache.get(key).await?;
+        Some(Held {
+            token,
+            version,
+            value,
+        })
+    }
+
+    /// The sweep's next `n` keys (none of them a suspect), starting a new
+    /// sweep of what the cache holds when the last one is done.
+    fn next_keys(&self, state: &mut State<K>, n: usize) -> Vec<Arc<K>> {
+        let auditor = self.audit.as_ref().expect("audited");
+        if state.pass.is_empty() && n > 0 {
+            let mut keys: Vec<Arc<K>> = self.cache.iter().map(|(k, _)| k).collect();
+            // Taken from the end: in descending hash order.
+            keys.sort_by_cached_key(|k| std::cmp::Reverse(self.hasher.hash_one(&**k)));
+            if !keys.is_empty() {
+                auditor.stats.sweeps.fetch_add(1, Relaxed);
+            }
+            state.pass = keys;
+        }
+        let mut out = Vec::with_capacity(n.min(state.pass.len()));
+        while out.len() < n {
+            let Some(key) = state.pass.pop() else { break };
+            if !state.suspects.contains_key(&*key) {
+                out.push(key);
+            }
+        }
+        out
+    }
+
+    fn audit_pending(&self, auditor: &Auditor<K, V>) {
+        let n = lock(&auditor.state).suspects.len() as u64;
+        auditor.stats.pending.store(n, Relaxed);
+    }
+}
+
+/// Up to `n` suspects whose grace window is over, counting it from when
+/// each was seen or from when the node was last not ready, whichever is
+/// later.
+fn due_keys<K: Clone>(
+    suspects: &HashMap<K, Suspect>,
+    now: Instant,
+    settled_since: Instant,
+    grace: Duration,
+    n: usize,
+) -> Vec<K> {
+    suspects
+        .iter()
+        .filter(|(_, s)| {
+            s.observed
+                .max(settled_since)
+                .checked_add(grace)
+                .is_some_and(|at| at <= now)
+        })
+        .map(|(k, _)| k.clone())
+        .take(n)
+        .collect()
+}
+
+/// The source's answer by key, or why it is refused: a key it was not
+/// asked for, or one answered twice, says the reply is not to be trusted.
+fn answered<K: Hash + Eq, V>(
+    rows: Rows<K, V>,
+    asked: &[K],
+) -> Result<HashMap<K, Option<Row<V>>>, String> {
+    let asked: HashSet<&K> = asked.iter().collect();
+    let mut out = HashMap::default();
+    for (key, row) in rows {
+        if !asked.contains(&key) {
+            return Err("the source answered for a key it was not asked for".into());
+        }
+        if out.insert(key, row).is_some() {
+            return Err("the source answered for a key twice".into());
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(version: Option<u64>, value: &str) -> Held<String> {
+        Held {
+            token: 0,
+            version,
+            value: value.to_owned(),
+        }
+    }
+
+    #[test]
+    fn verdicts_hold_a_lagging_source_against_nobody() {
+        let row = |v: &str, ver| Some((v.to_owned(), ver));
+        let eq: Option<fn(&String, &String) -> bool> = Some(String::eq);
+        // By version alone.
+        assert_eq!(
+            verdict(&held(Some(5), "a"), row("b", Some(6)).as_ref(), None),
+            Verdict::Behind
+        );
+        assert_eq!(
+            verdict(&held(Some(6), "a"), row("b", Some(6)).as_ref(), None),
+            Verdict::Agrees
+        );
+        assert_eq!(
+            verdict(&held(Some(7), "a"), row("b", Some(6)).as_ref(), None),
+            Verdict::Agrees
+        );
+        assert_eq!(
+            verdict(&held(None, "a"), row("b", Some(6)).as_ref(), None),
+            Verdict::Unverified
+        );
+        assert_eq!(verdict(&held(Some(1), "a"), None, None), Verdict::Behind);
+        // With values.
+        assert_eq!(
+            verdict(&held(Some(6), "a"), row("b", Some(6)).as_ref(), eq),
+            Verdict::Behind
+        );
+        assert_eq!(
+            verdict(&held(Some(5), "b"), row("b", Some(6)).as_ref(), eq),
+            Verdict::Agrees
+        );
+        assert_eq!(
+            verdict(&held(Some(7), "a"), row("b", Some(6)).as_ref(), eq),
+            Verdict::Agrees
+        );
+        assert_eq!(
+            verdict(&held(None, "a"), row("b", Some(6)).as_ref(), eq),
+            Verdict::Behind
+        );
+        assert_eq!(
+            verdict(&held(None, "b"), row("b", None).as_ref(), eq),
+            Verdict::Agrees
+        );
+    }
+
+    #[test]
+    fn a_reply_with_keys_not_asked_for_or_twice_is_refused() {
+        let asked = vec![1u32, 2];
+        assert!(answered::<u32, u8>(vec![(1, None), (3, None)], &asked).is_err());
+        assert!(answered::<u32, u8>(vec![(1, None), (1, None)], &asked).is_err());
+        let ok = answered::<u32, u8>(vec![(2, Some((7, Some(1))))], &asked).expect("answer");
+        assert_eq!(ok.len(), 1);
+    }
+
+    #[test]
+    fn the_window_forgets_what_slid_out() {
+        let mut w = Window::new(Duration::from_secs(60));
+        let t0 = Instant::now();
+        w.add(t0, 10, 1);
+        w.add(t0 + Duration::from_millis(500), 5, 0);
+        assert_eq!(w.sums(t0 + Duration::from_secs(30)), (15, 1));
+        w.add(t0 + Duration::from_secs(30), 7, 0);
+        assert_eq!(w.sums(t0 + Duration::from_secs(60)), (7, 0));
+        assert_eq!(w.sums(t0 + Duration::from_secs(91)), (0, 0));
+    }
+}

@@ -1,0 +1,434 @@
+//! The consistency auditor on running nodes: a write that bypassed the
+//! publisher is found, counted exactly and repaired; events in flight are
+//! not held against a node; a bad source is counted, backed off, and
+//! repairs nothing.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
+use std::time::Duration;
+
+use super::*;
+use crate::Audit;
+use crate::status::{AuditStatus, TraceEvent};
+
+use super::cluster::start;
+
+/// The source of truth: rows with the version of their last write.
+#[derive(Default)]
+struct Db {
+    rows: Mutex<HashMap<String, (String, u64)>>,
+    /// How the next reads answer (see `Mode`).
+    mode: AtomicU8,
+}
+
+/// How the source answers reads.
+#[repr(u8)]
+enum Mode {
+    Truthful = 0,
+    Fails = 1,
+    Hangs = 2,
+    /// Answers for a key it was not asked for, with a version above all.
+    Unasked = 3,
+    /// Answers one key twice.
+    Twice = 4,
+}
+
+impl Db {
+    fn write(&self, key: &str, value: &str, version: u64) {
+        self.rows
+            .lock()
+            .unwrap()
+            .insert(key.to_owned(), (value.to_owned(), version));
+    }
+
+    fn row(&self, key: &str) -> Option<(String, u64)> {
+        self.rows.lock().unwrap().get(key).cloned()
+    }
+
+    fn set(&self, mode: Mode) {
+        self.mode.store(mode as u8, Relaxed);
+    }
+
+    fn audit(self: &Arc<Self>) -> Audit<String, String> {
+        let db = self.clone();
+        Audit::versioned(move |keys: Vec<String>| {
+            let db = db.clone();
+            async move {
+                match db.mode.load(Relaxed) {
+                    1 => return Err("connection refused"),
+                    2 => std::future::pending::<()>().await,
+                    3 => return Ok(vec![("not-asked".into(), Some(("x".into(), u64::MAX)))]),
+                    4 => {
+                        let k = keys[0].clone();
+                        return Ok(vec![(k.clone(), None), (k, None)]);
+                    }
+                    _ => {}
+                }
+                Ok(keys
+                    .into_iter()
+                    .map(|k| {
+                        let row = db.row(&k);
+                        (k, row)
+                    })
+                    .collect())
+            }
+        })
+    }
+}
+
+fn audited(
+    db: &Arc<Db>,
+    configure: impl FnOnce(Audit<String, String>) -> Audit<String, String>,
+) -> Cache {
+    SyncedCache::builder("countries", moka::future::Cache::new(100_000))
+        .trace_bytes(1 << 20)
+        .audit(configure(db.audit()))
+        .build()
+        .unwrap()
+}
+
+fn audit(c: &Cache) -> AuditStatus {
+    c.status().audit.expect("audited")
+}
+
+/// Publishes `n` rows, versioned, written to the source first as a writer
+/// would, and waits until every cache holds them.
+async fn seed(db: &Db, publisher: &Publisher, caches: &[&Cache], n: usize) {
+    let rows: Vec<(String, String, Option<u64>)> = (0..n)
+        .map(|i| (format!("k{i}"), format!("v{i}"), Some(1)))
+        .collect();
+    for (k, v, _) in &rows {
+        db.write(k, v, 1);
+    }
+    for chunk in rows.chunks(500) {
+        publisher
+            .insert_versioned("countries", chunk.to_vec())
+            .await
+            .unwrap();
+    }
+    for c in caches {
+        eventually("every row applied", async || {
+            c.status().refreshes >= n as u64
+        })
+        .await;
+    }
+}
+
+/// The case: three writes bypass the publisher; every node that
+/// held the keys reports exactly three inconsistencies, within the bound
+/// (a sweep, 1.25 × entries ÷ rate, plus the grace window, plus a round),
+/// repairs them, and then loads the source's rows. The other keys, which
+/// the source agrees with, are never suspects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_that_bypassed_the_publisher_are_found_counted_exactly_and_repaired() {
+    let db = Arc::new(Db::default());
+    let (entries, rate, grace) = (1000, 2000, Duration::from_millis(300));
+    let caches: Vec<Cache> = (0..3)
+        .map(|_| audited(&db, |a| a.rate(rate).batch(100).grace(grace)))
+        .collect();
+    let transport = EmbeddedTransport::new();
+    let mut nodes = Vec::new();
+    for (i, c) in caches.iter().enumerate() {
+        nodes.push(start(&format!("n{i}"), transport.clone(), &[c]).await);
+    }
+    let publisher = Publisher::new(transport.clone());
+    let refs: Vec<&Cache> = caches.iter().collect();
+    seed(&db, &publisher, &refs, entries).await;
+    // A sweep has run over the seeded rows: none is behind.
+    for c in &caches {
+        eventually("a whole sweep", async || audit(c).checks >= entries as u64).await;
+        let a = audit(c);
+        assert_eq!((a.suspects, a.inconsistencies), (0, 0), "{a:?}");
+    }
+
+    let bypassed = ["k7", "k500", "k999"];
+    let at = tokio::time::Instant::now();
+    for k in bypassed {
+        db.write(k, "changed behind its back", 2);
+    }
+    let bound = Duration::from_secs_f64(1.25 * entries as f64 / f64::from(rate))
+        + grace
+        + Duration::from_secs_f64(1.25 * 100.0 / f64::from(rate));
+    for c in &caches {
+        eventually("three inconsistencies", async || {
+            audit(c).inconsistencies >= 3
+        })
+        .await;
+    }
+    let took = at.elapsed();
+    // Room for a loaded machine: the bound is the design's, not a timing
+    // target (docs/benchmarks.md has the measured figures).
+    assert!(
+        took < bound + Duration::from_secs(3),
+        "took {took:?}, bound {bound:?}"
+    );
+    // Two more sweeps: still exactly three, and each repaired.
+    let checks = audit(&caches[0]).checks;
+    eventually("two more sweeps", async || {
+        audit(&caches[0]).checks >= checks + 2 * entries as u64
+    })
+    .await;
+    for c in &caches {
+        let a = audit(c);
+        assert_eq!((a.inconsistencies, a.repairs), (3, 3), "{a:?}");
+        assert!(a.max_stale_age_ms.is_some_and(|ms| ms >= 300), "{a:?}");
+        assert_eq!(a.window_inconsistencies, 3);
+        assert!(a.nines().is_some_and(|n| n > 0.0));
+        for k in bypassed {
+            assert_eq!(c.peek(k).await, None, "{k} repaired by removal");
+            let trace = c.trace(&k.to_owned());
+            assert_eq!(
+                trace.last().map(|r| (r.event, r.version)),
+                Some((TraceEvent::Repaired, Some(2))),
+                "{trace:?}"
+            );
+            let v = c
+                .get_with_versioned(k.to_owned(), || async {
+                    let (v, version) = db.row(k).unwrap();
+                    (v, version)
+                })
+                .await;
+            assert_eq!(v, "changed behind its back");
+        }
+        assert_eq!(c.peek("k8").await.as_deref(), Some("v8"), "untouched");
+    }
+    for n in nodes {
+        n.shutdown().await.unwrap();
+    }
+}
+
+/// Events held back in transit for less than the grace window make
+/// suspects that clear when they land: no inconsistency.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_in_flight_make_suspects_that_clear() {
+    let db = Arc::new(Db::default());
+    let c = audited(&db, |a| {
+        a.rate(5000).batch(50).grace(Duration::from_secs(3))
+    });
+    let transport = FaultyTransport::new(EmbeddedTransport::new());
+    let node = start("n", transport.clone(), &[&c]).await;
+    let publisher = Publisher::new(transport.inner());
+    seed(&db, &publisher, &[&c], 200).await;
+
+    transport.stall(true);
+    for i in 0..50 {
+        let k = format!("k{i}");
+        db.write(&k, "new", 2);
+        publisher
+            .insert_versioned("countries", [(k, "new".to_owned(), Some(2))])
+            .await
+            .unwrap();
+    }
+    eventually("suspects", async || audit(&c).suspects >= 50).await;
+    transport.stall(false);
+    eventually("every event applied", async || {
+        c.peek("k49").await.as_deref() == Some("new")
+    })
+    .await;
+    eventually("every suspect judged", async || {
+        let a = audit(&c);
+        a.suspects_pending == 0 && a.suspects_cleared >= 50
+    })
+    .await;
+    let a = audit(&c);
+    assert_eq!((a.inconsistencies, a.repairs), (0, 0), "{a:?}");
+    node.shutdown().await.unwrap();
+}
+
+/// A source that fails, hangs, or answers for keys it was not asked (or
+/// one twice) is counted, backed off (doubling from one round's pace), and
+/// repairs nothing, even though the bad answers name versions above
+/// everything the node holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_source_is_counted_backed_off_and_repairs_nothing() {
+    for label in [Mode::Fails, Mode::Hangs, Mode::Unasked, Mode::Twice].map(|m| m as u8) {
+        let db = Arc::new(Db::default());
+        // A round every 10 ms while the source answers.
+        let c = audited(&db, |a| {
+            a.rate(1000)
+                .batch(10)
+                .grace(Duration::ZERO)
+                .timeout(Duration::from_millis(20))
+        });
+        let transport = EmbeddedTransport::new();
+        let node = start("n", transport.clone(), &[&c]).await;
+        seed(&db, &Publisher::new(transport.clone()), &[&c], 100).await;
+        eventually("a round", async || audit(&c).source_reads > 0).await;
+        db.mode.store(label, Relaxed);
+        // Every row differs now: only a read that answered could say so.
+        for i in 0..100 {
+            db.write(&format!("k{i}"), "other", 9);
+        }
+        let before = audit(&c);
+        eventually("failures", async || {
+            audit(&c).source_failures >= before.source_failures + 3
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let a = audit(&c);
+        assert_eq!(
+            (a.inconsistencies, a.repairs),
+            (0, 0),
+            "mode {label}: {a:?}"
+        );
+        // Doubling from 10 ms, 1.5 s holds at most 8 reads (10, 20, ... 1280
+        // ms); unbacked, it would be about 150.
+        let reads = a.source_reads - before.source_reads;
+        assert!(reads <= 10, "mode {label}: {reads} reads: {a:?}");
+        assert_eq!(c.iter().count(), 100, "mode {label}");
+        // Back to the truth: every row is behind, and found.
+        db.set(Mode::Truthful);
+        eventually("found once the source answers", async || {
+            audit(&c).inconsistencies == 100
+        })
+        .await;
+        node.shutdown().await.unwrap();
+    }
+}
+
+/// The auditor reads nothing while the node is not ready (here: a cache
+/// registered late is quarantined for the reorder window).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_read_while_the_node_is_not_ready() {
+    let db = Arc::new(Db::default());
+    let c = audited(&db, |a| a.rate(1000).batch(10));
+    let transport = EmbeddedTransport::new();
+    let node = Node::builder("n", transport.clone())
+        .reorder_window(Duration::from_millis(800))
+        .start()
+        .await
+        .unwrap();
+    node.register(&c).await.unwrap();
+    let registered = tokio::time::Instant::now();
+    assert!(!node.is_ready());
+    eventually("ready", async || node.is_ready()).await;
+    assert!(registered.elapsed() >= Duration::from_millis(700));
+    assert_eq!(audit(&c).source_reads, 0, "read while not ready");
+    // An empty cache reads nothing either; one entry, and it is read.
+    db.write("k", "v", 1);
+    c.get_with_versioned("k".to_owned(), || async { ("v".to_owned(), 1) })
+        .await;
+    eventually("a read", async || audit(&c).source_reads > 0).await;
+    node.shutdown().await.unwrap();
+}
+
+/// Values compared, for a source without versions: a local insert that
+/// differs from the source is found, and one that agrees is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_without_versions_is_compared_by_value() {
+    let source: Arc<Mutex<HashMap<String, String>>> = Arc::default();
+    let read = source.clone();
+    let c: Cache = SyncedCache::builder("countries", moka::future::Cache::new(100))
+        .audit(
+            Audit::by_value(move |keys: Vec<String>| {
+                let read = read.clone();
+                async move {
+                    let rows = read.lock().unwrap();
+                    Ok::<_, std::convert::Infallible>(
+                        keys.into_iter()
+                            .map(|k| {
+                                let v = rows.get(&k).cloned();
+                                (k, v)
+                            })
+                            .collect(),
+                    )
+                }
+            })
+            .rate(1000)
+            .batch(10)
+            .grace(Duration::from_millis(100)),
+        )
+        .build()
+        .unwrap();
+    let node = start("n", EmbeddedTransport::new(), &[&c]).await;
+    source.lock().unwrap().insert("a".into(), "1".into());
+    source.lock().unwrap().insert("b".into(), "2".into());
+    c.insert("a".into(), "1".into()).await;
+    c.insert("b".into(), "wrong".into()).await;
+    c.insert("gone".into(), "x".into()).await;
+    eventually("two inconsistencies", async || {
+        audit(&c).inconsistencies == 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let a = audit(&c);
+    assert_eq!(
+        (a.inconsistencies, a.repairs, a.unverified),
+        (2, 2, 0),
+        "{a:?}"
+    );
+    assert_eq!(c.peek("a").await.as_deref(), Some("1"));
+    assert_eq!(c.peek("b").await, None);
+    assert_eq!(c.peek("gone").await, None);
+    node.shutdown().await.unwrap();
+}
+
+/// Held without a version, and values not compared: counted as
+/// unverified, never a suspect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_without_a_version_are_unverified_unless_values_are_compared() {
+    let db = Arc::new(Db::default());
+    let c = audited(&db, |a| a.rate(1000).batch(10).grace(Duration::ZERO));
+    let node = start("n", EmbeddedTransport::new(), &[&c]).await;
+    db.write("k", "source", 5);
+    c.insert("k".into(), "local".into()).await;
+    eventually("unverified", async || audit(&c).unverified >= 2).await;
+    let a = audit(&c);
+    assert_eq!(
+        (a.checks, a.suspects, a.inconsistencies),
+        (0, 0, 0),
+        "{a:?}"
+    );
+    node.shutdown().await.unwrap();
+}
+
+/// Settings out of range are refused at build; the edges are taken.
+#[test]
+fn audit_settings_are_checked_at_build() {
+    let db = Arc::new(Db::default());
+    let build = |f: fn(Audit<String, String>) -> Audit<String, String>| {
+        SyncedCache::builder("c", moka::future::Cache::new(1))
+            .audit(f(db.audit()))
+            .build()
+    };
+    for bad in [
+        build(|a| a.rate(0)),
+        build(|a| a.batch(0)),
+        build(|a| a.batch(10_001)),
+        build(|a| a.timeout(Duration::ZERO)),
+        build(|a| a.timeout(Duration::MAX)),
+        build(|a| a.window(Duration::from_secs(59))),
+        build(|a| a.window(Duration::MAX)),
+    ] {
+        assert!(bad.unwrap_err().is_config());
+    }
+    for good in [
+        build(|a| a.rate(1).batch(1)),
+        build(|a| a.rate(u32::MAX).batch(10_000)),
+        build(|a| a.grace(Duration::ZERO)),
+        build(|a| a.grace(Duration::MAX)),
+        build(|a| a.timeout(Duration::from_millis(1))),
+        build(|a| a.window(Duration::from_secs(60))),
+        build(|a| a.window(Duration::from_secs(30 * 86_400))),
+    ] {
+        good.unwrap();
+    }
+}
+
+/// A grace window of `Duration::MAX` never confirms a suspect (and never
+/// overflows the clock).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endless_grace_window_confirms_nothing() {
+    let db = Arc::new(Db::default());
+    let c = audited(&db, |a| a.rate(1000).batch(10).grace(Duration::MAX));
+    let node = start("n", EmbeddedTransport::new(), &[&c]).await;
+    db.write("k", "new", 7);
+    c.get_with_versioned("k".to_owned(), || async { ("old".to_owned(), 3) })
+        .await;
+    eventually("a suspect", async || audit(&c).suspects_pending == 1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let a = audit(&c);
+    assert_eq!((a.suspects, a.inconsistencies), (1, 0), "{a:?}");
+    node.shutdown().await.unwrap();
+}
