@@ -375,6 +375,7 @@ mod replay {
                 loss_resyncs: 1,
                 quarantined: true,
                 last_latency_us: Some(830),
+                audit: None,
             }],
         };
         let messages = [

@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::status::AuditStatus;
 use crate::transport::Position;
 use crate::util::check_duration;
 
@@ -93,6 +94,10 @@ pub struct CacheHeartbeat {
     /// Publish-to-applied time of the last event, in microseconds.
     #[serde(default)]
     pub last_latency_us: Option<u64>,
+    /// What the cache's consistency auditor found, if it is audited.
+    /// Absent from older nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audit: Option<AuditStatus>,
 }
 
 /// Checks a heartbeat interval setting: 10 ms to 1 h, or `Duration::MAX`

@@ -30,6 +30,7 @@ fn cache(name: &str, version: Option<u64>) -> CacheHeartbeat {
         loss_resyncs: 0,
         quarantined: false,
         last_latency_us: None,
+        audit: None,
     }
 }
 

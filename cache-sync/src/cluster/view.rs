@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 use super::members::{CacheIndex, Member, Members};
+use crate::status::AuditStatus;
 use crate::transport::Position;
 use crate::util::HashMap;
 
@@ -90,6 +91,10 @@ pub struct NodeCacheView {
     pub quarantined: bool,
     /// Publish-to-applied time of its last event, in microseconds.
     pub last_latency_us: Option<u64>,
+    /// What its consistency auditor found there, if the cache is audited
+    /// on that node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audit: Option<AuditStatus>,
 }
 
 /// A node that stopped sending heartbeats.
@@ -382,6 +387,7 @@ pub(super) fn build(
                     loss_resyncs: c.loss_resyncs,
                     quarantined: c.quarantined,
                     last_latency_us: c.last_latency_us,
+                    audit: c.audit.as_deref().cloned(),
                 }
             })
             .collect();

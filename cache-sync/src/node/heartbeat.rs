@@ -218,6 +218,7 @@ impl Shared {
                     loss_resyncs: c.loss_resyncs,
                     quarantined: c.quarantined,
                     last_latency_us: c.last_latency_us,
+                    audit: c.audit,
                 })
                 .collect(),
         }

@@ -17,7 +17,7 @@ use prometheus_client::registry::{Registry, Unit};
 
 use super::Node;
 use crate::cluster::{ClusterView, NodeView};
-use crate::status::{CacheStatus, NodeStatus};
+use crate::status::{AuditStatus, CacheStatus, NodeStatus};
 use crate::util::HashSet;
 
 /// Every family's name starts with this (and `_`).
@@ -245,6 +245,90 @@ const CACHE_GAUGES: [CacheGauge; 4] = [
     ),
 ];
 
+/// A per-cache counter of the consistency auditor, as [`CacheCounter`];
+/// only audited caches have a sample.
+type AuditCounter = (&'static str, &'static str, fn(&AuditStatus) -> u64);
+
+const AUDIT_COUNTERS: [AuditCounter; 9] = [
+    (
+        "cache_audit_checks",
+        "Entries the auditor compared with the source of truth and judged.",
+        |a| a.checks,
+    ),
+    (
+        "cache_audit_suspects",
+        "Entries found behind the source, to be read again after the grace window.",
+        |a| a.suspects,
+    ),
+    (
+        "cache_audit_suspects_cleared",
+        "Suspects explained within the grace window (the key written, the cache cleared, or the source agreeing).",
+        |a| a.suspects_cleared,
+    ),
+    (
+        "cache_audit_inconsistencies",
+        "Entries still behind the source, unchanged, after the grace window.",
+        |a| a.inconsistencies,
+    ),
+    (
+        "cache_audit_repairs",
+        "Inconsistent entries removed by the auditor.",
+        |a| a.repairs,
+    ),
+    (
+        "cache_audit_unverified",
+        "Entries the auditor could not judge (no version and values not compared, or left out of the source's answer).",
+        |a| a.unverified,
+    ),
+    (
+        "cache_audit_source_reads",
+        "Reads of the source of truth by the auditor.",
+        |a| a.source_reads,
+    ),
+    (
+        "cache_audit_source_failures",
+        "Auditor reads of the source that failed, timed out or answered for keys not asked.",
+        |a| a.source_failures,
+    ),
+    (
+        "cache_audit_sweeps",
+        "Sweeps begun over the cache's entries.",
+        |a| a.sweeps,
+    ),
+];
+
+/// A per-cache gauge of the auditor: family, help, and the value (`None`:
+/// no sample).
+type AuditGauge = (&'static str, &'static str, fn(&AuditStatus) -> Option<f64>);
+
+const AUDIT_GAUGES: [AuditGauge; 5] = [
+    (
+        "cache_audit_suspects_pending",
+        "Suspects waiting out the grace window now.",
+        |a| Some(a.suspects_pending as f64),
+    ),
+    (
+        "cache_audit_max_stale_age_seconds",
+        "The longest an inconsistent entry had been seen behind the source when it was repaired (a lower bound on how long it was stale).",
+        |a| a.max_stale_age_ms.map(|ms| ms as f64 / 1e3),
+    ),
+    (
+        "cache_audit_window_checks",
+        "Checks in the auditor's sliding window (cache_audit_window_seconds).",
+        |a| Some(a.window_checks as f64),
+    ),
+    (
+        "cache_audit_window_inconsistencies",
+        "Inconsistencies in the auditor's sliding window (cache_audit_window_seconds).",
+        |a| Some(a.window_inconsistencies as f64),
+    ),
+    (
+        "cache_audit_consistency_nines",
+        "-log10(inconsistencies / checks) over the sliding window; with none found, log10(checks), a lower bound. No sample before the first check.",
+        AuditStatus::nines,
+    ),
+];
+
 /// A node-wide counter, as [`CacheCounter`].
 type NodeCounter = (&'static str, &'static str, fn(&NodeStatus) -> u64);
 
@@ -325,6 +409,41 @@ impl Collector for NodeCollector {
                 if let Some(v) = field(cache) {
                     ConstGauge::new(v)
                         .encode(family.encode_family(&[("cache", cache.name.as_str())])?)?;
+                }
+            }
+        }
+        let audited: Vec<(&str, &AuditStatus)> = caches
+            .iter()
+            .filter_map(|c| Some((c.name.as_str(), c.audit.as_ref()?)))
+            .collect();
+        if !audited.is_empty() {
+            for (name, help, field) in AUDIT_COUNTERS {
+                let mut family =
+                    encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+                for (cache, audit) in &audited {
+                    ConstCounter::new(field(audit))
+                        .encode(family.encode_family(&[("cache", *cache)])?)?;
+                }
+            }
+            let mut family = encoder.encode_descriptor(
+                "cache_audit_window_seconds",
+                "The auditor's sliding window, over which its window counts and nines are taken.",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (cache, audit) in &audited {
+                ConstGauge::new(audit.window_s)
+                    .encode(family.encode_family(&[("cache", *cache)])?)?;
+            }
+            for (name, help, field) in AUDIT_GAUGES {
+                if audited.iter().all(|(_, a)| field(a).is_none()) {
+                    continue;
+                }
+                let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+                for (cache, audit) in &audited {
+                    if let Some(v) = field(audit) {
+                        ConstGauge::new(v).encode(family.encode_family(&[("cache", *cache)])?)?;
+                    }
                 }
             }
         }
@@ -504,6 +623,70 @@ mod tests {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr),
         );
+    }
+
+    /// An audited cache has the auditor's families, with the values its
+    /// status reports; a cache that is not audited has no sample in them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_audited_cache_reports_its_auditor() {
+        let source = std::sync::Arc::new(std::sync::Mutex::new(Some("right".to_owned())));
+        let read = source.clone();
+        let a: Cache =
+            SyncedCache::builder("a", moka::future::Cache::new(10))
+                .audit(
+                    crate::Audit::by_value(move |keys: Vec<String>| {
+                        let row = read.lock().unwrap().clone();
+                        async move {
+                            Ok::<_, String>(keys.into_iter().map(|k| (k, row.clone())).collect())
+                        }
+                    })
+                    .rate(1000)
+                    .batch(10)
+                    .grace(std::time::Duration::ZERO),
+                )
+                .build()
+                .unwrap();
+        let b = cache("b");
+        let node = Node::builder("n1", EmbeddedTransport::new())
+            .reorder_window(std::time::Duration::ZERO)
+            .register(&a)
+            .register(&b)
+            .start()
+            .await
+            .unwrap();
+        a.insert("k".into(), "wrong".into()).await;
+        eventually("an inconsistency", async || {
+            a.status().audit.unwrap().inconsistencies == 1
+        })
+        .await;
+        let text = scrape(&node).await;
+        promtool_check(&text);
+        let s = samples(&text);
+        let audit = a.status().audit.unwrap();
+        for (family, want) in [
+            ("cache_sync_cache_audit_inconsistencies_total", 1.0),
+            ("cache_sync_cache_audit_repairs_total", 1.0),
+            ("cache_sync_cache_audit_window_inconsistencies", 1.0),
+            ("cache_sync_cache_audit_window_seconds", 3600.0),
+        ] {
+            assert_eq!(
+                value(&s, &format!(r#"{family}{{cache="a"}}"#)),
+                want,
+                "{family}"
+            );
+            assert!(!s.contains_key(&format!(r#"{family}{{cache="b"}}"#)));
+        }
+        assert!(value(&s, r#"cache_sync_cache_audit_checks_total{cache="a"}"#) >= 1.0);
+        assert!(
+            value(
+                &s,
+                r#"cache_sync_cache_audit_source_reads_total{cache="a"}"#
+            ) >= 1.0
+        );
+        assert!(s.contains_key(r#"cache_sync_cache_audit_max_stale_age_seconds{cache="a"}"#));
+        let nines = value(&s, r#"cache_sync_cache_audit_consistency_nines{cache="a"}"#);
+        assert!(nines >= 0.0 && audit.nines().is_some(), "{nines} {audit:?}");
+        node.shutdown().await.unwrap();
     }
 
     /// Two caches, events published one at a time (so each is a run of its

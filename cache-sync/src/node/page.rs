@@ -138,6 +138,10 @@ struct Cell<'a> {
     entries: u64,
     resyncs: u64,
     quarantined: bool,
+    /// The auditor's findings in words, empty where the cache is not
+    /// audited; `inconsistent` when it found any in its window.
+    audit: String,
+    inconsistent: bool,
 }
 
 struct Gone<'a> {
@@ -319,6 +323,8 @@ fn row<'a>(n: &'a NodeView, observer: &str, columns: Option<&[Column<'a>]>) -> R
                         entries: 0,
                         resyncs: 0,
                         quarantined: false,
+                        audit: String::new(),
+                        inconsistent: false,
                     },
                 })
                 .collect();
@@ -370,7 +376,32 @@ fn cell(c: &NodeCacheView) -> Cell<'_> {
         entries: c.entries,
         resyncs: c.loss_resyncs,
         quarantined: c.quarantined,
+        audit: c.audit.as_ref().map_or_else(String::new, audit_words),
+        inconsistent: c
+            .audit
+            .as_ref()
+            .is_some_and(|a| a.window_inconsistencies > 0),
     }
+}
+
+/// "audited: 2 inconsistent in 10000 checks over 1 h (3.7 nines); 1
+/// suspect pending".
+pub(crate) fn audit_words(a: &crate::status::AuditStatus) -> String {
+    let window = human_ms(a.window_s.saturating_mul(1000));
+    let nines = a
+        .nines()
+        .map_or_else(String::new, |n| format!(" ({n:.1} nines)"));
+    let mut words = format!(
+        "audited: {} inconsistent in {} checks over {window}{nines}",
+        a.window_inconsistencies, a.window_checks
+    );
+    if a.suspects_pending > 0 {
+        words.push_str(&format!("; {} suspect(s) pending", a.suspects_pending));
+    }
+    if a.source_failures > 0 {
+        words.push_str(&format!("; {} failed source read(s)", a.source_failures));
+    }
+    words
 }
 
 /// "850 ms", "4.2 s", "3 min 5 s", "2 h 10 min": precise where it matters
@@ -535,6 +566,7 @@ mod tests {
             loss_resyncs: 1,
             quarantined: false,
             last_latency_us: None,
+            audit: None,
         };
         let node = |id: &str, ready, c: NodeCacheView| NodeView {
             node_id: id.into(),
@@ -612,6 +644,7 @@ mod tests {
                     loss_resyncs: 0,
                     quarantined: false,
                     last_latency_us: None,
+                    audit: None,
                 })
                 .collect(),
         }

@@ -59,7 +59,7 @@ pub(crate) fn verdict(view: &ClusterView, max_lag: Duration) -> Verdict {
     )
 }
 
-const HEADER: [&str; 8] = [
+const HEADER: [&str; 9] = [
     "NODE",
     "CACHE",
     "VERSION",
@@ -68,12 +68,13 @@ const HEADER: [&str; 8] = [
     "READY",
     "LOSSES",
     "HEARTBEAT",
+    "AUDIT",
 ];
 
 /// The table: one row per node and cache (a node without caches gets one
 /// row), the lagging ones marked with `*`, then the nodes gone lately.
 pub(crate) fn render(view: &ClusterView) -> String {
-    let mut rows: Vec<[String; 8]> = Vec::new();
+    let mut rows: Vec<[String; 9]> = Vec::new();
     for node in &view.nodes {
         let mark = if node.lagging { "* " } else { "  " };
         let ready = match (node.ready, node.consuming) {
@@ -82,7 +83,7 @@ pub(crate) fn render(view: &ClusterView) -> String {
             (false, false) => "no (not consuming)",
         };
         let age = show(Duration::from_millis(node.age_ms));
-        let node_cells = |cache: String, version, lag, behind| {
+        let node_cells = |cache: String, version, lag, behind, audit| {
             [
                 format!("{mark}{}", node.node_id),
                 cache,
@@ -92,10 +93,17 @@ pub(crate) fn render(view: &ClusterView) -> String {
                 ready.to_owned(),
                 node.losses.to_string(),
                 age.clone(),
+                audit,
             ]
         };
         if node.caches.is_empty() {
-            rows.push(node_cells("-".into(), "-".into(), "-".into(), "-".into()));
+            rows.push(node_cells(
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+            ));
         }
         for c in &node.caches {
             let version = c.version.map_or_else(|| "-".into(), |v| v.to_string());
@@ -105,7 +113,22 @@ pub(crate) fn render(view: &ClusterView) -> String {
                 (_, Some(ms)) => show(Duration::from_millis(ms)),
                 (_, None) => "?".into(),
             };
-            rows.push(node_cells(c.name.clone(), version, lag, behind));
+            // Inconsistencies of checks over the auditor's window.
+            let audit = c.audit.as_ref().map_or_else(
+                || "-".into(),
+                |a| {
+                    let nines = a
+                        .nines()
+                        .map_or_else(String::new, |n| format!(", {n:.1} nines"));
+                    format!(
+                        "{} of {} in {}{nines}",
+                        a.window_inconsistencies,
+                        a.window_checks,
+                        show(Duration::from_secs(a.window_s))
+                    )
+                },
+            );
+            rows.push(node_cells(c.name.clone(), version, lag, behind, audit));
         }
     }
     let mut out = String::new();
@@ -124,7 +147,7 @@ pub(crate) fn render(view: &ClusterView) -> String {
         let header = HEADER.map(String::from);
         // Widths in characters, not bytes, so that names in any script
         // line up as well as a monospace terminal allows.
-        let mut widths = [0usize; 8];
+        let mut widths = [0usize; 9];
         for row in std::iter::once(&header).chain(&rows) {
             for (w, cell) in widths.iter_mut().zip(row) {
                 *w = (*w).max(cell.chars().count());
@@ -298,5 +321,35 @@ mod tests {
         assert_eq!(at(rows[0], "CACHE"), at(rows[1], "Länder"), "{table}");
         assert_eq!(at(rows[0], "CACHE"), at(rows[2], "c "), "{table}");
         assert!(table.contains("ノード 二"));
+    }
+
+    #[test]
+    fn an_audited_cache_shows_its_findings() {
+        let mut audited = cache("countries", Some(4), Some(0), Some(0));
+        audited.audit = Some(
+            serde_json::from_value(serde_json::json!({
+                "checks": 1000, "suspects": 3, "suspects_cleared": 1, "suspects_pending": 0,
+                "inconsistencies": 2, "repairs": 2, "unverified": 0, "source_reads": 10,
+                "source_failures": 0, "sweeps": 1, "last_stale_age_ms": 13000,
+                "max_stale_age_ms": 13000, "window_s": 3600, "window_checks": 1000,
+                "window_inconsistencies": 2,
+            }))
+            .unwrap(),
+        );
+        let v = view(
+            vec![
+                node("a", vec![audited]),
+                node("b", vec![cache("countries", Some(4), Some(0), Some(0))]),
+            ],
+            vec![],
+        );
+        let table = render(&v);
+        let rows: Vec<&str> = table.lines().skip(1).collect();
+        assert!(rows[0].ends_with("AUDIT"), "{table}");
+        assert!(
+            rows[1].ends_with("2 of 1000 in 1.0 h, 2.7 nines"),
+            "{table}"
+        );
+        assert!(rows[2].ends_with(" -"), "{table}");
     }
 }

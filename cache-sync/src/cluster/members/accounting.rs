@@ -62,6 +62,9 @@ pub(super) fn summary_bytes(h: &Heartbeat) -> (usize, usize) {
     let mut names = 0usize;
     for c in &h.caches {
         own = own.saturating_add(CACHE_FIXED);
+        if c.audit.is_some() {
+            own = own.saturating_add(size_of::<crate::status::AuditStatus>());
+        }
         names = names
             .saturating_add(ARC_HEADER)
             .saturating_add(c.name.len());

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use crate::cluster::{CacheHeartbeat, Heartbeat};
+use crate::status::AuditStatus;
 use crate::transport::{Offset, Position};
 
 /// One live node, as its last heartbeat described it.
@@ -50,6 +51,8 @@ pub(in crate::cluster) struct StoredCache {
     pub(in crate::cluster) loss_resyncs: u64,
     pub(in crate::cluster) last_latency_us: Option<u64>,
     pub(in crate::cluster) quarantined: bool,
+    /// Boxed: most caches are not audited, and their slot stays small.
+    pub(in crate::cluster) audit: Option<Box<AuditStatus>>,
 }
 
 /// Keeps the first cache of each name, in name order.
@@ -69,6 +72,7 @@ impl StoredCache {
             loss_resyncs: c.loss_resyncs,
             last_latency_us: c.last_latency_us,
             quarantined: c.quarantined,
+            audit: c.audit.map(Box::new),
         }
     }
 }
@@ -155,6 +159,7 @@ impl Member {
                     loss_resyncs: c.loss_resyncs,
                     quarantined: c.quarantined,
                     last_latency_us: c.last_latency_us,
+                    audit: c.audit.as_deref().cloned(),
                 })
                 .collect(),
         }

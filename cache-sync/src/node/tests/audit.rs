@@ -432,3 +432,56 @@ async fn an_endless_grace_window_confirms_nothing() {
     assert_eq!((a.suspects, a.inconsistencies), (1, 0), "{a:?}");
     node.shutdown().await.unwrap();
 }
+
+/// What one node's auditor found travels in its heartbeat: another node's
+/// cluster view (JSON) and page show it, and a cache not audited shows none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_view_and_page_show_each_nodes_audit() {
+    use axum::body::Body;
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    let db = Arc::new(Db::default());
+    let audited_cache = audited(&db, |a| a.rate(1000).batch(10).grace(Duration::ZERO));
+    let plain = cache("countries");
+    let transport = EmbeddedTransport::new();
+    let a = start("a", transport.clone(), &[&audited_cache]).await;
+    let b = start("b", transport.clone(), &[&plain]).await;
+    db.write("k", "new", 2);
+    audited_cache
+        .get_with_versioned("k".to_owned(), || async { ("old".to_owned(), 1) })
+        .await;
+    eventually("b sees a's inconsistency", async || {
+        b.cluster().view().nodes.iter().any(|n| {
+            n.node_id == "a"
+                && n.caches[0]
+                    .audit
+                    .as_ref()
+                    .is_some_and(|x| x.inconsistencies == 1 && x.window_checks >= 1)
+        })
+    })
+    .await;
+    let view = b.cluster().view();
+    let of_b = view.nodes.iter().find(|n| n.node_id == "b").unwrap();
+    assert_eq!(of_b.caches[0].audit, None);
+    let json = serde_json::to_value(&view).unwrap();
+    assert!(json.to_string().contains("\"inconsistencies\":1"), "{json}");
+
+    let response = b
+        .status_router()
+        .oneshot(
+            axum::http::Request::get("/cache-sync/")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let html = response.into_body().collect().await.unwrap().to_bytes();
+    let html = String::from_utf8(html.to_vec()).unwrap();
+    assert!(
+        html.contains("audited: 1 inconsistent in 1 checks over 1 h 0 min"),
+        "{html}"
+    );
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+}
