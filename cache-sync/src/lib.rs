@@ -294,6 +294,31 @@
 //!   (settling, not reading the channel, or full to its bounds) never calls
 //!   a publish complete.
 //!
+//! ## Auditing against the source of truth
+//! A cache built with an [`Audit`] ([`SyncedCacheBuilder::audit`]) is
+//! compared with the source of truth by the node that holds it, while the
+//! node is ready, at most [`Audit::rate`] keys a second:
+//! - An entry the node knows at a version below the source's row (or, where
+//!   values are compared, with another value) is a suspect. A suspect whose
+//!   key is written, or whose cache is cleared, before it is judged is
+//!   explained and cleared.
+//! - After the [grace window](Audit::grace), counted from when the
+//!   suspect was found or the node was last not ready, it is read again.
+//!   It is an inconsistency only if the node still holds the very same
+//!   entry, the source still differs, and a marker the node publishes on
+//!   the cache's route comes back through its own subscription (everything
+//!   published there before it has then been delivered): a stalled link
+//!   makes suspects wait, never inconsistencies. Each inconsistency is
+//!   counted, logged with the key's trace, and repaired by removing the
+//!   entry, unless the key was written meanwhile.
+//! - A write that bypassed the publishers is found within a sweep of the
+//!   cache (at most 1.25 × entries ÷ rate, plus the time the source's
+//!   reads take), the grace window, and a round (1.25 × batch ÷ rate),
+//!   plus the marker's round trip.
+//! - A writer that publishes later than the grace window after it commits
+//!   (an outbox relay far behind) is reported as inconsistent: raise the
+//!   grace window above that delay.
+//!
 //! ## Probes
 //! `GET /livez` answers 200 while the node's consume task runs (also while
 //! its broker is down: a restart would not bring the broker back).

@@ -1,6 +1,7 @@
 //! Cluster-view scenarios, run on every transport through the conformance
 //! [`Fixture`]s: heartbeats make every node visible to every party within
-//! two intervals, an acknowledged publish completes, a node that stops is
+//! two intervals, an acknowledged publish completes, a key probe finds
+//! every node at the last version, a node that stops is
 //! gone after three intervals, and readiness follows a paused broker.
 
 use std::time::Duration;
@@ -130,6 +131,20 @@ pub async fn converges_and_acknowledges(fixture: &mut dyn Fixture) {
             "{name}: {acks:?}"
         );
     }
+    // The key probe (issue 24), over the same channel: every node holds
+    // the key at the last version.
+    let probe = watcher
+        .probe("countries", "de", Duration::from_secs(10))
+        .await
+        .unwrap_or_else(|e| panic!("{name}: probe: {e}"));
+    assert!(probe.is_complete() && probe.agrees(), "{name}: {probe}");
+    let states: Vec<_> = probe
+        .nodes
+        .iter()
+        .map(|n| n.state.as_ref().map(|s| (s.held, s.version)))
+        .collect();
+    assert_eq!(states, vec![Some((true, Some(3))); 3], "{name}: {probe}");
+    eprintln!("{name}: {probe}");
     for (node, _) in &nodes {
         let s = node.status();
         assert_eq!(s.heartbeats_rejected, 0, "{name}");

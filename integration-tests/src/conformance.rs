@@ -254,9 +254,10 @@ impl Cluster {
         let mut gate = None;
         let mut nodes = Vec::new();
         let mut dirs = Vec::new();
+        let db: Arc<Db> = Arc::default();
         for i in 0..n {
             let dir = tempfile::tempdir().expect("node dir");
-            nodes.push(start_node(fixture, i, dir.path(), &mut gate).await);
+            nodes.push(start_node(fixture, i, dir.path(), &mut gate, &db).await);
             dirs.push(dir);
         }
         let mut admins = Vec::new();
@@ -272,7 +273,7 @@ impl Cluster {
             .build()
             .expect("publisher");
         Self {
-            db: Arc::default(),
+            db,
             nodes,
             admins,
             fencer,
@@ -368,7 +369,11 @@ impl Cluster {
     /// Starts node `i` again from its saved position, with fresh caches (a
     /// new process).
     pub async fn restart_node(&mut self, fixture: &dyn Fixture, i: usize) {
-        self.nodes[i] = start_node(fixture, i, self.dirs[i].path(), &mut self.gate).await;
+        let old = std::mem::replace(
+            &mut self.nodes[i],
+            start_node(fixture, i, self.dirs[i].path(), &mut self.gate, &self.db).await,
+        );
+        assert_consistent(&old);
     }
 
     /// Stops node 0 reading: it keeps running, caches and all, and holds
@@ -416,8 +421,29 @@ impl Cluster {
     pub async fn shutdown(self) {
         for n in self.nodes {
             let _ = n.node.shutdown().await;
+            assert_consistent(&n);
         }
     }
+
+    /// Checks made by every node's auditor so far.
+    pub fn audit_checks(&self) -> u64 {
+        self.nodes
+            .iter()
+            .map(|n| n.table.status().audit.map_or(0, |a| a.checks))
+            .sum()
+    }
+}
+
+/// No node's auditor found an inconsistency: with no write bypassing the
+/// publishers, one would be a false positive, whatever the faults.
+fn assert_consistent(node: &TestNode) {
+    let audit = node.table.status().audit.expect("audited");
+    assert_eq!(
+        audit.inconsistencies,
+        0,
+        "{}'s auditor counted inconsistencies with no write bypassing the publishers: {audit:?}",
+        node.node.id()
+    );
 }
 
 async fn start_node(
@@ -425,6 +451,7 @@ async fn start_node(
     i: usize,
     dir: &std::path::Path,
     gate: &mut Option<FaultyTransport>,
+    db: &Arc<Db>,
 ) -> TestNode {
     let mut transport = fixture.transport().await;
     if i == 0 {
@@ -437,9 +464,12 @@ async fn start_node(
         transport = Arc::new(gated);
     }
     let store = FileOffsetStore::new(dir);
-    TestNode::start(&format!("node-{i}"), transport, |b| {
-        fixture.configure(b).offset_store(store)
-    })
+    TestNode::start_audited(
+        &format!("node-{i}"),
+        transport,
+        |b| fixture.configure(b).offset_store(store),
+        db,
+    )
     .await
     .expect("start node")
 }
@@ -489,6 +519,11 @@ pub async fn normal_path(fixture: &mut dyn Fixture) {
     let mut cluster = Cluster::start(fixture, 3).await;
     cluster.workload(&mut rng, 300).await;
     cluster.converge().await;
+    // The auditors ran (each scenario's end checks they found nothing).
+    crate::eventually("the auditors check entries", async || {
+        cluster.audit_checks() > 0
+    })
+    .await;
     for node in &cluster.nodes {
         let s = node.node.status();
         assert_eq!(

@@ -100,13 +100,15 @@ pub(crate) trait CacheHandle: Send + Sync {
     fn audit_first_wait(&self) -> Option<Duration>;
     /// One round of the cache's auditor (see `audit.rs`), with the grace
     /// window the node gives by default, the last time the node was not
-    /// ready, and a check that it is ready now; returns how long to wait
-    /// before the next, or `None` when the cache is not audited.
+    /// ready, a check that it is ready now, and the node's round trip on
+    /// the cache's route; returns how long to wait before the next, or
+    /// `None` when the cache is not audited.
     async fn audit_round(
         &self,
         default_grace: Duration,
         settled_since: tokio::time::Instant,
         ready: &(dyn Fn() -> bool + Send + Sync),
+        round_trip: super::RoundTrip<'_>,
     ) -> Option<Duration>;
 }
 
@@ -271,8 +273,9 @@ where
         default_grace: Duration,
         settled_since: tokio::time::Instant,
         ready: &(dyn Fn() -> bool + Send + Sync),
+        round_trip: super::RoundTrip<'_>,
     ) -> Option<Duration> {
-        Inner::audit_round(self, default_grace, settled_since, ready).await
+        Inner::audit_round(self, default_grace, settled_since, ready, round_trip).await
     }
 
     fn latency(&self) -> LatencyHistogram {

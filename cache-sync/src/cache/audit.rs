@@ -30,6 +30,13 @@ type Rows<K, V> = Vec<(K, Option<Row<V>>)>;
 type ReadFuture<K, V> = Pin<Box<dyn Future<Output = Result<Rows<K, V>, String>> + Send>>;
 type Read<K, V> = Arc<dyn Fn(Vec<K>) -> ReadFuture<K, V> + Send + Sync>;
 
+/// The node's round trip on the cache's route (`node/audit.rs`): whether a
+/// marker it publishes now comes back through its own subscription within
+/// the time given, which shows that everything published on that route
+/// before it has been delivered.
+pub(crate) type RoundTrip<'a> =
+    &'a (dyn Fn(Duration) -> Pin<Box<dyn Future<Output = bool> + Send + 'a>> + Send + Sync);
+
 /// The most keys one read of the source asks for.
 pub(crate) const MAX_AUDIT_BATCH: usize = 10_000;
 
@@ -451,6 +458,7 @@ where
         default_grace: Duration,
         settled_since: Instant,
         ready: &(dyn Fn() -> bool + Send + Sync),
+        round_trip: RoundTrip<'_>,
     ) -> Option<Duration> {
         let auditor = self.audit.as_ref()?;
         let audit = &auditor.audit;
@@ -531,7 +539,7 @@ where
         };
         lock(&auditor.state).backoff = Backoff::new(Duration::ZERO, Duration::ZERO);
         let same = audit.same;
-        let (mut checks, mut found) = (0u64, 0u64);
+        let mut checks = 0u64;
         for (key, entry) in held {
             let Some(row) = rows.remove(&key) else {
                 auditor.stats.unverified.fetch_add(1, Relaxed);
@@ -555,6 +563,7 @@ where
                 }
             }
         }
+        let mut behind = Vec::new();
         for (key, suspect) in due {
             let Some(row) = rows.remove(&key) else {
                 // Not answered: it waits for the next read.
@@ -567,18 +576,32 @@ where
                 }
                 _ => false,
             };
-            if !still {
+            if still {
+                behind.push((key, suspect, row.and_then(|(_, v)| v)));
+            } else {
                 auditor.stats.cleared.fetch_add(1, Relaxed);
-                continue;
             }
-            if !ready() {
-                // Not ready now: the node may be missing the very event.
+        }
+        // Still behind past the grace window. Before it counts, the node
+        // shows that its link delivers: a marker it publishes now on the
+        // cache's route must come back through its own subscription, after
+        // everything published there before it. A stalled link (a paused
+        // broker, a partition, a consumer held up) that still looks ready
+        // does not return it, and the suspects wait.
+        let confirmed = !behind.is_empty() && ready() && round_trip(audit.timeout).await && ready();
+        let mut found = 0u64;
+        for (key, suspect, source_version) in behind {
+            let moved = lock(&self.table).superseded(&key, suspect.token);
+            if moved {
+                // Written while the marker travelled: the event it waited for.
+                auditor.stats.cleared.fetch_add(1, Relaxed);
+            } else if confirmed {
+                found = found.saturating_add(1);
+                self.inconsistent(auditor, key, suspect, source_version)
+                    .await;
+            } else {
                 lock(&auditor.state).suspects.insert(key, suspect);
-                continue;
             }
-            found = found.saturating_add(1);
-            self.inconsistent(auditor, key, suspect, row.and_then(|(_, v)| v))
-                .await;
         }
         lock(&auditor.state)
             .window

@@ -28,7 +28,7 @@ mod write;
 pub(crate) use apply::{CacheHandle, Event};
 pub use audit::Audit;
 use audit::Auditor;
-pub(crate) use audit::{AUDIT_MARGIN, first_wait};
+pub(crate) use audit::{AUDIT_MARGIN, RoundTrip, first_wait};
 pub use builder::SyncedCacheBuilder;
 use load::{Flight, FlightGuard, SharedError};
 use park::Pins;

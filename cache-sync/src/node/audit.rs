@@ -4,17 +4,112 @@
 //! is ready; a suspect's grace window counts from the last moment it was
 //! not.
 
-use std::sync::Arc;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use super::Shared;
 use crate::cache::{AUDIT_MARGIN, CacheHandle};
 use crate::publish::DEFAULT_ANNOUNCE_INTERVAL;
-use crate::util::{HashSet, deadline_after};
+use crate::util::{HashMap, HashSet, deadline_after, lock, now_us};
+use crate::wire::{Change, Header, HeaderExt, Origin};
+
+/// The markers an auditor sends round before it counts an inconsistency:
+/// announcements numbered 0 (which vouch for nothing, so every node passes
+/// them by) from a publisher id of this node's own, sent on the cache's
+/// route and awaited on the node's own subscription.
+pub(super) struct Markers {
+    /// The publisher id they carry: random, as every publisher's is.
+    pub(super) id: u64,
+    next: AtomicU64,
+    /// Per cache, the highest marker number that came back. The caches
+    /// are the node's own, so the map is bounded by registration.
+    back: Mutex<HashMap<String, u64>>,
+    arrived: Notify,
+}
+
+impl Markers {
+    pub(super) fn new() -> Self {
+        Self {
+            id: RandomState::new().hash_one((std::process::id(), now_us())),
+            next: AtomicU64::new(0),
+            back: Mutex::default(),
+            arrived: Notify::new(),
+        }
+    }
+
+    /// A marker came back for `cache` (its number travels where an
+    /// announcement's send time would).
+    pub(super) fn returned(&self, cache: &str, n: u64) {
+        let mut back = lock(&self.back);
+        match back.get_mut(cache) {
+            Some(seen) => *seen = (*seen).max(n),
+            None => {
+                back.insert(cache.to_owned(), n);
+            }
+        }
+        drop(back);
+        self.arrived.notify_waiters();
+    }
+
+    fn came_back(&self, cache: &str, n: u64) -> bool {
+        lock(&self.back).get(cache).is_some_and(|&seen| seen >= n)
+    }
+}
+
+/// Publishes a marker on `cache`'s route and waits, up to `timeout`, for it
+/// to come back through the node's subscription. One cache's markers go
+/// one at a time (its auditor waits for each), so the highest number back
+/// says whether this one is.
+async fn round_trip(shared: &Shared, cache: &str, timeout: Duration) -> bool {
+    let markers = &shared.markers;
+    let n = markers.next.fetch_add(1, Relaxed).saturating_add(1);
+    let header = Header {
+        cache,
+        origin: Origin(shared.id.as_bytes()),
+        publisher: markers.id,
+        seq: 0,
+        published_at_us: n,
+    };
+    let payload = match shared
+        .codec
+        .seal_ext(&header, &HeaderExt::default(), &Change::ANNOUNCE)
+    {
+        Ok(payload) => payload,
+        Err(e) => {
+            tracing::warn!(node = %shared.id, %cache, error = %e, "audit: cannot seal a marker");
+            return false;
+        }
+    };
+    let deadline = deadline_after(timeout);
+    let publish = shared
+        .transport
+        .publish(&shared.topic, cache, bytes::Bytes::from(payload));
+    match tokio::time::timeout_at(deadline, publish).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => {
+            tracing::debug!(node = %shared.id, %cache, error = %e, "audit: a marker was not published");
+            return false;
+        }
+        Err(_) => return false,
+    }
+    loop {
+        let arrived = markers.arrived.notified();
+        tokio::pin!(arrived);
+        arrived.as_mut().enable();
+        if markers.came_back(cache, n) {
+            return true;
+        }
+        if tokio::time::timeout_at(deadline, arrived).await.is_err() {
+            return markers.came_back(cache, n);
+        }
+    }
+}
 
 /// How often an auditor looks at the node's readiness between rounds, so
 /// a short spell of not being ready is not missed while a round waits.
@@ -68,7 +163,13 @@ async fn audit_cache(
         if !ready() {
             settled_since = now;
         } else if now >= next {
-            let round = cache.audit_round(grace, settled_since, &ready);
+            let name = cache.name().to_owned();
+            let trip = |timeout| {
+                let fut: std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send + '_>> =
+                    Box::pin(round_trip(&shared, &name, timeout));
+                fut
+            };
+            let round = cache.audit_round(grace, settled_since, &ready, &trip);
             let wait = tokio::select! {
                 _ = stop.wait_for(|s| *s) => break,
                 wait = round => wait,

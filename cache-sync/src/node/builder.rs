@@ -320,6 +320,7 @@ impl NodeBuilder {
             alive: AtomicBool::new(false),
             caught_up: AtomicBool::new(false),
             ack_queue: AckQueue::default(),
+            markers: super::audit::Markers::new(),
             probes_in_flight: std::sync::atomic::AtomicUsize::new(0),
             id: self.id,
             topic: self.topic,

@@ -83,6 +83,12 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
         let mut change = opened.change();
         let prior = || prior(&opened.ext, received, cache);
         if let Ok(ChangeView::Announce) = change {
+            if header.seq == 0 && header.publisher == shared.markers.id {
+                // One of this node's auditor markers, back (`audit.rs`).
+                shared
+                    .markers
+                    .returned(header.cache, header.published_at_us);
+            }
             // Authentic (or the node does not verify), like every event:
             // a forged announcement is refused above and changes nothing.
             let deadline = deadline_after(shared.config.reorder_window);

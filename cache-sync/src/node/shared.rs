@@ -63,6 +63,8 @@ pub(super) struct Shared {
     /// them in and sends the answers, and the consume task, which decides
     /// when each is met.
     pub(super) ack_queue: acks::AckQueue,
+    /// The auditors' round-trip markers (see `audit.rs`).
+    pub(super) markers: super::audit::Markers,
     /// Key probes being answered now (see `heartbeat::answer_probe`).
     pub(super) probes_in_flight: std::sync::atomic::AtomicUsize,
     pub(super) started_at_us: u64,
