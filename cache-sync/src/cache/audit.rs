@@ -510,12 +510,17 @@ where
             self.audit_pending(auditor);
             return Some(audit.pace(audit.batch));
         }
-        let read = audit.read.clone();
         let keys = asked.len();
         auditor.stats.reads.fetch_add(1, Relaxed);
-        let answer = match tokio::time::timeout(audit.timeout, read(asked.clone())).await {
-            Ok(Ok(rows)) => answered(rows, &asked),
-            Ok(Err(e)) => Err(e),
+        // On a task of its own, so that a read that panics is a failed read
+        // (not the end of the auditor), and one that outlives its timeout,
+        // or a round dropped at shutdown, is stopped rather than left
+        // running against the database.
+        let read = Reading(tokio::spawn((audit.read)(asked.clone())));
+        let answer = match tokio::time::timeout(audit.timeout, read).await {
+            Ok(Ok(Ok(rows))) => answered(rows, &asked),
+            Ok(Ok(Err(e))) => Err(e),
+            Ok(Err(e)) => Err(format!("the read panicked or was cancelled: {e}")),
             Err(_) => Err(format!("no answer within {:?}", audit.timeout)),
         };
         let mut rows = match answer {
@@ -701,6 +706,27 @@ where
     }
 }
 
+/// A source read on its task, aborted when dropped (a timeout, or a round
+/// dropped when the node stops).
+struct Reading<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Future for Reading<T> {
+    type Output = Result<T, tokio::task::JoinError>;
+
+    fn poll(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        Pin::new(&mut self.0).poll(cx)
+    }
+}
+
+impl<T> Drop for Reading<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Up to `n` suspects whose grace window is over, counting it from when
 /// each was seen or from when the node was last not ready, whichever is
 /// later.
@@ -807,6 +833,66 @@ mod tests {
         assert!(answered::<u32, u8>(vec![(1, None), (1, None)], &asked).is_err());
         let ok = answered::<u32, u8>(vec![(2, Some((7, Some(1))))], &asked).expect("answer");
         assert_eq!(ok.len(), 1);
+    }
+
+    fn any_audit(rate: u32, batch: usize, timeout: Duration, window: Duration) -> Audit<u32, u32> {
+        Audit::versioned(|keys: Vec<u32>| async move {
+            Ok::<_, String>(keys.into_iter().map(|k| (k, None)).collect())
+        })
+        .rate(rate)
+        .batch(batch)
+        .timeout(timeout)
+        .window(window)
+    }
+
+    proptest::proptest! {
+        /// Every setting at its edges and between: refused exactly outside
+        /// its documented range, and where taken, the waits it makes are
+        /// finite, within the rate (at most 25 % over a round's share), and
+        /// never panic.
+        #[test]
+        fn settings_are_refused_outside_their_range_and_pace_within_the_rate(
+            rate in proptest::prop_oneof![
+                proptest::strategy::Just(0u32), proptest::strategy::Just(1), proptest::strategy::Just(u32::MAX), proptest::prelude::any::<u32>()
+            ],
+            batch in proptest::prop_oneof![
+                proptest::strategy::Just(0usize), proptest::strategy::Just(1), proptest::strategy::Just(MAX_AUDIT_BATCH),
+                proptest::strategy::Just(MAX_AUDIT_BATCH + 1), proptest::strategy::Just(usize::MAX), 0..20_000usize
+            ],
+            timeout_ms in proptest::prop_oneof![
+                proptest::strategy::Just(0u64), proptest::strategy::Just(1), proptest::strategy::Just(3_600_000), proptest::strategy::Just(3_600_001), proptest::strategy::Just(u64::MAX)
+            ],
+            window_s in proptest::prop_oneof![
+                proptest::strategy::Just(0u64), proptest::strategy::Just(59), proptest::strategy::Just(60), proptest::strategy::Just(30 * 86_400), proptest::strategy::Just(30 * 86_400 + 1), proptest::strategy::Just(u64::MAX)
+            ],
+            keys in 0..=MAX_AUDIT_BATCH,
+        ) {
+            let audit = any_audit(
+                rate,
+                batch,
+                Duration::from_millis(timeout_ms),
+                Duration::from_secs(window_s),
+            );
+            let in_range = rate >= 1
+                && (1..=MAX_AUDIT_BATCH).contains(&batch)
+                && (1..=3_600_000).contains(&timeout_ms)
+                && (60..=30 * 86_400).contains(&window_s);
+            proptest::prop_assert_eq!(audit.check().is_ok(), in_range);
+            if in_range {
+                let keys = keys.min(batch);
+                let pace = audit.pace(keys);
+                let share = keys.max(1) as f64 / f64::from(rate);
+                // Durations count whole nanoseconds.
+                proptest::prop_assert!(pace.as_secs_f64() >= share * 0.999 - 1e-9);
+                proptest::prop_assert!(pace.as_secs_f64() <= share * 1.25 + 1e-9);
+                proptest::prop_assert!(first_wait(rate, batch).as_secs_f64() <= batch as f64 / f64::from(rate));
+                let mut w = Window::new(audit.window);
+                let now = Instant::now();
+                w.add(now, u64::MAX, u64::MAX);
+                w.add(now, 1, 1);
+                proptest::prop_assert_eq!(w.sums(now), (u64::MAX, u64::MAX));
+            }
+        }
     }
 
     #[test]

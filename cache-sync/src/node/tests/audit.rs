@@ -32,6 +32,8 @@ enum Mode {
     Unasked = 3,
     /// Answers one key twice.
     Twice = 4,
+    /// Panics.
+    Panics = 5,
 }
 
 impl Db {
@@ -63,6 +65,7 @@ impl Db {
                         let k = keys[0].clone();
                         return Ok(vec![(k.clone(), None), (k, None)]);
                     }
+                    5 => panic!("the source's driver panicked"),
                     _ => {}
                 }
                 Ok(keys
@@ -248,13 +251,20 @@ async fn events_held_in_flight_past_the_grace_window_are_no_inconsistency() {
     node.shutdown().await.unwrap();
 }
 
-/// A source that fails, hangs, or answers for keys it was not asked (or
-/// one twice) is counted, backed off (doubling from one round's pace), and
+/// A source that fails, hangs, panics, or answers for keys it was not
+/// asked (or one twice) is counted, backed off (doubling from one round's pace), and
 /// repairs nothing, even though the bad answers name versions above
 /// everything the node holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_source_is_counted_backed_off_and_repairs_nothing() {
-    for label in [Mode::Fails, Mode::Hangs, Mode::Unasked, Mode::Twice].map(|m| m as u8) {
+    let modes = [
+        Mode::Fails,
+        Mode::Hangs,
+        Mode::Unasked,
+        Mode::Twice,
+        Mode::Panics,
+    ];
+    for label in modes.map(|m| m as u8) {
         let db = Arc::new(Db::default());
         // A round every 10 ms while the source answers.
         let c = audited(&db, |a| {
