@@ -312,9 +312,13 @@
 //!   counted, logged with the key's trace, and repaired by removing the
 //!   entry, unless the key was written meanwhile.
 //! - A write that bypassed the publishers is found within a sweep of the
-//!   cache (at most 1.25 × entries ÷ rate, plus the time the source's
-//!   reads take), the grace window, and a round (1.25 × batch ÷ rate),
-//!   plus the marker's round trip.
+//!   cache (about 1.25 × entries ÷ rate, in whole batches, plus the time
+//!   the source's reads take), the grace window, and a round (1.25 ×
+//!   batch ÷ rate), plus the marker's round trip.
+//! - An entry is judged by the version its value was installed at (by an
+//!   event's refresh or a versioned load); one installed without a version
+//!   is compared by value where values are compared, and otherwise not
+//!   judged (`unverified`).
 //! - A writer that publishes later than the grace window after it commits
 //!   (an outbox relay far behind) is reported as inconsistent: raise the
 //!   grace window above that delay.

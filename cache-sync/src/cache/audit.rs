@@ -99,13 +99,18 @@ where
     /// not judged this time; a reply naming a key it was not asked for,
     /// or one twice, is refused whole, as an error is.
     ///
-    /// An entry is behind when the node knows it at a version below the
-    /// row's. An entry the node holds with no version (a plain `get_with`,
-    /// a local insert, a key whose record the bounded version table
-    /// evicted) cannot be judged by version: it is compared by value if
-    /// [`compare_values`](Self::compare_values) is on, and otherwise
-    /// counted as `unverified`. A row older than the node's entry (the
-    /// source is a lagging replica) is not held against the node.
+    /// An entry is behind when the value the node holds was installed at a
+    /// version below the row's (by an event's refresh or a versioned load),
+    /// or when the source has no row for it. A value installed with no
+    /// version (a plain `get_with`, a local insert, an unversioned refresh,
+    /// or any of these after a versioned write), or whose record the
+    /// bounded version table evicted, cannot be judged by version: it is
+    /// compared by value if [`compare_values`](Self::compare_values) is on,
+    /// and otherwise counted as `unverified`. A row at a version below the
+    /// node's (the source is a lagging replica) is not held against the
+    /// node; a row a lagging replica does not have yet is, until it is read
+    /// again after the grace window, so a replica that lags by more than
+    /// that makes false inconsistencies: audit against the primary.
     pub fn versioned<F, Fut, E>(read: F) -> Self
     where
         F: Fn(Vec<K>) -> Fut + Send + Sync + 'static,
@@ -176,17 +181,20 @@ where
     }
 
     /// At most this many keys a second are read from the source, suspects'
-    /// second reads included. Default 100; at least 1. A sweep of the
-    /// whole cache takes at most 1.25 × entries ÷ rate (each wait is
-    /// stretched by a random 0 to 25 %, so that nodes started together
-    /// drift apart and do not read together).
+    /// second reads included, in at most rate ÷ batch reads a second.
+    /// Default 100; at least 1. A round reads up to a batch, then waits
+    /// batch ÷ rate, stretched by a random 0 to 25 % so that nodes started
+    /// together drift apart and do not read together; so a sweep of the
+    /// whole cache takes about 1.25 × entries ÷ rate (in whole batches),
+    /// plus the time the reads themselves take. A cache smaller than a
+    /// batch is swept whole each round.
     pub fn rate(mut self, keys_per_second: u32) -> Self {
         self.rate = keys_per_second;
         self
     }
 
     /// How many keys one read of the source asks for. Default 100; 1 to
-    /// 10 000. The reads come every batch ÷ rate seconds.
+    /// 10 000. A read starts at most every batch ÷ rate seconds.
     pub fn batch(mut self, keys: usize) -> Self {
         self.batch = keys;
         self
@@ -201,7 +209,12 @@ where
     /// cache resynced. Time while the node is not ready does not count:
     /// a suspect waits a whole window after the node is ready again.
     /// Raise it where writers commit long before they publish (an outbox
-    /// relay that lags, say). `Duration::MAX` never confirms anything.
+    /// relay that lags, a publish retried through a broker's failover), or
+    /// where publishers announce less often than every second
+    /// ([`PublisherBuilder::announce_interval`](crate::PublisherBuilder::announce_interval)).
+    /// `Duration::MAX` never confirms anything; since at most 4 × batch
+    /// suspects (and at least 64) wait at a time, the sweep then stops
+    /// once that many mismatches are open, until events explain them.
     pub fn grace(mut self, grace: Duration) -> Self {
         self.grace = Some(grace);
         self
@@ -368,7 +381,8 @@ enum Verdict {
 struct Held<V> {
     token: u64,
     version: Option<u64>,
-    value: V,
+    /// Read only where values are compared.
+    value: Option<V>,
 }
 
 /// Compares the node's entry with the source's row (`None`: no row).
@@ -377,7 +391,10 @@ fn verdict<V>(held: &Held<V>, row: Option<&Row<V>>, same: Option<fn(&V, &V) -> b
         // The node holds a value for a row the source does not have.
         return Verdict::Behind;
     };
-    let same_value = same.map(|eq| eq(&held.value, value));
+    let same_value = match (same, &held.value) {
+        (Some(eq), Some(held)) => Some(eq(held, value)),
+        _ => None,
+    };
     match (held.version, version) {
         // The source lags the node (a replica): not the node's fault.
         (Some(h), Some(r)) if h > *r => Verdict::Agrees,
@@ -464,15 +481,38 @@ where
         let audit = &auditor.audit;
         let grace = audit.grace.unwrap_or(default_grace);
         let now = Instant::now();
+        // A new sweep's keys are gathered outside the state's lock: a scan
+        // of the whole cache must not hold up the status and heartbeats,
+        // which read the counters under it.
+        if lock(&auditor.state).pass.is_empty() {
+            let pass = self.sweep();
+            let mut state = lock(&auditor.state);
+            if state.pass.is_empty() && !pass.is_empty() {
+                auditor.stats.sweeps.fetch_add(1, Relaxed);
+                state.pass = pass;
+            }
+        }
         let (due, sweep) = {
             let mut state = lock(&auditor.state);
+            if state.suspects.len() >= auditor.max_suspects() {
+                // Full: first let go of the suspects already explained, so
+                // that a long grace window stops the sweep only while as
+                // many mismatches as the cap are really open. (Lock order:
+                // the auditor's state, then the version table; nothing
+                // takes them the other way round.)
+                let table = lock(&self.table);
+                let before = state.suspects.len();
+                state.suspects.retain(|k, s| !table.superseded(k, s.token));
+                let explained = before.saturating_sub(state.suspects.len());
+                auditor.stats.cleared.fetch_add(explained as u64, Relaxed);
+            }
             let due = due_keys(&state.suspects, now, settled_since, grace, audit.batch);
             let room = audit.batch.saturating_sub(due.len());
             // Before the due suspects leave the map: a key is asked for once.
             let sweep = if state.suspects.len() >= auditor.max_suspects() {
                 Vec::new()
             } else {
-                self.next_keys(&mut state, room)
+                next_keys(&mut state, room)
             };
             let due: Vec<(K, Suspect)> = due
                 .into_iter()
@@ -506,11 +546,13 @@ where
             .map(|(k, _)| k.clone())
             .chain(held.iter().map(|(k, _)| k.clone()))
             .collect();
+        // At most one read per batch ÷ rate, however few keys it asks for:
+        // a cache smaller than a batch is not read over and over.
+        let pace = audit.pace(audit.batch);
         if asked.is_empty() {
             self.audit_pending(auditor);
-            return Some(audit.pace(audit.batch));
+            return Some(pace);
         }
-        let keys = asked.len();
         auditor.stats.reads.fetch_add(1, Relaxed);
         // On a task of its own, so that a read that panics is a failed read
         // (not the end of the auditor), and one that outlives its timeout,
@@ -531,9 +573,12 @@ where
                 // The suspects wait for the next read; the swept keys come
                 // round again next sweep.
                 state.suspects.extend(due);
-                let pace = audit.pace(keys);
                 if state.backoff.wait().is_zero() {
-                    state.backoff = Backoff::new(pace, pace.max(Duration::from_secs(60)));
+                    // From a round's pace, but never below 10 ms: at a rate
+                    // so high that the pace rounds to nothing, the backoff
+                    // must still grow.
+                    let min = pace.max(Duration::from_millis(10));
+                    state.backoff = Backoff::new(min, min.max(Duration::from_secs(60)));
                 }
                 let wait = state.backoff.fail();
                 drop(state);
@@ -589,23 +634,28 @@ where
         }
         // Still behind past the grace window. Before it counts, the node
         // shows that its link delivers: a marker it publishes now on the
-        // cache's route must come back through its own subscription, after
-        // everything published there before it. A stalled link (a paused
-        // broker, a partition, a consumer held up) that still looks ready
-        // does not return it, and the suspects wait.
-        let confirmed = !behind.is_empty() && ready() && round_trip(audit.timeout).await && ready();
+        // cache's route must come back through its own subscription, and
+        // the node applies everything it read before the marker first. A
+        // stalled link (a paused broker, a partition, a consumer held up)
+        // that still looks ready does not return it, and the suspects
+        // wait; so do they while event writes wait parked behind a load.
+        let delivered = |inner: &Self| ready() && inner.parked_items.load(Relaxed) == 0;
+        let confirmed = !behind.is_empty()
+            && delivered(self)
+            && round_trip(audit.timeout).await
+            && delivered(self);
         let mut found = 0u64;
         for (key, suspect, source_version) in behind {
-            let moved = lock(&self.table).superseded(&key, suspect.token);
-            if moved {
+            if !confirmed {
+                lock(&auditor.state).suspects.insert(key, suspect);
+            } else if self
+                .inconsistent(auditor, key, suspect, source_version)
+                .await
+            {
+                found = found.saturating_add(1);
+            } else {
                 // Written while the marker travelled: the event it waited for.
                 auditor.stats.cleared.fetch_add(1, Relaxed);
-            } else if confirmed {
-                found = found.saturating_add(1);
-                self.inconsistent(auditor, key, suspect, source_version)
-                    .await;
-            } else {
-                lock(&auditor.state).suspects.insert(key, suspect);
             }
         }
         lock(&auditor.state)
@@ -613,25 +663,20 @@ where
             .add(Instant::now(), checks, found);
         auditor.stats.checks.fetch_add(checks, Relaxed);
         self.audit_pending(auditor);
-        Some(audit.pace(keys))
+        Some(pace)
     }
 
-    /// Counts, logs and repairs an entry still behind after its grace
-    /// window: it is removed unless something wrote the key since it was
-    /// judged (which then stands).
+    /// Repairs an entry still behind after its grace window by removing it,
+    /// unless something wrote the key since it was judged: then the write
+    /// stands, and it was no inconsistency. Counts, logs and traces one
+    /// that was; returns whether it was.
     async fn inconsistent(
         &self,
         auditor: &Auditor<K, V>,
         key: K,
         suspect: Suspect,
         source_version: Option<u64>,
-    ) {
-        let stats = &auditor.stats;
-        stats.inconsistencies.fetch_add(1, Relaxed);
-        let stale = Instant::now().saturating_duration_since(suspect.observed);
-        let stale_ms = u64::try_from(stale.as_millis()).unwrap_or(u64::MAX);
-        stats.last_stale_ms.store(stale_ms, Relaxed);
-        stats.max_stale_ms.fetch_max(stale_ms.max(1), Relaxed);
+    ) -> bool {
         let trace = self.trace.as_ref().map(|t| t.of(&key));
         let repaired = self
             .write(key.clone(), |table, k| {
@@ -643,33 +688,45 @@ where
                 }
             })
             .await;
-        if repaired {
-            stats.repairs.fetch_add(1, Relaxed);
+        if !repaired {
+            return false;
         }
+        let stats = &auditor.stats;
+        stats.inconsistencies.fetch_add(1, Relaxed);
+        stats.repairs.fetch_add(1, Relaxed);
+        let stale = Instant::now().saturating_duration_since(suspect.observed);
+        let stale_ms = u64::try_from(stale.as_millis()).unwrap_or(u64::MAX);
+        stats.last_stale_ms.store(stale_ms, Relaxed);
+        stats.max_stale_ms.fetch_max(stale_ms.max(1), Relaxed);
         let shown = serde_json::to_string(&key).unwrap_or_else(|e| format!("<{e}>"));
         tracing::warn!(
             cache = %self.name,
             key = %shown,
             ?source_version,
             stale_for = ?stale,
-            repaired,
             ?trace,
-            "audit: the node held an entry older than the source of truth past the grace window"
+            "audit: the node held an entry older than the source of truth past the grace window; removed it"
         );
-        if repaired {
-            self.traced(Some(key), TraceEvent::Repaired, source_version);
-        }
+        self.traced(Some(key), TraceEvent::Repaired, source_version);
+        true
     }
 
     /// The node's entry for `key`, read under its stripe so no write to it
-    /// is half done; `None` if it holds none.
+    /// is half done; `None` if it holds none. The value is read only where
+    /// values are compared, since moka counts a read (for its eviction
+    /// policy, and a time-to-idle) and `contains_key` does not.
     async fn held(&self, key: &K) -> Option<Held<V>> {
+        let auditor = self.audit.as_ref()?;
         let _stripe = self.write_locks[self.stripe(key)].lock().await;
         let (token, version) = {
             let table = lock(&self.table);
-            (table.load_token(), table.exact_version(key))
+            (table.load_token(), table.held_at(key))
         };
-        let value = self.cache.get(key).await?;
+        let value = match auditor.audit.same {
+            Some(_) => Some(self.cache.get(key).await?),
+            None if self.cache.contains_key(key) => None,
+            None => return None,
+        };
         Some(Held {
             token,
             version,
@@ -677,27 +734,12 @@ where
         })
     }
 
-    /// The sweep's next `n` keys (none of them a suspect), starting a new
-    /// sweep of what the cache holds when the last one is done.
-    fn next_keys(&self, state: &mut State<K>, n: usize) -> Vec<Arc<K>> {
-        let auditor = self.audit.as_ref().expect("audited");
-        if state.pass.is_empty() && n > 0 {
-            let mut keys: Vec<Arc<K>> = self.cache.iter().map(|(k, _)| k).collect();
-            // Taken from the end: in descending hash order.
-            keys.sort_by_cached_key(|k| std::cmp::Reverse(self.hasher.hash_one(&**k)));
-            if !keys.is_empty() {
-                auditor.stats.sweeps.fetch_add(1, Relaxed);
-            }
-            state.pass = keys;
-        }
-        let mut out = Vec::with_capacity(n.min(state.pass.len()));
-        while out.len() < n {
-            let Some(key) = state.pass.pop() else { break };
-            if !state.suspects.contains_key(&*key) {
-                out.push(key);
-            }
-        }
-        out
+    /// The keys the cache holds now, for a new sweep, in the order of their
+    /// hash (taken from the end).
+    fn sweep(&self) -> Vec<Arc<K>> {
+        let mut keys: Vec<Arc<K>> = self.cache.iter().map(|(k, _)| k).collect();
+        keys.sort_by_cached_key(|k| std::cmp::Reverse(self.hasher.hash_one(&**k)));
+        keys
     }
 
     fn audit_pending(&self, auditor: &Auditor<K, V>) {
@@ -725,6 +767,18 @@ impl<T> Drop for Reading<T> {
     fn drop(&mut self) {
         self.0.abort();
     }
+}
+
+/// The sweep's next `n` keys that are not suspects.
+fn next_keys<K: Hash + Eq>(state: &mut State<K>, n: usize) -> Vec<Arc<K>> {
+    let mut out = Vec::with_capacity(n.min(state.pass.len()));
+    while out.len() < n {
+        let Some(key) = state.pass.pop() else { break };
+        if !state.suspects.contains_key(&*key) {
+            out.push(key);
+        }
+    }
+    out
 }
 
 /// Up to `n` suspects whose grace window is over, counting it from when
@@ -777,7 +831,7 @@ mod tests {
         Held {
             token: 0,
             version,
-            value: value.to_owned(),
+            value: Some(value.to_owned()),
         }
     }
 

@@ -122,11 +122,16 @@ where
         let version = s.version.load(Relaxed);
         let last = s.last_applied_us.load(Relaxed);
         let version_at = s.version_at_us.load(Relaxed);
+        // Its own statement: a guard in the literal below would live until
+        // its end, across the auditor's lock, which is taken before the
+        // table's (`audit.rs`).
+        let tracked_keys = lock(&self.table).len() as u64;
+        let audit = self.audit.as_ref().map(|a| a.status());
         CacheStatus {
             name: self.name.clone(),
             version: (version > 0).then_some(version),
             entries: self.cache.entry_count(),
-            tracked_keys: lock(&self.table).len() as u64,
+            tracked_keys,
             hits: s.hits.sum(),
             misses: s.misses.sum(),
             loads: s.loads.load(Relaxed),
@@ -148,7 +153,7 @@ where
             last_latency_us: (last > 0).then(|| s.last_latency_us.load(Relaxed)),
             version_at_us: (version_at > 0).then_some(version_at),
             quarantined: self.quarantined(),
-            audit: self.audit.as_ref().map(|a| a.status()),
+            audit,
         }
     }
 }

@@ -44,9 +44,13 @@ const NIL: u32 = u32::MAX;
 /// `NIL` is taken.
 pub(crate) const MAX_RECORDS: usize = (u32::MAX - 1) as usize;
 
-/// Stamps count writes; two bits of the word that holds them are flags. At a
-/// billion writes a second they would last 146 years.
-const STAMP_MASK: u64 = (1 << 62) - 1;
+/// Stamps count writes; three bits of the word that holds them are flags.
+/// At a billion writes a second they would last 73 years.
+const STAMP_MASK: u64 = (1 << 61) - 1;
+/// The value the cache holds for the key was installed at the record's
+/// (exact) version, by a versioned refresh or load, and nothing unversioned
+/// wrote the key since: see [`VersionTable::held_at`].
+const HELD_AT: u64 = 1 << 61;
 const HAS_VERSION: u64 = 1 << 62;
 const EXACT: u64 = 1 << 63;
 
@@ -89,6 +93,14 @@ impl<K> Slot<K> {
         }
         if exact {
             self.meta |= EXACT;
+        }
+    }
+
+    fn held_at(&mut self, held: bool) {
+        if held {
+            self.meta |= HELD_AT;
+        } else {
+            self.meta &= !HELD_AT;
         }
     }
 
@@ -190,6 +202,11 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
             return LoadDecision::Superseded;
         }
         let Some(v) = version else {
+            // Installed with no version: whatever the record says, the
+            // value is not known to be at it.
+            if let Some(i) = self.find(key) {
+                self.slots[i].held_at(false);
+            }
             return LoadDecision::Install;
         };
         if self.clear_floor.is_some_and(|floor| v < floor) {
@@ -207,6 +224,7 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
         }
         let i = self.record(key);
         self.slots[i].set_version(Some(v), true);
+        self.slots[i].held_at(true);
         self.written(i);
         LoadDecision::Install
     }
@@ -219,9 +237,24 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
         if slot.exact() { slot.version() } else { None }
     }
 
+    /// The version the value the cache holds for `key` was installed at,
+    /// if a versioned refresh or load installed it and no unversioned write
+    /// (a local insert or invalidation, an unversioned load or refresh),
+    /// removal, clear or resync came after. Unlike [`exact_version`](Self::exact_version),
+    /// which a tombstone or an older versioned write can leave under a
+    /// value installed without one, this says which version the held
+    /// value is (for the auditor, which must not judge a value by another's
+    /// version).
+    pub(crate) fn held_at(&self, key: &K) -> Option<u64> {
+        let slot = &self.slots[self.find(key)?];
+        let held = slot.exact() && slot.meta & HELD_AT != 0 && slot.touched() > self.cleared_at;
+        if held { slot.version() } else { None }
+    }
+
     /// A local write (insert or invalidate) with no version.
     pub(crate) fn touch(&mut self, key: &K) {
         let i = self.record(key);
+        self.slots[i].held_at(false);
         self.written(i);
     }
 
@@ -242,10 +275,12 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
             if slot.exact() {
                 return RefreshDecision::Stale;
             }
+            self.slots[i].held_at(false);
             self.written(i);
             return RefreshDecision::Invalidate;
         }
         self.slots[i].set_version(Some(v), true);
+        self.slots[i].held_at(true);
         self.written(i);
         RefreshDecision::Apply
     }
@@ -260,6 +295,7 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
         {
             slot.set_version(Some(v), true);
         }
+        slot.held_at(false);
         self.written(i);
     }
 
@@ -405,6 +441,40 @@ mod tests {
 
     fn table<K: Hash + Eq + Clone>(capacity: usize) -> VersionTable<K> {
         VersionTable::new(capacity, Hasher::default())
+    }
+
+    /// `held_at` names the version of the value held, and only while no
+    /// unversioned write, removal or clear came after the versioned one.
+    #[test]
+    fn held_at_follows_the_last_install_only() {
+        let mut t = table::<&str>(8);
+        assert_eq!(t.held_at(&"k"), None);
+        assert_eq!(t.refresh(&"k", Some(1)), Apply);
+        assert_eq!(t.held_at(&"k"), Some(1));
+        // An unversioned load installs over it: the record keeps 1.
+        assert_eq!(t.loaded(&"k", t.load_token(), None), LoadDecision::Install);
+        assert_eq!((t.exact_version(&"k"), t.held_at(&"k")), (Some(1), None));
+        assert_eq!(t.refresh(&"k", Some(3)), Apply);
+        assert_eq!(t.held_at(&"k"), Some(3));
+        t.touch(&"k");
+        assert_eq!((t.exact_version(&"k"), t.held_at(&"k")), (Some(3), None));
+        assert_eq!(
+            t.loaded(&"k", t.load_token(), Some(5)),
+            LoadDecision::Install
+        );
+        assert_eq!(t.held_at(&"k"), Some(5));
+        t.invalidate(&"k", Some(6));
+        assert_eq!((t.exact_version(&"k"), t.held_at(&"k")), (Some(6), None));
+        assert_eq!(t.refresh(&"k", Some(7)), Apply);
+        t.clear(None);
+        assert_eq!((t.exact_version(&"k"), t.held_at(&"k")), (Some(7), None));
+        assert_eq!(t.refresh(&"k", Some(8)), Apply);
+        assert_eq!(t.held_at(&"k"), Some(8));
+        // A stale refresh changes nothing held; an unversioned one does.
+        assert_eq!(t.refresh(&"k", Some(2)), Stale);
+        assert_eq!(t.held_at(&"k"), Some(8));
+        assert_eq!(t.refresh(&"k", None), Apply);
+        assert_eq!(t.held_at(&"k"), None);
     }
 
     impl<K: Hash + Eq + Clone + std::fmt::Debug> VersionTable<K> {

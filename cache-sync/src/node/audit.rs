@@ -119,17 +119,34 @@ const READY_TICK: Duration = Duration::from_millis(100);
 /// when the node stops.
 pub(super) async fn audit_loop(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     let mut registrations = shared.registrations.subscribe();
+    // The caches with an auditor running, by name; one leaves when its
+    // auditor ends (its cache left the node), so a cache registered again
+    // gets a new one.
     let mut started = HashSet::default();
     let mut auditors = JoinSet::new();
     loop {
         for (name, cache) in shared.caches().iter() {
             if cache.audit_first_wait().is_some() && started.insert(name.clone()) {
-                auditors.spawn(audit_cache(shared.clone(), cache.clone(), stop.clone()));
+                let (shared, cache, stop) = (shared.clone(), cache.clone(), stop.clone());
+                let name = name.clone();
+                auditors.spawn(async move {
+                    audit_cache(shared, cache, stop).await;
+                    name
+                });
             }
         }
         tokio::select! {
             _ = stop.wait_for(|s| *s) => break,
             changed = registrations.changed() => if changed.is_err() { break },
+            Some(ended) = auditors.join_next() => match ended {
+                Ok(name) => {
+                    started.remove(&name);
+                }
+                // A panic in application code the auditor ran (a key's
+                // `Hash`, a value's `PartialEq`): that cache's auditor is
+                // gone until the node restarts; said once, loudly.
+                Err(e) => tracing::error!(node = %shared.id, error = %e, "audit: an auditor ended abnormally"),
+            },
         }
     }
     while auditors.join_next().await.is_some() {}

@@ -388,9 +388,15 @@ fn cell(c: &NodeCacheView) -> Cell<'_> {
 /// suspect pending".
 pub(crate) fn audit_words(a: &crate::status::AuditStatus) -> String {
     let window = human_ms(a.window_s.saturating_mul(1000));
+    // None found: the figure is what the checks can show, a lower bound.
+    let at_least = if a.window_inconsistencies == 0 {
+        "≥ "
+    } else {
+        ""
+    };
     let nines = a
         .nines()
-        .map_or_else(String::new, |n| format!(" ({n:.1} nines)"));
+        .map_or_else(String::new, |n| format!(" ({at_least}{n:.1} nines)"));
     let mut words = format!(
         "audited: {} inconsistent in {} checks over {window}{nines}",
         a.window_inconsistencies, a.window_checks

@@ -84,7 +84,10 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
         let prior = || prior(&opened.ext, received, cache);
         if let Ok(ChangeView::Announce) = change {
             if header.seq == 0 && header.publisher == shared.markers.id {
-                // One of this node's auditor markers, back (`audit.rs`).
+                // One of this node's auditor markers, back (`audit.rs`):
+                // what came before it in this batch is applied first, since
+                // its return says exactly that.
+                run.flush().await;
                 shared
                     .markers
                     .returned(header.cache, header.published_at_us);

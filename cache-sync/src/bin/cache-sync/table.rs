@@ -117,9 +117,15 @@ pub(crate) fn render(view: &ClusterView) -> String {
             let audit = c.audit.as_ref().map_or_else(
                 || "-".into(),
                 |a| {
+                    // None found: a lower bound.
+                    let at_least = if a.window_inconsistencies == 0 {
+                        "≥ "
+                    } else {
+                        ""
+                    };
                     let nines = a
                         .nines()
-                        .map_or_else(String::new, |n| format!(", {n:.1} nines"));
+                        .map_or_else(String::new, |n| format!(", {at_least}{n:.1} nines"));
                     format!(
                         "{} of {} in {}{nines}",
                         a.window_inconsistencies,
