@@ -304,6 +304,9 @@ struct Suspect {
     token: u64,
     /// When the mismatch was first seen, on this node's clock.
     observed: Instant,
+    /// The version the held value was installed at, then: an unversioned
+    /// load installs without a stamp, so the repair checks this too.
+    version: Option<u64>,
 }
 
 #[derive(Default)]
@@ -608,6 +611,7 @@ where
                         Suspect {
                             token: entry.token,
                             observed: now,
+                            version: entry.version,
                         },
                     );
                 }
@@ -680,7 +684,7 @@ where
         let trace = self.trace.as_ref().map(|t| t.of(&key));
         let repaired = self
             .write(key.clone(), |table, k| {
-                if table.superseded(k, suspect.token) {
+                if table.superseded(k, suspect.token) || table.held_at(k) != suspect.version {
                     Write::Keep
                 } else {
                     table.touch(k);

@@ -156,11 +156,13 @@ where
     }
 
     /// The cached value, if the node holds `key` at exactly `version` or a
-    /// newer one. Under the key's stripe, so the version and the value are
-    /// those of one write.
+    /// newer one: the version its value was installed at (`held_at`), not
+    /// one a tombstone or an older write left under a value installed
+    /// without a version. Under the key's stripe, so the version and the
+    /// value are those of one write.
     async fn cached_at_least(&self, key: &K, version: u64) -> Option<V> {
         let _stripe = self.write_locks[self.stripe(key)].lock().await;
-        let known = lock(&self.table).exact_version(key)?;
+        let known = lock(&self.table).held_at(key)?;
         if known < version {
             return None;
         }

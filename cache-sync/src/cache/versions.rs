@@ -55,7 +55,7 @@ const HAS_VERSION: u64 = 1 << 62;
 const EXACT: u64 = 1 << 63;
 
 /// One key's record, in the slab. 24 bytes besides the key: the version, the
-/// stamp with two flags, and the two links of the recency list.
+/// stamp with three flags, and the two links of the recency list.
 #[derive(Debug)]
 struct Slot<K> {
     key: K,
@@ -196,7 +196,8 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
     /// stamps the key, so a load of it still in flight (which may have read
     /// an older row, possibly unversioned) no longer installs.
     ///
-    /// An unversioned value leaves the record as it was.
+    /// An unversioned value leaves the record's version as it was, and
+    /// marks the value as held at none (see [`held_at`](Self::held_at)).
     pub(crate) fn loaded(&mut self, key: &K, token: u64, version: Option<u64>) -> LoadDecision {
         if self.superseded(key, token) {
             return LoadDecision::Superseded;
@@ -244,7 +245,9 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
     /// which a tombstone or an older versioned write can leave under a
     /// value installed without one, this says which version the held
     /// value is (for the auditor, which must not judge a value by another's
-    /// version).
+    /// version, and for `get_fresh`). moka's own evictions and expiries do
+    /// not clear it: it speaks of the value if one is held, and every
+    /// install passes here.
     pub(crate) fn held_at(&self, key: &K) -> Option<u64> {
         let slot = &self.slots[self.find(key)?];
         let held = slot.exact() && slot.meta & HELD_AT != 0 && slot.touched() > self.cleared_at;

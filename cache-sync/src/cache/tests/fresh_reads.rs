@@ -165,3 +165,19 @@ async fn below_the_evicted_floor_the_held_value_is_dropped_and_the_row_returned(
     assert_eq!(c.peek("k").await, None, "what the node could not vouch for");
     assert_eq!(c.status().loads_stale, 1);
 }
+
+/// A value installed without a version over a tombstone is not vouched for
+/// by the tombstone's version: a fresh read of a row older than the
+/// tombstone (a lagging replica) drops it and returns the row. (Found by
+/// review: the record's exact version, 7, was taken for the held value's.)
+#[tokio::test]
+async fn a_value_loaded_without_a_version_is_not_vouched_for_by_a_tombstone() {
+    let c = cache();
+    refresh(&c, "k", "v1", Some(1)).await;
+    invalidate(&c, "k", Some(7)).await;
+    // A plain read-through load from a replica that lags: content of v5.
+    c.get_with("k".into(), || async { "v5".to_owned() }).await;
+    let db = Source::new("v6", 6);
+    assert_eq!(c.get_fresh("k".into(), || db.read()).await, "v6");
+    assert_eq!(c.peek("k").await, None, "the unvouched value is dropped");
+}
