@@ -420,12 +420,17 @@ fn verdict<V>(held: &Held<V>, row: Option<&Row<V>>, same: Option<fn(&V, &V) -> b
 impl<K: Hash + Eq, V> Auditor<K, V> {
     pub(super) fn new(audit: Audit<K, V>) -> Self {
         let window = Window::new(audit.window);
+        // From a round's share of the rate, but never below 10 ms: at a
+        // rate so high that the share rounds to nothing, the backoff must
+        // still grow.
+        let min = Duration::from_secs_f64(audit.batch.max(1) as f64 / f64::from(audit.rate.max(1)))
+            .max(Duration::from_millis(10));
         Self {
             audit,
             state: Mutex::new(State {
                 pass: Vec::new(),
                 suspects: HashMap::default(),
-                backoff: Backoff::new(Duration::ZERO, Duration::ZERO),
+                backoff: Backoff::new(min, min.max(Duration::from_secs(60))),
                 window,
             }),
             stats: AuditStats::default(),
@@ -576,13 +581,6 @@ where
                 // The suspects wait for the next read; the swept keys come
                 // round again next sweep.
                 state.suspects.extend(due);
-                if state.backoff.wait().is_zero() {
-                    // From a round's pace, but never below 10 ms: at a rate
-                    // so high that the pace rounds to nothing, the backoff
-                    // must still grow.
-                    let min = pace.max(Duration::from_millis(10));
-                    state.backoff = Backoff::new(min, min.max(Duration::from_secs(60)));
-                }
                 let wait = state.backoff.fail();
                 drop(state);
                 self.audit_pending(auditor);
@@ -590,7 +588,7 @@ where
                 return Some(wait);
             }
         };
-        lock(&auditor.state).backoff = Backoff::new(Duration::ZERO, Duration::ZERO);
+        lock(&auditor.state).backoff.reset();
         let same = audit.same;
         let mut checks = 0u64;
         for (key, entry) in held {
