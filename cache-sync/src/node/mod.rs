@@ -233,7 +233,7 @@ impl Node {
     /// where a transport hands over replayed history in short batches
     /// (NATS, RocketMQ), it may be judged early.
     pub fn is_ready(&self) -> bool {
-        self.not_ready().is_empty()
+        !self.is_stopped() && self.handle.shared.ready()
     }
 
     /// Why the node is not ready, in words; empty when it is.
