@@ -366,6 +366,8 @@
 #![cfg_attr(not(test), warn(clippy::arithmetic_side_effects))]
 
 mod cache;
+#[cfg(feature = "postgres-cdc")]
+mod cdc;
 pub mod cluster;
 mod error;
 #[cfg(any(test, feature = "_fuzz"))]
@@ -383,6 +385,9 @@ mod wire;
 
 #[doc(inline)]
 pub use cache::{Audit, SyncedCache, SyncedCacheBuilder};
+#[cfg(feature = "postgres-cdc")]
+#[doc(inline)]
+pub use cdc::{CdcRelay, CdcRelayBuilder, CdcRelayStats, CdcTable, Row};
 #[doc(inline)]
 pub use cluster::{Cluster, ClusterBuilder};
 #[doc(inline)]

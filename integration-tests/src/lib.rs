@@ -13,6 +13,7 @@ pub mod cluster_view;
 pub mod conformance;
 pub mod nats_cluster;
 pub mod nats_server;
+pub mod postgres_server;
 mod process;
 pub mod redis_cluster;
 pub mod redis_server;

@@ -1,0 +1,143 @@
+//! Committed transactions gathered into one publish per cache.
+//!
+//! Within a batch, a key keeps only its last change: every change of one
+//! transaction carries the same version (the commit LSN), and a node
+//! applies a second change at an equal version as no news, so an insert
+//! then a delete of one key in one transaction must reach nodes as the
+//! delete alone. Across transactions the later one (a higher LSN) wins
+//! anyway, so keeping the last is what nodes would end up with.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+
+use crate::wire::{Change, EntryVersion, KeyVersion};
+
+#[derive(Debug, Default)]
+pub(crate) struct Batch {
+    caches: HashMap<String, Pending>,
+    /// Row changes taken into the batch (before merging).
+    pub(crate) rows: u64,
+    /// The transactions in it, by xid, for the visibility check.
+    pub(crate) xids: Vec<u32>,
+    pub(crate) transactions: u64,
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    /// A clear at this version, sent before the keys.
+    clear: Option<u64>,
+    /// Key → the value to install (`None`: drop it) and its version.
+    keys: HashMap<Bytes, (Option<Bytes>, u64)>,
+    /// Row changes of the open transaction, against its cap.
+    in_transaction: usize,
+    /// The open transaction went past its cap: its clear covers the rest.
+    saturated: bool,
+}
+
+impl Batch {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.caches.is_empty() && self.xids.is_empty()
+    }
+
+    /// The open transaction changed `key` of `cache`. `cap`: how many row
+    /// changes one transaction may make to one cache before the rest
+    /// become a clear at its version (a 100,000-row migration reaches
+    /// nodes as one clear, not 100,000 events to every node).
+    pub(crate) fn key(
+        &mut self,
+        cache: &str,
+        key: Bytes,
+        value: Option<Bytes>,
+        version: u64,
+        cap: usize,
+    ) -> bool {
+        self.rows = self.rows.saturating_add(1);
+        let pending = self.pending(cache);
+        if pending.saturated {
+            return false;
+        }
+        pending.in_transaction = pending.in_transaction.saturating_add(1);
+        if pending.in_transaction > cap {
+            pending.clear_at(version);
+            pending.saturated = true;
+            return true;
+        }
+        pending.keys.insert(key, (value, version));
+        false
+    }
+
+    /// A clear of `cache` at `version` (a TRUNCATE, a key the row could
+    /// not tell, a resync). Later changes of the same transaction still
+    /// count: a TRUNCATE followed by INSERTs leaves those rows.
+    pub(crate) fn clear(&mut self, cache: &str, version: u64) {
+        self.pending(cache).clear_at(version);
+    }
+
+    /// The open transaction committed.
+    pub(crate) fn commit(&mut self, xid: Option<u32>) {
+        for pending in self.caches.values_mut() {
+            pending.in_transaction = 0;
+            pending.saturated = false;
+        }
+        if let Some(xid) = xid {
+            self.xids.push(xid);
+        }
+        self.transactions = self.transactions.saturating_add(1);
+    }
+
+    /// Everything gathered, per cache, as the changes to publish: a clear
+    /// first, then the keys. Empties the batch.
+    pub(crate) fn take(&mut self) -> Vec<(String, Vec<Change>)> {
+        self.rows = 0;
+        self.xids.clear();
+        self.transactions = 0;
+        let mut out = Vec::with_capacity(self.caches.len());
+        for (cache, pending) in self.caches.drain() {
+            let mut changes = Vec::new();
+            if let Some(version) = pending.clear {
+                changes.push(Change::Clear {
+                    version: Some(version),
+                });
+            }
+            let mut keys = Vec::new();
+            let mut entries = Vec::new();
+            for (key, (value, version)) in pending.keys {
+                match value {
+                    Some(value) => entries.push(EntryVersion {
+                        key,
+                        value,
+                        version: Some(version),
+                    }),
+                    None => keys.push(KeyVersion {
+                        key,
+                        version: Some(version),
+                    }),
+                }
+            }
+            if !keys.is_empty() {
+                changes.push(Change::Invalidate { keys });
+            }
+            if !entries.is_empty() {
+                changes.push(Change::Refresh { entries });
+            }
+            out.push((cache, changes));
+        }
+        out
+    }
+
+    fn pending(&mut self, cache: &str) -> &mut Pending {
+        if !self.caches.contains_key(cache) {
+            self.caches.insert(cache.to_owned(), Pending::default());
+        }
+        self.caches.get_mut(cache).expect("inserted above")
+    }
+}
+
+impl Pending {
+    fn clear_at(&mut self, version: u64) {
+        self.clear = Some(self.clear.map_or(version, |v| v.max(version)));
+        // Every key gathered so far is older or as old: the clear covers it.
+        self.keys.clear();
+    }
+}

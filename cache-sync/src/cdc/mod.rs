@@ -1,0 +1,270 @@
+//! Invalidation from PostgreSQL's own log (feature `postgres-cdc`).
+//!
+//! The [`Outbox`](crate::Outbox) covers writers that use it. A migration, a
+//! `psql` session or a job in another language writes the table directly
+//! and leaves every node stale. The [`CdcRelay`] reads the database's
+//! logical replication stream instead (the built-in `pgoutput` plugin), so
+//! every committed row change of the tables it maps reaches every node,
+//! whoever wrote it.
+//!
+//! A [`CdcTable`] maps a table's rows to a cache's keys and values:
+//! INSERT and UPDATE become refreshes (or invalidations, for a table
+//! mapped with only a key), DELETE an invalidation, TRUNCATE a clear, each
+//! versioned with the transaction's commit LSN, so an older change never
+//! lands over a newer one.
+
+use std::cell::Cell;
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use serde::Serialize;
+
+use crate::table::Table;
+use crate::wire::encode_part;
+
+mod batch;
+mod metrics;
+pub(crate) mod pgoutput;
+mod relay;
+mod slot;
+
+pub use relay::{CdcRelay, CdcRelayBuilder, CdcRelayStats};
+
+use pgoutput::{Datum, Relation, Tuple};
+
+/// How a table's rows become a cache's entries. Give it to
+/// [`CdcRelayBuilder::table`].
+///
+/// ```
+/// use cache_sync::{CdcTable, Table};
+///
+/// const COUNTRIES: Table<String, String> = Table::new("countries");
+/// const FLAGS: Table<i64, bool> = Table::new("flags");
+///
+/// // Refresh: every node installs the committed row.
+/// let countries = CdcTable::new(COUNTRIES, "public.countries", |row| row.parse("code"))
+///     .value(|row| row.parse("name"));
+/// // Invalidate only: nodes drop the key and load it again when asked.
+/// let flags = CdcTable::new(FLAGS, "flags", |row| row.parse("id"));
+/// ```
+///
+/// **Keys.** `key` reads the old row for a DELETE, and for an UPDATE that
+/// changed the key (both the old key is dropped and the new one
+/// installed). PostgreSQL sends the old row's *replica identity* columns
+/// only (the primary key, by default): key by those columns, or set
+/// `REPLICA IDENTITY FULL` on the table. A key that reads another column
+/// (or returns `None`) cannot be told for that change, and the relay
+/// clears the whole cache instead, with a warning: never a stale key.
+///
+/// **Values.** `value` reads the new row. A column the change did not send
+/// (an unchanged TOASTed value: PostgreSQL leaves out large values an
+/// UPDATE did not touch, unless the table has `REPLICA IDENTITY FULL`), a
+/// column the table no longer has, or `None` from `value` make that change
+/// an invalidation of the key: never a value built from part of a row.
+pub struct CdcTable<K, V> {
+    schema: String,
+    name: String,
+    cache: String,
+    topic: Option<&'static str>,
+    key: RowFn<K>,
+    value: Option<RowFn<V>>,
+}
+
+impl<K, V> fmt::Debug for CdcTable<K, V> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CdcTable")
+            .field("relation", &format_args!("{}.{}", self.schema, self.name))
+            .field("cache", &self.cache)
+            .field("refresh", &self.value.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K, V> CdcTable<K, V>
+where
+    K: Serialize + 'static,
+    V: Serialize + 'static,
+{
+    /// Maps the rows of `relation` (`"schema.table"`, or `"table"` for
+    /// schema `public`; names as PostgreSQL stores them, so unquoted and
+    /// case-sensitive) to keys of `table`'s cache: every change becomes an
+    /// invalidation of the key `key` returns. Add [`value`](Self::value)
+    /// to refresh instead.
+    pub fn new<F>(table: Table<K, V>, relation: &str, key: F) -> Self
+    where
+        F: Fn(&Row<'_>) -> Option<K> + Send + Sync + 'static,
+    {
+        let (schema, name) = match relation.split_once('.') {
+            Some((schema, name)) => (schema.to_owned(), name.to_owned()),
+            None => ("public".to_owned(), relation.to_owned()),
+        };
+        CdcTable {
+            schema,
+            name,
+            cache: table.name().to_owned(),
+            topic: table.topic(),
+            key: Box::new(key),
+            value: None,
+        }
+    }
+
+    /// Builds each inserted or updated row's value with `value`, so nodes
+    /// install it (at the commit's version) instead of dropping the key.
+    pub fn value<F>(mut self, value: F) -> Self
+    where
+        F: Fn(&Row<'_>) -> Option<V> + Send + Sync + 'static,
+    {
+        self.value = Some(Box::new(value));
+        self
+    }
+
+    pub(crate) fn erase(self) -> Mapping {
+        Mapping {
+            schema: self.schema,
+            name: self.name,
+            cache: self.cache,
+            topic: self.topic,
+            mapper: Arc::new(Typed {
+                key: self.key,
+                value: self.value,
+            }),
+        }
+    }
+}
+
+/// A [`CdcTable`] with its types erased, as the relay holds it.
+#[derive(Clone)]
+pub(crate) struct Mapping {
+    pub(crate) schema: String,
+    pub(crate) name: String,
+    pub(crate) cache: String,
+    pub(crate) topic: Option<&'static str>,
+    pub(crate) mapper: Arc<dyn Mapper>,
+}
+
+impl Mapping {
+    pub(crate) fn relation(&self) -> String {
+        format!("{}.{}", self.schema, self.name)
+    }
+}
+
+/// One row of a change, as [`CdcTable`]'s functions see it: column values
+/// in PostgreSQL's text format.
+pub struct Row<'a> {
+    relation: &'a Relation,
+    tuple: &'a Tuple<'a>,
+    /// Only the replica identity's columns are readable.
+    identity_only: bool,
+    /// A column was asked for that this change did not carry.
+    incomplete: Cell<bool>,
+}
+
+impl fmt::Debug for Row<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Row")
+            .field("table", &self.relation.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Row<'a> {
+    pub(crate) fn new(relation: &'a Relation, tuple: &'a Tuple<'a>, identity_only: bool) -> Self {
+        Row {
+            relation,
+            tuple,
+            identity_only: identity_only || tuple.kind == b'K',
+            incomplete: Cell::new(false),
+        }
+    }
+
+    /// The table's name (without its schema).
+    pub fn table(&self) -> &str {
+        &self.relation.name
+    }
+
+    /// The column's value in text format; `None` when it is NULL. A
+    /// column this change did not carry (an unchanged TOASTed value, a
+    /// column outside the replica identity in an old row, or one the table
+    /// does not have) is also `None`, and makes the change an invalidation
+    /// whatever the function returns.
+    pub fn get(&self, column: &str) -> Option<&'a str> {
+        let Some(i) = self.relation.columns.iter().position(|c| c.name == column) else {
+            self.incomplete.set(true);
+            return None;
+        };
+        if self.identity_only && !self.relation.columns[i].identity {
+            self.incomplete.set(true);
+            return None;
+        }
+        match self.tuple.columns.get(i) {
+            Some(Datum::Null) => None,
+            Some(Datum::Text(bytes)) => match std::str::from_utf8(bytes) {
+                Ok(s) => Some(s),
+                Err(_) => {
+                    self.incomplete.set(true);
+                    None
+                }
+            },
+            Some(Datum::Unchanged | Datum::Binary(_)) | None => {
+                self.incomplete.set(true);
+                None
+            }
+        }
+    }
+
+    /// The column parsed with [`FromStr`]; `None` when it is NULL or does
+    /// not parse (which makes the change an invalidation too).
+    pub fn parse<T: FromStr>(&self, column: &str) -> Option<T> {
+        let text = self.get(column)?;
+        match text.parse() {
+            Ok(v) => Some(v),
+            Err(_) => {
+                self.incomplete.set(true);
+                None
+            }
+        }
+    }
+
+    pub(crate) fn is_complete(&self) -> bool {
+        !self.incomplete.get()
+    }
+}
+
+/// The typed functions behind a [`CdcTable`], erased.
+pub(crate) trait Mapper: Send + Sync {
+    /// The encoded key; `None` when the row does not tell it.
+    fn key(&self, row: &Row<'_>) -> Option<Bytes>;
+    /// The encoded value; `None` when the row does not give one (or the
+    /// table is mapped for invalidation only).
+    fn value(&self, row: &Row<'_>) -> Option<Bytes>;
+}
+
+type RowFn<T> = Box<dyn Fn(&Row<'_>) -> Option<T> + Send + Sync>;
+
+struct Typed<K, V> {
+    key: RowFn<K>,
+    value: Option<RowFn<V>>,
+}
+
+impl<K: Serialize, V: Serialize> Mapper for Typed<K, V> {
+    fn key(&self, row: &Row<'_>) -> Option<Bytes> {
+        let key = (self.key)(row)?;
+        if !row.is_complete() {
+            return None;
+        }
+        encode_part(&key, "key").ok()
+    }
+
+    fn value(&self, row: &Row<'_>) -> Option<Bytes> {
+        let value = (self.value.as_ref()?)(row)?;
+        if !row.is_complete() {
+            return None;
+        }
+        encode_part(&value, "value").ok()
+    }
+}
+
+#[cfg(test)]
+mod tests;

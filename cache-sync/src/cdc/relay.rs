@@ -1,0 +1,978 @@
+//! The relay: streams the slot, maps rows into cache events, publishes
+//! them, and only then confirms the slot's position.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::FutureExt as _;
+use pgwire_replication::{
+    Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent, SslMode, TlsConfig,
+};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::batch::Batch;
+use super::pgoutput::{self, Message, Relation};
+use super::slot::{self, RESYNC_PREFIX, SlotState, db};
+use super::{CdcTable, Mapping, Row};
+use crate::error::{Error, Result};
+use crate::publish::Publisher;
+use crate::util::{Backoff, lock};
+use crate::wire::Change;
+
+/// Row changes one transaction may make to one cache before the rest of
+/// it reaches nodes as one clear.
+const DEFAULT_MAX_ROWS_PER_TRANSACTION: usize = 10_000;
+/// Row changes gathered into one publish at most (more transactions wait
+/// for the next).
+const MAX_BATCH_ROWS: u64 = 5_000;
+const DEFAULT_LAG_WARNING_BYTES: u64 = 1 << 30;
+const DEFAULT_LAG_INTERVAL: Duration = Duration::from_secs(5);
+/// How often a standby relay asks whether the slot is free.
+const DEFAULT_STANDBY_RETRY: Duration = Duration::from_secs(1);
+/// The longest the database may take to answer the visibility check or
+/// a lag query before the session is given up and started again.
+const SQL_TIMEOUT: Duration = Duration::from_secs(10);
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Streams committed row changes of the mapped tables out of PostgreSQL's
+/// logical replication and publishes them as versioned cache events.
+///
+/// What it promises:
+///
+/// - **Every committed change, never an uncommitted one.** `pgoutput`
+///   sends a transaction only once it committed; a rolled-back one is
+///   never sent. Each change is published at the version of its commit
+///   LSN, which only grows, so on a node an older change never lands over
+///   a newer one, whatever order events arrive in.
+/// - **At least once.** The slot's confirmed position moves past a
+///   transaction only after the transport's publish call returned for
+///   every event of it (and of all before it). A relay killed at any
+///   point, a dropped connection, a restarted server: the next session
+///   starts again from the confirmed position and publishes the rest
+///   again; applying a change twice equals once.
+/// - **Visible before published.** A transaction is published only once a
+///   new snapshot sees it: a node that applied a change and then loads the
+///   row reads the change (see [`CdcRelay`]'s section on loads).
+/// - **One active relay per slot.** PostgreSQL lets one session stream a
+///   slot. Run a second relay with the same settings as a standby: it
+///   checks every second (see
+///   [`standby_retry`](CdcRelayBuilder::standby_retry)) and takes over
+///   once the active one's session ends, logging it at `info` and
+///   counting it in [`CdcRelayStats::takeovers`]. A replaced relay needs
+///   no fence: its late events carry older versions than its successor's.
+/// - **A lost slot is a resync.** A slot an operator dropped, or one the
+///   server invalidated because it fell more than
+///   `max_slot_wal_keep_size` behind, has lost changes. The relay creates
+///   the slot again, and right after it writes a logical message into the
+///   log; when the stream reaches it, every mapped cache is cleared at its
+///   LSN (counted in [`CdcRelayStats::resyncs`], logged at `warn`). A new
+///   slot starts the same way. The clear travels in the slot's own stream,
+///   so a relay that dies between creating the slot and clearing leaves it
+///   for the next.
+/// - **Large transactions.** Past
+///   [`max_rows_per_transaction`](CdcRelayBuilder::max_rows_per_transaction)
+///   row changes to one cache (10,000 by default), the rest of the
+///   transaction reaches nodes as one clear of that cache at its version.
+/// - **Schema changes.** Columns are read by name from the table's latest
+///   shape, which the server sends after every schema change: a column
+///   added is there, a dropped one reads as absent and makes a change an
+///   invalidation. A mapped table renamed is no longer the mapped table:
+///   its cache is cleared, with a warning, and its changes are ignored
+///   until a table of the mapped name exists again. A message that does
+///   not decode clears every mapped cache.
+///
+/// **Lag.** A slot holds back the server's WAL until the relay confirms
+/// it: a relay that is down or slow pins WAL and can fill the server's
+/// disk. The relay reports the lag in bytes (from `pg_replication_slots`,
+/// every 5 s) and seconds (the oldest unconfirmed commit, on the server's
+/// clock) in [`stats`](CdcRelay::stats) and [`metrics`](CdcRelay::metrics),
+/// and warns past [`lag_warning_bytes`](CdcRelayBuilder::lag_warning_bytes)
+/// (1 GiB). Set `max_slot_wal_keep_size` on the server: past it, the
+/// server invalidates the slot instead of filling its disk, and the relay
+/// resyncs as above.
+///
+/// **Loads.** With [`SyncedCache::get_with`](crate::SyncedCache::get_with)
+/// nothing more is needed: a load that an event overtakes is not
+/// installed. To use
+/// [`get_with_versioned`](crate::SyncedCache::get_with_versioned), the
+/// loader must return a version that no change missing from what it read
+/// can be below: read `cache.applied_version()` *before* opening the
+/// reading transaction and return it with the row. Every change at or
+/// below it was applied on this node, so it was published, so it was
+/// visible before the read began. (`pg_current_wal_lsn()` inside the
+/// reading transaction is *not* such a version: a transaction whose commit
+/// record is written but which is not yet visible has a lower LSN and is
+/// missing from the read, and its event would then be ignored as old.)
+pub struct CdcRelay {
+    shared: Arc<Shared>,
+    stop: watch::Sender<bool>,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl fmt::Debug for CdcRelay {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CdcRelay")
+            .field("slot", &self.shared.slot)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`CdcRelay`].
+pub struct CdcRelayBuilder {
+    url: String,
+    publisher: Publisher,
+    tables: Vec<Mapping>,
+    slot: String,
+    publication: String,
+    max_rows_per_transaction: usize,
+    lag_warning_bytes: u64,
+    lag_interval: Duration,
+    standby_retry: Duration,
+}
+
+impl fmt::Debug for CdcRelayBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CdcRelayBuilder")
+            .field("slot", &self.slot)
+            .field("publication", &self.publication)
+            .field("tables", &self.tables.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The relay's counters and gauges, since it started.
+#[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
+pub struct CdcRelayStats {
+    /// This relay streams the slot now (not a standby, not reconnecting).
+    pub active: bool,
+    /// Transactions published.
+    pub transactions: u64,
+    /// Row changes taken from them.
+    pub rows: u64,
+    /// Clears of every mapped cache for a new or lost slot.
+    pub resyncs: u64,
+    /// Times this relay started streaming after another relay held the slot.
+    pub takeovers: u64,
+    /// Sessions that ended in an error (the database or a publish failed).
+    pub failures: u64,
+    /// The slot's confirmed position (an LSN), as this relay last set it.
+    pub confirmed_lsn: u64,
+    /// How far the slot's confirmed position is behind the end of the
+    /// log, in bytes, when last asked (`None` before the first answer).
+    pub lag_bytes: Option<u64>,
+    /// How long ago, on the database server's clock, the oldest
+    /// transaction this relay received but has not confirmed committed;
+    /// zero when there is none.
+    pub lag_seconds: f64,
+}
+
+struct Shared {
+    slot: String,
+    active: AtomicBool,
+    transactions: AtomicU64,
+    rows: AtomicU64,
+    resyncs: AtomicU64,
+    takeovers: AtomicU64,
+    failures: AtomicU64,
+    confirmed: AtomicU64,
+    /// `u64::MAX`: not known yet.
+    lag_bytes: AtomicU64,
+    /// Microseconds since 2000-01-01 on the server's clock; 0: none.
+    oldest_pending_commit: AtomicI64,
+    server_time: AtomicI64,
+}
+
+struct Inner {
+    shared: Arc<Shared>,
+    pool: PgPool,
+    config: ReplicationConfig,
+    publisher: Publisher,
+    tables: Vec<Mapping>,
+    max_rows_per_transaction: usize,
+    standby_retry: Duration,
+}
+
+impl CdcRelay {
+    /// Configures a relay that streams the database at `url` (a
+    /// `postgres://user:password@host:port/database` address; `sslmode`
+    /// `disable`, `prefer`, `require`, `verify-ca` or `verify-full` and
+    /// `sslrootcert` are read from its query) and publishes through
+    /// `publisher`. The user needs the `REPLICATION` attribute, and to
+    /// own the mapped tables (to create the publication); the server needs
+    /// `wal_level = logical`.
+    pub fn builder(url: impl Into<String>, publisher: Publisher) -> CdcRelayBuilder {
+        CdcRelayBuilder {
+            url: url.into(),
+            publisher,
+            tables: Vec::new(),
+            slot: "cache_sync".to_owned(),
+            publication: "cache_sync".to_owned(),
+            max_rows_per_transaction: DEFAULT_MAX_ROWS_PER_TRANSACTION,
+            lag_warning_bytes: DEFAULT_LAG_WARNING_BYTES,
+            lag_interval: DEFAULT_LAG_INTERVAL,
+            standby_retry: DEFAULT_STANDBY_RETRY,
+        }
+    }
+
+    /// The counters and gauges.
+    pub fn stats(&self) -> CdcRelayStats {
+        let s = &self.shared;
+        let lag_bytes = s.lag_bytes.load(Ordering::Relaxed);
+        let oldest = s.oldest_pending_commit.load(Ordering::Relaxed);
+        let now = s.server_time.load(Ordering::Relaxed);
+        let lag_micros = if oldest == 0 {
+            0
+        } else {
+            now.saturating_sub(oldest).max(0)
+        };
+        CdcRelayStats {
+            active: s.active.load(Ordering::Relaxed),
+            transactions: s.transactions.load(Ordering::Relaxed),
+            rows: s.rows.load(Ordering::Relaxed),
+            resyncs: s.resyncs.load(Ordering::Relaxed),
+            takeovers: s.takeovers.load(Ordering::Relaxed),
+            failures: s.failures.load(Ordering::Relaxed),
+            confirmed_lsn: s.confirmed.load(Ordering::Relaxed),
+            lag_bytes: (lag_bytes != u64::MAX).then_some(lag_bytes),
+            #[allow(clippy::cast_precision_loss)] // microseconds: exact below 2^53
+            lag_seconds: lag_micros as f64 / 1e6,
+        }
+    }
+
+    /// The stats in Prometheus' text format (families
+    /// `cache_sync_cdc_*`), for the service that runs the relay to serve
+    /// on its own `/metrics`.
+    pub fn metrics(&self) -> String {
+        super::metrics::encode(&self.shared.slot, &self.stats())
+    }
+
+    /// Stops streaming and waits for the task. Events of transactions not
+    /// yet confirmed are published again by the next relay on the slot.
+    pub async fn shutdown(&self) {
+        let _ = self.stop.send(true);
+        let task = lock(&self.task).take();
+        if let Some(task) = task {
+            let _ = task.await;
+        }
+        self.shared.active.store(false, Ordering::Relaxed);
+    }
+}
+
+impl Drop for CdcRelay {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+impl CdcRelayBuilder {
+    /// Maps a table to a cache. Several tables may map to one cache, and
+    /// one table to several caches.
+    pub fn table<K, V>(mut self, table: CdcTable<K, V>) -> Self
+    where
+        K: serde::Serialize + 'static,
+        V: serde::Serialize + 'static,
+    {
+        self.tables.push(table.erase());
+        self
+    }
+
+    /// The replication slot's name (`cache_sync` by default). Relays with
+    /// the same slot are one active relay and its standbys; give separate
+    /// relay groups separate slots.
+    pub fn slot(mut self, name: impl Into<String>) -> Self {
+        self.slot = name.into();
+        self
+    }
+
+    /// The publication's name (`cache_sync` by default). The relay creates
+    /// it, or sets an existing one to exactly the mapped tables.
+    pub fn publication(mut self, name: impl Into<String>) -> Self {
+        self.publication = name.into();
+        self
+    }
+
+    /// Row changes one transaction may make to one cache before the rest
+    /// become one clear of it (10,000; at least 1).
+    pub fn max_rows_per_transaction(mut self, n: usize) -> Self {
+        self.max_rows_per_transaction = n;
+        self
+    }
+
+    /// Warns while the slot is more than this many bytes behind (1 GiB).
+    pub fn lag_warning_bytes(mut self, bytes: u64) -> Self {
+        self.lag_warning_bytes = bytes;
+        self
+    }
+
+    /// How often the slot's lag is read (5 s; 100 ms to 1 hour).
+    pub fn lag_interval(mut self, every: Duration) -> Self {
+        self.lag_interval = every;
+        self
+    }
+
+    /// How often a standby asks whether the slot is free (1 s; 10 ms to
+    /// 1 minute).
+    pub fn standby_retry(mut self, every: Duration) -> Self {
+        self.standby_retry = every;
+        self
+    }
+
+    /// Checks the settings, creates or updates the publication, and starts
+    /// the relay's task on the current tokio runtime. Fails when the
+    /// database cannot be reached or refuses the publication (a mapped
+    /// table that does not exist, a user that does not own it), or a
+    /// setting is out of range. A slot held by another relay is not an
+    /// error: this one starts as its standby.
+    pub async fn start(self) -> Result<CdcRelay> {
+        if self.tables.is_empty() {
+            return Err(Error::Config("a CDC relay needs at least one table".into()));
+        }
+        check_name("slot", &self.slot, |c| {
+            c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'
+        })?;
+        check_name("publication", &self.publication, |c| !c.is_control())?;
+        if self.max_rows_per_transaction == 0 {
+            return Err(Error::Config(
+                "max_rows_per_transaction must be at least 1".into(),
+            ));
+        }
+        if !(Duration::from_millis(100)..=Duration::from_secs(3600)).contains(&self.lag_interval) {
+            return Err(Error::Config(
+                "lag_interval must be 100 ms to 1 hour".into(),
+            ));
+        }
+        if !(Duration::from_millis(10)..=Duration::from_secs(60)).contains(&self.standby_retry) {
+            return Err(Error::Config(
+                "standby_retry must be 10 ms to 1 minute".into(),
+            ));
+        }
+        let topic = self.publisher.topic().to_owned();
+        for t in &self.tables {
+            if let Some(pinned) = t.topic
+                && pinned != topic
+            {
+                return Err(Error::Config(format!(
+                    "cache {:?} is pinned to topic {pinned:?}, but the relay's publisher publishes to {topic:?}",
+                    t.cache
+                )));
+            }
+            crate::transport::names::check(crate::transport::names::NameKind::Cache, &t.cache)?;
+        }
+        let config = replication_config(&self.url, &self.slot, &self.publication)?;
+        let options: sqlx::postgres::PgConnectOptions = self
+            .url
+            .parse()
+            .map_err(|e| Error::Config(format!("the relay's database address: {e}")))?;
+        let pool = PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(SQL_TIMEOUT)
+            .connect_with(options.application_name("cache-sync cdc"))
+            .await
+            .map_err(db)?;
+        let mut relations: Vec<(String, String)> = self
+            .tables
+            .iter()
+            .map(|t| (t.schema.clone(), t.name.clone()))
+            .collect();
+        relations.sort();
+        relations.dedup();
+        slot::ensure_publication(&pool, &self.publication, &relations).await?;
+        // Created here, so that a server without wal_level = logical or a
+        // user without REPLICATION fails the start, not a task's log.
+        if slot::slot_state(&pool, &self.slot).await? == SlotState::Missing {
+            slot::create_slot(&pool, &self.slot, false).await?;
+        }
+
+        let shared = Arc::new(Shared {
+            slot: self.slot.clone(),
+            active: AtomicBool::new(false),
+            transactions: AtomicU64::new(0),
+            rows: AtomicU64::new(0),
+            resyncs: AtomicU64::new(0),
+            takeovers: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+            confirmed: AtomicU64::new(0),
+            lag_bytes: AtomicU64::new(u64::MAX),
+            oldest_pending_commit: AtomicI64::new(0),
+            server_time: AtomicI64::new(0),
+        });
+        let inner = Arc::new(Inner {
+            shared: Arc::clone(&shared),
+            pool,
+            config,
+            publisher: self.publisher,
+            tables: self.tables,
+            max_rows_per_transaction: self.max_rows_per_transaction,
+            standby_retry: self.standby_retry,
+        });
+        let (stop, stopped) = watch::channel(false);
+        let lag = tokio::spawn(lag_loop(
+            Arc::clone(&inner),
+            stopped.clone(),
+            self.lag_interval,
+            self.lag_warning_bytes,
+        ));
+        let task = tokio::spawn(async move {
+            run(inner, stopped).await;
+            let _ = lag.await;
+        });
+        Ok(CdcRelay {
+            shared,
+            stop,
+            task: Mutex::new(Some(task)),
+        })
+    }
+}
+
+fn check_name(what: &str, name: &str, ok: impl Fn(char) -> bool) -> Result<()> {
+    if name.is_empty() || name.len() > 63 || !name.chars().all(ok) {
+        return Err(Error::Config(format!(
+            "{what} name {name:?}: 1 to 63 bytes{}",
+            if what == "slot" {
+                " of a-z, 0-9 and _"
+            } else {
+                ", no control characters"
+            }
+        )));
+    }
+    Ok(())
+}
+
+/// The replication session's settings, from the same address the SQL pool
+/// uses.
+fn replication_config(url: &str, slot: &str, publication: &str) -> Result<ReplicationConfig> {
+    let bad = |why: String| Error::Config(format!("the relay's database address: {why}"));
+    let parsed = url::Url::parse(url).map_err(|e| bad(e.to_string()))?;
+    if !matches!(parsed.scheme(), "postgres" | "postgresql") {
+        return Err(bad(format!(
+            "scheme {:?}, not postgres://",
+            parsed.scheme()
+        )));
+    }
+    let decode = |s: &str| {
+        url::form_urlencoded::parse(format!("x={s}").as_bytes())
+            .next()
+            .map(|(_, v)| v.into_owned())
+            .unwrap_or_default()
+    };
+    let mut host = parsed.host_str().unwrap_or("localhost").to_owned();
+    let mut port = parsed.port().unwrap_or(5432);
+    let mut user = decode(parsed.username());
+    if user.is_empty() {
+        user = "postgres".to_owned();
+    }
+    let password = parsed.password().map(decode).unwrap_or_default();
+    let mut database = decode(parsed.path().trim_start_matches('/'));
+    let mut tls = TlsConfig::disabled();
+    for (k, v) in parsed.query_pairs() {
+        match &*k {
+            "sslmode" => {
+                tls.mode = match &*v {
+                    "disable" => SslMode::Disable,
+                    "prefer" | "allow" => SslMode::Prefer,
+                    "require" => SslMode::Require,
+                    "verify-ca" => SslMode::VerifyCa,
+                    "verify-full" => SslMode::VerifyFull,
+                    other => return Err(bad(format!("unknown sslmode {other:?}"))),
+                }
+            }
+            "sslrootcert" => tls.ca_pem_path = Some(v.into_owned().into()),
+            "host" => host = v.into_owned(),
+            "port" => port = v.parse().map_err(|_| bad(format!("port {v:?}")))?,
+            "user" => user = v.into_owned(),
+            "dbname" => database = v.into_owned(),
+            _ => {}
+        }
+    }
+    if database.is_empty() {
+        database = user.clone();
+    }
+    Ok(
+        ReplicationConfig::new(host, user, password, database, slot, publication)
+            .with_port(port)
+            .with_tls(tls)
+            // The confirmed position reaches the server within 200 ms of
+            // a publish: a takeover publishes again at most that much.
+            .with_status_interval(Duration::from_millis(200))
+            .with_wakeup_interval(Duration::from_secs(1))
+            .with_buffer_size(1024)
+            // One row change is one message: bounded so a corrupt length
+            // cannot make the worker allocate a gigabyte.
+            .with_max_message_size(256 << 20)
+            .with_application_name("cache-sync cdc"),
+    )
+}
+
+/// How a session ended without an error.
+enum Ended {
+    /// Another relay streams the slot.
+    Standby(i32),
+    /// The server ended the stream.
+    Closed,
+}
+
+async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
+    let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
+    let mut standby_of: Option<i32> = None;
+    loop {
+        if *stop.borrow() {
+            break;
+        }
+        let ended = tokio::select! {
+            ended = session(&inner, standby_of.is_some()) => ended,
+            _ = stop.changed() => break,
+        };
+        inner.shared.active.store(false, Ordering::Relaxed);
+        let wait = match ended {
+            Ok(Ended::Standby(pid)) => {
+                if standby_of.is_none() {
+                    tracing::info!(slot = %inner.shared.slot, pid, "cdc relay: standby, another session streams the slot");
+                }
+                standby_of = Some(pid);
+                backoff.reset();
+                inner.standby_retry
+            }
+            Ok(Ended::Closed) => {
+                standby_of = None;
+                backoff.fail()
+            }
+            Err(e) => {
+                standby_of = None;
+                inner.shared.failures.fetch_add(1, Ordering::Relaxed);
+                let wait = backoff.fail();
+                tracing::warn!(slot = %inner.shared.slot, error = %e, retry_in = ?wait, "cdc relay: session failed; starting again from the confirmed position");
+                wait
+            }
+        };
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            _ = stop.changed() => break,
+        }
+    }
+}
+
+/// One replication session: from taking the slot to losing it.
+async fn session(inner: &Inner, was_standby: bool) -> Result<Ended> {
+    let slot = &inner.shared.slot;
+    match slot::slot_state(&inner.pool, slot).await? {
+        SlotState::Active(pid) => return Ok(Ended::Standby(pid)),
+        SlotState::Missing => {
+            tracing::warn!(slot = %slot, "cdc relay: the slot is gone (dropped?); creating it again and clearing every mapped cache");
+            slot::create_slot(&inner.pool, slot, false).await?;
+        }
+        SlotState::Lost => {
+            tracing::warn!(slot = %slot, "cdc relay: the server invalidated the slot (max_slot_wal_keep_size); creating it again and clearing every mapped cache");
+            slot::create_slot(&inner.pool, slot, true).await?;
+        }
+        SlotState::Idle => {}
+    }
+    let mut client = ReplicationClient::connect(inner.config.clone())
+        .await
+        .map_err(db)?;
+    if let Err(e) = client.wait_started().await {
+        // Most often another relay took the slot between the check and
+        // the start: that is standing by, not a failure.
+        if let Ok(SlotState::Active(pid)) = slot::slot_state(&inner.pool, slot).await {
+            return Ok(Ended::Standby(pid));
+        }
+        return Err(db(e));
+    }
+    inner.shared.active.store(true, Ordering::Relaxed);
+    if was_standby {
+        inner.shared.takeovers.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(slot = %slot, "cdc relay: took over the slot");
+    } else {
+        tracing::info!(slot = %slot, "cdc relay: streaming the slot");
+    }
+    let mut stream = Stream {
+        inner,
+        relations: HashMap::new(),
+        mapped: HashMap::new(),
+        batch: Batch::default(),
+        open: None,
+        last_commit: 0,
+        pending_end: None,
+        committed: false,
+    };
+    let result = stream.pump(&mut client).await;
+    client.stop();
+    result
+}
+
+/// The open transaction.
+struct Open {
+    version: u64,
+    xid: u32,
+}
+
+struct Stream<'a> {
+    inner: &'a Inner,
+    relations: HashMap<u32, Relation>,
+    /// Relation id → the mappings (indices into `inner.tables`) it feeds.
+    mapped: HashMap<u32, Vec<usize>>,
+    batch: Batch,
+    open: Option<Open>,
+    /// The version of the last commit seen, for a change outside any.
+    last_commit: u64,
+    /// The end of the last commit in the batch: confirmed once it is published.
+    pending_end: Option<Lsn>,
+    /// The batch holds committed work.
+    committed: bool,
+}
+
+impl Stream<'_> {
+    async fn pump(&mut self, client: &mut ReplicationClient) -> Result<Ended> {
+        loop {
+            // Committed work waits while more is ready (so that a burst
+            // goes out in few publishes), and is flushed before waiting.
+            let event = if self.open.is_none() && self.committed {
+                match client.recv().now_or_never() {
+                    Some(event) => event,
+                    None => {
+                        self.flush(client).await?;
+                        continue;
+                    }
+                }
+            } else {
+                client.recv().await
+            };
+            let Some(event) = event.map_err(db)? else {
+                return Ok(Ended::Closed);
+            };
+            let shared = &self.inner.shared;
+            tracing::trace!(?event, "cdc relay: event");
+            match event {
+                ReplicationEvent::Begin {
+                    final_lsn,
+                    xid,
+                    commit_time_micros,
+                } => {
+                    self.open = Some(Open {
+                        version: final_lsn.as_u64(),
+                        xid,
+                    });
+                    let _ = shared.oldest_pending_commit.compare_exchange(
+                        0,
+                        commit_time_micros.max(1),
+                        Ordering::Relaxed,
+                        Ordering::Relaxed,
+                    );
+                }
+                ReplicationEvent::XLogData {
+                    data,
+                    server_time_micros,
+                    ..
+                } => {
+                    shared
+                        .server_time
+                        .store(server_time_micros, Ordering::Relaxed);
+                    self.message(&data);
+                }
+                ReplicationEvent::Message {
+                    lsn,
+                    prefix,
+                    content,
+                    ..
+                } => {
+                    if prefix == RESYNC_PREFIX && *content == *shared.slot.as_bytes() {
+                        tracing::warn!(slot = %shared.slot, lsn = %lsn, "cdc relay: a new slot starts here; clearing every mapped cache");
+                        shared.resyncs.fetch_add(1, Ordering::Relaxed);
+                        self.clear_all(lsn.as_u64());
+                        if self.open.is_none() {
+                            self.batch.commit(None);
+                            self.committed = true;
+                        }
+                    }
+                }
+                ReplicationEvent::Commit {
+                    end_lsn,
+                    commit_time_micros,
+                    lsn,
+                } => {
+                    let open = self.open.take();
+                    let xid = open.as_ref().map(|o| o.xid);
+                    self.last_commit = open.map_or(lsn.as_u64(), |o| o.version);
+                    let _ = commit_time_micros;
+                    self.batch.commit(xid);
+                    self.pending_end = Some(end_lsn);
+                    self.committed = true;
+                    if self.batch.rows >= MAX_BATCH_ROWS {
+                        self.flush(client).await?;
+                    }
+                }
+                ReplicationEvent::KeepAlive {
+                    wal_end,
+                    server_time_micros,
+                    ..
+                } => {
+                    shared
+                        .server_time
+                        .store(server_time_micros, Ordering::Relaxed);
+                    // Everything the server sent before this was handled:
+                    // with nothing open or unpublished, its position is
+                    // done, so a slot whose tables are quiet does not pin
+                    // the WAL other tables write.
+                    if self.open.is_none() && !self.committed && self.batch.is_empty() {
+                        self.confirm(client, wal_end);
+                    }
+                }
+                ReplicationEvent::StoppedAt { .. } => return Ok(Ended::Closed),
+            }
+        }
+    }
+
+    fn version(&self) -> u64 {
+        self.open.as_ref().map_or(self.last_commit, |o| o.version)
+    }
+
+    fn clear_all(&mut self, version: u64) {
+        for t in &self.inner.tables {
+            self.batch.clear(&t.cache, version);
+        }
+    }
+
+    fn message(&mut self, data: &[u8]) {
+        let version = self.version();
+        let message = match pgoutput::decode(data) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::error!(slot = %self.inner.shared.slot, error = %e, "cdc relay: a change did not decode; clearing every mapped cache");
+                self.clear_all(version);
+                return;
+            }
+        };
+        let cap = self.inner.max_rows_per_transaction;
+        match message {
+            Message::Relation(relation) => self.relation(relation, version),
+            Message::Insert { relation, new } => {
+                let Some((rel, maps)) = self.lookup(relation) else {
+                    return;
+                };
+                for i in maps {
+                    let m = &self.inner.tables[i];
+                    let key = m.mapper.key(&Row::new(&rel, &new, false));
+                    let value = m.mapper.value(&Row::new(&rel, &new, false));
+                    self.key_change(i, key, value, version, cap);
+                }
+            }
+            Message::Update { relation, old, new } => {
+                let Some((rel, maps)) = self.lookup(relation) else {
+                    return;
+                };
+                for i in maps {
+                    let m = &self.inner.tables[i];
+                    // Without an old row the identity did not change: the
+                    // key, read from the identity columns only, is the old
+                    // one too.
+                    let new_key = m.mapper.key(&Row::new(
+                        &rel,
+                        &new,
+                        old.is_none() && rel.replica_identity != b'f',
+                    ));
+                    if let Some(old) = &old {
+                        let old_key = m.mapper.key(&Row::new(&rel, old, false));
+                        match (&old_key, &new_key) {
+                            (Some(o), Some(n)) if o != n => {
+                                self.key_change(i, old_key.clone(), None, version, cap);
+                            }
+                            (None, _) => {
+                                self.key_change(i, None, None, version, cap);
+                                continue;
+                            }
+                            _ => {}
+                        }
+                    }
+                    let value = m.mapper.value(&Row::new(&rel, &new, false));
+                    self.key_change(i, new_key, value, version, cap);
+                }
+            }
+            Message::Delete { relation, old } => {
+                let Some((rel, maps)) = self.lookup(relation) else {
+                    return;
+                };
+                for i in maps {
+                    let key = self.inner.tables[i]
+                        .mapper
+                        .key(&Row::new(&rel, &old, false));
+                    self.key_change(i, key, None, version, cap);
+                }
+            }
+            Message::Truncate { relations } => {
+                for id in relations {
+                    for i in self.mapped.get(&id).cloned().unwrap_or_default() {
+                        let cache = self.inner.tables[i].cache.clone();
+                        self.batch.clear(&cache, version);
+                    }
+                }
+            }
+            Message::Other(_) => {}
+        }
+    }
+
+    fn lookup(&self, relation: u32) -> Option<(Relation, Vec<usize>)> {
+        let maps = self.mapped.get(&relation)?;
+        if maps.is_empty() {
+            return None;
+        }
+        Some((self.relations.get(&relation)?.clone(), maps.clone()))
+    }
+
+    fn key_change(
+        &mut self,
+        mapping: usize,
+        key: Option<bytes::Bytes>,
+        value: Option<bytes::Bytes>,
+        version: u64,
+        cap: usize,
+    ) {
+        let m = &self.inner.tables[mapping];
+        match key {
+            Some(key) => {
+                if self.batch.key(&m.cache, key, value, version, cap) {
+                    tracing::info!(cache = %m.cache, version, cap, "cdc relay: a transaction changed more rows of the table than the cap; clearing the cache instead");
+                }
+            }
+            None => {
+                tracing::warn!(cache = %m.cache, table = %m.relation(), version, "cdc relay: a change's key could not be read from its row (a key outside the replica identity?); clearing the cache");
+                self.batch.clear(&m.cache, version);
+            }
+        }
+    }
+
+    /// A table's (new) shape.
+    fn relation(&mut self, relation: Relation, version: u64) {
+        let maps: Vec<usize> = self
+            .inner
+            .tables
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.schema == relation.schema && t.name == relation.name)
+            .map(|(i, _)| i)
+            .collect();
+        if let Some(before) = self.mapped.get(&relation.id) {
+            for &i in before {
+                if !maps.contains(&i) {
+                    let t = &self.inner.tables[i];
+                    tracing::warn!(cache = %t.cache, table = %t.relation(), now = %format_args!("{}.{}", relation.schema, relation.name), "cdc relay: a mapped table was renamed; clearing its cache and no longer following it");
+                    let cache = t.cache.clone();
+                    self.batch.clear(&cache, version);
+                }
+            }
+        }
+        self.mapped.insert(relation.id, maps);
+        self.relations.insert(relation.id, relation);
+    }
+
+    fn confirm(&self, client: &ReplicationClient, lsn: Lsn) {
+        client.update_applied_lsn(lsn);
+        self.inner
+            .shared
+            .confirmed
+            .fetch_max(lsn.as_u64(), Ordering::Relaxed);
+    }
+
+    /// Publishes the batch, then confirms the slot up to its last commit.
+    async fn flush(&mut self, client: &ReplicationClient) -> Result<()> {
+        let inner = self.inner;
+        let transactions = self.batch.transactions;
+        let rows = self.batch.rows;
+        let xids = std::mem::take(&mut self.batch.xids);
+        let publishes = self.batch.take();
+        if !publishes.is_empty() {
+            tokio::time::timeout(SQL_TIMEOUT, slot::wait_visible(&inner.pool, &xids))
+                .await
+                .map_err(|_| db("the visibility check timed out"))??;
+        }
+        for (cache, changes) in publishes {
+            publish(&inner.publisher, &cache, changes).await?;
+        }
+        inner
+            .shared
+            .transactions
+            .fetch_add(transactions, Ordering::Relaxed);
+        inner.shared.rows.fetch_add(rows, Ordering::Relaxed);
+        if let Some(end) = self.pending_end.take() {
+            self.confirm(client, end);
+        }
+        self.committed = false;
+        inner
+            .shared
+            .oldest_pending_commit
+            .store(0, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Publishes one cache's changes. An entry that can never fit the
+/// publisher's size limit is sent as an invalidation of its key, and a key
+/// that cannot fit either as a clear: never dropped.
+async fn publish(publisher: &Publisher, cache: &str, changes: Vec<Change>) -> Result<()> {
+    let mut split = Vec::new();
+    // A clear in place of changes that fit in no form, at their newest version.
+    let mut fallback: Option<Option<u64>> = None;
+    for change in changes {
+        match publisher.resplit(change.clone()) {
+            Ok(parts) => split.extend(parts),
+            Err(e) if e.is_too_large() => {
+                let version = match &change {
+                    Change::Invalidate { keys } => keys.iter().filter_map(|k| k.version).max(),
+                    Change::Refresh { entries } => entries.iter().filter_map(|e| e.version).max(),
+                    Change::Clear { version } => *version,
+                };
+                let as_invalidation = change.into_invalidation();
+                match publisher.resplit(as_invalidation) {
+                    Ok(parts) => split.extend(parts),
+                    Err(_) => fallback = Some(fallback.flatten().max(version)),
+                }
+                tracing::warn!(
+                    cache,
+                    "cdc relay: an entry is over the event size limit; invalidating instead"
+                );
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if let Some(version) = fallback {
+        split.insert(0, Change::Clear { version });
+    }
+    publisher.send(cache, split).await.map(|_| ())
+}
+
+async fn lag_loop(
+    inner: Arc<Inner>,
+    mut stop: watch::Receiver<bool>,
+    every: Duration,
+    warn_over: u64,
+) {
+    let mut warned = false;
+    loop {
+        match tokio::time::timeout(SQL_TIMEOUT, slot::lag(&inner.pool, &inner.shared.slot)).await {
+            Ok(Ok(Some((bytes, safe)))) => {
+                inner.shared.lag_bytes.store(bytes, Ordering::Relaxed);
+                if bytes > warn_over {
+                    if !warned {
+                        tracing::warn!(slot = %inner.shared.slot, lag_bytes = bytes, safe_wal_size = ?safe, "cdc relay: the slot is far behind and pins the server's WAL");
+                    }
+                    warned = true;
+                } else {
+                    warned = false;
+                }
+            }
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => tracing::debug!(error = %e, "cdc relay: reading the slot's lag failed"),
+            Err(_) => tracing::debug!("cdc relay: reading the slot's lag timed out"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}

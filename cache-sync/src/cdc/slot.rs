@@ -1,0 +1,191 @@
+//! The relay's SQL side: the publication, the slot, its lag, and whether a
+//! decoded transaction is visible yet.
+
+use std::time::Duration;
+
+use sqlx::{PgPool, Row as _};
+
+use crate::error::{Error, Result};
+
+/// The prefix of the logical message a relay writes into the log right
+/// after it created its slot: when the stream reaches it, every mapped
+/// cache is cleared at its LSN. Written to the log rather than published
+/// at once, so a relay that dies between creating the slot and clearing
+/// leaves the clear in the slot's stream for whichever relay comes next.
+pub(crate) const RESYNC_PREFIX: &str = "cache-sync.cdc.resync";
+
+pub(crate) fn db(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
+    Error::Database(e.into())
+}
+
+/// `name` as a quoted SQL identifier.
+pub(crate) fn ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// Creates the publication for `relations` (`(schema, table)`), or sets an
+/// existing one to exactly them. Serialized between relays by an advisory
+/// lock, so two relays starting at once do not both try to create it.
+pub(crate) async fn ensure_publication(
+    pool: &PgPool,
+    publication: &str,
+    relations: &[(String, String)],
+) -> Result<()> {
+    let tables = relations
+        .iter()
+        .map(|(schema, name)| format!("{}.{}", ident(schema), ident(name)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut tx = pool.begin().await.map_err(db)?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
+        .bind(format!("cache-sync cdc publication\n{publication}"))
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
+            .bind(publication)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+    let verb = if exists {
+        format!(
+            "ALTER PUBLICATION {} SET TABLE {tables}",
+            ident(publication)
+        )
+    } else {
+        format!(
+            "CREATE PUBLICATION {} FOR TABLE {tables}",
+            ident(publication)
+        )
+    };
+    sqlx::query(&verb).execute(&mut *tx).await.map_err(db)?;
+    tx.commit().await.map_err(db)
+}
+
+/// What the server says of the slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum SlotState {
+    Missing,
+    /// The server invalidated it (`wal_status = 'lost'`: it fell behind
+    /// `max_slot_wal_keep_size`); it can never stream again.
+    Lost,
+    /// Held by the walsender of this backend pid.
+    Active(i32),
+    Idle,
+}
+
+pub(crate) async fn slot_state(pool: &PgPool, slot: &str) -> Result<SlotState> {
+    let row = sqlx::query(
+        "SELECT active_pid, wal_status, plugin, database = current_database() AS here \
+         FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await
+    .map_err(db)?;
+    let Some(row) = row else {
+        return Ok(SlotState::Missing);
+    };
+    let plugin: Option<String> = row.try_get("plugin").map_err(db)?;
+    let here: Option<bool> = row.try_get("here").map_err(db)?;
+    if plugin.as_deref() != Some("pgoutput") || here != Some(true) {
+        return Err(Error::Config(format!(
+            "replication slot {slot:?} exists but is not a pgoutput slot of this database"
+        )));
+    }
+    let status: Option<String> = row.try_get("wal_status").map_err(db)?;
+    if status.as_deref() == Some("lost") {
+        return Ok(SlotState::Lost);
+    }
+    let pid: Option<i32> = row.try_get("active_pid").map_err(db)?;
+    Ok(pid.map_or(SlotState::Idle, SlotState::Active))
+}
+
+/// Creates the slot (dropping a lost one first) and writes the resync
+/// message after its starting point. `false`: another relay created it
+/// first (and wrote its own message).
+pub(crate) async fn create_slot(pool: &PgPool, slot: &str, lost: bool) -> Result<bool> {
+    if lost {
+        // Fails if another relay already dropped it: the create says who won.
+        let _ = sqlx::query("SELECT pg_drop_replication_slot($1)")
+            .bind(slot)
+            .execute(pool)
+            .await;
+    }
+    let created =
+        sqlx::query("SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')")
+            .bind(slot)
+            .fetch_one(pool)
+            .await;
+    match created {
+        Ok(_) => {}
+        // duplicate_object: another relay was quicker.
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42710") => return Ok(false),
+        Err(e) => return Err(db(e)),
+    }
+    sqlx::query("SELECT pg_logical_emit_message(false, $1, $2)")
+        .bind(RESYNC_PREFIX)
+        .bind(slot)
+        .execute(pool)
+        .await
+        .map_err(db)?;
+    Ok(true)
+}
+
+/// The slot's lag behind the end of the log, in bytes, and the WAL the
+/// server may still keep for it before invalidating it
+/// (`safe_wal_size`; `None` with `max_slot_wal_keep_size = -1`).
+pub(crate) async fn lag(pool: &PgPool, slot: &str) -> Result<Option<(u64, Option<i64>)>> {
+    let row = sqlx::query(
+        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8 AS lag, \
+         safe_wal_size FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await
+    .map_err(db)?;
+    let Some(row) = row else { return Ok(None) };
+    let lag: Option<i64> = row.try_get("lag").map_err(db)?;
+    let safe: Option<i64> = row.try_get("safe_wal_size").map_err(db)?;
+    Ok(Some((
+        lag.map_or(0, |l| u64::try_from(l).unwrap_or(0)),
+        safe,
+    )))
+}
+
+/// Waits until every transaction of `xids` is visible to a new snapshot.
+///
+/// The server sends a transaction once its commit record is flushed, which
+/// can come before the transaction is visible to other sessions (with a
+/// synchronous standby, for as long as the standby takes to answer). A
+/// node that applied a change and then loads the row must read the change:
+/// so nothing is published before its transaction is visible.
+pub(crate) async fn wait_visible(pool: &PgPool, xids: &[u32]) -> Result<()> {
+    if xids.is_empty() {
+        return Ok(());
+    }
+    let xids: Vec<i64> = xids.iter().map(|&x| i64::from(x)).collect();
+    // A decoded xid is 32 bits; its epoch is the snapshot's, or the one
+    // before when it is above the snapshot's xmax (a wrap in between).
+    let query = "SELECT coalesce(bool_and(pg_visible_in_snapshot( \
+            (((greatest(m.epoch - CASE WHEN x > m.low THEN 1 ELSE 0 END, 0)) << 32) | x)::text::xid8, \
+            m.snap)), true) \
+        FROM unnest($1::int8[]) AS x, \
+            (SELECT s AS snap, pg_snapshot_xmax(s)::text::int8 >> 32 AS epoch, \
+                    pg_snapshot_xmax(s)::text::int8 & 4294967295 AS low \
+             FROM pg_current_snapshot() AS s) AS m";
+    let mut wait = Duration::from_millis(1);
+    loop {
+        let visible: bool = sqlx::query_scalar(query)
+            .bind(&xids)
+            .fetch_one(pool)
+            .await
+            .map_err(db)?;
+        if visible {
+            return Ok(());
+        }
+        tokio::time::sleep(wait).await;
+        wait = wait.saturating_mul(2).min(Duration::from_millis(100));
+    }
+}

@@ -1,0 +1,793 @@
+//! The CDC relay against a PostgreSQL of the test's own (`wal_level =
+//! logical`, see `postgres_server`): what commits reaches every node, what
+//! rolls back never does, and after any fault (the relay killed, its
+//! connection terminated, the server killed or stopped, the slot dropped)
+//! every node agrees with the database.
+//!
+//! "Agrees": for every key, a node holds either nothing or the database's
+//! current value; and once the writes stop, every key a refresh installed
+//! holds the last committed value.
+#![cfg(feature = "postgres-cdc")]
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use cache_sync::{
+    CdcRelay, CdcRelayBuilder, CdcTable, EmbeddedTransport, Node, Publisher, SyncedCache, Table,
+};
+use integration_tests::eventually;
+use integration_tests::postgres_server::PostgresServer;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+const ITEMS: Table<i64, String> = Table::new("items");
+
+async fn pool(server: &PostgresServer) -> PgPool {
+    // RUST_LOG=cache_sync=debug shows the relay's sessions.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(&server.url())
+        .await
+        .unwrap()
+}
+
+async fn exec(pool: &PgPool, sql: &str) {
+    sqlx::raw_sql(sql)
+        .execute(pool)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+async fn create_items(pool: &PgPool) {
+    exec(
+        pool,
+        "CREATE TABLE items (id bigint PRIMARY KEY, name text NOT NULL, body text)",
+    )
+    .await;
+}
+
+/// The table as it is now.
+async fn rows(pool: &PgPool) -> BTreeMap<i64, String> {
+    sqlx::query_as::<_, (i64, String)>("SELECT id, name FROM items")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+struct Nodes {
+    nodes: Vec<Node>,
+    caches: Vec<SyncedCache<i64, String>>,
+}
+
+async fn nodes(transport: &EmbeddedTransport, n: usize) -> Nodes {
+    let mut nodes = Vec::new();
+    let mut caches = Vec::new();
+    for i in 0..n {
+        let cache = SyncedCache::new(ITEMS, moka::future::Cache::new(1_000_000));
+        let node = Node::builder(format!("n{i}"), transport.clone())
+            .register(&cache)
+            .start()
+            .await
+            .unwrap();
+        nodes.push(node);
+        caches.push(cache);
+    }
+    Nodes { nodes, caches }
+}
+
+impl Nodes {
+    /// No node holds a value the database does not have for its key.
+    fn stale(&self, db: &BTreeMap<i64, String>) -> Option<String> {
+        for (i, cache) in self.caches.iter().enumerate() {
+            for (k, v) in cache.iter() {
+                if db.get(&*k) != Some(&v) {
+                    return Some(format!(
+                        "n{i} holds {k} = {v:?}; the database has {:?}",
+                        db.get(&k)
+                    ));
+                }
+            }
+        }
+        None
+    }
+
+    /// Every node holds exactly `want` for the keys of `want`.
+    async fn hold(&self, want: &BTreeMap<i64, String>) -> bool {
+        for cache in &self.caches {
+            for (k, v) in want {
+                if cache.peek(k).await.as_ref() != Some(v) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    async fn agree(&self, pool: &PgPool) {
+        let db = rows(pool).await;
+        let mut last = None;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while tokio::time::Instant::now() < deadline {
+            match self.stale(&db) {
+                None => return,
+                Some(s) => last = Some(s),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!(
+            "nodes do not agree with the database: {}",
+            last.unwrap_or_default()
+        );
+    }
+
+    async fn shutdown(self) {
+        for n in self.nodes {
+            n.shutdown().await.unwrap();
+        }
+    }
+}
+
+fn relay(server: &PostgresServer, transport: &EmbeddedTransport) -> CdcRelayBuilder {
+    CdcRelay::builder(server.url(), Publisher::new(transport.clone()))
+        .standby_retry(Duration::from_millis(50))
+        .lag_interval(Duration::from_millis(200))
+        .table(CdcTable::new(ITEMS, "items", |row| row.parse("id")).value(|row| row.parse("name")))
+}
+
+async fn insert(pool: &PgPool, range: std::ops::Range<i64>, name: &str) {
+    sqlx::query("INSERT INTO items SELECT g, $3 || g FROM generate_series($1::int8, $2::int8) g")
+        .bind(range.start)
+        .bind(range.end - 1)
+        .bind(name)
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+fn named(range: std::ops::Range<i64>, name: &str) -> BTreeMap<i64, String> {
+    range.map(|i| (i, format!("{name}{i}"))).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn committed_changes_reach_every_node_and_rolled_back_ones_never() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    create_items(&pool).await;
+    let transport = EmbeddedTransport::new();
+    let nodes = nodes(&transport, 3).await;
+    let relay = relay(&pg, &transport).start().await.unwrap();
+
+    insert(&pool, 0..50, "a").await;
+    eventually("every node holds the inserted rows", async || {
+        nodes.hold(&named(0..50, "a")).await
+    })
+    .await;
+    exec(&pool, "UPDATE items SET name = 'b' || id WHERE id < 10").await;
+    exec(&pool, "DELETE FROM items WHERE id >= 40").await;
+    // Rolled back: never published.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("UPDATE items SET name = 'rolled back' WHERE id = 20")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    // Insert then delete in one transaction: nodes see the delete.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO items VALUES (1000, 'gone', NULL)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM items WHERE id = 1000")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    // A marker after everything: once it arrived, so had the rest.
+    exec(&pool, "INSERT INTO items VALUES (2000, 'last', NULL)").await;
+    let mut want = named(0..10, "b");
+    want.insert(2000, "last".into());
+    want.extend(named(10..40, "a"));
+    eventually("every node holds the committed rows", async || {
+        nodes.hold(&want).await
+    })
+    .await;
+    for cache in &nodes.caches {
+        for id in 40..50 {
+            assert_eq!(cache.peek(&id).await, None, "deleted {id}");
+        }
+        assert_eq!(cache.peek(&1000).await, None);
+        assert!(cache.iter().all(|(_, v)| v != "rolled back"));
+    }
+    nodes.agree(&pool).await;
+    let stats = relay.stats();
+    assert!(stats.active, "{stats:?}");
+    assert!(stats.transactions >= 5, "{stats:?}");
+    assert_eq!(stats.resyncs, 1, "the new slot's clear: {stats:?}");
+    let metrics = relay.metrics();
+    assert!(
+        metrics.contains("cache_sync_cdc_active{slot=\"cache_sync\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("cache_sync_cdc_slot_lag_bytes"),
+        "{metrics}"
+    );
+    relay.shutdown().await;
+    nodes.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncate_clears_and_rows_inserted_after_it_stay() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    create_items(&pool).await;
+    let transport = EmbeddedTransport::new();
+    let nodes = nodes(&transport, 2).await;
+    let relay = relay(&pg, &transport).start().await.unwrap();
+    insert(&pool, 0..20, "a").await;
+    eventually("rows arrive", async || nodes.hold(&named(0..20, "a")).await).await;
+    exec(
+        &pool,
+        "BEGIN; TRUNCATE items; INSERT INTO items VALUES (5, 'after', NULL); COMMIT",
+    )
+    .await;
+    let want: BTreeMap<i64, String> = [(5, "after".to_owned())].into();
+    eventually("the row after the truncate arrives", async || {
+        nodes.hold(&want).await
+    })
+    .await;
+    for cache in &nodes.caches {
+        assert_eq!(cache.iter().count(), 1);
+    }
+    relay.shutdown().await;
+    nodes.shutdown().await;
+}
+
+/// 100,000 rows in one transaction: past the cap, one clear at its commit
+/// instead of 100,000 events to every node; nothing stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_thousand_row_transaction_reaches_nodes_as_a_clear() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    create_items(&pool).await;
+    let transport = EmbeddedTransport::new();
+    let nodes = nodes(&transport, 2).await;
+    let relay = relay(&pg, &transport).start().await.unwrap();
+    insert(&pool, 0..100, "a").await;
+    eventually("rows arrive", async || {
+        nodes.hold(&named(0..100, "a")).await
+    })
+    .await;
+    insert(&pool, 100..100_000, "a").await;
+    exec(&pool, "UPDATE items SET name = 'big' || id").await;
+    exec(&pool, "INSERT INTO items VALUES (-1, 'last', NULL)").await;
+    let want: BTreeMap<i64, String> = [(-1, "last".to_owned())].into();
+    eventually("the transaction after it arrives", async || {
+        nodes.hold(&want).await
+    })
+    .await;
+    nodes.agree(&pool).await;
+    for cache in &nodes.caches {
+        assert_eq!(cache.peek(&7).await, None, "cleared, not refreshed");
+    }
+    let stats = relay.stats();
+    assert!(stats.rows >= 199_900, "{stats:?}");
+    relay.shutdown().await;
+    nodes.shutdown().await;
+}
+
+const DOCS: Table<i64, String> = Table::new("docs");
+
+/// The value reads a TOASTed column: an UPDATE that leaves it unchanged
+/// does not send it, and the change becomes an invalidation, never a value
+/// built from part of the row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unchanged_toasted_column_makes_an_invalidation() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    exec(
+        &pool,
+        "CREATE TABLE docs (id bigint PRIMARY KEY, title text NOT NULL, body text NOT NULL);
+         ALTER TABLE docs ALTER COLUMN body SET STORAGE EXTERNAL",
+    )
+    .await;
+    let transport = EmbeddedTransport::new();
+    let cache = SyncedCache::new(DOCS, moka::future::Cache::new(100));
+    let node = Node::builder("n", transport.clone())
+        .register(&cache)
+        .start()
+        .await
+        .unwrap();
+    let relay = CdcRelay::builder(pg.url(), Publisher::new(transport.clone()))
+        .table(
+            CdcTable::new(DOCS, "docs", |row| row.parse("id"))
+                .value(|row| Some(format!("{}:{}", row.get("title")?, row.get("body")?.len()))),
+        )
+        .start()
+        .await
+        .unwrap();
+    // 100 kB, stored out of line (EXTERNAL: not compressed).
+    exec(
+        &pool,
+        "INSERT INTO docs VALUES (1, 't1', repeat('x', 100000))",
+    )
+    .await;
+    eventually("the row arrives", async || {
+        cache.peek(&1).await.as_deref() == Some("t1:100000")
+    })
+    .await;
+    exec(&pool, "UPDATE docs SET title = 't2' WHERE id = 1").await;
+    eventually("the key is dropped", async || {
+        cache.peek(&1).await.is_none()
+    })
+    .await;
+    // Loaded again, the value is whole.
+    exec(
+        &pool,
+        "UPDATE docs SET title = 't3', body = repeat('y', 5) WHERE id = 1",
+    )
+    .await;
+    eventually("a full row refreshes again", async || {
+        cache.peek(&1).await.as_deref() == Some("t3:5")
+    })
+    .await;
+    relay.shutdown().await;
+    node.shutdown().await.unwrap();
+}
+
+const EXTRA: Table<i64, String> = Table::new("extra");
+
+/// Columns are read by name from the table's latest shape: a column added
+/// is read from the next change on; a dropped one makes changes
+/// invalidations; a renamed table's cache is cleared and no longer
+/// followed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schema_changes_never_cache_a_wrong_value() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    create_items(&pool).await;
+    let transport = EmbeddedTransport::new();
+    let extra = SyncedCache::new(EXTRA, moka::future::Cache::new(100));
+    let nodes = nodes(&transport, 1).await;
+    let node = Node::builder("x", transport.clone())
+        .register(&extra)
+        .start()
+        .await
+        .unwrap();
+    let relay = relay(&pg, &transport)
+        .table(CdcTable::new(EXTRA, "items", |row| row.parse("id")).value(|row| row.parse("note")))
+        .start()
+        .await
+        .unwrap();
+    insert(&pool, 0..3, "a").await;
+    eventually("rows arrive", async || nodes.hold(&named(0..3, "a")).await).await;
+    assert_eq!(extra.peek(&0).await, None, "no column note yet");
+
+    exec(&pool, "ALTER TABLE items ADD COLUMN note text").await;
+    exec(
+        &pool,
+        "UPDATE items SET note = 'n' || id, name = 'b' || id WHERE id = 0",
+    )
+    .await;
+    eventually("the added column is read", async || {
+        extra.peek(&0).await.as_deref() == Some("n0")
+    })
+    .await;
+    eventually("and the old one still", async || {
+        nodes.hold(&named(0..1, "b")).await
+    })
+    .await;
+
+    exec(&pool, "ALTER TABLE items DROP COLUMN note").await;
+    exec(&pool, "UPDATE items SET name = 'c' || id WHERE id = 0").await;
+    eventually("a dropped column's cache is invalidated", async || {
+        extra.peek(&0).await.is_none() && nodes.hold(&named(0..1, "c")).await
+    })
+    .await;
+
+    exec(&pool, "ALTER TABLE items RENAME TO things").await;
+    exec(&pool, "UPDATE things SET name = 'd' || id WHERE id = 1").await;
+    eventually("a renamed table's cache is cleared", async || {
+        nodes.caches[0].iter().count() == 0
+    })
+    .await;
+    exec(&pool, "UPDATE things SET name = 'e' || id WHERE id = 2").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(nodes.caches[0].peek(&2).await, None, "no longer followed");
+    relay.shutdown().await;
+    node.shutdown().await.unwrap();
+    nodes.shutdown().await;
+}
+
+const BY_CODE: Table<String, i64> = Table::new("by_code");
+
+/// A key outside the replica identity cannot be read from a DELETE's old
+/// row: the cache is cleared instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_outside_the_replica_identity_clears_on_delete() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    exec(
+        &pool,
+        "CREATE TABLE codes (id bigint PRIMARY KEY, code text UNIQUE NOT NULL)",
+    )
+    .await;
+    let transport = EmbeddedTransport::new();
+    let cache = SyncedCache::new(BY_CODE, moka::future::Cache::new(100));
+    let node = Node::builder("n", transport.clone())
+        .register(&cache)
+        .start()
+        .await
+        .unwrap();
+    let relay = CdcRelay::builder(pg.url(), Publisher::new(transport.clone()))
+        .table(
+            CdcTable::new(BY_CODE, "codes", |row| row.get("code").map(str::to_owned))
+                .value(|row| row.parse("id")),
+        )
+        .start()
+        .await
+        .unwrap();
+    exec(&pool, "INSERT INTO codes VALUES (1, 'de'), (2, 'at')").await;
+    eventually("rows arrive", async || {
+        cache.peek("de").await == Some(1) && cache.peek("at").await == Some(2)
+    })
+    .await;
+    // The key changed without the identity changing: PostgreSQL sends no
+    // old row, so the old key is unknown.
+    exec(&pool, "UPDATE codes SET code = 'ch' WHERE id = 1").await;
+    eventually("the cache is cleared", async || {
+        cache.peek("de").await.is_none() && cache.peek("at").await.is_none()
+    })
+    .await;
+    exec(&pool, "INSERT INTO codes VALUES (3, 'fr')").await;
+    eventually("later rows arrive", async || {
+        cache.peek("fr").await == Some(3)
+    })
+    .await;
+    exec(&pool, "DELETE FROM codes WHERE id = 3").await;
+    eventually("a delete clears", async || cache.peek("fr").await.is_none()).await;
+    relay.shutdown().await;
+    node.shutdown().await.unwrap();
+}
+
+/// After the faults: one more update of every row reaches every node.
+/// (Not before: a replayed resync may have cleared rows the writer did
+/// not touch again, which is no harm.)
+async fn flows_again(pool: &PgPool, nodes: &Nodes) {
+    exec(pool, "UPDATE items SET name = 'final' || id").await;
+    let db = rows(pool).await;
+    eventually("every node holds the last value of every row", async || {
+        nodes.hold(&db).await
+    })
+    .await;
+}
+
+/// Writes single-row updates until told to stop; returns how many.
+fn writer(
+    pool: PgPool,
+    keys: i64,
+) -> (
+    tokio::sync::watch::Sender<bool>,
+    tokio::task::JoinHandle<u64>,
+) {
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(async move {
+        let mut n = 0u64;
+        while !*stopped.borrow() {
+            let id = i64::try_from(n).unwrap() % keys;
+            // Fails while the server is down: keep trying.
+            let _ = sqlx::query("UPDATE items SET name = 'w' || $2 WHERE id = $1")
+                .bind(id)
+                .bind(n.to_string())
+                .execute(&pool)
+                .await;
+            n += 1;
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        n
+    });
+    (stop, task)
+}
+
+/// The relay's walsender terminated (`pg_terminate_backend`) again and
+/// again mid-stream: it reconnects from the confirmed position each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_connection_loses_nothing() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    create_items(&pool).await;
+    let transport = EmbeddedTransport::new();
+    let nodes = nodes(&transport, 2).await;
+    let relay = relay(&pg, &transport).start().await.unwrap();
+    insert(&pool, 0..50, "a").await;
+    let (stop, task) = writer(pool.clone(), 50);
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        exec(
+            &pool,
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE active_pid IS NOT NULL",
+        )
+        .await;
+    }
+    stop.send(true).unwrap();
+    assert!(task.await.unwrap() > 50);
+    exec(&pool, "INSERT INTO items VALUES (-1, 'last', NULL)").await;
+    let want: BTreeMap<i64, String> = [(-1, "last".to_owned())].into();
+    eventually("the last row arrives", async || nodes.hold(&want).await).await;
+    nodes.agree(&pool).await;
+    flows_again(&pool, &nodes).await;
+    assert!(relay.stats().failures >= 1, "{:?}", relay.stats());
+    relay.shutdown().await;
+    nodes.shutdown().await;
+}
+
+/// The server killed mid-stream and restarted; then stopped for longer
+/// than the relay's timeouts and started again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_killed_or_stopped_loses_nothing() {
+    let mut pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    create_items(&pool).await;
+    let transport = EmbeddedTransport::new();
+    let nodes = nodes(&transport, 2).await;
+    let relay = relay(&pg, &transport).start().await.unwrap();
+    insert(&pool, 0..50, "a").await;
+    let (stop, task) = writer(pool.clone(), 50);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::task::block_in_place(|| pg.restart());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::task::block_in_place(|| pg.stop());
+    // Past the relay's 10 s statement timeout and its backoff's ceiling.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    tokio::task::block_in_place(|| pg.restart());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.send(true).unwrap();
+    task.await.unwrap();
+    exec(&pool, "INSERT INTO items VALUES (-1, 'last', NULL)").await;
+    let want: BTreeMap<i64, String> = [(-1, "last".to_owned())].into();
+    eventually("the last row arrives", async || nodes.hold(&want).await).await;
+    nodes.agree(&pool).await;
+    flows_again(&pool, &nodes).await;
+    relay.shutdown().await;
+    nodes.shutdown().await;
+}
+
+/// An operator drops the slot (terminating its session first): changes
+/// made while there was none are lost to the stream, so the relay creates
+/// the slot again and every node clears the cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_slot_is_detected_recreated_and_resynced() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    create_items(&pool).await;
+    let transport = EmbeddedTransport::new();
+    let nodes = nodes(&transport, 2).await;
+    let relay = relay(&pg, &transport).start().await.unwrap();
+    insert(&pool, 0..20, "a").await;
+    eventually("rows arrive", async || nodes.hold(&named(0..20, "a")).await).await;
+    // The relay takes the slot again within 100 ms: drop it in one
+    // statement with the termination, until the drop wins.
+    let mut dropped = false;
+    for _ in 0..200 {
+        let r = sqlx::raw_sql(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE active_pid IS NOT NULL;
+             SELECT pg_sleep(0.05);
+             SELECT pg_drop_replication_slot('cache_sync');",
+        )
+        .execute(&pool)
+        .await;
+        if r.is_ok() {
+            dropped = true;
+            break;
+        }
+    }
+    assert!(dropped, "the slot could not be dropped");
+    // While the slot is gone (or new): this change is not in any stream.
+    exec(&pool, "UPDATE items SET name = 'lost' || id WHERE id < 10").await;
+    eventually("the relay resynced", async || relay.stats().resyncs >= 2).await;
+    nodes.agree(&pool).await;
+    exec(&pool, "UPDATE items SET name = 'after' || id WHERE id = 15").await;
+    let want: BTreeMap<i64, String> = [(15, "after15".to_owned())].into();
+    eventually("changes flow again", async || nodes.hold(&want).await).await;
+    nodes.agree(&pool).await;
+    relay.shutdown().await;
+    nodes.shutdown().await;
+}
+
+/// Two relays on one slot: one streams, the other stands by, and takes
+/// over when the first stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_relay_takes_over() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    create_items(&pool).await;
+    let transport = EmbeddedTransport::new();
+    let nodes = nodes(&transport, 2).await;
+    let a = relay(&pg, &transport).start().await.unwrap();
+    eventually("A streams", async || a.stats().active).await;
+    let b = relay(&pg, &transport).start().await.unwrap();
+    insert(&pool, 0..20, "a").await;
+    eventually("rows arrive", async || nodes.hold(&named(0..20, "a")).await).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(a.stats().active && !b.stats().active);
+    a.shutdown().await;
+    eventually("B takes over", async || b.stats().active).await;
+    assert_eq!(b.stats().takeovers, 1);
+    exec(&pool, "UPDATE items SET name = 'b' || id").await;
+    eventually("B publishes", async || nodes.hold(&named(0..20, "b")).await).await;
+    b.shutdown().await;
+    nodes.shutdown().await;
+}
+
+#[tokio::test]
+async fn settings_out_of_range_are_refused() {
+    let t = EmbeddedTransport::new();
+    let url = "postgres://postgres@127.0.0.1:1/none";
+    let table = || CdcTable::new(ITEMS, "items", |row| row.parse("id"));
+    for builder in [
+        CdcRelay::builder(url, Publisher::new(t.clone())),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .slot(""),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .slot("Upper"),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .slot("x".repeat(64)),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .slot("a.b"),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .publication(""),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .max_rows_per_transaction(0),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .lag_interval(Duration::ZERO),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .lag_interval(Duration::MAX),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .standby_retry(Duration::ZERO),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .standby_retry(Duration::MAX),
+        CdcRelay::builder("mysql://x", Publisher::new(t.clone())).table(table()),
+        CdcRelay::builder("postgres://h/db?sslmode=bogus", Publisher::new(t.clone()))
+            .table(table()),
+        CdcRelay::builder(url, Publisher::new(t.clone())).table(CdcTable::new(
+            Table::<i64, String>::new("a\u{0}b"),
+            "items",
+            |r| r.parse("id"),
+        )),
+        CdcRelay::builder(url, Publisher::new(t.clone())).table(CdcTable::new(
+            Table::<i64, String>::with_topic("items", "elsewhere"),
+            "items",
+            |r| r.parse("id"),
+        )),
+    ] {
+        let err = builder.start().await.unwrap_err();
+        assert!(err.is_config(), "{err}");
+    }
+    // A database that cannot be reached is a database error.
+    let err = CdcRelay::builder(url, Publisher::new(t.clone()))
+        .table(table())
+        .start()
+        .await
+        .unwrap_err();
+    assert!(err.is_database(), "{err}");
+}
+
+#[cfg(feature = "redis")]
+mod processes {
+    use super::*;
+    use cache_sync::RedisStreamsTransport;
+    use integration_tests::redis_server::RedisServer;
+    use std::process::{Child, Command, Stdio};
+
+    struct RelayProcess(Child);
+
+    impl Drop for RelayProcess {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    fn relay_process(pg: &PostgresServer, redis: &str) -> RelayProcess {
+        RelayProcess(
+            Command::new(env!("CARGO_BIN_EXE_cdc_relay"))
+                .args([&pg.url(), redis, "cache-sync", "cache_sync"])
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("start the relay binary"),
+        )
+    }
+
+    async fn slot_pid(pool: &PgPool) -> Option<i32> {
+        sqlx::query_scalar(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'cache_sync'",
+        )
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+        .flatten()
+    }
+
+    /// `kill -9` of the active relay process, mid-stream and right after a
+    /// 5,000-row transaction committed (mid-transaction for the stream),
+    /// with a standby process running: it takes over, and every node
+    /// agrees with the database.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_killed_mid_stream_and_mid_transaction_loses_nothing() {
+        let pg = PostgresServer::start();
+        let pool = pool(&pg).await;
+        create_items(&pool).await;
+        let redis = RedisServer::start();
+        let mut caches = Vec::new();
+        let mut nodes = Vec::new();
+        for i in 0..2 {
+            let cache = SyncedCache::new(ITEMS, moka::future::Cache::new(100_000));
+            let t = RedisStreamsTransport::connect(redis.url().as_str())
+                .await
+                .unwrap();
+            nodes.push(
+                Node::builder(format!("n{i}"), t)
+                    .register(&cache)
+                    .start()
+                    .await
+                    .unwrap(),
+            );
+            caches.push(cache);
+        }
+        let nodes = Nodes { nodes, caches };
+        insert(&pool, 0..5000, "a").await;
+        let mut active = relay_process(&pg, &redis.url());
+        eventually("a relay streams", async || slot_pid(&pool).await.is_some()).await;
+        let mut standby = relay_process(&pg, &redis.url());
+        let (stop, task) = writer(pool.clone(), 5000);
+        for round in 0..4 {
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            if round % 2 == 1 {
+                exec(
+                    &pool,
+                    "UPDATE items SET name = 'bulk' || id || 'r' || random()",
+                )
+                .await;
+            }
+            let before = slot_pid(&pool).await;
+            let _ = active.0.kill();
+            let _ = active.0.wait();
+            // The standby takes the slot once the server saw the session end.
+            eventually("the standby takes over", async || {
+                let now = slot_pid(&pool).await;
+                now.is_some() && now != before
+            })
+            .await;
+            std::mem::swap(&mut active, &mut standby);
+            standby = relay_process(&pg, &redis.url());
+        }
+        stop.send(true).unwrap();
+        task.await.unwrap();
+        exec(&pool, "INSERT INTO items VALUES (-1, 'last', NULL)").await;
+        let want: BTreeMap<i64, String> = [(-1, "last".to_owned())].into();
+        eventually("the last row arrives", async || nodes.hold(&want).await).await;
+        nodes.agree(&pool).await;
+        flows_again(&pool, &nodes).await;
+        drop(standby);
+        drop(active);
+        nodes.shutdown().await;
+    }
+}
