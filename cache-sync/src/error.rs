@@ -105,10 +105,11 @@ pub enum Error {
     #[error("the node has shut down")]
     Shutdown,
 
-    /// The outbox's database failed: it could not be reached, the
-    /// connection dropped, or a statement failed. Not a transport error:
-    /// nothing was published, and in the caller's transaction nothing was
-    /// written that will be (roll it back).
+    /// The database of the outbox or of a CDC relay failed: it could not be
+    /// reached, the connection (or the replication session) dropped, or a
+    /// statement failed. Not a transport error: nothing was published, and
+    /// in the caller's transaction nothing was written that will be (roll
+    /// it back).
     #[error("database error: {0}")]
     Database(#[source] BoxError),
 }
@@ -151,8 +152,8 @@ impl Error {
         matches!(self, Error::Shutdown)
     }
 
-    /// The outbox's database failed (unreachable, connection dropped, or a
-    /// statement refused).
+    /// The database of the outbox or of a CDC relay failed (unreachable,
+    /// connection dropped, or a statement refused).
     pub fn is_database(&self) -> bool {
         matches!(self, Error::Database(_))
     }

@@ -22,7 +22,7 @@ const LAYERS: &[&[&str]] = &[
     &["status", "table"],
     &["cache", "cluster"],
     &["publish"],
-    &["node", "outbox"],
+    &["node", "outbox", "cdc"],
     &["fuzz"],
 ];
 

@@ -458,6 +458,77 @@ async fn a_key_outside_the_replica_identity_clears_on_delete() {
     node.shutdown().await.unwrap();
 }
 
+/// Versioned loads racing the writes: each node drops keys at random and
+/// loads them again with `get_with_versioned`, at the version the cache
+/// had applied before the read (as `CdcRelay`'s docs say). Once the writes
+/// stop, no node holds a stale row: no load's version hid a change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn versioned_loads_at_the_applied_version_never_cache_a_stale_row() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    create_items(&pool).await;
+    let transport = EmbeddedTransport::new();
+    let nodes = nodes(&transport, 2).await;
+    let relay = relay(&pg, &transport).start().await.unwrap();
+    insert(&pool, 0..20, "a").await;
+    eventually("rows arrive", async || nodes.hold(&named(0..20, "a")).await).await;
+    let (stop, task) = writer(pool.clone(), 20);
+    let (stop_loads, loads_stopped) = tokio::sync::watch::channel(false);
+    let mut loaders = Vec::new();
+    for (n, cache) in nodes.caches.iter().enumerate() {
+        for t in 0..2u64 {
+            let (cache, pool, stopped) = (cache.clone(), pool.clone(), loads_stopped.clone());
+            loaders.push(tokio::spawn(async move {
+                let mut i = (n as u64) * 7 + t * 13;
+                let mut loads = 0u64;
+                while !*stopped.borrow() {
+                    i = i
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let id = i64::try_from((i >> 33) % 20).unwrap();
+                    cache.invalidate(&id).await;
+                    let (c, p) = (cache.clone(), pool.clone());
+                    cache
+                        .get_with_versioned(id, move || {
+                            let (c, p) = (c.clone(), p.clone());
+                            async move {
+                                let version = c.version().unwrap_or(0);
+                                let name: String =
+                                    sqlx::query_scalar("SELECT name FROM items WHERE id = $1")
+                                        .bind(id)
+                                        .fetch_one(&p)
+                                        .await
+                                        .unwrap();
+                                (name, version)
+                            }
+                        })
+                        .await;
+                    loads += 1;
+                }
+                loads
+            }));
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop_loads.send(true).unwrap();
+    let mut loads = 0;
+    for l in loaders {
+        loads += l.await.unwrap();
+    }
+    stop.send(true).unwrap();
+    let writes = task.await.unwrap();
+    assert!(
+        loads > 100 && writes > 100,
+        "{loads} loads, {writes} writes"
+    );
+    exec(&pool, "INSERT INTO items VALUES (-1, 'last', NULL)").await;
+    let want: BTreeMap<i64, String> = [(-1, "last".to_owned())].into();
+    eventually("the last row arrives", async || nodes.hold(&want).await).await;
+    nodes.agree(&pool).await;
+    relay.shutdown().await;
+    nodes.shutdown().await;
+}
+
 /// After the faults: one more update of every row reaches every node.
 /// (Not before: a replayed resync may have cleared rows the writer did
 /// not touch again, which is no harm.)

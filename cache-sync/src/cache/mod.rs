@@ -306,6 +306,19 @@ where
         self.inner.cache.entry_count()
     }
 
+    /// The highest version of a change applied to this cache on this node,
+    /// raised only once the change is in the cache (the status's
+    /// `version`, without the rest of the snapshot); `None` before the first
+    /// versioned change.
+    ///
+    /// A loader for [`get_with_versioned`](Self::get_with_versioned) on a
+    /// cache a [`CdcRelay`](crate::CdcRelay) feeds returns it, read
+    /// *before* it reads the row: see the relay's section on loads.
+    pub fn version(&self) -> Option<u64> {
+        let v = self.inner.stats.version.load(Relaxed);
+        (v > 0).then_some(v)
+    }
+
     /// A snapshot of the counters shown by the status endpoint.
     pub fn status(&self) -> CacheStatus {
         self.inner.snapshot()

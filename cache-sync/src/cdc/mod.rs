@@ -29,6 +29,7 @@ mod metrics;
 pub(crate) mod pgoutput;
 mod relay;
 mod slot;
+mod stream;
 
 pub use relay::{CdcRelay, CdcRelayBuilder, CdcRelayStats};
 
@@ -243,9 +244,9 @@ pub(crate) trait Mapper: Send + Sync {
 
 type RowFn<T> = Box<dyn Fn(&Row<'_>) -> Option<T> + Send + Sync>;
 
-struct Typed<K, V> {
-    key: RowFn<K>,
-    value: Option<RowFn<V>>,
+pub(crate) struct Typed<K, V> {
+    pub(crate) key: RowFn<K>,
+    pub(crate) value: Option<RowFn<V>>,
 }
 
 impl<K: Serialize, V: Serialize> Mapper for Typed<K, V> {

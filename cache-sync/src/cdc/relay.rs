@@ -1,45 +1,31 @@
 //! The relay: streams the slot, maps rows into cache events, publishes
 //! them, and only then confirms the slot's position.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures_util::FutureExt as _;
-use pgwire_replication::{
-    Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent, SslMode, TlsConfig,
-};
+use pgwire_replication::{ReplicationConfig, SslMode, TlsConfig};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::batch::Batch;
-use super::pgoutput::{self, Message, Relation};
-use super::slot::{self, RESYNC_PREFIX, SlotState, db};
-use super::{CdcTable, Mapping, Row};
+use super::slot::{self, SlotState, db};
+use super::stream::{self, SQL_TIMEOUT};
+use super::{CdcTable, Mapping};
 use crate::error::{Error, Result};
 use crate::publish::Publisher;
-use crate::util::{Backoff, lock};
-use crate::wire::Change;
+use crate::util::lock;
 
 /// Row changes one transaction may make to one cache before the rest of
 /// it reaches nodes as one clear.
 const DEFAULT_MAX_ROWS_PER_TRANSACTION: usize = 10_000;
-/// Row changes gathered into one publish at most (more transactions wait
-/// for the next).
-const MAX_BATCH_ROWS: u64 = 5_000;
 const DEFAULT_LAG_WARNING_BYTES: u64 = 1 << 30;
 const DEFAULT_LAG_INTERVAL: Duration = Duration::from_secs(5);
 /// How often a standby relay asks whether the slot is free.
 const DEFAULT_STANDBY_RETRY: Duration = Duration::from_secs(1);
-/// The longest the database may take to answer the visibility check or
-/// a lag query before the session is given up and started again.
-const SQL_TIMEOUT: Duration = Duration::from_secs(10);
-const BACKOFF_MIN: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// Streams committed row changes of the mapped tables out of PostgreSQL's
 /// logical replication and publishes them as versioned cache events.
@@ -100,16 +86,36 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 ///
 /// **Loads.** With [`SyncedCache::get_with`](crate::SyncedCache::get_with)
 /// nothing more is needed: a load that an event overtakes is not
-/// installed. To use
+/// installed. With
 /// [`get_with_versioned`](crate::SyncedCache::get_with_versioned), the
-/// loader must return a version that no change missing from what it read
-/// can be below: read `cache.applied_version()` *before* opening the
-/// reading transaction and return it with the row. Every change at or
-/// below it was applied on this node, so it was published, so it was
-/// visible before the read began. (`pg_current_wal_lsn()` inside the
-/// reading transaction is *not* such a version: a transaction whose commit
-/// record is written but which is not yet visible has a lower LSN and is
-/// missing from the read, and its event would then be ignored as old.)
+/// loader must return a version below every change missing from what it
+/// read: [`SyncedCache::version`](crate::SyncedCache::version), read
+/// *before* the reading transaction starts (0 when it is `None`). Every
+/// change at or below it reached this node, so it was published, so its
+/// transaction was visible before the read began. The version may be
+/// older than the row (a later event for the key then applies again,
+/// which is harmless); it is never newer. Feed such a cache from the
+/// relay only: versions from another source mean nothing next to LSNs.
+/// (`pg_current_wal_lsn()` read in the reading transaction is *not* such
+/// a version: a transaction whose commit record is written but which is
+/// not yet visible has a lower LSN, is missing from the read, and its
+/// event would then be ignored as old.)
+///
+/// ```no_run
+/// # use cache_sync::{SyncedCache, Table};
+/// # async fn load(cache: &SyncedCache<i64, String>, pool: &sqlx::PgPool) {
+/// let name = cache
+///     .get_with_versioned(7, || async {
+///         let version = cache.version().unwrap_or(0);
+///         let name: String = sqlx::query_scalar("SELECT name FROM items WHERE id = 7")
+///             .fetch_one(pool)
+///             .await
+///             .unwrap_or_default();
+///         (name, version)
+///     })
+///     .await;
+/// # }
+/// ```
 pub struct CdcRelay {
     shared: Arc<Shared>,
     stop: watch::Sender<bool>,
@@ -174,30 +180,30 @@ pub struct CdcRelayStats {
     pub lag_seconds: f64,
 }
 
-struct Shared {
-    slot: String,
-    active: AtomicBool,
-    transactions: AtomicU64,
-    rows: AtomicU64,
-    resyncs: AtomicU64,
-    takeovers: AtomicU64,
-    failures: AtomicU64,
-    confirmed: AtomicU64,
+pub(super) struct Shared {
+    pub(super) slot: String,
+    pub(super) active: AtomicBool,
+    pub(super) transactions: AtomicU64,
+    pub(super) rows: AtomicU64,
+    pub(super) resyncs: AtomicU64,
+    pub(super) takeovers: AtomicU64,
+    pub(super) failures: AtomicU64,
+    pub(super) confirmed: AtomicU64,
     /// `u64::MAX`: not known yet.
-    lag_bytes: AtomicU64,
+    pub(super) lag_bytes: AtomicU64,
     /// Microseconds since 2000-01-01 on the server's clock; 0: none.
-    oldest_pending_commit: AtomicI64,
-    server_time: AtomicI64,
+    pub(super) oldest_pending_commit: AtomicI64,
+    pub(super) server_time: AtomicI64,
 }
 
-struct Inner {
-    shared: Arc<Shared>,
-    pool: PgPool,
-    config: ReplicationConfig,
-    publisher: Publisher,
-    tables: Vec<Mapping>,
-    max_rows_per_transaction: usize,
-    standby_retry: Duration,
+pub(super) struct Inner {
+    pub(super) shared: Arc<Shared>,
+    pub(super) pool: PgPool,
+    pub(super) config: ReplicationConfig,
+    pub(super) publisher: Publisher,
+    pub(super) tables: Vec<Mapping>,
+    pub(super) max_rows_per_transaction: usize,
+    pub(super) standby_retry: Duration,
 }
 
 impl CdcRelay {
@@ -414,14 +420,14 @@ impl CdcRelayBuilder {
             standby_retry: self.standby_retry,
         });
         let (stop, stopped) = watch::channel(false);
-        let lag = tokio::spawn(lag_loop(
+        let lag = tokio::spawn(stream::lag_loop(
             Arc::clone(&inner),
             stopped.clone(),
             self.lag_interval,
             self.lag_warning_bytes,
         ));
         let task = tokio::spawn(async move {
-            run(inner, stopped).await;
+            stream::run(inner, stopped).await;
             let _ = lag.await;
         });
         Ok(CdcRelay {
@@ -509,470 +515,4 @@ fn replication_config(url: &str, slot: &str, publication: &str) -> Result<Replic
             .with_max_message_size(256 << 20)
             .with_application_name("cache-sync cdc"),
     )
-}
-
-/// How a session ended without an error.
-enum Ended {
-    /// Another relay streams the slot.
-    Standby(i32),
-    /// The server ended the stream.
-    Closed,
-}
-
-async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
-    let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
-    let mut standby_of: Option<i32> = None;
-    loop {
-        if *stop.borrow() {
-            break;
-        }
-        let ended = tokio::select! {
-            ended = session(&inner, standby_of.is_some()) => ended,
-            _ = stop.changed() => break,
-        };
-        inner.shared.active.store(false, Ordering::Relaxed);
-        let wait = match ended {
-            Ok(Ended::Standby(pid)) => {
-                if standby_of.is_none() {
-                    tracing::info!(slot = %inner.shared.slot, pid, "cdc relay: standby, another session streams the slot");
-                }
-                standby_of = Some(pid);
-                backoff.reset();
-                inner.standby_retry
-            }
-            Ok(Ended::Closed) => {
-                standby_of = None;
-                backoff.fail()
-            }
-            Err(e) => {
-                standby_of = None;
-                inner.shared.failures.fetch_add(1, Ordering::Relaxed);
-                let wait = backoff.fail();
-                tracing::warn!(slot = %inner.shared.slot, error = %e, retry_in = ?wait, "cdc relay: session failed; starting again from the confirmed position");
-                wait
-            }
-        };
-        tokio::select! {
-            () = tokio::time::sleep(wait) => {}
-            _ = stop.changed() => break,
-        }
-    }
-}
-
-/// One replication session: from taking the slot to losing it.
-async fn session(inner: &Inner, was_standby: bool) -> Result<Ended> {
-    let slot = &inner.shared.slot;
-    match slot::slot_state(&inner.pool, slot).await? {
-        SlotState::Active(pid) => return Ok(Ended::Standby(pid)),
-        SlotState::Missing => {
-            tracing::warn!(slot = %slot, "cdc relay: the slot is gone (dropped?); creating it again and clearing every mapped cache");
-            slot::create_slot(&inner.pool, slot, false).await?;
-        }
-        SlotState::Lost => {
-            tracing::warn!(slot = %slot, "cdc relay: the server invalidated the slot (max_slot_wal_keep_size); creating it again and clearing every mapped cache");
-            slot::create_slot(&inner.pool, slot, true).await?;
-        }
-        SlotState::Idle => {}
-    }
-    let mut client = ReplicationClient::connect(inner.config.clone())
-        .await
-        .map_err(db)?;
-    if let Err(e) = client.wait_started().await {
-        // Most often another relay took the slot between the check and
-        // the start: that is standing by, not a failure.
-        if let Ok(SlotState::Active(pid)) = slot::slot_state(&inner.pool, slot).await {
-            return Ok(Ended::Standby(pid));
-        }
-        return Err(db(e));
-    }
-    inner.shared.active.store(true, Ordering::Relaxed);
-    if was_standby {
-        inner.shared.takeovers.fetch_add(1, Ordering::Relaxed);
-        tracing::info!(slot = %slot, "cdc relay: took over the slot");
-    } else {
-        tracing::info!(slot = %slot, "cdc relay: streaming the slot");
-    }
-    let mut stream = Stream {
-        inner,
-        relations: HashMap::new(),
-        mapped: HashMap::new(),
-        batch: Batch::default(),
-        open: None,
-        last_commit: 0,
-        pending_end: None,
-        committed: false,
-    };
-    let result = stream.pump(&mut client).await;
-    client.stop();
-    result
-}
-
-/// The open transaction.
-struct Open {
-    version: u64,
-    xid: u32,
-}
-
-struct Stream<'a> {
-    inner: &'a Inner,
-    relations: HashMap<u32, Relation>,
-    /// Relation id → the mappings (indices into `inner.tables`) it feeds.
-    mapped: HashMap<u32, Vec<usize>>,
-    batch: Batch,
-    open: Option<Open>,
-    /// The version of the last commit seen, for a change outside any.
-    last_commit: u64,
-    /// The end of the last commit in the batch: confirmed once it is published.
-    pending_end: Option<Lsn>,
-    /// The batch holds committed work.
-    committed: bool,
-}
-
-impl Stream<'_> {
-    async fn pump(&mut self, client: &mut ReplicationClient) -> Result<Ended> {
-        loop {
-            // Committed work waits while more is ready (so that a burst
-            // goes out in few publishes), and is flushed before waiting.
-            let event = if self.open.is_none() && self.committed {
-                match client.recv().now_or_never() {
-                    Some(event) => event,
-                    None => {
-                        self.flush(client).await?;
-                        continue;
-                    }
-                }
-            } else {
-                client.recv().await
-            };
-            let Some(event) = event.map_err(db)? else {
-                return Ok(Ended::Closed);
-            };
-            let shared = &self.inner.shared;
-            tracing::trace!(?event, "cdc relay: event");
-            match event {
-                ReplicationEvent::Begin {
-                    final_lsn,
-                    xid,
-                    commit_time_micros,
-                } => {
-                    self.open = Some(Open {
-                        version: final_lsn.as_u64(),
-                        xid,
-                    });
-                    let _ = shared.oldest_pending_commit.compare_exchange(
-                        0,
-                        commit_time_micros.max(1),
-                        Ordering::Relaxed,
-                        Ordering::Relaxed,
-                    );
-                }
-                ReplicationEvent::XLogData {
-                    data,
-                    server_time_micros,
-                    ..
-                } => {
-                    shared
-                        .server_time
-                        .store(server_time_micros, Ordering::Relaxed);
-                    self.message(&data);
-                }
-                ReplicationEvent::Message {
-                    lsn,
-                    prefix,
-                    content,
-                    ..
-                } => {
-                    if prefix == RESYNC_PREFIX && *content == *shared.slot.as_bytes() {
-                        tracing::warn!(slot = %shared.slot, lsn = %lsn, "cdc relay: a new slot starts here; clearing every mapped cache");
-                        shared.resyncs.fetch_add(1, Ordering::Relaxed);
-                        self.clear_all(lsn.as_u64());
-                        if self.open.is_none() {
-                            self.batch.commit(None);
-                            self.committed = true;
-                        }
-                    }
-                }
-                ReplicationEvent::Commit {
-                    end_lsn,
-                    commit_time_micros,
-                    lsn,
-                } => {
-                    let open = self.open.take();
-                    let xid = open.as_ref().map(|o| o.xid);
-                    self.last_commit = open.map_or(lsn.as_u64(), |o| o.version);
-                    let _ = commit_time_micros;
-                    self.batch.commit(xid);
-                    self.pending_end = Some(end_lsn);
-                    self.committed = true;
-                    if self.batch.rows >= MAX_BATCH_ROWS {
-                        self.flush(client).await?;
-                    }
-                }
-                ReplicationEvent::KeepAlive {
-                    wal_end,
-                    server_time_micros,
-                    ..
-                } => {
-                    shared
-                        .server_time
-                        .store(server_time_micros, Ordering::Relaxed);
-                    // Everything the server sent before this was handled:
-                    // with nothing open or unpublished, its position is
-                    // done, so a slot whose tables are quiet does not pin
-                    // the WAL other tables write.
-                    if self.open.is_none() && !self.committed && self.batch.is_empty() {
-                        self.confirm(client, wal_end);
-                    }
-                }
-                ReplicationEvent::StoppedAt { .. } => return Ok(Ended::Closed),
-            }
-        }
-    }
-
-    fn version(&self) -> u64 {
-        self.open.as_ref().map_or(self.last_commit, |o| o.version)
-    }
-
-    fn clear_all(&mut self, version: u64) {
-        for t in &self.inner.tables {
-            self.batch.clear(&t.cache, version);
-        }
-    }
-
-    fn message(&mut self, data: &[u8]) {
-        let version = self.version();
-        let message = match pgoutput::decode(data) {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::error!(slot = %self.inner.shared.slot, error = %e, "cdc relay: a change did not decode; clearing every mapped cache");
-                self.clear_all(version);
-                return;
-            }
-        };
-        let cap = self.inner.max_rows_per_transaction;
-        match message {
-            Message::Relation(relation) => self.relation(relation, version),
-            Message::Insert { relation, new } => {
-                let Some((rel, maps)) = self.lookup(relation) else {
-                    return;
-                };
-                for i in maps {
-                    let m = &self.inner.tables[i];
-                    let key = m.mapper.key(&Row::new(&rel, &new, false));
-                    let value = m.mapper.value(&Row::new(&rel, &new, false));
-                    self.key_change(i, key, value, version, cap);
-                }
-            }
-            Message::Update { relation, old, new } => {
-                let Some((rel, maps)) = self.lookup(relation) else {
-                    return;
-                };
-                for i in maps {
-                    let m = &self.inner.tables[i];
-                    // Without an old row the identity did not change: the
-                    // key, read from the identity columns only, is the old
-                    // one too.
-                    let new_key = m.mapper.key(&Row::new(
-                        &rel,
-                        &new,
-                        old.is_none() && rel.replica_identity != b'f',
-                    ));
-                    if let Some(old) = &old {
-                        let old_key = m.mapper.key(&Row::new(&rel, old, false));
-                        match (&old_key, &new_key) {
-                            (Some(o), Some(n)) if o != n => {
-                                self.key_change(i, old_key.clone(), None, version, cap);
-                            }
-                            (None, _) => {
-                                self.key_change(i, None, None, version, cap);
-                                continue;
-                            }
-                            _ => {}
-                        }
-                    }
-                    let value = m.mapper.value(&Row::new(&rel, &new, false));
-                    self.key_change(i, new_key, value, version, cap);
-                }
-            }
-            Message::Delete { relation, old } => {
-                let Some((rel, maps)) = self.lookup(relation) else {
-                    return;
-                };
-                for i in maps {
-                    let key = self.inner.tables[i]
-                        .mapper
-                        .key(&Row::new(&rel, &old, false));
-                    self.key_change(i, key, None, version, cap);
-                }
-            }
-            Message::Truncate { relations } => {
-                for id in relations {
-                    for i in self.mapped.get(&id).cloned().unwrap_or_default() {
-                        let cache = self.inner.tables[i].cache.clone();
-                        self.batch.clear(&cache, version);
-                    }
-                }
-            }
-            Message::Other(_) => {}
-        }
-    }
-
-    fn lookup(&self, relation: u32) -> Option<(Relation, Vec<usize>)> {
-        let maps = self.mapped.get(&relation)?;
-        if maps.is_empty() {
-            return None;
-        }
-        Some((self.relations.get(&relation)?.clone(), maps.clone()))
-    }
-
-    fn key_change(
-        &mut self,
-        mapping: usize,
-        key: Option<bytes::Bytes>,
-        value: Option<bytes::Bytes>,
-        version: u64,
-        cap: usize,
-    ) {
-        let m = &self.inner.tables[mapping];
-        match key {
-            Some(key) => {
-                if self.batch.key(&m.cache, key, value, version, cap) {
-                    tracing::info!(cache = %m.cache, version, cap, "cdc relay: a transaction changed more rows of the table than the cap; clearing the cache instead");
-                }
-            }
-            None => {
-                tracing::warn!(cache = %m.cache, table = %m.relation(), version, "cdc relay: a change's key could not be read from its row (a key outside the replica identity?); clearing the cache");
-                self.batch.clear(&m.cache, version);
-            }
-        }
-    }
-
-    /// A table's (new) shape.
-    fn relation(&mut self, relation: Relation, version: u64) {
-        let maps: Vec<usize> = self
-            .inner
-            .tables
-            .iter()
-            .enumerate()
-            .filter(|(_, t)| t.schema == relation.schema && t.name == relation.name)
-            .map(|(i, _)| i)
-            .collect();
-        if let Some(before) = self.mapped.get(&relation.id) {
-            for &i in before {
-                if !maps.contains(&i) {
-                    let t = &self.inner.tables[i];
-                    tracing::warn!(cache = %t.cache, table = %t.relation(), now = %format_args!("{}.{}", relation.schema, relation.name), "cdc relay: a mapped table was renamed; clearing its cache and no longer following it");
-                    let cache = t.cache.clone();
-                    self.batch.clear(&cache, version);
-                }
-            }
-        }
-        self.mapped.insert(relation.id, maps);
-        self.relations.insert(relation.id, relation);
-    }
-
-    fn confirm(&self, client: &ReplicationClient, lsn: Lsn) {
-        client.update_applied_lsn(lsn);
-        self.inner
-            .shared
-            .confirmed
-            .fetch_max(lsn.as_u64(), Ordering::Relaxed);
-    }
-
-    /// Publishes the batch, then confirms the slot up to its last commit.
-    async fn flush(&mut self, client: &ReplicationClient) -> Result<()> {
-        let inner = self.inner;
-        let transactions = self.batch.transactions;
-        let rows = self.batch.rows;
-        let xids = std::mem::take(&mut self.batch.xids);
-        let publishes = self.batch.take();
-        if !publishes.is_empty() {
-            tokio::time::timeout(SQL_TIMEOUT, slot::wait_visible(&inner.pool, &xids))
-                .await
-                .map_err(|_| db("the visibility check timed out"))??;
-        }
-        for (cache, changes) in publishes {
-            publish(&inner.publisher, &cache, changes).await?;
-        }
-        inner
-            .shared
-            .transactions
-            .fetch_add(transactions, Ordering::Relaxed);
-        inner.shared.rows.fetch_add(rows, Ordering::Relaxed);
-        if let Some(end) = self.pending_end.take() {
-            self.confirm(client, end);
-        }
-        self.committed = false;
-        inner
-            .shared
-            .oldest_pending_commit
-            .store(0, Ordering::Relaxed);
-        Ok(())
-    }
-}
-
-/// Publishes one cache's changes. An entry that can never fit the
-/// publisher's size limit is sent as an invalidation of its key, and a key
-/// that cannot fit either as a clear: never dropped.
-async fn publish(publisher: &Publisher, cache: &str, changes: Vec<Change>) -> Result<()> {
-    let mut split = Vec::new();
-    // A clear in place of changes that fit in no form, at their newest version.
-    let mut fallback: Option<Option<u64>> = None;
-    for change in changes {
-        match publisher.resplit(change.clone()) {
-            Ok(parts) => split.extend(parts),
-            Err(e) if e.is_too_large() => {
-                let version = match &change {
-                    Change::Invalidate { keys } => keys.iter().filter_map(|k| k.version).max(),
-                    Change::Refresh { entries } => entries.iter().filter_map(|e| e.version).max(),
-                    Change::Clear { version } => *version,
-                };
-                let as_invalidation = change.into_invalidation();
-                match publisher.resplit(as_invalidation) {
-                    Ok(parts) => split.extend(parts),
-                    Err(_) => fallback = Some(fallback.flatten().max(version)),
-                }
-                tracing::warn!(
-                    cache,
-                    "cdc relay: an entry is over the event size limit; invalidating instead"
-                );
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    if let Some(version) = fallback {
-        split.insert(0, Change::Clear { version });
-    }
-    publisher.send(cache, split).await.map(|_| ())
-}
-
-async fn lag_loop(
-    inner: Arc<Inner>,
-    mut stop: watch::Receiver<bool>,
-    every: Duration,
-    warn_over: u64,
-) {
-    let mut warned = false;
-    loop {
-        match tokio::time::timeout(SQL_TIMEOUT, slot::lag(&inner.pool, &inner.shared.slot)).await {
-            Ok(Ok(Some((bytes, safe)))) => {
-                inner.shared.lag_bytes.store(bytes, Ordering::Relaxed);
-                if bytes > warn_over {
-                    if !warned {
-                        tracing::warn!(slot = %inner.shared.slot, lag_bytes = bytes, safe_wal_size = ?safe, "cdc relay: the slot is far behind and pins the server's WAL");
-                    }
-                    warned = true;
-                } else {
-                    warned = false;
-                }
-            }
-            Ok(Ok(None)) => {}
-            Ok(Err(e)) => tracing::debug!(error = %e, "cdc relay: reading the slot's lag failed"),
-            Err(_) => tracing::debug!("cdc relay: reading the slot's lag timed out"),
-        }
-        tokio::select! {
-            () = tokio::time::sleep(every) => {}
-            _ = stop.changed() => return,
-        }
-    }
 }

@@ -1,0 +1,496 @@
+//! The relay's task: replication sessions, one after another, each
+//! streaming the slot, mapping its changes and publishing them.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use futures_util::FutureExt as _;
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
+use tokio::sync::watch;
+
+use super::Row;
+use super::batch::Batch;
+use super::pgoutput::{self, Message, Relation};
+use super::relay::Inner;
+use super::slot::{self, RESYNC_PREFIX, SlotState, db};
+use crate::error::Result;
+use crate::publish::Publisher;
+use crate::util::Backoff;
+use crate::wire::Change;
+
+/// Row changes gathered into one publish at most (more transactions wait
+/// for the next).
+const MAX_BATCH_ROWS: u64 = 5_000;
+/// The longest the database may take to answer the visibility check
+/// before the session is given up and started again.
+pub(super) const SQL_TIMEOUT: Duration = Duration::from_secs(10);
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// How a session ended without an error.
+enum Ended {
+    /// Another relay streams the slot.
+    Standby(i32),
+    /// The server ended the stream.
+    Closed,
+}
+
+pub(super) async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
+    let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
+    let mut standby_of: Option<i32> = None;
+    loop {
+        if *stop.borrow() {
+            break;
+        }
+        let ended = tokio::select! {
+            ended = session(&inner, standby_of.is_some()) => ended,
+            _ = stop.changed() => break,
+        };
+        inner.shared.active.store(false, Ordering::Relaxed);
+        let wait = match ended {
+            Ok(Ended::Standby(pid)) => {
+                if standby_of.is_none() {
+                    tracing::info!(slot = %inner.shared.slot, pid, "cdc relay: standby, another session streams the slot");
+                }
+                standby_of = Some(pid);
+                backoff.reset();
+                inner.standby_retry
+            }
+            Ok(Ended::Closed) => {
+                standby_of = None;
+                backoff.fail()
+            }
+            Err(e) => {
+                standby_of = None;
+                inner.shared.failures.fetch_add(1, Ordering::Relaxed);
+                let wait = backoff.fail();
+                tracing::warn!(slot = %inner.shared.slot, error = %e, retry_in = ?wait, "cdc relay: session failed; starting again from the confirmed position");
+                wait
+            }
+        };
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            _ = stop.changed() => break,
+        }
+    }
+}
+
+/// One replication session: from taking the slot to losing it.
+async fn session(inner: &Inner, was_standby: bool) -> Result<Ended> {
+    let slot = &inner.shared.slot;
+    match slot::slot_state(&inner.pool, slot).await? {
+        SlotState::Active(pid) => return Ok(Ended::Standby(pid)),
+        SlotState::Missing => {
+            tracing::warn!(slot = %slot, "cdc relay: the slot is gone (dropped?); creating it again and clearing every mapped cache");
+            slot::create_slot(&inner.pool, slot, false).await?;
+        }
+        SlotState::Lost => {
+            tracing::warn!(slot = %slot, "cdc relay: the server invalidated the slot (max_slot_wal_keep_size); creating it again and clearing every mapped cache");
+            slot::create_slot(&inner.pool, slot, true).await?;
+        }
+        SlotState::Idle => {}
+    }
+    let mut client = ReplicationClient::connect(inner.config.clone())
+        .await
+        .map_err(db)?;
+    if let Err(e) = client.wait_started().await {
+        // Most often another relay took the slot between the check and
+        // the start: that is standing by, not a failure.
+        if let Ok(SlotState::Active(pid)) = slot::slot_state(&inner.pool, slot).await {
+            return Ok(Ended::Standby(pid));
+        }
+        return Err(db(e));
+    }
+    inner.shared.active.store(true, Ordering::Relaxed);
+    if was_standby {
+        inner.shared.takeovers.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(slot = %slot, "cdc relay: took over the slot");
+    } else {
+        tracing::info!(slot = %slot, "cdc relay: streaming the slot");
+    }
+    let mut stream = Stream {
+        inner,
+        relations: HashMap::new(),
+        mapped: HashMap::new(),
+        batch: Batch::default(),
+        open: None,
+        last_commit: 0,
+        pending_end: None,
+        committed: false,
+    };
+    let result = stream.pump(&mut client).await;
+    client.stop();
+    result
+}
+
+/// The open transaction.
+struct Open {
+    version: u64,
+    xid: u32,
+}
+
+struct Stream<'a> {
+    inner: &'a Inner,
+    relations: HashMap<u32, Relation>,
+    /// Relation id → the mappings (indices into `inner.tables`) it feeds.
+    mapped: HashMap<u32, Vec<usize>>,
+    batch: Batch,
+    open: Option<Open>,
+    /// The version of the last commit seen, for a change outside any.
+    last_commit: u64,
+    /// The end of the last commit in the batch: confirmed once it is published.
+    pending_end: Option<Lsn>,
+    /// The batch holds committed work.
+    committed: bool,
+}
+
+impl Stream<'_> {
+    async fn pump(&mut self, client: &mut ReplicationClient) -> Result<Ended> {
+        loop {
+            // Committed work waits while more is ready (so that a burst
+            // goes out in few publishes), and is flushed before waiting.
+            let event = if self.open.is_none() && self.committed {
+                match client.recv().now_or_never() {
+                    Some(event) => event,
+                    None => {
+                        self.flush(client).await?;
+                        continue;
+                    }
+                }
+            } else {
+                client.recv().await
+            };
+            let Some(event) = event.map_err(db)? else {
+                return Ok(Ended::Closed);
+            };
+            let shared = &self.inner.shared;
+            tracing::trace!(?event, "cdc relay: event");
+            match event {
+                ReplicationEvent::Begin {
+                    final_lsn,
+                    xid,
+                    commit_time_micros,
+                } => {
+                    self.open = Some(Open {
+                        version: final_lsn.as_u64(),
+                        xid,
+                    });
+                    let _ = shared.oldest_pending_commit.compare_exchange(
+                        0,
+                        commit_time_micros.max(1),
+                        Ordering::Relaxed,
+                        Ordering::Relaxed,
+                    );
+                }
+                ReplicationEvent::XLogData {
+                    data,
+                    server_time_micros,
+                    ..
+                } => {
+                    shared
+                        .server_time
+                        .store(server_time_micros, Ordering::Relaxed);
+                    self.message(&data);
+                }
+                ReplicationEvent::Message {
+                    lsn,
+                    prefix,
+                    content,
+                    ..
+                } => {
+                    if prefix == RESYNC_PREFIX && *content == *shared.slot.as_bytes() {
+                        tracing::info!(slot = %shared.slot, lsn = %lsn, "cdc relay: a new slot starts here; clearing every mapped cache");
+                        shared.resyncs.fetch_add(1, Ordering::Relaxed);
+                        self.clear_all(lsn.as_u64());
+                        if self.open.is_none() {
+                            self.batch.commit(None);
+                            self.committed = true;
+                        }
+                    }
+                }
+                ReplicationEvent::Commit {
+                    end_lsn,
+                    commit_time_micros,
+                    lsn,
+                } => {
+                    let open = self.open.take();
+                    let xid = open.as_ref().map(|o| o.xid);
+                    self.last_commit = open.map_or(lsn.as_u64(), |o| o.version);
+                    let _ = commit_time_micros;
+                    self.batch.commit(xid);
+                    self.pending_end = Some(end_lsn);
+                    self.committed = true;
+                    if self.batch.rows >= MAX_BATCH_ROWS {
+                        self.flush(client).await?;
+                    }
+                }
+                ReplicationEvent::KeepAlive {
+                    wal_end,
+                    server_time_micros,
+                    ..
+                } => {
+                    shared
+                        .server_time
+                        .store(server_time_micros, Ordering::Relaxed);
+                    // Everything the server sent before this was handled:
+                    // with nothing open or unpublished, its position is
+                    // done, so a slot whose tables are quiet does not pin
+                    // the WAL other tables write.
+                    if self.open.is_none() && !self.committed && self.batch.is_empty() {
+                        self.confirm(client, wal_end);
+                    }
+                }
+                ReplicationEvent::StoppedAt { .. } => return Ok(Ended::Closed),
+            }
+        }
+    }
+
+    fn version(&self) -> u64 {
+        self.open.as_ref().map_or(self.last_commit, |o| o.version)
+    }
+
+    fn clear_all(&mut self, version: u64) {
+        for t in &self.inner.tables {
+            self.batch.clear(&t.cache, version);
+        }
+    }
+
+    fn message(&mut self, data: &[u8]) {
+        let version = self.version();
+        let message = match pgoutput::decode(data) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::error!(slot = %self.inner.shared.slot, error = %e, "cdc relay: a change did not decode; clearing every mapped cache");
+                self.clear_all(version);
+                return;
+            }
+        };
+        let cap = self.inner.max_rows_per_transaction;
+        match message {
+            Message::Relation(relation) => self.relation(relation, version),
+            Message::Insert { relation, new } => {
+                let Some((rel, maps)) = self.lookup(relation) else {
+                    return;
+                };
+                for i in maps {
+                    let m = &self.inner.tables[i];
+                    let key = m.mapper.key(&Row::new(&rel, &new, false));
+                    let value = m.mapper.value(&Row::new(&rel, &new, false));
+                    self.key_change(i, key, value, version, cap);
+                }
+            }
+            Message::Update { relation, old, new } => {
+                let Some((rel, maps)) = self.lookup(relation) else {
+                    return;
+                };
+                for i in maps {
+                    let m = &self.inner.tables[i];
+                    // Without an old row the identity did not change: the
+                    // key, read from the identity columns only, is the old
+                    // one too.
+                    let new_key = m.mapper.key(&Row::new(
+                        &rel,
+                        &new,
+                        old.is_none() && rel.replica_identity != b'f',
+                    ));
+                    if let Some(old) = &old {
+                        let old_key = m.mapper.key(&Row::new(&rel, old, false));
+                        match (&old_key, &new_key) {
+                            (Some(o), Some(n)) if o != n => {
+                                self.key_change(i, old_key.clone(), None, version, cap);
+                            }
+                            (None, _) => {
+                                self.key_change(i, None, None, version, cap);
+                                continue;
+                            }
+                            _ => {}
+                        }
+                    }
+                    let value = m.mapper.value(&Row::new(&rel, &new, false));
+                    self.key_change(i, new_key, value, version, cap);
+                }
+            }
+            Message::Delete { relation, old } => {
+                let Some((rel, maps)) = self.lookup(relation) else {
+                    return;
+                };
+                for i in maps {
+                    let key = self.inner.tables[i]
+                        .mapper
+                        .key(&Row::new(&rel, &old, false));
+                    self.key_change(i, key, None, version, cap);
+                }
+            }
+            Message::Truncate { relations } => {
+                for id in relations {
+                    for i in self.mapped.get(&id).cloned().unwrap_or_default() {
+                        let cache = self.inner.tables[i].cache.clone();
+                        self.batch.clear(&cache, version);
+                    }
+                }
+            }
+            Message::Other(_) => {}
+        }
+    }
+
+    fn lookup(&self, relation: u32) -> Option<(Relation, Vec<usize>)> {
+        let maps = self.mapped.get(&relation)?;
+        if maps.is_empty() {
+            return None;
+        }
+        Some((self.relations.get(&relation)?.clone(), maps.clone()))
+    }
+
+    fn key_change(
+        &mut self,
+        mapping: usize,
+        key: Option<bytes::Bytes>,
+        value: Option<bytes::Bytes>,
+        version: u64,
+        cap: usize,
+    ) {
+        let m = &self.inner.tables[mapping];
+        match key {
+            Some(key) => {
+                if self.batch.key(&m.cache, key, value, version, cap) {
+                    tracing::info!(cache = %m.cache, version, cap, "cdc relay: a transaction changed more rows of the table than the cap; clearing the cache instead");
+                }
+            }
+            None => {
+                tracing::warn!(cache = %m.cache, table = %m.relation(), version, "cdc relay: a change's key could not be read from its row (a key outside the replica identity?); clearing the cache");
+                self.batch.clear(&m.cache, version);
+            }
+        }
+    }
+
+    /// A table's (new) shape.
+    fn relation(&mut self, relation: Relation, version: u64) {
+        let maps: Vec<usize> = self
+            .inner
+            .tables
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.schema == relation.schema && t.name == relation.name)
+            .map(|(i, _)| i)
+            .collect();
+        if let Some(before) = self.mapped.get(&relation.id) {
+            for &i in before {
+                if !maps.contains(&i) {
+                    let t = &self.inner.tables[i];
+                    tracing::warn!(cache = %t.cache, table = %t.relation(), now = %format_args!("{}.{}", relation.schema, relation.name), "cdc relay: a mapped table was renamed; clearing its cache and no longer following it");
+                    let cache = t.cache.clone();
+                    self.batch.clear(&cache, version);
+                }
+            }
+        }
+        self.mapped.insert(relation.id, maps);
+        self.relations.insert(relation.id, relation);
+    }
+
+    fn confirm(&self, client: &ReplicationClient, lsn: Lsn) {
+        client.update_applied_lsn(lsn);
+        self.inner
+            .shared
+            .confirmed
+            .fetch_max(lsn.as_u64(), Ordering::Relaxed);
+    }
+
+    /// Publishes the batch, then confirms the slot up to its last commit.
+    async fn flush(&mut self, client: &ReplicationClient) -> Result<()> {
+        let inner = self.inner;
+        let transactions = self.batch.transactions;
+        let rows = self.batch.rows;
+        let xids = std::mem::take(&mut self.batch.xids);
+        let publishes = self.batch.take();
+        if !publishes.is_empty() {
+            tokio::time::timeout(SQL_TIMEOUT, slot::wait_visible(&inner.pool, &xids))
+                .await
+                .map_err(|_| db("the visibility check timed out"))??;
+        }
+        for (cache, changes) in publishes {
+            publish(&inner.publisher, &cache, changes).await?;
+        }
+        inner
+            .shared
+            .transactions
+            .fetch_add(transactions, Ordering::Relaxed);
+        inner.shared.rows.fetch_add(rows, Ordering::Relaxed);
+        if let Some(end) = self.pending_end.take() {
+            self.confirm(client, end);
+        }
+        self.committed = false;
+        inner
+            .shared
+            .oldest_pending_commit
+            .store(0, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Publishes one cache's changes. An entry that can never fit the
+/// publisher's size limit is sent as an invalidation of its key, and a key
+/// that cannot fit either as a clear: never dropped.
+async fn publish(publisher: &Publisher, cache: &str, changes: Vec<Change>) -> Result<()> {
+    let mut split = Vec::new();
+    // A clear in place of changes that fit in no form, at their newest version.
+    let mut fallback: Option<Option<u64>> = None;
+    for change in changes {
+        match publisher.resplit(change.clone()) {
+            Ok(parts) => split.extend(parts),
+            Err(e) if e.is_too_large() => {
+                let version = match &change {
+                    Change::Invalidate { keys } => keys.iter().filter_map(|k| k.version).max(),
+                    Change::Refresh { entries } => entries.iter().filter_map(|e| e.version).max(),
+                    Change::Clear { version } => *version,
+                };
+                let as_invalidation = change.into_invalidation();
+                match publisher.resplit(as_invalidation) {
+                    Ok(parts) => split.extend(parts),
+                    Err(_) => fallback = Some(fallback.flatten().max(version)),
+                }
+                tracing::warn!(
+                    cache,
+                    "cdc relay: an entry is over the event size limit; invalidating instead"
+                );
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if let Some(version) = fallback {
+        split.insert(0, Change::Clear { version });
+    }
+    publisher.send(cache, split).await.map(|_| ())
+}
+
+pub(super) async fn lag_loop(
+    inner: Arc<Inner>,
+    mut stop: watch::Receiver<bool>,
+    every: Duration,
+    warn_over: u64,
+) {
+    let mut warned = false;
+    loop {
+        match tokio::time::timeout(SQL_TIMEOUT, slot::lag(&inner.pool, &inner.shared.slot)).await {
+            Ok(Ok(Some((bytes, safe)))) => {
+                inner.shared.lag_bytes.store(bytes, Ordering::Relaxed);
+                if bytes > warn_over {
+                    if !warned {
+                        tracing::warn!(slot = %inner.shared.slot, lag_bytes = bytes, safe_wal_size = ?safe, "cdc relay: the slot is far behind and pins the server's WAL");
+                    }
+                    warned = true;
+                } else {
+                    warned = false;
+                }
+            }
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => tracing::debug!(error = %e, "cdc relay: reading the slot's lag failed"),
+            Err(_) => tracing::debug!("cdc relay: reading the slot's lag timed out"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
