@@ -284,6 +284,46 @@ async fn a_hundred_thousand_row_transaction_reaches_nodes_as_a_clear() {
     nodes.shutdown().await;
 }
 
+/// A row change over `max_row_bytes` cannot be read and the stream cannot
+/// go past it: its transaction is skipped, with a clear of the cache in its
+/// place, and what follows flows again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_over_max_row_bytes_is_skipped_and_the_cache_cleared() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    create_items(&pool).await;
+    let transport = EmbeddedTransport::new();
+    let nodes = nodes(&transport, 2).await;
+    let relay = relay(&pg, &transport)
+        .max_row_bytes(64 << 10)
+        .start()
+        .await
+        .unwrap();
+    insert(&pool, 0..10, "a").await;
+    eventually("rows arrive", async || nodes.hold(&named(0..10, "a")).await).await;
+    // 200 kB of text: compressed on disk, sent whole.
+    exec(
+        &pool,
+        "BEGIN; UPDATE items SET name = 'x' WHERE id = 2; \
+         INSERT INTO items VALUES (100, 'big', repeat('x', 200000)); COMMIT",
+    )
+    .await;
+    exec(&pool, "UPDATE items SET name = 'after' WHERE id = 1").await;
+    let want: BTreeMap<i64, String> = [(1, "after".to_owned())].into();
+    eventually("changes after it flow", async || nodes.hold(&want).await).await;
+    for cache in &nodes.caches {
+        assert_eq!(
+            cache.peek(&0).await,
+            None,
+            "cleared in the skipped one's place"
+        );
+    }
+    nodes.agree(&pool).await;
+    assert_eq!(relay.stats().skipped, 1, "{:?}", relay.stats());
+    relay.shutdown().await;
+    nodes.shutdown().await;
+}
+
 const DOCS: Table<i64, String> = Table::new("docs");
 
 /// The value reads a TOASTed column: an UPDATE that leaves it unchanged
@@ -735,6 +775,12 @@ async fn settings_out_of_range_are_refused() {
         CdcRelay::builder(url, Publisher::new(t.clone()))
             .table(table())
             .standby_retry(Duration::MAX),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .max_row_bytes(1023),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .max_row_bytes(usize::MAX),
         CdcRelay::builder("mysql://x", Publisher::new(t.clone())).table(table()),
         CdcRelay::builder("postgres://h/db?sslmode=bogus", Publisher::new(t.clone()))
             .table(table()),

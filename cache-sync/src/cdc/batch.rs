@@ -13,11 +13,18 @@ use bytes::Bytes;
 
 use crate::wire::{Change, EntryVersion, KeyVersion};
 
+/// Bytes of keys and values one transaction may gather for one cache
+/// before the rest becomes a clear, like the row cap: what the relay holds
+/// for a transaction is bounded in bytes, not only in rows.
+pub(crate) const MAX_TRANSACTION_BYTES: usize = 64 << 20;
+
 #[derive(Debug, Default)]
 pub(crate) struct Batch {
     caches: HashMap<String, Pending>,
     /// Row changes taken into the batch (before merging).
     pub(crate) rows: u64,
+    /// Bytes of keys and values taken in (before merging).
+    pub(crate) bytes: usize,
     /// The transactions in it, by xid, for the visibility check.
     pub(crate) xids: Vec<u32>,
     pub(crate) transactions: u64,
@@ -31,6 +38,8 @@ struct Pending {
     keys: HashMap<Bytes, (Option<Bytes>, u64)>,
     /// Row changes of the open transaction, against its cap.
     in_transaction: usize,
+    /// And their bytes, against `MAX_TRANSACTION_BYTES`.
+    bytes_in_transaction: usize,
     /// The open transaction went past its cap: its clear covers the rest.
     saturated: bool,
 }
@@ -57,13 +66,18 @@ impl Batch {
         if pending.saturated {
             return false;
         }
+        let size = key
+            .len()
+            .saturating_add(value.as_ref().map_or(0, Bytes::len));
         pending.in_transaction = pending.in_transaction.saturating_add(1);
-        if pending.in_transaction > cap {
+        pending.bytes_in_transaction = pending.bytes_in_transaction.saturating_add(size);
+        if pending.in_transaction > cap || pending.bytes_in_transaction > MAX_TRANSACTION_BYTES {
             pending.clear_at(version);
             pending.saturated = true;
             return true;
         }
         pending.keys.insert(key, (value, version));
+        self.bytes = self.bytes.saturating_add(size);
         false
     }
 
@@ -78,6 +92,7 @@ impl Batch {
     pub(crate) fn commit(&mut self, xid: Option<u32>) {
         for pending in self.caches.values_mut() {
             pending.in_transaction = 0;
+            pending.bytes_in_transaction = 0;
             pending.saturated = false;
         }
         if let Some(xid) = xid {
@@ -90,6 +105,7 @@ impl Batch {
     /// first, then the keys. Empties the batch.
     pub(crate) fn take(&mut self) -> Vec<(String, Vec<Change>)> {
         self.rows = 0;
+        self.bytes = 0;
         self.xids.clear();
         self.transactions = 0;
         let mut out = Vec::with_capacity(self.caches.len());

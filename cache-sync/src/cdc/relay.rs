@@ -26,6 +26,10 @@ const DEFAULT_LAG_WARNING_BYTES: u64 = 1 << 30;
 const DEFAULT_LAG_INTERVAL: Duration = Duration::from_secs(5);
 /// How often a standby relay asks whether the slot is free.
 const DEFAULT_STANDBY_RETRY: Duration = Duration::from_secs(1);
+const DEFAULT_MAX_ROW_BYTES: usize = 8 << 20;
+/// Messages the replication client reads ahead of the relay. With
+/// `max_row_bytes` this bounds what it holds: 128 × 8 MiB by default.
+const READ_AHEAD: usize = 128;
 
 /// Streams committed row changes of the mapped tables out of PostgreSQL's
 /// logical replication and publishes them as versioned cache events.
@@ -62,10 +66,13 @@ const DEFAULT_STANDBY_RETRY: Duration = Duration::from_secs(1);
 ///   slot starts the same way. The clear travels in the slot's own stream,
 ///   so a relay that dies between creating the slot and clearing leaves it
 ///   for the next.
-/// - **Large transactions.** Past
+/// - **Large transactions, large rows.** Past
 ///   [`max_rows_per_transaction`](CdcRelayBuilder::max_rows_per_transaction)
-///   row changes to one cache (10,000 by default), the rest of the
-///   transaction reaches nodes as one clear of that cache at its version.
+///   row changes (10,000 by default) or 64 MiB of keys and values to one
+///   cache, the rest of the transaction reaches nodes as one clear of that
+///   cache at its version. A row change over
+///   [`max_row_bytes`](CdcRelayBuilder::max_row_bytes) cannot be read: its
+///   transaction is skipped and every mapped cache cleared in its place.
 /// - **Schema changes.** Columns are read by name from the table's latest
 ///   shape, which the server sends after every schema change: a column
 ///   added is there, a dropped one reads as absent and makes a change an
@@ -141,6 +148,7 @@ pub struct CdcRelayBuilder {
     lag_warning_bytes: u64,
     lag_interval: Duration,
     standby_retry: Duration,
+    max_row_bytes: usize,
 }
 
 impl fmt::Debug for CdcRelayBuilder {
@@ -169,6 +177,10 @@ pub struct CdcRelayStats {
     pub takeovers: u64,
     /// Sessions that ended in an error (the database or a publish failed).
     pub failures: u64,
+    /// Transactions skipped, with a clear of every mapped cache in their
+    /// place, because a row change was over
+    /// [`max_row_bytes`](CdcRelayBuilder::max_row_bytes).
+    pub skipped: u64,
     /// The slot's confirmed position (an LSN), as this relay last set it.
     pub confirmed_lsn: u64,
     /// How far the slot's confirmed position is behind the end of the
@@ -188,6 +200,7 @@ pub(super) struct Shared {
     pub(super) resyncs: AtomicU64,
     pub(super) takeovers: AtomicU64,
     pub(super) failures: AtomicU64,
+    pub(super) skipped: AtomicU64,
     pub(super) confirmed: AtomicU64,
     /// `u64::MAX`: not known yet.
     pub(super) lag_bytes: AtomicU64,
@@ -225,6 +238,7 @@ impl CdcRelay {
             lag_warning_bytes: DEFAULT_LAG_WARNING_BYTES,
             lag_interval: DEFAULT_LAG_INTERVAL,
             standby_retry: DEFAULT_STANDBY_RETRY,
+            max_row_bytes: DEFAULT_MAX_ROW_BYTES,
         }
     }
 
@@ -246,6 +260,7 @@ impl CdcRelay {
             resyncs: s.resyncs.load(Ordering::Relaxed),
             takeovers: s.takeovers.load(Ordering::Relaxed),
             failures: s.failures.load(Ordering::Relaxed),
+            skipped: s.skipped.load(Ordering::Relaxed),
             confirmed_lsn: s.confirmed.load(Ordering::Relaxed),
             lag_bytes: (lag_bytes != u64::MAX).then_some(lag_bytes),
             #[allow(clippy::cast_precision_loss)] // microseconds: exact below 2^53
@@ -331,6 +346,18 @@ impl CdcRelayBuilder {
         self
     }
 
+    /// The largest row change the relay reads, in bytes as the server
+    /// sends it (8 MiB; 1 KiB to 1 GiB): what one message may make the
+    /// relay allocate; the replication client reads up to 128 messages
+    /// ahead, so at most 128 times this is held. A larger one cannot be read, nor the stream go on
+    /// past it: its transaction is skipped, every mapped cache is cleared
+    /// at its commit in its place, logged at `error` and counted in
+    /// [`CdcRelayStats::skipped`].
+    pub fn max_row_bytes(mut self, bytes: usize) -> Self {
+        self.max_row_bytes = bytes;
+        self
+    }
+
     /// Checks the settings, creates or updates the publication, and starts
     /// the relay's task on the current tokio runtime. Fails when the
     /// database cannot be reached or refuses the publication (a mapped
@@ -360,6 +387,9 @@ impl CdcRelayBuilder {
                 "standby_retry must be 10 ms to 1 minute".into(),
             ));
         }
+        if !(1 << 10..=1 << 30).contains(&self.max_row_bytes) {
+            return Err(Error::Config("max_row_bytes must be 1 KiB to 1 GiB".into()));
+        }
         let topic = self.publisher.topic().to_owned();
         for t in &self.tables {
             if let Some(pinned) = t.topic
@@ -372,7 +402,8 @@ impl CdcRelayBuilder {
             }
             crate::transport::names::check(crate::transport::names::NameKind::Cache, &t.cache)?;
         }
-        let config = replication_config(&self.url, &self.slot, &self.publication)?;
+        let config = replication_config(&self.url, &self.slot, &self.publication)?
+            .with_max_message_size(self.max_row_bytes);
         let options: sqlx::postgres::PgConnectOptions = self
             .url
             .parse()
@@ -405,6 +436,7 @@ impl CdcRelayBuilder {
             resyncs: AtomicU64::new(0),
             takeovers: AtomicU64::new(0),
             failures: AtomicU64::new(0),
+            skipped: AtomicU64::new(0),
             confirmed: AtomicU64::new(0),
             lag_bytes: AtomicU64::new(u64::MAX),
             oldest_pending_commit: AtomicI64::new(0),
@@ -509,10 +541,7 @@ fn replication_config(url: &str, slot: &str, publication: &str) -> Result<Replic
             // a publish: a takeover publishes again at most that much.
             .with_status_interval(Duration::from_millis(200))
             .with_wakeup_interval(Duration::from_secs(1))
-            .with_buffer_size(1024)
-            // One row change is one message: bounded so a corrupt length
-            // cannot make the worker allocate a gigabyte.
-            .with_max_message_size(256 << 20)
+            .with_buffer_size(READ_AHEAD)
             .with_application_name("cache-sync cdc"),
     )
 }

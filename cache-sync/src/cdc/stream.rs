@@ -20,9 +20,10 @@ use crate::publish::Publisher;
 use crate::util::Backoff;
 use crate::wire::Change;
 
-/// Row changes gathered into one publish at most (more transactions wait
-/// for the next).
+/// Row changes, and bytes of keys and values, gathered into one publish at
+/// most (more transactions wait for the next).
 const MAX_BATCH_ROWS: u64 = 5_000;
+const MAX_BATCH_BYTES: usize = 16 << 20;
 /// The longest the database may take to answer the visibility check
 /// before the session is given up and started again.
 pub(super) const SQL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -162,8 +163,11 @@ impl Stream<'_> {
             } else {
                 client.recv().await
             };
-            let Some(event) = event.map_err(db)? else {
-                return Ok(Ended::Closed);
+            let event = match event {
+                Ok(Some(event)) => event,
+                Ok(None) => return Ok(Ended::Closed),
+                Err(e) if e.is_message_too_large() => return self.skip_oversized(client, e).await,
+                Err(e) => return Err(db(e)),
             };
             let shared = &self.inner.shared;
             tracing::trace!(?event, "cdc relay: event");
@@ -222,7 +226,7 @@ impl Stream<'_> {
                     self.batch.commit(xid);
                     self.pending_end = Some(end_lsn);
                     self.committed = true;
-                    if self.batch.rows >= MAX_BATCH_ROWS {
+                    if self.batch.rows >= MAX_BATCH_ROWS || self.batch.bytes >= MAX_BATCH_BYTES {
                         self.flush(client).await?;
                     }
                 }
@@ -243,6 +247,51 @@ impl Stream<'_> {
                     }
                 }
                 ReplicationEvent::StoppedAt { .. } => return Ok(Ended::Closed),
+            }
+        }
+    }
+
+    /// A row change over `max_row_bytes` cannot be read, and the stream
+    /// cannot go on past it: the session would fail on it for ever. So its
+    /// transaction is skipped, and every mapped cache cleared at its commit
+    /// LSN in its place (after the transaction is visible, as for any
+    /// publish): the slot is advanced to just past that commit.
+    async fn skip_oversized(
+        &mut self,
+        client: &ReplicationClient,
+        e: pgwire_replication::PgWireError,
+    ) -> Result<Ended> {
+        // Outside a transaction (a huge logical message) there is no
+        // commit to clear at: the session fails, and the lag says so.
+        let Some(open) = self.open.take() else {
+            return Err(db(e));
+        };
+        let slot = &self.inner.shared.slot;
+        tracing::error!(slot = %slot, version = open.version, error = %e, "cdc relay: a row change is over max_row_bytes; skipping its transaction and clearing every mapped cache");
+        self.clear_all(open.version);
+        self.batch.commit(Some(open.xid));
+        self.committed = true;
+        self.flush(client).await?;
+        self.inner.shared.skipped.fetch_add(1, Ordering::Relaxed);
+        let to = open.version.saturating_add(1);
+        let lsn = format!("{:X}/{:X}", to >> 32, to & 0xFFFF_FFFF);
+        // The failed session's walsender releases the slot once it sees its
+        // connection closed: try for a while.
+        let mut wait = Duration::from_millis(10);
+        let deadline = tokio::time::Instant::now() + SQL_TIMEOUT;
+        loop {
+            let advanced = sqlx::query("SELECT pg_replication_slot_advance($1, $2::pg_lsn)")
+                .bind(slot)
+                .bind(&lsn)
+                .execute(&self.inner.pool)
+                .await;
+            match advanced {
+                Ok(_) => return Ok(Ended::Closed),
+                Err(e) if tokio::time::Instant::now() >= deadline => return Err(db(e)),
+                Err(_) => {
+                    tokio::time::sleep(wait).await;
+                    wait = wait.saturating_mul(2).min(Duration::from_millis(500));
+                }
             }
         }
     }
