@@ -277,23 +277,28 @@ impl Stream<'_> {
         let lsn = format!("{:X}/{:X}", to >> 32, to & 0xFFFF_FFFF);
         // The failed session's walsender releases the slot once it sees its
         // connection closed: try for a while.
-        let mut wait = Duration::from_millis(10);
-        let deadline = tokio::time::Instant::now() + SQL_TIMEOUT;
-        loop {
-            let advanced = sqlx::query("SELECT pg_replication_slot_advance($1, $2::pg_lsn)")
-                .bind(slot)
-                .bind(&lsn)
-                .execute(&self.inner.pool)
-                .await;
-            match advanced {
-                Ok(_) => return Ok(Ended::Closed),
-                Err(e) if tokio::time::Instant::now() >= deadline => return Err(db(e)),
-                Err(_) => {
-                    tokio::time::sleep(wait).await;
-                    wait = wait.saturating_mul(2).min(Duration::from_millis(500));
+        let advance = async {
+            let mut wait = Duration::from_millis(10);
+            loop {
+                let advanced = sqlx::query("SELECT pg_replication_slot_advance($1, $2::pg_lsn)")
+                    .bind(slot)
+                    .bind(&lsn)
+                    .execute(&self.inner.pool)
+                    .await;
+                match advanced {
+                    Ok(_) => return,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "cdc relay: advancing the slot past the skipped transaction");
+                        tokio::time::sleep(wait).await;
+                        wait = wait.saturating_mul(2).min(Duration::from_millis(500));
+                    }
                 }
             }
-        }
+        };
+        tokio::time::timeout(SQL_TIMEOUT, advance)
+            .await
+            .map_err(|_| db("advancing the slot past a skipped transaction timed out"))?;
+        Ok(Ended::Closed)
     }
 
     fn version(&self) -> u64 {
