@@ -738,6 +738,108 @@ async fn a_standby_relay_takes_over() {
     nodes.shutdown().await;
 }
 
+const ODD: Table<String, String> = Table::new("odd \u{e9}.*>: names");
+
+/// Names as PostgreSQL allows them: a table with dots, spaces, quotes,
+/// `*`, `>`, `:` and unicode in its name, quoted where the relay writes
+/// SQL, matched as stored; and a cache name like it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_names_are_quoted_and_matched() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    let table = "t.a b\"c*>:\u{fc}";
+    exec(
+        &pool,
+        &format!(
+            "CREATE TABLE public.\"{}\" (k text PRIMARY KEY, v text)",
+            table.replace('"', "\"\"")
+        ),
+    )
+    .await;
+    let transport = EmbeddedTransport::new();
+    let cache = SyncedCache::new(ODD, moka::future::Cache::new(10));
+    let node = Node::builder("n", transport.clone())
+        .register(&cache)
+        .start()
+        .await
+        .unwrap();
+    let relay = CdcRelay::builder(pg.url(), Publisher::new(transport.clone()))
+        .publication("pub_x_9")
+        .slot("s_1")
+        .table(
+            CdcTable::new(ODD, &format!("public.{table}"), |row| {
+                row.get("k").map(str::to_owned)
+            })
+            .value(|row| row.get("v").map(str::to_owned)),
+        )
+        .start()
+        .await
+        .unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO public.\"{}\" VALUES ($1, $2)",
+        table.replace('"', "\"\"")
+    ))
+    .bind("k \u{1f600}")
+    .bind("v\"'\\")
+    .execute(&pool)
+    .await
+    .unwrap();
+    eventually("the row arrives", async || {
+        cache.peek("k \u{1f600}").await.as_deref() == Some("v\"'\\")
+    })
+    .await;
+    relay.shutdown().await;
+    node.shutdown().await.unwrap();
+}
+
+/// Start, shut down, shut down again, drop without shutting down, start
+/// again on the same slot, in turn: each relay after the first finds the
+/// slot free (none stays a standby of one that is gone), and nothing is
+/// lost in between.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_started_stopped_and_dropped_in_turn_lose_nothing() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    create_items(&pool).await;
+    let transport = EmbeddedTransport::new();
+    let nodes = nodes(&transport, 1).await;
+    insert(&pool, 0..5, "a").await;
+    for round in 0..4 {
+        let relay = relay(&pg, &transport).start().await.unwrap();
+        // The last one's walsender may hold the slot for a moment after
+        // its connection closed: this one stands by until it is free.
+        eventually("the relay streams", async || relay.stats().active).await;
+        let name = format!("r{round}-");
+        exec(&pool, &format!("UPDATE items SET name = '{name}' || id")).await;
+        eventually("the round's rows arrive", async || {
+            nodes.hold(&named(0..5, &name)).await
+        })
+        .await;
+        // Written while no relay runs: the next one publishes it.
+        match round % 2 {
+            0 => {
+                relay.shutdown().await;
+                relay.shutdown().await;
+            }
+            _ => drop(relay),
+        }
+        exec(
+            &pool,
+            "UPDATE items SET name = 'between' || id WHERE id = 0",
+        )
+        .await;
+    }
+    let relay = relay(&pg, &transport).start().await.unwrap();
+    let want: BTreeMap<i64, String> = [(0, "between0".to_owned())].into();
+    eventually("the last change made between relays arrives", async || {
+        nodes.hold(&want).await
+    })
+    .await;
+    nodes.agree(&pool).await;
+    relay.shutdown().await;
+    nodes.shutdown().await;
+}
+
 #[tokio::test]
 async fn settings_out_of_range_are_refused() {
     let t = EmbeddedTransport::new();
@@ -760,6 +862,18 @@ async fn settings_out_of_range_are_refused() {
         CdcRelay::builder(url, Publisher::new(t.clone()))
             .table(table())
             .publication(""),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .publication("a b"),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .publication("a\"b"),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .publication("\u{e9}"),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .publication("x".repeat(64)),
         CdcRelay::builder(url, Publisher::new(t.clone()))
             .table(table())
             .max_rows_per_transaction(0),

@@ -305,7 +305,8 @@ impl CdcRelayBuilder {
         self
     }
 
-    /// The replication slot's name (`cache_sync` by default). Relays with
+    /// The replication slot's name (`cache_sync` by default; 1 to 63 bytes
+    /// of a-z, 0-9 and _, as PostgreSQL requires). Relays with
     /// the same slot are one active relay and its standbys; give separate
     /// relay groups separate slots.
     pub fn slot(mut self, name: impl Into<String>) -> Self {
@@ -313,8 +314,9 @@ impl CdcRelayBuilder {
         self
     }
 
-    /// The publication's name (`cache_sync` by default). The relay creates
-    /// it, or sets an existing one to exactly the mapped tables.
+    /// The publication's name (`cache_sync` by default; 1 to 63 bytes of
+    /// a-z, 0-9 and _, as the slot's). The relay creates it, or sets an
+    /// existing one to exactly the mapped tables.
     pub fn publication(mut self, name: impl Into<String>) -> Self {
         self.publication = name.into();
         self
@@ -368,10 +370,8 @@ impl CdcRelayBuilder {
         if self.tables.is_empty() {
             return Err(Error::Config("a CDC relay needs at least one table".into()));
         }
-        check_name("slot", &self.slot, |c| {
-            c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'
-        })?;
-        check_name("publication", &self.publication, |c| !c.is_control())?;
+        check_name("slot", &self.slot)?;
+        check_name("publication", &self.publication)?;
         if self.max_rows_per_transaction == 0 {
             return Err(Error::Config(
                 "max_rows_per_transaction must be at least 1".into(),
@@ -470,15 +470,15 @@ impl CdcRelayBuilder {
     }
 }
 
-fn check_name(what: &str, name: &str, ok: impl Fn(char) -> bool) -> Result<()> {
-    if name.is_empty() || name.len() > 63 || !name.chars().all(ok) {
+/// Slot and publication names: what PostgreSQL reads the same quoted or
+/// not. The replication command takes the publication's name inside a
+/// string literal, as a list of identifiers, where anything else would
+/// need quoting the client does not do.
+fn check_name(what: &str, name: &str) -> Result<()> {
+    let plain = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_';
+    if name.is_empty() || name.len() > 63 || !name.chars().all(plain) {
         return Err(Error::Config(format!(
-            "{what} name {name:?}: 1 to 63 bytes{}",
-            if what == "slot" {
-                " of a-z, 0-9 and _"
-            } else {
-                ", no control characters"
-            }
+            "{what} name {name:?}: 1 to 63 bytes of a-z, 0-9 and _"
         )));
     }
     Ok(())

@@ -36,7 +36,13 @@ enum Ended {
     Standby(i32),
     /// The server ended the stream.
     Closed,
+    /// The relay was told to stop, and closed the stream.
+    Stopped,
 }
+
+/// How long a stopping relay waits for its session to close the stream
+/// (a publish under way finishes first) before dropping it.
+const STOP_GRACE: Duration = Duration::from_secs(5);
 
 pub(super) async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
     let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
@@ -45,9 +51,16 @@ pub(super) async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
         if *stop.borrow() {
             break;
         }
+        let mut session = std::pin::pin!(session(&inner, standby_of.is_some(), stop.clone()));
         let ended = tokio::select! {
-            ended = session(&inner, standby_of.is_some()) => ended,
-            _ = stop.changed() => break,
+            ended = &mut session => ended,
+            _ = stop.changed() => {
+                // The session sees the stop too, at its next read, and
+                // closes the stream, so the slot is free for the next relay
+                // when `shutdown` returns.
+                let _ = tokio::time::timeout(STOP_GRACE, &mut session).await;
+                break;
+            }
         };
         inner.shared.active.store(false, Ordering::Relaxed);
         let wait = match ended {
@@ -63,6 +76,7 @@ pub(super) async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
                 standby_of = None;
                 backoff.fail()
             }
+            Ok(Ended::Stopped) => break,
             Err(e) => {
                 standby_of = None;
                 inner.shared.failures.fetch_add(1, Ordering::Relaxed);
@@ -79,7 +93,11 @@ pub(super) async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
 }
 
 /// One replication session: from taking the slot to losing it.
-async fn session(inner: &Inner, was_standby: bool) -> Result<Ended> {
+async fn session(
+    inner: &Inner,
+    was_standby: bool,
+    mut stop: watch::Receiver<bool>,
+) -> Result<Ended> {
     let slot = &inner.shared.slot;
     match slot::slot_state(&inner.pool, slot).await? {
         SlotState::Active(pid) => return Ok(Ended::Standby(pid)),
@@ -121,8 +139,14 @@ async fn session(inner: &Inner, was_standby: bool) -> Result<Ended> {
         pending_end: None,
         committed: false,
     };
-    let result = stream.pump(&mut client).await;
-    client.stop();
+    let result = stream.pump(&mut client, &mut stop).await;
+    if matches!(result, Ok(Ended::Stopped)) {
+        // CopyDone, and the worker's end: the connection is closed when
+        // this returns.
+        let _ = tokio::time::timeout(STOP_GRACE, client.shutdown()).await;
+    } else {
+        client.stop();
+    }
     result
 }
 
@@ -148,7 +172,11 @@ struct Stream<'a> {
 }
 
 impl Stream<'_> {
-    async fn pump(&mut self, client: &mut ReplicationClient) -> Result<Ended> {
+    async fn pump(
+        &mut self,
+        client: &mut ReplicationClient,
+        stop: &mut watch::Receiver<bool>,
+    ) -> Result<Ended> {
         loop {
             // Committed work waits while more is ready (so that a burst
             // goes out in few publishes), and is flushed before waiting.
@@ -161,7 +189,10 @@ impl Stream<'_> {
                     }
                 }
             } else {
-                client.recv().await
+                tokio::select! {
+                    event = client.recv() => event,
+                    _ = stop.changed() => return Ok(Ended::Stopped),
+                }
             };
             let event = match event {
                 Ok(Some(event)) => event,
