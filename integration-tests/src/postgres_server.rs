@@ -27,6 +27,8 @@ pub struct PostgresServer {
     process: ServerProcess,
     /// Where this start's part of the log begins.
     log_from: usize,
+    /// `-c name=value` settings after the harness's own.
+    settings: Vec<String>,
 }
 
 fn bin(name: &str) -> PathBuf {
@@ -58,6 +60,12 @@ fn command(program: &str) -> Command {
 impl PostgresServer {
     /// `initdb`, then starts the server.
     pub fn start() -> Self {
+        Self::start_with(&[], &[])
+    }
+
+    /// [`start`](Self::start) with extra `initdb` arguments (say,
+    /// `--wal-segsize=1`) and `name=value` settings.
+    pub fn start_with(initdb: &[&str], settings: &[&str]) -> Self {
         start_on_free_ports("postgres", || {
             let dir = tempfile::tempdir().expect("temp dir for postgres");
             if is_root() {
@@ -80,6 +88,7 @@ impl PostgresServer {
                     "--no-locale",
                     "--no-sync",
                 ])
+                .args(initdb)
                 .stdin(Stdio::null())
                 .output()
             {
@@ -98,6 +107,7 @@ impl PostgresServer {
                 dir,
                 process: ServerProcess::default(),
                 log_from: 0,
+                settings: settings.iter().map(|s| (*s).to_owned()).collect(),
             };
             server.spawn().map(|()| server)
         })
@@ -143,6 +153,7 @@ impl PostgresServer {
                 "-c",
                 "logging_collector=off",
             ])
+            .args(self.settings.iter().flat_map(|s| ["-c", s.as_str()]))
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log file"))
             .stderr(log);

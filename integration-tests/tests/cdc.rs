@@ -1021,4 +1021,77 @@ mod processes {
         drop(active);
         nodes.shutdown().await;
     }
+
+    /// The relay process paused (SIGSTOP) while the server writes far more
+    /// WAL than `max_slot_wal_keep_size`: a checkpoint invalidates the slot
+    /// (terminating its walsender). Resumed, the relay finds the slot lost,
+    /// creates it again and resyncs every node; changes flow again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slot_the_server_invalidated_is_recreated_and_resynced() {
+        let pg = PostgresServer::start_with(
+            &["--wal-segsize=1"],
+            &[
+                "max_slot_wal_keep_size=2MB",
+                "min_wal_size=2MB",
+                "max_wal_size=4MB",
+            ],
+        );
+        let pool = pool(&pg).await;
+        create_items(&pool).await;
+        exec(&pool, "CREATE TABLE filler (x text)").await;
+        let redis = RedisServer::start();
+        let cache = SyncedCache::new(ITEMS, moka::future::Cache::new(1000));
+        let t = RedisStreamsTransport::connect(redis.url().as_str())
+            .await
+            .unwrap();
+        let node = Node::builder("n", t)
+            .register(&cache)
+            .start()
+            .await
+            .unwrap();
+        let nodes = Nodes {
+            nodes: vec![node],
+            caches: vec![cache],
+        };
+        let relay = relay_process(&pg, &redis.url());
+        eventually("the relay streams", async || {
+            slot_pid(&pool).await.is_some()
+        })
+        .await;
+        insert(&pool, 0..10, "a").await;
+        eventually("rows arrive", async || nodes.hold(&named(0..10, "a")).await).await;
+        integration_tests::redis_server::signal("-STOP", relay.0.id());
+        // Changed while the relay sleeps; lost with the slot.
+        exec(&pool, "UPDATE items SET name = 'lost' || id WHERE id < 5").await;
+        for _ in 0..10 {
+            exec(
+                &pool,
+                "INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 1000); \
+                 SELECT pg_switch_wal(); CHECKPOINT;",
+            )
+            .await;
+        }
+        let status: String = sqlx::query_scalar(
+            "SELECT wal_status FROM pg_replication_slots WHERE slot_name = 'cache_sync'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(status, "lost", "the slot was not invalidated");
+        integration_tests::redis_server::signal("-CONT", relay.0.id());
+        eventually("the slot is streamed again", async || {
+            let s: Option<(Option<String>, Option<i32>)> = sqlx::query_as(
+                "SELECT wal_status, active_pid FROM pg_replication_slots WHERE slot_name = 'cache_sync'",
+            )
+            .fetch_optional(&pool)
+            .await
+            .unwrap();
+            matches!(s, Some((Some(w), Some(_))) if w != "lost")
+        })
+        .await;
+        nodes.agree(&pool).await;
+        flows_again(&pool, &nodes).await;
+        drop(relay);
+        nodes.shutdown().await;
+    }
 }
