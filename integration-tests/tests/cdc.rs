@@ -284,6 +284,54 @@ async fn a_hundred_thousand_row_transaction_reaches_nodes_as_a_clear() {
     nodes.shutdown().await;
 }
 
+/// A broker that takes no publish: the slot's confirmed position stays,
+/// its lag in bytes and seconds grows and is reported, and once the broker
+/// takes publishes again every change arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_broker_shows_as_slot_lag_and_loses_nothing() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    create_items(&pool).await;
+    let transport = EmbeddedTransport::new();
+    let nodes = nodes(&transport, 2).await;
+    let faulty = cache_sync::transport::FaultyTransport::new(transport.clone());
+    let relay = CdcRelay::builder(pg.url(), Publisher::new(faulty.clone()))
+        .lag_interval(Duration::from_millis(100))
+        .table(CdcTable::new(ITEMS, "items", |row| row.parse("id")).value(|row| row.parse("name")))
+        .start()
+        .await
+        .unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    faulty.hang_publishes(true);
+    insert(&pool, 0..100, "a").await;
+    let mut last = relay.stats();
+    eventually("the slot lags in bytes and seconds", async || {
+        last = relay.stats();
+        last.lag_bytes.is_some_and(|b| b > 0) && last.lag_seconds >= 1.0
+    })
+    .await;
+    eprintln!("{last:?}");
+    let metrics = relay.metrics();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("cache_sync_cdc_slot_lag_bytes{") && !l.ends_with(" 0")),
+        "{metrics}"
+    );
+    faulty.hang_publishes(false);
+    eventually("every row arrives", async || {
+        nodes.hold(&named(0..100, "a")).await
+    })
+    .await;
+    eventually("the lag is gone", async || {
+        let s = relay.stats();
+        s.lag_bytes == Some(0) && s.lag_seconds == 0.0
+    })
+    .await;
+    relay.shutdown().await;
+    nodes.shutdown().await;
+}
+
 /// A row change over `max_row_bytes` cannot be read and the stream cannot
 /// go past it: its transaction is skipped, with a clear of the cache in its
 /// place, and what follows flows again.

@@ -99,3 +99,40 @@ pub(super) fn encode(slot: &str, stats: &CdcRelayStats) -> String {
     let _ = prometheus_text::encode(&mut text, &registry);
     text
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::util::promtool_check;
+
+    #[test]
+    fn the_exposition_is_valid_and_says_what_the_stats_say() {
+        let stats = CdcRelayStats {
+            active: true,
+            transactions: 7,
+            rows: 70,
+            resyncs: 1,
+            takeovers: 2,
+            failures: 3,
+            skipped: 0,
+            confirmed_lsn: 99,
+            lag_bytes: Some(4096),
+            lag_seconds: 1.5,
+        };
+        let text = encode("cache_sync", &stats);
+        for line in [
+            "cache_sync_cdc_active{slot=\"cache_sync\"} 1",
+            "cache_sync_cdc_transactions_total{slot=\"cache_sync\"} 7",
+            "cache_sync_cdc_takeovers_total{slot=\"cache_sync\"} 2",
+            "cache_sync_cdc_slot_lag_bytes{slot=\"cache_sync\"} 4096",
+            "cache_sync_cdc_slot_lag_seconds{slot=\"cache_sync\"} 1.5",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+        promtool_check(&text);
+        // Before the first lag reading: no bytes sample, still valid.
+        let text = encode("s", &CdcRelayStats::default());
+        assert!(!text.contains("lag_bytes{"), "{text}");
+        promtool_check(&text);
+    }
+}

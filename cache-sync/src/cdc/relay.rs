@@ -186,9 +186,12 @@ pub struct CdcRelayStats {
     /// How far the slot's confirmed position is behind the end of the
     /// log, in bytes, when last asked (`None` before the first answer).
     pub lag_bytes: Option<u64>,
-    /// How long ago, on the database server's clock, the oldest
-    /// transaction this relay received but has not confirmed committed;
-    /// zero when there is none.
+    /// While this relay streams: how long ago, on the database server's
+    /// clock, the oldest change it received but has not yet confirmed was
+    /// committed (a resync: received); zero when it has none. It grows
+    /// while a publish is stuck. What the relay has not received (it is
+    /// down, or a standby, or the server is slow to send) shows in
+    /// `lag_bytes` only.
     pub lag_seconds: f64,
 }
 

@@ -133,25 +133,37 @@ pub(crate) async fn create_slot(pool: &PgPool, slot: &str, lost: bool) -> Result
     Ok(true)
 }
 
-/// The slot's lag behind the end of the log, in bytes, and the WAL the
-/// server may still keep for it before invalidating it
-/// (`safe_wal_size`; `None` with `max_slot_wal_keep_size = -1`).
-pub(crate) async fn lag(pool: &PgPool, slot: &str) -> Result<Option<(u64, Option<i64>)>> {
+/// What the server says of the slot's lag.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lag {
+    /// How far the confirmed position is behind the end of the log.
+    pub(crate) bytes: u64,
+    /// The WAL the server may still keep for the slot before invalidating
+    /// it (`safe_wal_size`; `None` with `max_slot_wal_keep_size = -1`).
+    pub(crate) safe_wal_size: Option<i64>,
+    /// The server's clock, in microseconds since 2000-01-01 (the unit of
+    /// the stream's timestamps): the lag in seconds is measured on it.
+    pub(crate) server_now_us: i64,
+}
+
+pub(crate) async fn lag(pool: &PgPool, slot: &str) -> Result<Option<Lag>> {
     let row = sqlx::query(
         "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8 AS lag, \
-         safe_wal_size FROM pg_replication_slots WHERE slot_name = $1",
+         safe_wal_size, \
+         (extract(epoch FROM clock_timestamp() - '2000-01-01 00:00:00+00'::timestamptz) * 1000000)::int8 AS now_us \
+         FROM pg_replication_slots WHERE slot_name = $1",
     )
     .bind(slot)
     .fetch_optional(pool)
     .await
     .map_err(db)?;
     let Some(row) = row else { return Ok(None) };
-    let lag: Option<i64> = row.try_get("lag").map_err(db)?;
-    let safe: Option<i64> = row.try_get("safe_wal_size").map_err(db)?;
-    Ok(Some((
-        lag.map_or(0, |l| u64::try_from(l).unwrap_or(0)),
-        safe,
-    )))
+    let bytes: Option<i64> = row.try_get("lag").map_err(db)?;
+    Ok(Some(Lag {
+        bytes: bytes.map_or(0, |l| u64::try_from(l).unwrap_or(0)),
+        safe_wal_size: row.try_get("safe_wal_size").map_err(db)?,
+        server_now_us: row.try_get("now_us").map_err(db)?,
+    }))
 }
 
 /// Waits until every transaction of `xids` is visible to a new snapshot.

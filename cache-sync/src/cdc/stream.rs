@@ -226,7 +226,7 @@ impl Stream<'_> {
                 } => {
                     shared
                         .server_time
-                        .store(server_time_micros, Ordering::Relaxed);
+                        .fetch_max(server_time_micros, Ordering::Relaxed);
                     self.message(&data);
                 }
                 ReplicationEvent::Message {
@@ -238,6 +238,14 @@ impl Stream<'_> {
                     if prefix == RESYNC_PREFIX && *content == *shared.slot.as_bytes() {
                         tracing::info!(slot = %shared.slot, lsn = %lsn, "cdc relay: a new slot starts here; clearing every mapped cache");
                         shared.resyncs.fetch_add(1, Ordering::Relaxed);
+                        // Pending from now (the message has no commit time).
+                        let now = shared.server_time.load(Ordering::Relaxed).max(1);
+                        let _ = shared.oldest_pending_commit.compare_exchange(
+                            0,
+                            now,
+                            Ordering::Relaxed,
+                            Ordering::Relaxed,
+                        );
                         self.clear_all(lsn.as_u64());
                         if self.open.is_none() {
                             self.batch.commit(None);
@@ -268,7 +276,7 @@ impl Stream<'_> {
                 } => {
                     shared
                         .server_time
-                        .store(server_time_micros, Ordering::Relaxed);
+                        .fetch_max(server_time_micros, Ordering::Relaxed);
                     // Everything the server sent before this was handled:
                     // with nothing open or unpublished, its position is
                     // done, so a slot whose tables are quiet does not pin
@@ -558,11 +566,19 @@ pub(super) async fn lag_loop(
     let mut warned = false;
     loop {
         match tokio::time::timeout(SQL_TIMEOUT, slot::lag(&inner.pool, &inner.shared.slot)).await {
-            Ok(Ok(Some((bytes, safe)))) => {
+            Ok(Ok(Some(lag))) => {
+                let bytes = lag.bytes;
                 inner.shared.lag_bytes.store(bytes, Ordering::Relaxed);
+                // The server's clock, like the commit times it is
+                // compared with: the lag in seconds grows while the relay
+                // is stuck, whatever the stream says.
+                inner
+                    .shared
+                    .server_time
+                    .fetch_max(lag.server_now_us, Ordering::Relaxed);
                 if bytes > warn_over {
                     if !warned {
-                        tracing::warn!(slot = %inner.shared.slot, lag_bytes = bytes, safe_wal_size = ?safe, "cdc relay: the slot is far behind and pins the server's WAL");
+                        tracing::warn!(slot = %inner.shared.slot, lag_bytes = bytes, safe_wal_size = ?lag.safe_wal_size, "cdc relay: the slot is far behind and pins the server's WAL");
                     }
                     warned = true;
                 } else {

@@ -496,8 +496,6 @@ impl Collector for NodeCollector {
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
-    use std::io::Write as _;
-    use std::process::{Command, Stdio};
 
     use axum::body::Body;
     use axum::http::{Request, StatusCode, header};
@@ -509,6 +507,7 @@ mod tests {
     use super::super::tests::eventually;
     use crate::transport::{DEFAULT_TOPIC, Transport};
     use crate::util::now_us;
+    use crate::util::promtool_check;
     use crate::wire::{Change, EntryVersion, Header, Origin, encode, encode_part};
     use crate::{EmbeddedTransport, Node, SyncedCache};
 
@@ -577,52 +576,6 @@ mod tests {
         *samples
             .get(series)
             .unwrap_or_else(|| panic!("no sample {series} in {samples:#?}"))
-    }
-
-    /// Runs `promtool check metrics` on `text`, fed on stdin, and requires
-    /// exit 0 (promtool exits 3 for lint problems, 1 for parse errors).
-    /// A missing promtool fails the test: always under CI, and elsewhere
-    /// unless CACHE_SYNC_SKIP_PROMTOOL=1, which skips it out loud.
-    fn promtool_check(text: &str) {
-        let child = Command::new("promtool")
-            .args(["check", "metrics"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn();
-        let mut child = match child {
-            Ok(child) => child,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let install = "install it (Debian: apt-get install prometheus; scripts/test does)";
-                if std::env::var_os("CI").is_some() {
-                    panic!("promtool is not installed, and CI is set: {install}");
-                }
-                if std::env::var("CACHE_SYNC_SKIP_PROMTOOL").as_deref() == Ok("1") {
-                    eprintln!(
-                        "SKIPPED: promtool check metrics (promtool not installed, CACHE_SYNC_SKIP_PROMTOOL=1)"
-                    );
-                    return;
-                }
-                panic!(
-                    "promtool is not installed: {install}, or set CACHE_SYNC_SKIP_PROMTOOL=1 to skip this check"
-                );
-            }
-            Err(e) => panic!("promtool did not start: {e}"),
-        };
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(text.as_bytes())
-            .unwrap();
-        let out = child.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "promtool check metrics failed ({}):\n{}{}\non:\n{text}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr),
-        );
     }
 
     /// An audited cache has the auditor's families, with the values its
