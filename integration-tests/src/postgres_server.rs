@@ -102,6 +102,20 @@ impl PostgresServer {
                 String::from_utf8_lossy(&out.stdout),
                 String::from_utf8_lossy(&out.stderr)
             );
+            // Epoch 1: transaction ids past the first 2^32, as on any
+            // server that has run for long, so that 32-bit xids off the
+            // stream must be widened right (an epoch-0 server hides it).
+            let out = command("pg_resetwal")
+                .args(["-e", "1", "-D"])
+                .arg(dir.path().join("data"))
+                .stdin(Stdio::null())
+                .output()
+                .unwrap_or_else(|e| panic!("cannot run pg_resetwal: {e}"));
+            assert!(
+                out.status.success(),
+                "pg_resetwal failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
             let mut server = Self {
                 port: free_port(),
                 dir,

@@ -332,6 +332,70 @@ async fn a_stuck_broker_shows_as_slot_lag_and_loses_nothing() {
     nodes.shutdown().await;
 }
 
+/// A commit that waits for a synchronous standby is flushed, so the
+/// server sends it, but no other session sees it yet: the relay must not
+/// publish it (a node would load the old row and then ignore the event as
+/// old news) until it is visible. The server's xids are in epoch 1, so the
+/// 32-bit xid off the stream must be widened right for the check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_not_yet_visible_is_not_published() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    create_items(&pool).await;
+    let epoch: i64 = sqlx::query_scalar("SELECT (pg_current_xact_id()::text::int8 >> 32)")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(epoch, 1);
+    let transport = EmbeddedTransport::new();
+    let nodes = nodes(&transport, 1).await;
+    let relay = relay(&pg, &transport).start().await.unwrap();
+    insert(&pool, 0..3, "a").await;
+    eventually("rows arrive", async || nodes.hold(&named(0..3, "a")).await).await;
+    // Every commit from now on waits for a standby that does not exist.
+    exec(&pool, "ALTER SYSTEM SET synchronous_standby_names = 'nobody'").await;
+    exec(&pool, "SELECT pg_reload_conf()").await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // An older transaction with an xid, still open: snapshots' xmax stays
+    // at or below it, so the waiting commit's xid is above xmax.
+    let mut older = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_current_xact_id()")
+        .execute(&mut *older)
+        .await
+        .unwrap();
+    let writer = {
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            exec(&pool, "UPDATE items SET name = 'hidden' WHERE id = 1").await;
+        })
+    };
+    // Flushed and decoded, not visible: not published.
+    eventually("the commit waits for the standby", async || {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        waiting == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        nodes.caches[0].peek(&1).await.as_deref(),
+        Some("a1"),
+        "published before it was visible"
+    );
+    older.rollback().await.unwrap();
+    exec(&pool, "ALTER SYSTEM RESET synchronous_standby_names").await;
+    exec(&pool, "SELECT pg_reload_conf()").await;
+    writer.await.unwrap();
+    let want: BTreeMap<i64, String> = [(1, "hidden".to_owned())].into();
+    eventually("visible, then published", async || nodes.hold(&want).await).await;
+    relay.shutdown().await;
+    nodes.shutdown().await;
+}
+
 /// A row change over `max_row_bytes` cannot be read and the stream cannot
 /// go past it: its transaction is skipped, with a clear of the cache in its
 /// place, and what follows flows again.

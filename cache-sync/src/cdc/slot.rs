@@ -178,13 +178,14 @@ pub(crate) async fn wait_visible(pool: &PgPool, xids: &[u32]) -> Result<()> {
         return Ok(());
     }
     let xids: Vec<i64> = xids.iter().map(|&x| i64::from(x)).collect();
-    // A decoded xid is 32 bits; its epoch is the snapshot's, or the one
-    // before when it is above the snapshot's xmax (a wrap in between).
+    // A decoded xid is 32 bits, and recent: the full one is the snapshot's
+    // xmax moved by the signed 32-bit distance between the two. (It may be
+    // above xmax: committed, and not yet visible, is what this waits out.)
     let query = "SELECT coalesce(bool_and(pg_visible_in_snapshot( \
-            (((greatest(m.epoch - CASE WHEN x > m.low THEN 1 ELSE 0 END, 0)) << 32) | x)::text::xid8, \
+            greatest(m.xmax + (((x - m.low) + 6442450944) % 4294967296 - 2147483648), 0)::text::xid8, \
             m.snap)), true) \
         FROM unnest($1::int8[]) AS x, \
-            (SELECT s AS snap, pg_snapshot_xmax(s)::text::int8 >> 32 AS epoch, \
+            (SELECT s AS snap, pg_snapshot_xmax(s)::text::int8 AS xmax, \
                     pg_snapshot_xmax(s)::text::int8 & 4294967295 AS low \
              FROM pg_current_snapshot() AS s) AS m";
     let mut wait = Duration::from_millis(1);
