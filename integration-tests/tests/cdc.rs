@@ -353,7 +353,11 @@ async fn a_commit_not_yet_visible_is_not_published() {
     insert(&pool, 0..3, "a").await;
     eventually("rows arrive", async || nodes.hold(&named(0..3, "a")).await).await;
     // Every commit from now on waits for a standby that does not exist.
-    exec(&pool, "ALTER SYSTEM SET synchronous_standby_names = 'nobody'").await;
+    exec(
+        &pool,
+        "ALTER SYSTEM SET synchronous_standby_names = 'nobody'",
+    )
+    .await;
     exec(&pool, "SELECT pg_reload_conf()").await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     // An older transaction with an xid, still open: snapshots' xmax stays
@@ -396,6 +400,61 @@ async fn a_commit_not_yet_visible_is_not_published() {
     nodes.shutdown().await;
 }
 
+const PARTS: Table<i64, String> = Table::new("parts");
+
+/// A partitioned table is mapped by its own name: its partitions' changes
+/// are published as the root's. And two relay groups on separate slots
+/// (each with its own publication, by default) follow their own tables.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_tables_and_two_relay_groups() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    create_items(&pool).await;
+    exec(
+        &pool,
+        "CREATE TABLE parts (id bigint PRIMARY KEY, name text NOT NULL) PARTITION BY RANGE (id);
+         CREATE TABLE parts_a PARTITION OF parts FOR VALUES FROM (0) TO (100);
+         CREATE TABLE parts_b PARTITION OF parts FOR VALUES FROM (100) TO (200);",
+    )
+    .await;
+    let transport = EmbeddedTransport::new();
+    let nodes = nodes(&transport, 1).await;
+    let parts = SyncedCache::new(PARTS, moka::future::Cache::new(100));
+    let node = Node::builder("p", transport.clone())
+        .register(&parts)
+        .start()
+        .await
+        .unwrap();
+    let items_relay = relay(&pg, &transport).start().await.unwrap();
+    let parts_relay = CdcRelay::builder(pg.url(), Publisher::new(transport.clone()))
+        .slot("parts")
+        .table(CdcTable::new(PARTS, "parts", |row| row.parse("id")).value(|row| row.parse("name")))
+        .start()
+        .await
+        .unwrap();
+    exec(
+        &pool,
+        "INSERT INTO parts VALUES (1, 'one'), (150, 'one fifty')",
+    )
+    .await;
+    insert(&pool, 0..3, "a").await;
+    eventually("both groups' rows arrive", async || {
+        parts.peek(&1).await.as_deref() == Some("one")
+            && parts.peek(&150).await.as_deref() == Some("one fifty")
+            && nodes.hold(&named(0..3, "a")).await
+    })
+    .await;
+    exec(&pool, "TRUNCATE parts").await;
+    eventually("the truncate of the root clears", async || {
+        parts.peek(&1).await.is_none() && parts.peek(&150).await.is_none()
+    })
+    .await;
+    items_relay.shutdown().await;
+    parts_relay.shutdown().await;
+    node.shutdown().await.unwrap();
+    nodes.shutdown().await;
+}
+
 /// A row change over `max_row_bytes` cannot be read and the stream cannot
 /// go past it: its transaction is skipped, with a clear of the cache in its
 /// place, and what follows flows again.
@@ -432,6 +491,29 @@ async fn a_row_over_max_row_bytes_is_skipped_and_the_cache_cleared() {
     }
     nodes.agree(&pool).await;
     assert_eq!(relay.stats().skipped, 1, "{:?}", relay.stats());
+
+    // A huge logical message outside any transaction, which any role can
+    // write: the slot is made again, every cache resynced.
+    insert(&pool, 10..12, "b").await;
+    eventually("rows arrive", async || {
+        nodes.hold(&named(10..12, "b")).await
+    })
+    .await;
+    let resyncs = relay.stats().resyncs;
+    exec(
+        &pool,
+        "SELECT pg_logical_emit_message(false, 'someone', repeat('x', 200000))",
+    )
+    .await;
+    let want: BTreeMap<i64, String> = [(3, "later".to_owned())].into();
+    eventually("changes flow again", async || {
+        exec(&pool, "UPDATE items SET name = 'later' WHERE id = 3").await;
+        nodes.hold(&want).await
+    })
+    .await;
+    assert_eq!(relay.stats().skipped, 2, "{:?}", relay.stats());
+    assert!(relay.stats().resyncs > resyncs);
+    nodes.agree(&pool).await;
     relay.shutdown().await;
     nodes.shutdown().await;
 }
@@ -554,6 +636,18 @@ async fn schema_changes_never_cache_a_wrong_value() {
     exec(&pool, "UPDATE things SET name = 'e' || id WHERE id = 2").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(nodes.caches[0].peek(&2).await, None, "no longer followed");
+    // A new table under the mapped name: added to the publication, every
+    // cache resynced, and its changes followed.
+    let resyncs = relay.stats().resyncs;
+    create_items(&pool).await;
+    insert(&pool, 7..8, "new").await;
+    eventually("the new table is followed", async || {
+        exec(&pool, "UPDATE items SET name = 'new' || id").await;
+        nodes.hold(&named(7..8, "new")).await
+    })
+    .await;
+    assert!(relay.stats().resyncs > resyncs);
+    nodes.agree(&pool).await;
     relay.shutdown().await;
     node.shutdown().await.unwrap();
     nodes.shutdown().await;

@@ -143,7 +143,8 @@ pub struct CdcRelayBuilder {
     publisher: Publisher,
     tables: Vec<Mapping>,
     slot: String,
-    publication: String,
+    /// `None`: the slot's name.
+    publication: Option<String>,
     max_rows_per_transaction: usize,
     lag_warning_bytes: u64,
     lag_interval: Duration,
@@ -155,7 +156,10 @@ impl fmt::Debug for CdcRelayBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CdcRelayBuilder")
             .field("slot", &self.slot)
-            .field("publication", &self.publication)
+            .field(
+                "publication",
+                &self.publication.as_deref().unwrap_or(&self.slot),
+            )
             .field("tables", &self.tables.len())
             .finish_non_exhaustive()
     }
@@ -214,6 +218,9 @@ pub(super) struct Shared {
 
 pub(super) struct Inner {
     pub(super) shared: Arc<Shared>,
+    pub(super) publication: String,
+    /// The mapped tables, `(schema, table)`, sorted, each once.
+    pub(super) relations: Vec<(String, String)>,
     pub(super) pool: PgPool,
     pub(super) config: ReplicationConfig,
     pub(super) publisher: Publisher,
@@ -236,7 +243,7 @@ impl CdcRelay {
             publisher,
             tables: Vec::new(),
             slot: "cache_sync".to_owned(),
-            publication: "cache_sync".to_owned(),
+            publication: None,
             max_rows_per_transaction: DEFAULT_MAX_ROWS_PER_TRANSACTION,
             lag_warning_bytes: DEFAULT_LAG_WARNING_BYTES,
             lag_interval: DEFAULT_LAG_INTERVAL,
@@ -317,11 +324,13 @@ impl CdcRelayBuilder {
         self
     }
 
-    /// The publication's name (`cache_sync` by default; 1 to 63 bytes of
-    /// a-z, 0-9 and _, as the slot's). The relay creates it, or sets an
-    /// existing one to exactly the mapped tables.
+    /// The publication's name (the slot's by default, so that relay groups
+    /// on separate slots never share one; 1 to 63 bytes of a-z, 0-9 and _).
+    /// The relay creates it, or adds the mapped tables an existing one
+    /// lacks; it never removes one (a relay of another version may map
+    /// it), and changes of tables it does not map are ignored.
     pub fn publication(mut self, name: impl Into<String>) -> Self {
-        self.publication = name.into();
+        self.publication = Some(name.into());
         self
     }
 
@@ -374,7 +383,11 @@ impl CdcRelayBuilder {
             return Err(Error::Config("a CDC relay needs at least one table".into()));
         }
         check_name("slot", &self.slot)?;
-        check_name("publication", &self.publication)?;
+        let publication = self
+            .publication
+            .clone()
+            .unwrap_or_else(|| self.slot.clone());
+        check_name("publication", &publication)?;
         if self.max_rows_per_transaction == 0 {
             return Err(Error::Config(
                 "max_rows_per_transaction must be at least 1".into(),
@@ -405,7 +418,7 @@ impl CdcRelayBuilder {
             }
             crate::transport::names::check(crate::transport::names::NameKind::Cache, &t.cache)?;
         }
-        let config = replication_config(&self.url, &self.slot, &self.publication)?
+        let config = replication_config(&self.url, &self.slot, &publication)?
             .with_max_message_size(self.max_row_bytes);
         let options: sqlx::postgres::PgConnectOptions = self
             .url
@@ -424,7 +437,7 @@ impl CdcRelayBuilder {
             .collect();
         relations.sort();
         relations.dedup();
-        slot::ensure_publication(&pool, &self.publication, &relations).await?;
+        slot::ensure_publication(&pool, &publication, &relations, false).await?;
         // Created here, so that a server without wal_level = logical or a
         // user without REPLICATION fails the start, not a task's log.
         if slot::slot_state(&pool, &self.slot).await? == SlotState::Missing {
@@ -447,6 +460,8 @@ impl CdcRelayBuilder {
         });
         let inner = Arc::new(Inner {
             shared: Arc::clone(&shared),
+            publication,
+            relations,
             pool,
             config,
             publisher: self.publisher,

@@ -23,19 +23,23 @@ pub(crate) fn ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
-/// Creates the publication for `relations` (`(schema, table)`), or sets an
-/// existing one to exactly them. Serialized between relays by an advisory
+/// Creates the publication for `relations` (`(schema, table)`), or adds
+/// those an existing one lacks; returns the relations it added. Never
+/// removes a table: another relay of the group, of another version, may
+/// map it. Partitions are published as their root, so a partitioned table
+/// is mapped by its own name. Serialized between relays by an advisory
 /// lock, so two relays starting at once do not both try to create it.
+///
+/// `existing_only`: add only the tables that exist now (the periodic
+/// check, after a table was dropped or renamed); otherwise a mapped table
+/// that does not exist is an error (the relay's start).
 pub(crate) async fn ensure_publication(
     pool: &PgPool,
     publication: &str,
     relations: &[(String, String)],
-) -> Result<()> {
-    let tables = relations
-        .iter()
-        .map(|(schema, name)| format!("{}.{}", ident(schema), ident(name)))
-        .collect::<Vec<_>>()
-        .join(", ");
+    existing_only: bool,
+) -> Result<Vec<(String, String)>> {
+    let quoted = |(schema, name): &(String, String)| format!("{}.{}", ident(schema), ident(name));
     let mut tx = pool.begin().await.map_err(db)?;
     sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
         .bind(format!("cache-sync cdc publication\n{publication}"))
@@ -48,19 +52,59 @@ pub(crate) async fn ensure_publication(
             .fetch_one(&mut *tx)
             .await
             .map_err(db)?;
-    let verb = if exists {
-        format!(
-            "ALTER PUBLICATION {} SET TABLE {tables}",
+    let added = if exists {
+        sqlx::query(&format!(
+            "ALTER PUBLICATION {} SET (publish_via_partition_root = true)",
             ident(publication)
+        ))
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+        let members: Vec<(String, String)> = sqlx::query_as(
+            "SELECT schemaname::text, tablename::text FROM pg_publication_tables WHERE pubname = $1",
         )
+        .bind(publication)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db)?;
+        let mut missing = Vec::new();
+        for r in relations.iter().filter(|r| !members.contains(r)) {
+            if existing_only {
+                let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+                    .bind(quoted(r))
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(db)?;
+                if !exists {
+                    continue;
+                }
+            }
+            missing.push(r.clone());
+        }
+        for r in &missing {
+            sqlx::query(&format!(
+                "ALTER PUBLICATION {} ADD TABLE {}",
+                ident(publication),
+                quoted(r)
+            ))
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        }
+        missing
     } else {
-        format!(
-            "CREATE PUBLICATION {} FOR TABLE {tables}",
+        let tables = relations.iter().map(quoted).collect::<Vec<_>>().join(", ");
+        sqlx::query(&format!(
+            "CREATE PUBLICATION {} FOR TABLE {tables} WITH (publish_via_partition_root = true)",
             ident(publication)
-        )
+        ))
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+        relations.to_vec()
     };
-    sqlx::query(&verb).execute(&mut *tx).await.map_err(db)?;
-    tx.commit().await.map_err(db)
+    tx.commit().await.map_err(db)?;
+    Ok(added)
 }
 
 /// What the server says of the slot.
@@ -124,13 +168,20 @@ pub(crate) async fn create_slot(pool: &PgPool, slot: &str, lost: bool) -> Result
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42710") => return Ok(false),
         Err(e) => return Err(db(e)),
     }
+    emit_resync(pool, slot).await?;
+    Ok(true)
+}
+
+/// Writes the resync message into the log: when the slot's stream reaches
+/// it, every mapped cache is cleared at its LSN.
+pub(crate) async fn emit_resync(pool: &PgPool, slot: &str) -> Result<()> {
     sqlx::query("SELECT pg_logical_emit_message(false, $1, $2)")
         .bind(RESYNC_PREFIX)
         .bind(slot)
         .execute(pool)
         .await
-        .map_err(db)?;
-    Ok(true)
+        .map_err(db)
+        .map(drop)
 }
 
 /// What the server says of the slot's lag.

@@ -300,12 +300,31 @@ impl Stream<'_> {
         client: &ReplicationClient,
         e: pgwire_replication::PgWireError,
     ) -> Result<Ended> {
-        // Outside a transaction (a huge logical message) there is no
-        // commit to clear at: the session fails, and the lag says so.
-        let Some(open) = self.open.take() else {
-            return Err(db(e));
-        };
         let slot = &self.inner.shared.slot;
+        // Outside a transaction: a huge logical message (any role may write
+        // one). There is no commit to clear at and no position known to
+        // skip to: the slot is dropped, and the next session creates it
+        // again and resyncs, as for a lost slot.
+        let Some(open) = self.open.take() else {
+            tracing::error!(slot = %slot, error = %e, "cdc relay: a message outside any transaction is over max_row_bytes; dropping the slot to create it again and resync");
+            let drop_slot = async {
+                let mut wait = Duration::from_millis(10);
+                while let Err(e) = sqlx::query("SELECT pg_drop_replication_slot($1)")
+                    .bind(slot)
+                    .execute(&self.inner.pool)
+                    .await
+                {
+                    tracing::debug!(error = %e, "cdc relay: dropping the slot");
+                    tokio::time::sleep(wait).await;
+                    wait = wait.saturating_mul(2).min(Duration::from_millis(500));
+                }
+            };
+            tokio::time::timeout(SQL_TIMEOUT, drop_slot)
+                .await
+                .map_err(|_| db("dropping the slot past an unreadable message timed out"))?;
+            self.inner.shared.skipped.fetch_add(1, Ordering::Relaxed);
+            return Ok(Ended::Closed);
+        };
         tracing::error!(slot = %slot, version = open.version, error = %e, "cdc relay: a row change is over max_row_bytes; skipping its transaction and clearing every mapped cache");
         self.clear_all(open.version);
         self.batch.commit(Some(open.xid));
@@ -478,6 +497,11 @@ impl Stream<'_> {
                 }
             }
         }
+        if maps.is_empty() && !self.mapped.contains_key(&relation.id) {
+            // In the publication (another relay of the group maps it, or it
+            // was renamed), not mapped here.
+            tracing::info!(table = %format_args!("{}.{}", relation.schema, relation.name), "cdc relay: changes of a table this relay does not map are ignored");
+        }
         self.mapped.insert(relation.id, maps);
         self.relations.insert(relation.id, relation);
     }
@@ -564,6 +588,7 @@ pub(super) async fn lag_loop(
     warn_over: u64,
 ) {
     let mut warned = false;
+    let mut resync_owed = false;
     loop {
         match tokio::time::timeout(SQL_TIMEOUT, slot::lag(&inner.pool, &inner.shared.slot)).await {
             Ok(Ok(Some(lag))) => {
@@ -589,9 +614,39 @@ pub(super) async fn lag_loop(
             Ok(Err(e)) => tracing::debug!(error = %e, "cdc relay: reading the slot's lag failed"),
             Err(_) => tracing::debug!("cdc relay: reading the slot's lag timed out"),
         }
+        check_publication(&inner, &mut resync_owed).await;
         tokio::select! {
             () = tokio::time::sleep(every) => {}
             _ = stop.changed() => return,
+        }
+    }
+}
+
+/// A publication holds tables, not names: a mapped table dropped (or
+/// renamed) and created again is a new table, which it lacks. Added here,
+/// and the caches resynced, since its changes before it was added were
+/// never streamed.
+async fn check_publication(inner: &Inner, resync_owed: &mut bool) {
+    let added = tokio::time::timeout(
+        SQL_TIMEOUT,
+        slot::ensure_publication(&inner.pool, &inner.publication, &inner.relations, true),
+    )
+    .await;
+    match added {
+        Ok(Ok(added)) => {
+            if !added.is_empty() {
+                tracing::warn!(slot = %inner.shared.slot, tables = ?added, "cdc relay: mapped tables were missing from the publication (created again?); added them, and clearing every mapped cache");
+                *resync_owed = true;
+            }
+        }
+        Ok(Err(e)) => tracing::debug!(error = %e, "cdc relay: checking the publication failed"),
+        Err(_) => tracing::debug!("cdc relay: checking the publication timed out"),
+    }
+    // Until it is written: a failed write is tried again next time.
+    if *resync_owed {
+        match slot::emit_resync(&inner.pool, &inner.shared.slot).await {
+            Ok(()) => *resync_owed = false,
+            Err(e) => tracing::warn!(error = %e, "cdc relay: writing the resync message failed"),
         }
     }
 }
