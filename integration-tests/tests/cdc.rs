@@ -518,6 +518,47 @@ async fn a_row_over_max_row_bytes_is_skipped_and_the_cache_cleared() {
     nodes.shutdown().await;
 }
 
+/// Committed work does not wait for the next transaction to arrive whole:
+/// a small change committed just before a large one is published while
+/// the large one still streams in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_commit_is_not_held_up_by_a_large_one_after_it() {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    create_items(&pool).await;
+    insert(&pool, 0..200_000, "a").await;
+    let transport = EmbeddedTransport::new();
+    let nodes = nodes(&transport, 1).await;
+    let relay = relay(&pg, &transport).start().await.unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    relay.shutdown().await;
+    // The large one writes first and commits right after the small one,
+    // both while no relay runs: the server then sends the small one, and
+    // at once the large one, decoded already, back to back.
+    let mut large = pool.begin().await.unwrap();
+    sqlx::query("UPDATE items SET name = 'large' || id WHERE id > 0")
+        .execute(&mut *large)
+        .await
+        .unwrap();
+    exec(&pool, "UPDATE items SET name = 'small' WHERE id = 0").await;
+    large.commit().await.unwrap();
+    let relay = self::relay(&pg, &transport).start().await.unwrap();
+    let base = 0;
+    let mut seen = Vec::new();
+    eventually("the small one is published on its own", async || {
+        let t = relay.stats().transactions;
+        seen.push(t);
+        t == base + 1 && nodes.caches[0].peek(&0).await.as_deref() == Some("small")
+    })
+    .await;
+    eventually("then the large one", async || {
+        relay.stats().transactions == base + 2
+    })
+    .await;
+    relay.shutdown().await;
+    nodes.shutdown().await;
+}
+
 const DOCS: Table<i64, String> = Table::new("docs");
 
 /// The value reads a TOASTed column: an UPDATE that leaves it unchanged

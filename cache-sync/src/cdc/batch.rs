@@ -49,7 +49,8 @@ impl Batch {
         self.caches.is_empty() && self.xids.is_empty()
     }
 
-    /// The open transaction changed `key` of `cache`. `cap`: how many row
+    /// The open transaction (gathered in this batch) changed `key` of
+    /// `cache`. `cap`: how many row
     /// changes one transaction may make to one cache before the rest
     /// become a clear at its version (a 100,000-row migration reaches
     /// nodes as one clear, not 100,000 events to every node).
@@ -88,17 +89,30 @@ impl Batch {
         self.pending(cache).clear_at(version);
     }
 
-    /// The open transaction committed.
-    pub(crate) fn commit(&mut self, xid: Option<u32>) {
-        for pending in self.caches.values_mut() {
-            pending.in_transaction = 0;
-            pending.bytes_in_transaction = 0;
-            pending.saturated = false;
+    /// The open transaction, gathered in `open`, committed: its changes
+    /// join this batch, after everything in it, and `open` is empty again.
+    /// Its xid is kept for the visibility check only if it changed
+    /// anything here.
+    pub(crate) fn absorb(&mut self, open: &mut Batch, xid: Option<u32>) {
+        let touched = !open.caches.is_empty();
+        for (cache, p) in open.caches.drain() {
+            let target = self.pending(&cache);
+            if let Some(version) = p.clear {
+                target.clear_at(version);
+            }
+            target.keys.extend(p.keys);
         }
-        if let Some(xid) = xid {
+        self.rows = self.rows.saturating_add(std::mem::take(&mut open.rows));
+        self.bytes = self.bytes.saturating_add(std::mem::take(&mut open.bytes));
+        if touched && let Some(xid) = xid {
             self.xids.push(xid);
         }
         self.transactions = self.transactions.saturating_add(1);
+    }
+
+    /// Forgets everything (an open transaction given up).
+    pub(crate) fn reset(&mut self) {
+        *self = Batch::default();
     }
 
     /// Everything gathered, per cache, as the changes to publish: a clear

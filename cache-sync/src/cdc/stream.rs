@@ -20,10 +20,15 @@ use crate::publish::Publisher;
 use crate::util::Backoff;
 use crate::wire::Change;
 
-/// Row changes, and bytes of keys and values, gathered into one publish at
-/// most (more transactions wait for the next).
+/// Row changes, bytes of keys and values, and transactions gathered into
+/// one publish at most (more wait for the next).
 const MAX_BATCH_ROWS: u64 = 5_000;
 const MAX_BATCH_BYTES: usize = 16 << 20;
+const MAX_BATCH_TRANSACTIONS: u64 = 1_000;
+/// How long committed work may wait while the relay reads the next
+/// transaction (a large one takes a while to arrive) before it is
+/// published on its own.
+const FLUSH_WAIT: Duration = Duration::from_millis(20);
 /// The longest the database may take to answer the visibility check
 /// before the session is given up and started again.
 pub(super) const SQL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -138,6 +143,8 @@ async fn session(
         last_commit: 0,
         pending_end: None,
         committed: false,
+        committed_since: None,
+        open_batch: Batch::default(),
     };
     let result = stream.pump(&mut client, &mut stop).await;
     if matches!(result, Ok(Ended::Stopped)) {
@@ -158,9 +165,9 @@ struct Open {
 
 struct Stream<'a> {
     inner: &'a Inner,
-    relations: HashMap<u32, Relation>,
+    relations: HashMap<u32, Arc<Relation>>,
     /// Relation id → the mappings (indices into `inner.tables`) it feeds.
-    mapped: HashMap<u32, Vec<usize>>,
+    mapped: HashMap<u32, Arc<[usize]>>,
     batch: Batch,
     open: Option<Open>,
     /// The version of the last commit seen, for a change outside any.
@@ -169,6 +176,10 @@ struct Stream<'a> {
     pending_end: Option<Lsn>,
     /// The batch holds committed work.
     committed: bool,
+    /// Since when.
+    committed_since: Option<tokio::time::Instant>,
+    /// The open transaction's changes, joining `batch` at its commit.
+    open_batch: Batch,
 }
 
 impl Stream<'_> {
@@ -187,6 +198,19 @@ impl Stream<'_> {
                         self.flush(client).await?;
                         continue;
                     }
+                }
+            } else if self.committed {
+                // Inside a transaction, with committed work waiting.
+                let now = tokio::time::Instant::now();
+                let since = *self.committed_since.get_or_insert(now);
+                let due = since.checked_add(FLUSH_WAIT).unwrap_or(now);
+                tokio::select! {
+                    event = client.recv() => event,
+                    () = tokio::time::sleep_until(due) => {
+                        self.flush(client).await?;
+                        continue;
+                    }
+                    _ = stop.changed() => return Ok(Ended::Stopped),
                 }
             } else {
                 tokio::select! {
@@ -248,8 +272,7 @@ impl Stream<'_> {
                         );
                         self.clear_all(lsn.as_u64());
                         if self.open.is_none() {
-                            self.batch.commit(None);
-                            self.committed = true;
+                            self.mark_committed();
                         }
                     }
                 }
@@ -262,10 +285,13 @@ impl Stream<'_> {
                     let xid = open.as_ref().map(|o| o.xid);
                     self.last_commit = open.map_or(lsn.as_u64(), |o| o.version);
                     let _ = commit_time_micros;
-                    self.batch.commit(xid);
+                    self.batch.absorb(&mut self.open_batch, xid);
                     self.pending_end = Some(end_lsn);
-                    self.committed = true;
-                    if self.batch.rows >= MAX_BATCH_ROWS || self.batch.bytes >= MAX_BATCH_BYTES {
+                    self.mark_committed();
+                    if self.batch.rows >= MAX_BATCH_ROWS
+                        || self.batch.bytes >= MAX_BATCH_BYTES
+                        || self.batch.transactions >= MAX_BATCH_TRANSACTIONS
+                    {
                         self.flush(client).await?;
                     }
                 }
@@ -326,9 +352,10 @@ impl Stream<'_> {
             return Ok(Ended::Closed);
         };
         tracing::error!(slot = %slot, version = open.version, error = %e, "cdc relay: a row change is over max_row_bytes; skipping its transaction and clearing every mapped cache");
+        self.open_batch.reset();
         self.clear_all(open.version);
-        self.batch.commit(Some(open.xid));
-        self.committed = true;
+        self.batch.xids.push(open.xid);
+        self.mark_committed();
         self.flush(client).await?;
         self.inner.shared.skipped.fetch_add(1, Ordering::Relaxed);
         let to = open.version.saturating_add(1);
@@ -359,13 +386,30 @@ impl Stream<'_> {
         Ok(Ended::Closed)
     }
 
+    fn mark_committed(&mut self) {
+        self.committed = true;
+        self.committed_since
+            .get_or_insert_with(tokio::time::Instant::now);
+    }
+
+    /// Where a change goes: the open transaction's batch, or, outside one
+    /// (a resync message), the committed batch.
+    fn gather(&mut self) -> &mut Batch {
+        if self.open.is_some() {
+            &mut self.open_batch
+        } else {
+            &mut self.batch
+        }
+    }
+
     fn version(&self) -> u64 {
         self.open.as_ref().map_or(self.last_commit, |o| o.version)
     }
 
     fn clear_all(&mut self, version: u64) {
-        for t in &self.inner.tables {
-            self.batch.clear(&t.cache, version);
+        let inner = self.inner;
+        for t in &inner.tables {
+            self.gather().clear(&t.cache, version);
         }
     }
 
@@ -386,7 +430,7 @@ impl Stream<'_> {
                 let Some((rel, maps)) = self.lookup(relation) else {
                     return;
                 };
-                for i in maps {
+                for &i in maps.iter() {
                     let m = &self.inner.tables[i];
                     let key = m.mapper.key(&Row::new(&rel, &new, false));
                     let value = m.mapper.value(&Row::new(&rel, &new, false));
@@ -397,7 +441,7 @@ impl Stream<'_> {
                 let Some((rel, maps)) = self.lookup(relation) else {
                     return;
                 };
-                for i in maps {
+                for &i in maps.iter() {
                     let m = &self.inner.tables[i];
                     // Without an old row the identity did not change: the
                     // key, read from the identity columns only, is the old
@@ -428,7 +472,7 @@ impl Stream<'_> {
                 let Some((rel, maps)) = self.lookup(relation) else {
                     return;
                 };
-                for i in maps {
+                for &i in maps.iter() {
                     let key = self.inner.tables[i]
                         .mapper
                         .key(&Row::new(&rel, &old, false));
@@ -437,9 +481,9 @@ impl Stream<'_> {
             }
             Message::Truncate { relations } => {
                 for id in relations {
-                    for i in self.mapped.get(&id).cloned().unwrap_or_default() {
+                    for &i in self.mapped.get(&id).cloned().as_deref().unwrap_or_default() {
                         let cache = self.inner.tables[i].cache.clone();
-                        self.batch.clear(&cache, version);
+                        self.gather().clear(&cache, version);
                     }
                 }
             }
@@ -447,12 +491,13 @@ impl Stream<'_> {
         }
     }
 
-    fn lookup(&self, relation: u32) -> Option<(Relation, Vec<usize>)> {
+    /// The relation's shape and mappings: shared, not copied, per change.
+    fn lookup(&self, relation: u32) -> Option<(Arc<Relation>, Arc<[usize]>)> {
         let maps = self.mapped.get(&relation)?;
         if maps.is_empty() {
             return None;
         }
-        Some((self.relations.get(&relation)?.clone(), maps.clone()))
+        Some((Arc::clone(self.relations.get(&relation)?), Arc::clone(maps)))
     }
 
     fn key_change(
@@ -463,16 +508,17 @@ impl Stream<'_> {
         version: u64,
         cap: usize,
     ) {
-        let m = &self.inner.tables[mapping];
+        let inner = self.inner;
+        let m = &inner.tables[mapping];
         match key {
             Some(key) => {
-                if self.batch.key(&m.cache, key, value, version, cap) {
+                if self.gather().key(&m.cache, key, value, version, cap) {
                     tracing::info!(cache = %m.cache, version, cap, "cdc relay: a transaction changed more rows of the table than the cap; clearing the cache instead");
                 }
             }
             None => {
                 tracing::warn!(cache = %m.cache, table = %m.relation(), version, "cdc relay: a change's key could not be read from its row (a key outside the replica identity?); clearing the cache");
-                self.batch.clear(&m.cache, version);
+                self.gather().clear(&m.cache, version);
             }
         }
     }
@@ -488,7 +534,7 @@ impl Stream<'_> {
             .map(|(i, _)| i)
             .collect();
         if let Some(before) = self.mapped.get(&relation.id) {
-            for &i in before {
+            for &i in before.iter() {
                 if !maps.contains(&i) {
                     let t = &self.inner.tables[i];
                     tracing::warn!(cache = %t.cache, table = %t.relation(), now = %format_args!("{}.{}", relation.schema, relation.name), "cdc relay: a mapped table was renamed; clearing its cache and no longer following it");
@@ -502,8 +548,8 @@ impl Stream<'_> {
             // was renamed), not mapped here.
             tracing::info!(table = %format_args!("{}.{}", relation.schema, relation.name), "cdc relay: changes of a table this relay does not map are ignored");
         }
-        self.mapped.insert(relation.id, maps);
-        self.relations.insert(relation.id, relation);
+        self.mapped.insert(relation.id, maps.into());
+        self.relations.insert(relation.id, Arc::new(relation));
     }
 
     fn confirm(&self, client: &ReplicationClient, lsn: Lsn) {
@@ -538,6 +584,7 @@ impl Stream<'_> {
             self.confirm(client, end);
         }
         self.committed = false;
+        self.committed_since = None;
         inner
             .shared
             .oldest_pending_commit

@@ -146,16 +146,29 @@ fn keys(changes: &[Change]) -> Vec<(String, Option<String>, Option<u64>)> {
     out
 }
 
+/// The relay's way: each transaction gathered on its own, then absorbed.
+fn txn(batch: &mut Batch, xid: u32, f: impl FnOnce(&mut Batch)) {
+    let mut open = Batch::default();
+    f(&mut open);
+    batch.absorb(&mut open, Some(xid));
+    assert!(open.is_empty());
+}
+
 #[test]
 fn a_batch_keeps_each_keys_last_change() {
     let mut batch = Batch::default();
-    batch.key("c", b("a"), Some(b("1")), 10, 100);
-    batch.key("c", b("a"), None, 10, 100);
-    batch.key("c", b("b"), Some(b("2")), 10, 100);
-    batch.commit(Some(1));
-    batch.key("c", b("b"), Some(b("3")), 20, 100);
-    batch.commit(Some(2));
+    txn(&mut batch, 1, |t| {
+        t.key("c", b("a"), Some(b("1")), 10, 100);
+        t.key("c", b("a"), None, 10, 100);
+        t.key("c", b("b"), Some(b("2")), 10, 100);
+    });
+    txn(&mut batch, 2, |t| {
+        t.key("c", b("b"), Some(b("3")), 20, 100);
+    });
+    // Changed nothing: not waited for.
+    txn(&mut batch, 3, |_| {});
     assert_eq!(batch.xids, [1, 2]);
+    assert_eq!(batch.transactions, 3);
     let out = batch.take();
     assert_eq!(out.len(), 1);
     assert_eq!(
@@ -171,12 +184,14 @@ fn a_batch_keeps_each_keys_last_change() {
 #[test]
 fn a_truncate_clears_what_came_before_and_keeps_what_came_after() {
     let mut batch = Batch::default();
-    batch.key("c", b("a"), Some(b("1")), 10, 100);
-    batch.commit(Some(1));
-    batch.key("c", b("b"), Some(b("2")), 20, 100);
-    batch.clear("c", 20);
-    batch.key("c", b("c"), Some(b("3")), 20, 100);
-    batch.commit(Some(2));
+    txn(&mut batch, 1, |t| {
+        t.key("c", b("a"), Some(b("1")), 10, 100);
+    });
+    txn(&mut batch, 2, |t| {
+        t.key("c", b("b"), Some(b("2")), 20, 100);
+        t.clear("c", 20);
+        t.key("c", b("c"), Some(b("3")), 20, 100);
+    });
     let out = batch.take();
     assert_eq!(
         keys(&out[0].1),
@@ -193,17 +208,19 @@ fn a_truncate_clears_what_came_before_and_keeps_what_came_after() {
 fn past_its_cap_a_transaction_becomes_a_clear_and_the_next_one_counts_anew() {
     for cap in [1, 2, 5] {
         let mut batch = Batch::default();
-        let mut saturated = false;
-        for i in 0..=cap {
-            saturated |= batch.key("c", b(&i.to_string()), Some(b("v")), 10, cap);
-        }
-        assert!(saturated);
-        // Ignored: the clear at this version covers the rest of it.
-        batch.key("c", b("late"), Some(b("v")), 10, cap);
-        batch.key("other", b("x"), None, 10, cap);
-        batch.commit(Some(1));
-        batch.key("c", b("next"), Some(b("v")), 11, cap);
-        batch.commit(Some(2));
+        txn(&mut batch, 1, |t| {
+            let mut saturated = false;
+            for i in 0..=cap {
+                saturated |= t.key("c", b(&i.to_string()), Some(b("v")), 10, cap);
+            }
+            assert!(saturated);
+            // Ignored: the clear at this version covers the rest of it.
+            t.key("c", b("late"), Some(b("v")), 10, cap);
+            t.key("other", b("x"), None, 10, cap);
+        });
+        txn(&mut batch, 2, |t| {
+            t.key("c", b("next"), Some(b("v")), 11, cap);
+        });
         let mut out = batch.take();
         out.sort_by(|a, b| a.0.cmp(&b.0));
         assert_eq!(
@@ -216,4 +233,19 @@ fn past_its_cap_a_transaction_becomes_a_clear_and_the_next_one_counts_anew() {
         );
         assert_eq!(keys(&out[1].1), [("x".into(), None, Some(10))]);
     }
+}
+
+#[test]
+fn past_its_byte_cap_a_transaction_becomes_a_clear() {
+    let mut batch = Batch::default();
+    let big = Bytes::from(vec![0u8; 1 << 20]);
+    txn(&mut batch, 1, |t| {
+        let mut saturated = false;
+        for i in 0..70 {
+            saturated |= t.key("c", b(&i.to_string()), Some(big.clone()), 10, usize::MAX);
+        }
+        assert!(saturated, "70 MiB is over the 64 MiB cap");
+    });
+    let out = batch.take();
+    assert_eq!(keys(&out[0].1), [("*clear".into(), None, Some(10))]);
 }
