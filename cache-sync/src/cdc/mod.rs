@@ -59,11 +59,12 @@ use pgoutput::{Datum, Relation, Tuple};
 /// (or returns `None`) cannot be told for that change, and the relay
 /// clears the whole cache instead, with a warning: never a stale key.
 ///
-/// **Values.** `value` reads the new row. A column the change did not send
-/// (an unchanged TOASTed value: PostgreSQL leaves out large values an
-/// UPDATE did not touch, unless the table has `REPLICA IDENTITY FULL`), a
-/// column the table no longer has, or `None` from `value` make that change
-/// an invalidation of the key: never a value built from part of a row.
+/// **Values.** `value` reads the new row. PostgreSQL leaves out of an
+/// UPDATE's new row the large (TOASTed) values it did not change; with
+/// `REPLICA IDENTITY FULL` they are read from the old row it then sends.
+/// Otherwise a column the change did not send, a column the table no
+/// longer has, or `None` from `value` make that change an invalidation of
+/// the key: never a value built from part of a row.
 pub struct CdcTable<K, V> {
     schema: String,
     name: String,
@@ -156,6 +157,9 @@ impl Mapping {
 pub struct Row<'a> {
     relation: &'a Relation,
     tuple: &'a Tuple<'a>,
+    /// An UPDATE's whole old row (replica identity FULL): where a column the
+    /// update left unchanged, and so did not send, is read from.
+    before: Option<&'a Tuple<'a>>,
     /// Only the replica identity's columns are readable.
     identity_only: bool,
     /// A column was asked for that this change did not carry.
@@ -175,9 +179,17 @@ impl<'a> Row<'a> {
         Row {
             relation,
             tuple,
+            before: None,
             identity_only: identity_only || tuple.kind == b'K',
             incomplete: Cell::new(false),
         }
+    }
+
+    /// Reads the columns this row lacks (left unchanged) from `old`, when
+    /// it is a whole old row (`'O'`: replica identity FULL).
+    pub(crate) fn with_before(mut self, old: Option<&'a Tuple<'a>>) -> Self {
+        self.before = old.filter(|t| t.kind == b'O');
+        self
     }
 
     /// The table's name (without its schema).
@@ -186,10 +198,11 @@ impl<'a> Row<'a> {
     }
 
     /// The column's value in text format; `None` when it is NULL. A
-    /// column this change did not carry (an unchanged TOASTed value, a
-    /// column outside the replica identity in an old row, or one the table
-    /// does not have) is also `None`, and makes the change an invalidation
-    /// whatever the function returns.
+    /// column this change did not carry (an unchanged TOASTed value, unless
+    /// the table's replica identity is FULL, when it is read from the old
+    /// row; a column outside the replica identity in an old row; one the
+    /// table does not have) is also `None`, and makes the change an
+    /// invalidation whatever the function returns.
     pub fn get(&self, column: &str) -> Option<&'a str> {
         let Some(i) = self.relation.columns.iter().position(|c| c.name == column) else {
             self.incomplete.set(true);
@@ -199,7 +212,11 @@ impl<'a> Row<'a> {
             self.incomplete.set(true);
             return None;
         }
-        match self.tuple.columns.get(i) {
+        let mut datum = self.tuple.columns.get(i);
+        if let (Some(Datum::Unchanged), Some(before)) = (datum, self.before) {
+            datum = before.columns.get(i);
+        }
+        match datum {
             Some(Datum::Null) => None,
             Some(Datum::Text(bytes)) => match std::str::from_utf8(bytes) {
                 Ok(s) => Some(s),

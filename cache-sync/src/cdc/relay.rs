@@ -418,12 +418,12 @@ impl CdcRelayBuilder {
             }
             crate::transport::names::check(crate::transport::names::NameKind::Cache, &t.cache)?;
         }
-        let config = replication_config(&self.url, &self.slot, &publication)?
-            .with_max_message_size(self.max_row_bytes);
         let options: sqlx::postgres::PgConnectOptions = self
             .url
             .parse()
             .map_err(|e| Error::Config(format!("the relay's database address: {e}")))?;
+        let config = replication_config(&self.url, &options, &self.slot, &publication)?
+            .with_max_message_size(self.max_row_bytes);
         let pool = PgPoolOptions::new()
             .max_connections(2)
             .acquire_timeout(SQL_TIMEOUT)
@@ -504,8 +504,19 @@ fn check_name(what: &str, name: &str) -> Result<()> {
 
 /// The replication session's settings, from the same address the SQL pool
 /// uses.
-fn replication_config(url: &str, slot: &str, publication: &str) -> Result<ReplicationConfig> {
+fn replication_config(
+    url: &str,
+    options: &sqlx::postgres::PgConnectOptions,
+    slot: &str,
+    publication: &str,
+) -> Result<ReplicationConfig> {
+    use sqlx::postgres::PgSslMode;
     let bad = |why: String| Error::Config(format!("the relay's database address: {why}"));
+    // Host, port, user, database and TLS mode as sqlx read them (the
+    // address, then PGHOST, PGPORT, PGUSER, PGDATABASE, PGSSLMODE), so
+    // both connections go to the same place the same way. sqlx does not
+    // give the password back: it is read here, from the address or
+    // PGPASSWORD (not ~/.pgpass).
     let parsed = url::Url::parse(url).map_err(|e| bad(e.to_string()))?;
     if !matches!(parsed.scheme(), "postgres" | "postgresql") {
         return Err(bad(format!(
@@ -513,47 +524,43 @@ fn replication_config(url: &str, slot: &str, publication: &str) -> Result<Replic
             parsed.scheme()
         )));
     }
-    let decode = |s: &str| {
-        url::form_urlencoded::parse(format!("x={s}").as_bytes())
-            .next()
-            .map(|(_, v)| v.into_owned())
-            .unwrap_or_default()
+    // sqlx takes a mode it does not know for its default; a typo must not
+    // turn verification off.
+    if let Some((_, mode)) = parsed.query_pairs().find(|(k, _)| k == "sslmode")
+        && !matches!(
+            &*mode,
+            "disable" | "allow" | "prefer" | "require" | "verify-ca" | "verify-full"
+        )
+    {
+        return Err(bad(format!("unknown sslmode {mode:?}")));
+    }
+    let password = match parsed.password() {
+        Some(p) => percent_decode(p).ok_or_else(|| bad("the password's %-escapes".into()))?,
+        None => std::env::var("PGPASSWORD").unwrap_or_default(),
     };
-    let mut host = parsed.host_str().unwrap_or("localhost").to_owned();
-    let mut port = parsed.port().unwrap_or(5432);
-    let mut user = decode(parsed.username());
-    if user.is_empty() {
-        user = "postgres".to_owned();
-    }
-    let password = parsed.password().map(decode).unwrap_or_default();
-    let mut database = decode(parsed.path().trim_start_matches('/'));
+    let host = match options.get_socket() {
+        Some(dir) => dir.to_string_lossy().into_owned(),
+        None => options.get_host().to_owned(),
+    };
     let mut tls = TlsConfig::disabled();
-    for (k, v) in parsed.query_pairs() {
-        match &*k {
-            "sslmode" => {
-                tls.mode = match &*v {
-                    "disable" => SslMode::Disable,
-                    "prefer" | "allow" => SslMode::Prefer,
-                    "require" => SslMode::Require,
-                    "verify-ca" => SslMode::VerifyCa,
-                    "verify-full" => SslMode::VerifyFull,
-                    other => return Err(bad(format!("unknown sslmode {other:?}"))),
-                }
-            }
-            "sslrootcert" => tls.ca_pem_path = Some(v.into_owned().into()),
-            "host" => host = v.into_owned(),
-            "port" => port = v.parse().map_err(|_| bad(format!("port {v:?}")))?,
-            "user" => user = v.into_owned(),
-            "dbname" => database = v.into_owned(),
-            _ => {}
-        }
-    }
-    if database.is_empty() {
-        database = user.clone();
-    }
+    tls.mode = match options.get_ssl_mode() {
+        PgSslMode::Disable => SslMode::Disable,
+        PgSslMode::Allow | PgSslMode::Prefer => SslMode::Prefer,
+        PgSslMode::Require => SslMode::Require,
+        PgSslMode::VerifyCa => SslMode::VerifyCa,
+        PgSslMode::VerifyFull => SslMode::VerifyFull,
+    };
+    let root = parsed
+        .query_pairs()
+        .find(|(k, _)| k == "sslrootcert")
+        .map(|(_, v)| v.into_owned())
+        .or_else(|| std::env::var("PGSSLROOTCERT").ok());
+    tls.ca_pem_path = root.map(Into::into);
+    let user = options.get_username().to_owned();
+    let database = options.get_database().unwrap_or(&user).to_owned();
     Ok(
         ReplicationConfig::new(host, user, password, database, slot, publication)
-            .with_port(port)
+            .with_port(options.get_port())
             .with_tls(tls)
             // The confirmed position reaches the server within 200 ms of
             // a publish: a takeover publishes again at most that much.
@@ -562,4 +569,64 @@ fn replication_config(url: &str, slot: &str, publication: &str) -> Result<Replic
             .with_buffer_size(READ_AHEAD)
             .with_application_name("cache-sync cdc"),
     )
+}
+
+/// `%XX` escapes decoded as a URL's user info has them (a `+` stays a
+/// `+`); `None` for a broken escape or a result that is not UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        if b == b'%' {
+            let hex = bytes.get(i.checked_add(1)?..i.checked_add(3)?)?;
+            let hex = std::str::from_utf8(hex).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i = i.checked_add(3)?;
+        } else {
+            out.push(b);
+            i = i.checked_add(1)?;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(url: &str) -> ReplicationConfig {
+        let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+        replication_config(url, &options, "s", "p").unwrap()
+    }
+
+    #[test]
+    fn the_replication_session_goes_where_the_pool_goes() {
+        let c = config("postgres://app:pa+ss%2Fw%40rd@db.example:6543/shop");
+        assert_eq!(
+            (&*c.host, c.port, &*c.user, &*c.password, &*c.database),
+            ("db.example", 6543, "app", "pa+ss/w@rd", "shop")
+        );
+        // sqlx's default, not plaintext.
+        assert_eq!(c.tls.mode, SslMode::Prefer);
+        let c = config("postgres://u@h/d?sslmode=verify-full&sslrootcert=/ca.pem");
+        assert_eq!(c.tls.mode, SslMode::VerifyFull);
+        assert_eq!(
+            c.tls.ca_pem_path.as_deref(),
+            Some(std::path::Path::new("/ca.pem"))
+        );
+        let c = config("postgres://u@h");
+        assert_eq!(c.database, "u", "no database: the user's");
+        let c = config("postgres://u@h/d?sslmode=disable");
+        assert_eq!(c.tls.mode, SslMode::Disable);
+    }
+
+    #[test]
+    fn percent_escapes_decode_and_broken_ones_are_refused() {
+        assert_eq!(percent_decode("a%20b+c").as_deref(), Some("a b+c"));
+        assert_eq!(percent_decode("%C3%A9").as_deref(), Some("\u{e9}"));
+        for broken in ["%", "%2", "%zz", "%ff"] {
+            assert_eq!(percent_decode(broken), None, "{broken}");
+        }
+    }
 }

@@ -46,20 +46,26 @@ pub(crate) async fn ensure_publication(
         .execute(&mut *tx)
         .await
         .map_err(db)?;
-    let exists: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
+    // Read first, and written only where it differs: the periodic check
+    // runs this every few seconds, and a write would add WAL, make the
+    // server send every table's shape again, and, under a synchronous
+    // standby, wait for it.
+    let via_root: Option<bool> =
+        sqlx::query_scalar("SELECT pubviaroot FROM pg_publication WHERE pubname = $1")
             .bind(publication)
-            .fetch_one(&mut *tx)
+            .fetch_optional(&mut *tx)
             .await
             .map_err(db)?;
-    let added = if exists {
-        sqlx::query(&format!(
-            "ALTER PUBLICATION {} SET (publish_via_partition_root = true)",
-            ident(publication)
-        ))
-        .execute(&mut *tx)
-        .await
-        .map_err(db)?;
+    let added = if let Some(via_root) = via_root {
+        if !via_root {
+            sqlx::query(&format!(
+                "ALTER PUBLICATION {} SET (publish_via_partition_root = true)",
+                ident(publication)
+            ))
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        }
         let members: Vec<(String, String)> = sqlx::query_as(
             "SELECT schemaname::text, tablename::text FROM pg_publication_tables WHERE pubname = $1",
         )

@@ -147,6 +147,11 @@ async fn session(
         open_batch: Batch::default(),
     };
     let result = stream.pump(&mut client, &mut stop).await;
+    // What it held is given up: the next session receives it again.
+    inner
+        .shared
+        .oldest_pending_commit
+        .store(0, Ordering::Relaxed);
     if matches!(result, Ok(Ended::Stopped)) {
         // CopyDone, and the worker's end: the connection is closed when
         // this returns.
@@ -464,7 +469,9 @@ impl Stream<'_> {
                             _ => {}
                         }
                     }
-                    let value = m.mapper.value(&Row::new(&rel, &new, false));
+                    let value = m
+                        .mapper
+                        .value(&Row::new(&rel, &new, false).with_before(old.as_ref()));
                     self.key_change(i, new_key, value, version, cap);
                 }
             }
