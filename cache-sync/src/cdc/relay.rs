@@ -437,11 +437,11 @@ impl CdcRelayBuilder {
             .collect();
         relations.sort();
         relations.dedup();
-        slot::ensure_publication(&pool, &publication, &relations, false).await?;
+        slot::ensure_publication(&pool, &publication, &self.slot, &relations, false).await?;
         // Created here, so that a server without wal_level = logical or a
         // user without REPLICATION fails the start, not a task's log.
         if slot::slot_state(&pool, &self.slot).await? == SlotState::Missing {
-            slot::create_slot(&pool, &self.slot, false).await?;
+            slot::create_slot(&pool, &publication, &self.slot, false).await?;
         }
 
         let shared = Arc::new(Shared {

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use sqlx::{PgPool, Row as _};
+use sqlx::{PgConnection, PgPool, Row as _};
 
 use crate::error::{Error, Result};
 
@@ -36,6 +36,7 @@ pub(crate) fn ident(name: &str) -> String {
 pub(crate) async fn ensure_publication(
     pool: &PgPool,
     publication: &str,
+    slot: &str,
     relations: &[(String, String)],
     existing_only: bool,
 ) -> Result<Vec<(String, String)>> {
@@ -86,6 +87,10 @@ pub(crate) async fn ensure_publication(
                 }
             }
             missing.push(r.clone());
+        }
+        if existing_only && !missing.is_empty() {
+            // Their changes before now were never streamed.
+            owe(&mut tx, publication, slot).await?;
         }
         for r in &missing {
             sqlx::query(&format!(
@@ -152,10 +157,79 @@ pub(crate) async fn slot_state(pool: &PgPool, slot: &str) -> Result<SlotState> {
     Ok(pid.map_or(SlotState::Idle, SlotState::Active))
 }
 
-/// Creates the slot (dropping a lost one first) and writes the resync
-/// message after its starting point. `false`: another relay created it
-/// first (and wrote its own message).
-pub(crate) async fn create_slot(pool: &PgPool, slot: &str, lost: bool) -> Result<bool> {
+/// The comment on the publication that says a resync is owed: written
+/// (durably, in a transaction) before whatever makes it owed, and cleared
+/// in the transaction that wrote the resync message, whose commit also
+/// makes the message durable. Whoever finds it set writes the message: a
+/// relay that dies in between leaves the debt to the next, never lost.
+fn owed_comment(slot: &str) -> String {
+    format!("cache-sync cdc: a resync is owed to slot {slot}")
+}
+
+/// Records that a resync is owed to `slot`, in `conn`'s transaction.
+pub(crate) async fn owe(conn: &mut PgConnection, publication: &str, slot: &str) -> Result<()> {
+    sqlx::query(&format!(
+        "COMMENT ON PUBLICATION {} IS {}",
+        ident(publication),
+        literal(&owed_comment(slot))
+    ))
+    .execute(conn)
+    .await
+    .map_err(db)
+    .map(drop)
+}
+
+/// Writes the resync message if one is owed to `slot`, and clears the
+/// debt in the same transaction. Returns whether it wrote one.
+pub(crate) async fn settle(pool: &PgPool, publication: &str, slot: &str) -> Result<bool> {
+    let comment: Option<String> = sqlx::query_scalar(
+        "SELECT obj_description(oid, 'pg_publication') FROM pg_publication WHERE pubname = $1",
+    )
+    .bind(publication)
+    .fetch_optional(pool)
+    .await
+    .map_err(db)?
+    .flatten();
+    if comment.as_deref() != Some(owed_comment(slot).as_str()) {
+        return Ok(false);
+    }
+    let mut tx = pool.begin().await.map_err(db)?;
+    sqlx::query("SELECT pg_logical_emit_message(false, $1, $2)")
+        .bind(RESYNC_PREFIX)
+        .bind(slot)
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+    sqlx::query(&format!(
+        "COMMENT ON PUBLICATION {} IS NULL",
+        ident(publication)
+    ))
+    .execute(&mut *tx)
+    .await
+    .map_err(db)?;
+    tx.commit().await.map_err(db)?;
+    Ok(true)
+}
+
+/// `text` as a SQL string literal.
+fn literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// Creates the slot (dropping a lost one first), with a resync owed from
+/// before it, settled right after: the message lands after the slot's
+/// starting point, and covers whatever was lost before it. `false`:
+/// another relay created it first (its debt, recorded the same way, is
+/// settled by whoever gets to it).
+pub(crate) async fn create_slot(
+    pool: &PgPool,
+    publication: &str,
+    slot: &str,
+    lost: bool,
+) -> Result<bool> {
+    let mut conn = pool.acquire().await.map_err(db)?;
+    owe(&mut conn, publication, slot).await?;
+    drop(conn);
     if lost {
         // Fails if another relay already dropped it: the create says who won.
         let _ = sqlx::query("SELECT pg_drop_replication_slot($1)")
@@ -174,20 +248,8 @@ pub(crate) async fn create_slot(pool: &PgPool, slot: &str, lost: bool) -> Result
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42710") => return Ok(false),
         Err(e) => return Err(db(e)),
     }
-    emit_resync(pool, slot).await?;
+    settle(pool, publication, slot).await?;
     Ok(true)
-}
-
-/// Writes the resync message into the log: when the slot's stream reaches
-/// it, every mapped cache is cleared at its LSN.
-pub(crate) async fn emit_resync(pool: &PgPool, slot: &str) -> Result<()> {
-    sqlx::query("SELECT pg_logical_emit_message(false, $1, $2)")
-        .bind(RESYNC_PREFIX)
-        .bind(slot)
-        .execute(pool)
-        .await
-        .map_err(db)
-        .map(drop)
 }
 
 /// What the server says of the slot's lag.
@@ -258,4 +320,37 @@ pub(crate) async fn wait_visible(pool: &PgPool, xids: &[u32]) -> Result<()> {
         tokio::time::sleep(wait).await;
         wait = wait.saturating_mul(2).min(Duration::from_millis(100));
     }
+}
+
+/// Waits until every transaction committed but not visible *now* is
+/// visible. For a resync: the transactions that committed before its
+/// message and are not in the slot's stream (they came before its starting
+/// point) must be visible before nodes clear and load again, as for any
+/// publish (see `wait_visible`). Committed is read from the commit log,
+/// which a commit marks right after its record is flushed.
+pub(crate) async fn wait_committed_visible(pool: &PgPool) -> Result<()> {
+    let xids: Vec<String> = sqlx::query_scalar(
+        "SELECT x::text FROM pg_snapshot_xip(pg_current_snapshot()) AS x \
+         WHERE pg_xact_status(x) = 'committed'",
+    )
+    .fetch_all(pool)
+    .await
+    .map_err(db)?;
+    let mut wait = Duration::from_millis(1);
+    while !xids.is_empty() {
+        let visible: bool = sqlx::query_scalar(
+            "SELECT bool_and(pg_visible_in_snapshot(x::xid8, pg_current_snapshot())) \
+             FROM unnest($1::text[]) AS x",
+        )
+        .bind(&xids)
+        .fetch_one(pool)
+        .await
+        .map_err(db)?;
+        if visible {
+            break;
+        }
+        tokio::time::sleep(wait).await;
+        wait = wait.saturating_mul(2).min(Duration::from_millis(100));
+    }
+    Ok(())
 }

@@ -108,14 +108,16 @@ async fn session(
         SlotState::Active(pid) => return Ok(Ended::Standby(pid)),
         SlotState::Missing => {
             tracing::warn!(slot = %slot, "cdc relay: the slot is gone (dropped?); creating it again and clearing every mapped cache");
-            slot::create_slot(&inner.pool, slot, false).await?;
+            slot::create_slot(&inner.pool, &inner.publication, slot, false).await?;
         }
         SlotState::Lost => {
             tracing::warn!(slot = %slot, "cdc relay: the server invalidated the slot (max_slot_wal_keep_size); creating it again and clearing every mapped cache");
-            slot::create_slot(&inner.pool, slot, true).await?;
+            slot::create_slot(&inner.pool, &inner.publication, slot, true).await?;
         }
         SlotState::Idle => {}
     }
+    // A debt a relay left when it died (after creating the slot, say).
+    slot::settle(&inner.pool, &inner.publication, slot).await?;
     let mut client = ReplicationClient::connect(inner.config.clone())
         .await
         .map_err(db)?;
@@ -145,6 +147,7 @@ async fn session(
         committed: false,
         committed_since: None,
         open_batch: Batch::default(),
+        resync_in_batch: false,
     };
     let result = stream.pump(&mut client, &mut stop).await;
     // What it held is given up: the next session receives it again.
@@ -185,6 +188,8 @@ struct Stream<'a> {
     committed_since: Option<tokio::time::Instant>,
     /// The open transaction's changes, joining `batch` at its commit.
     open_batch: Batch,
+    /// The batch holds a resync: see `slot::wait_committed_visible`.
+    resync_in_batch: bool,
 }
 
 impl Stream<'_> {
@@ -276,6 +281,7 @@ impl Stream<'_> {
                             Ordering::Relaxed,
                         );
                         self.clear_all(lsn.as_u64());
+                        self.resync_in_batch = true;
                         if self.open.is_none() {
                             self.mark_committed();
                         }
@@ -579,6 +585,11 @@ impl Stream<'_> {
                 .await
                 .map_err(|_| db("the visibility check timed out"))??;
         }
+        if std::mem::take(&mut self.resync_in_batch) {
+            tokio::time::timeout(SQL_TIMEOUT, slot::wait_committed_visible(&inner.pool))
+                .await
+                .map_err(|_| db("the visibility check timed out"))??;
+        }
         for (cache, changes) in publishes {
             publish(&inner.publisher, &cache, changes).await?;
         }
@@ -642,7 +653,6 @@ pub(super) async fn lag_loop(
     warn_over: u64,
 ) {
     let mut warned = false;
-    let mut resync_owed = false;
     loop {
         match tokio::time::timeout(SQL_TIMEOUT, slot::lag(&inner.pool, &inner.shared.slot)).await {
             Ok(Ok(Some(lag))) => {
@@ -668,7 +678,7 @@ pub(super) async fn lag_loop(
             Ok(Err(e)) => tracing::debug!(error = %e, "cdc relay: reading the slot's lag failed"),
             Err(_) => tracing::debug!("cdc relay: reading the slot's lag timed out"),
         }
-        check_publication(&inner, &mut resync_owed).await;
+        check_publication(&inner).await;
         tokio::select! {
             () = tokio::time::sleep(every) => {}
             _ = stop.changed() => return,
@@ -678,29 +688,28 @@ pub(super) async fn lag_loop(
 
 /// A publication holds tables, not names: a mapped table dropped (or
 /// renamed) and created again is a new table, which it lacks. Added here,
-/// and the caches resynced, since its changes before it was added were
-/// never streamed.
-async fn check_publication(inner: &Inner, resync_owed: &mut bool) {
-    let added = tokio::time::timeout(
-        SQL_TIMEOUT,
-        slot::ensure_publication(&inner.pool, &inner.publication, &inner.relations, true),
-    )
-    .await;
-    match added {
-        Ok(Ok(added)) => {
-            if !added.is_empty() {
-                tracing::warn!(slot = %inner.shared.slot, tables = ?added, "cdc relay: mapped tables were missing from the publication (created again?); added them, and clearing every mapped cache");
-                *resync_owed = true;
-            }
+/// with a resync owed in the same transaction (its changes before it was
+/// added were never streamed), and any resync owed is settled.
+async fn check_publication(inner: &Inner) {
+    let slot = &inner.shared.slot;
+    let checked = tokio::time::timeout(SQL_TIMEOUT, async {
+        let added = slot::ensure_publication(
+            &inner.pool,
+            &inner.publication,
+            slot,
+            &inner.relations,
+            true,
+        )
+        .await?;
+        if !added.is_empty() {
+            tracing::warn!(slot = %slot, tables = ?added, "cdc relay: mapped tables were missing from the publication (created again?); added them, and clearing every mapped cache");
         }
+        slot::settle(&inner.pool, &inner.publication, slot).await
+    })
+    .await;
+    match checked {
+        Ok(Ok(_)) => {}
         Ok(Err(e)) => tracing::debug!(error = %e, "cdc relay: checking the publication failed"),
         Err(_) => tracing::debug!("cdc relay: checking the publication timed out"),
-    }
-    // Until it is written: a failed write is tried again next time.
-    if *resync_owed {
-        match slot::emit_resync(&inner.pool, &inner.shared.slot).await {
-            Ok(()) => *resync_owed = false,
-            Err(e) => tracing::warn!(error = %e, "cdc relay: writing the resync message failed"),
-        }
     }
 }

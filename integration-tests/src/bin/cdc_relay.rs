@@ -11,6 +11,12 @@ const ITEMS: Table<i64, String> = Table::new("items");
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [database, redis, topic, slot] = args.as_slice() else {
         eprintln!("usage: cdc_relay DATABASE_URL REDIS_URL TOPIC SLOT");
