@@ -61,11 +61,12 @@ const READ_AHEAD: usize = 128;
 ///   server invalidated because it fell more than
 ///   `max_slot_wal_keep_size` behind, has lost changes. The relay creates
 ///   the slot again, and right after it writes a logical message into the
-///   log; when the stream reaches it, every mapped cache is cleared at its
-///   LSN (counted in [`CdcRelayStats::resyncs`], logged at `warn`). A new
-///   slot starts the same way. The clear travels in the slot's own stream,
-///   so a relay that dies between creating the slot and clearing leaves it
-///   for the next.
+///   log; when the stream reaches it (and every commit not yet visible
+///   then is), every mapped cache is cleared at its LSN (counted in
+///   [`CdcRelayStats::resyncs`], logged). A new slot starts the same way.
+///   The resync is recorded as owed, in a comment on the publication,
+///   before the slot is made, and cleared with the message: a relay that
+///   dies in between leaves it to the next relay that looks.
 /// - **Large transactions, large rows.** Past
 ///   [`max_rows_per_transaction`](CdcRelayBuilder::max_rows_per_transaction)
 ///   row changes (10,000 by default) or 64 MiB of keys and values to one
@@ -77,9 +78,12 @@ const READ_AHEAD: usize = 128;
 ///   shape, which the server sends after every schema change: a column
 ///   added is there, a dropped one reads as absent and makes a change an
 ///   invalidation. A mapped table renamed is no longer the mapped table:
-///   its cache is cleared, with a warning, and its changes are ignored
-///   until a table of the mapped name exists again. A message that does
-///   not decode clears every mapped cache.
+///   its cache is cleared, with a warning, and its changes are ignored. A
+///   table created under a mapped name (after a rename or a drop) is added
+///   to the publication within [`lag_interval`](CdcRelayBuilder::lag_interval),
+///   with a resync. A partitioned table is mapped by its own name (its
+///   partitions' changes are published as the root's). A message that
+///   does not decode clears every mapped cache.
 ///
 /// **Lag.** A slot holds back the server's WAL until the relay confirms
 /// it: a relay that is down or slow pins WAL and can fill the server's
@@ -372,8 +376,10 @@ impl CdcRelayBuilder {
         self
     }
 
-    /// Checks the settings, creates or updates the publication, and starts
-    /// the relay's task on the current tokio runtime. Fails when the
+    /// Checks the settings, creates or updates the publication, creates
+    /// the slot if there is none (PostgreSQL waits for the transactions
+    /// open at that moment to end), and starts the relay's task on the
+    /// current tokio runtime. Fails when the
     /// database cannot be reached or refuses the publication (a mapped
     /// table that does not exist, a user that does not own it), or a
     /// setting is out of range. A slot held by another relay is not an
