@@ -135,6 +135,17 @@ impl Nodes {
     }
 }
 
+/// A server of the test's own with the `items` table, and `n` nodes on
+/// an embedded transport caching it.
+async fn items_fixture(n: usize) -> (PostgresServer, PgPool, EmbeddedTransport, Nodes) {
+    let pg = PostgresServer::start();
+    let pool = pool(&pg).await;
+    create_items(&pool).await;
+    let transport = EmbeddedTransport::new();
+    let nodes = nodes(&transport, n).await;
+    (pg, pool, transport, nodes)
+}
+
 fn relay(server: &PostgresServer, transport: &EmbeddedTransport) -> CdcRelayBuilder {
     CdcRelay::builder(server.url(), Publisher::new(transport.clone()))
         .standby_retry(Duration::from_millis(50))
@@ -158,11 +169,7 @@ fn named(range: std::ops::Range<i64>, name: &str) -> BTreeMap<i64, String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn committed_changes_reach_every_node_and_rolled_back_ones_never() {
-    let pg = PostgresServer::start();
-    let pool = pool(&pg).await;
-    create_items(&pool).await;
-    let transport = EmbeddedTransport::new();
-    let nodes = nodes(&transport, 3).await;
+    let (pg, pool, transport, nodes) = items_fixture(3).await;
     let relay = relay(&pg, &transport).start().await.unwrap();
 
     insert(&pool, 0..50, "a").await;
@@ -226,11 +233,7 @@ async fn committed_changes_reach_every_node_and_rolled_back_ones_never() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn truncate_clears_and_rows_inserted_after_it_stay() {
-    let pg = PostgresServer::start();
-    let pool = pool(&pg).await;
-    create_items(&pool).await;
-    let transport = EmbeddedTransport::new();
-    let nodes = nodes(&transport, 2).await;
+    let (pg, pool, transport, nodes) = items_fixture(2).await;
     let relay = relay(&pg, &transport).start().await.unwrap();
     insert(&pool, 0..20, "a").await;
     eventually("rows arrive", async || nodes.hold(&named(0..20, "a")).await).await;
@@ -255,11 +258,7 @@ async fn truncate_clears_and_rows_inserted_after_it_stay() {
 /// instead of 100,000 events to every node; nothing stale.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hundred_thousand_row_transaction_reaches_nodes_as_a_clear() {
-    let pg = PostgresServer::start();
-    let pool = pool(&pg).await;
-    create_items(&pool).await;
-    let transport = EmbeddedTransport::new();
-    let nodes = nodes(&transport, 2).await;
+    let (pg, pool, transport, nodes) = items_fixture(2).await;
     let relay = relay(&pg, &transport).start().await.unwrap();
     insert(&pool, 0..100, "a").await;
     eventually("rows arrive", async || {
@@ -289,11 +288,7 @@ async fn a_hundred_thousand_row_transaction_reaches_nodes_as_a_clear() {
 /// takes publishes again every change arrives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stuck_broker_shows_as_slot_lag_and_loses_nothing() {
-    let pg = PostgresServer::start();
-    let pool = pool(&pg).await;
-    create_items(&pool).await;
-    let transport = EmbeddedTransport::new();
-    let nodes = nodes(&transport, 2).await;
+    let (pg, pool, transport, nodes) = items_fixture(2).await;
     let faulty = cache_sync::transport::FaultyTransport::new(transport.clone());
     let relay = CdcRelay::builder(pg.url(), Publisher::new(faulty.clone()))
         .lag_interval(Duration::from_millis(100))
@@ -460,11 +455,7 @@ async fn partitioned_tables_and_two_relay_groups() {
 /// place, and what follows flows again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_over_max_row_bytes_is_skipped_and_the_cache_cleared() {
-    let pg = PostgresServer::start();
-    let pool = pool(&pg).await;
-    create_items(&pool).await;
-    let transport = EmbeddedTransport::new();
-    let nodes = nodes(&transport, 2).await;
+    let (pg, pool, transport, nodes) = items_fixture(2).await;
     let relay = relay(&pg, &transport)
         .max_row_bytes(64 << 10)
         .start()
@@ -772,11 +763,7 @@ async fn a_key_outside_the_replica_identity_clears_on_delete() {
 /// stop, no node holds a stale row: no load's version hid a change.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn versioned_loads_at_the_applied_version_never_cache_a_stale_row() {
-    let pg = PostgresServer::start();
-    let pool = pool(&pg).await;
-    create_items(&pool).await;
-    let transport = EmbeddedTransport::new();
-    let nodes = nodes(&transport, 2).await;
+    let (pg, pool, transport, nodes) = items_fixture(2).await;
     let relay = relay(&pg, &transport).start().await.unwrap();
     insert(&pool, 0..20, "a").await;
     eventually("rows arrive", async || nodes.hold(&named(0..20, "a")).await).await;
@@ -880,11 +867,7 @@ fn writer(
 /// again mid-stream: it reconnects from the confirmed position each time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_terminated_connection_loses_nothing() {
-    let pg = PostgresServer::start();
-    let pool = pool(&pg).await;
-    create_items(&pool).await;
-    let transport = EmbeddedTransport::new();
-    let nodes = nodes(&transport, 2).await;
+    let (pg, pool, transport, nodes) = items_fixture(2).await;
     let relay = relay(&pg, &transport).start().await.unwrap();
     insert(&pool, 0..50, "a").await;
     let (stop, task) = writer(pool.clone(), 50);
@@ -912,11 +895,7 @@ async fn a_terminated_connection_loses_nothing() {
 /// than the relay's timeouts and started again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_server_killed_or_stopped_loses_nothing() {
-    let mut pg = PostgresServer::start();
-    let pool = pool(&pg).await;
-    create_items(&pool).await;
-    let transport = EmbeddedTransport::new();
-    let nodes = nodes(&transport, 2).await;
+    let (mut pg, pool, transport, nodes) = items_fixture(2).await;
     let relay = relay(&pg, &transport).start().await.unwrap();
     insert(&pool, 0..50, "a").await;
     let (stop, task) = writer(pool.clone(), 50);
@@ -944,11 +923,7 @@ async fn the_server_killed_or_stopped_loses_nothing() {
 /// the slot again and every node clears the cache.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_slot_is_detected_recreated_and_resynced() {
-    let pg = PostgresServer::start();
-    let pool = pool(&pg).await;
-    create_items(&pool).await;
-    let transport = EmbeddedTransport::new();
-    let nodes = nodes(&transport, 2).await;
+    let (pg, pool, transport, nodes) = items_fixture(2).await;
     let relay = relay(&pg, &transport).start().await.unwrap();
     insert(&pool, 0..20, "a").await;
     eventually("rows arrive", async || nodes.hold(&named(0..20, "a")).await).await;
@@ -987,11 +962,7 @@ async fn a_dropped_slot_is_detected_recreated_and_resynced() {
 /// whichever relay looks next, which settles it once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owed_resync_is_settled_by_the_next_relay_that_looks() {
-    let pg = PostgresServer::start();
-    let pool = pool(&pg).await;
-    create_items(&pool).await;
-    let transport = EmbeddedTransport::new();
-    let nodes = nodes(&transport, 1).await;
+    let (pg, pool, transport, nodes) = items_fixture(1).await;
     let relay = relay(&pg, &transport).start().await.unwrap();
     insert(&pool, 0..5, "a").await;
     eventually("rows arrive", async || nodes.hold(&named(0..5, "a")).await).await;
@@ -1028,11 +999,7 @@ async fn an_owed_resync_is_settled_by_the_next_relay_that_looks() {
 /// over when the first stops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_relay_takes_over() {
-    let pg = PostgresServer::start();
-    let pool = pool(&pg).await;
-    create_items(&pool).await;
-    let transport = EmbeddedTransport::new();
-    let nodes = nodes(&transport, 2).await;
+    let (pg, pool, transport, nodes) = items_fixture(2).await;
     let a = relay(&pg, &transport).start().await.unwrap();
     eventually("A streams", async || a.stats().active).await;
     let b = relay(&pg, &transport).start().await.unwrap();
@@ -1109,11 +1076,7 @@ async fn hostile_names_are_quoted_and_matched() {
 /// lost in between.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relays_started_stopped_and_dropped_in_turn_lose_nothing() {
-    let pg = PostgresServer::start();
-    let pool = pool(&pg).await;
-    create_items(&pool).await;
-    let transport = EmbeddedTransport::new();
-    let nodes = nodes(&transport, 1).await;
+    let (pg, pool, transport, nodes) = items_fixture(1).await;
     insert(&pool, 0..5, "a").await;
     for round in 0..4 {
         let relay = relay(&pg, &transport).start().await.unwrap();
