@@ -95,6 +95,13 @@ const READ_AHEAD: usize = 128;
 /// server invalidates the slot instead of filling its disk, and the relay
 /// resyncs as above.
 ///
+/// **Where to run it.** Beside the database, in a process (or on a tokio
+/// runtime) of its own, not on a node's: a node applying a large clear
+/// can keep a shared runtime busy for seconds (measured in
+/// `docs/benchmarks/cdc.md`), and a session that sends no status for
+/// `wal_sender_timeout` is ended by the server and its unconfirmed
+/// transactions streamed again.
+///
 /// **Loads.** With [`SyncedCache::get_with`](crate::SyncedCache::get_with)
 /// nothing more is needed: a load that an event overtakes is not
 /// installed. With
