@@ -6,6 +6,7 @@ use std::time::Duration;
 use sqlx::{PgConnection, PgPool, Row as _};
 
 use crate::error::{Error, Result};
+use crate::util::Backoff;
 
 /// The prefix of the logical message a relay writes into the log right
 /// after it created its slot: when the stream reaches it, every mapped
@@ -307,19 +308,14 @@ pub(crate) async fn wait_visible(pool: &PgPool, xids: &[u32]) -> Result<()> {
             (SELECT s AS snap, pg_snapshot_xmax(s)::text::int8 AS xmax, \
                     pg_snapshot_xmax(s)::text::int8 & 4294967295 AS low \
              FROM pg_current_snapshot() AS s) AS m";
-    let mut wait = Duration::from_millis(1);
-    loop {
-        let visible: bool = sqlx::query_scalar(query)
+    until(|| async {
+        sqlx::query_scalar(query)
             .bind(&xids)
             .fetch_one(pool)
             .await
-            .map_err(db)?;
-        if visible {
-            return Ok(());
-        }
-        tokio::time::sleep(wait).await;
-        wait = wait.saturating_mul(2).min(Duration::from_millis(100));
-    }
+            .map_err(db)
+    })
+    .await
 }
 
 /// Waits until every transaction committed but not visible *now* is
@@ -336,21 +332,54 @@ pub(crate) async fn wait_committed_visible(pool: &PgPool) -> Result<()> {
     .fetch_all(pool)
     .await
     .map_err(db)?;
-    let mut wait = Duration::from_millis(1);
-    while !xids.is_empty() {
-        let visible: bool = sqlx::query_scalar(
+    if xids.is_empty() {
+        return Ok(());
+    }
+    until(|| async {
+        sqlx::query_scalar(
             "SELECT bool_and(pg_visible_in_snapshot(x::xid8, pg_current_snapshot())) \
              FROM unnest($1::text[]) AS x",
         )
         .bind(&xids)
         .fetch_one(pool)
         .await
-        .map_err(db)?;
-        if visible {
-            break;
-        }
-        tokio::time::sleep(wait).await;
-        wait = wait.saturating_mul(2).min(Duration::from_millis(100));
+        .map_err(db)
+    })
+    .await
+}
+
+/// Asks `check` until it says yes, 1 ms doubling to 100 ms between asks:
+/// a commit becomes visible a moment after its record is flushed, or once
+/// a synchronous standby answers. The caller bounds the wait.
+async fn until<F, Fut>(mut check: F) -> Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<bool>>,
+{
+    let mut backoff = Backoff::new(Duration::from_millis(1), Duration::from_millis(100));
+    while !check().await? {
+        tokio::time::sleep(backoff.fail()).await;
     }
     Ok(())
+}
+
+/// Runs `sql`, with text parameters, until it succeeds, 10 ms doubling to
+/// 500 ms between tries: for what fails while a failed session's walsender
+/// still holds the slot (it lets go once it sees its connection closed).
+/// The caller bounds it.
+pub(crate) async fn until_done(pool: &PgPool, sql: &str, params: &[&str]) {
+    let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(500));
+    loop {
+        let mut query = sqlx::query(sql);
+        for p in params {
+            query = query.bind(*p);
+        }
+        match query.execute(pool).await {
+            Ok(_) => return,
+            Err(e) => {
+                tracing::debug!(error = %e, sql, "cdc relay: retrying");
+                tokio::time::sleep(backoff.fail()).await;
+            }
+        }
+    }
 }

@@ -287,15 +287,10 @@ impl Stream<'_> {
                         }
                     }
                 }
-                ReplicationEvent::Commit {
-                    end_lsn,
-                    commit_time_micros,
-                    lsn,
-                } => {
+                ReplicationEvent::Commit { end_lsn, lsn, .. } => {
                     let open = self.open.take();
                     let xid = open.as_ref().map(|o| o.xid);
                     self.last_commit = open.map_or(lsn.as_u64(), |o| o.version);
-                    let _ = commit_time_micros;
                     self.batch.absorb(&mut self.open_batch, xid);
                     self.pending_end = Some(end_lsn);
                     self.mark_committed();
@@ -344,18 +339,12 @@ impl Stream<'_> {
         // again and resyncs, as for a lost slot.
         let Some(open) = self.open.take() else {
             tracing::error!(slot = %slot, error = %e, "cdc relay: a message outside any transaction is over max_row_bytes; dropping the slot to create it again and resync");
-            let drop_slot = async {
-                let mut wait = Duration::from_millis(10);
-                while let Err(e) = sqlx::query("SELECT pg_drop_replication_slot($1)")
-                    .bind(slot)
-                    .execute(&self.inner.pool)
-                    .await
-                {
-                    tracing::debug!(error = %e, "cdc relay: dropping the slot");
-                    tokio::time::sleep(wait).await;
-                    wait = wait.saturating_mul(2).min(Duration::from_millis(500));
-                }
-            };
+            let params = [slot.as_str()];
+            let drop_slot = slot::until_done(
+                &self.inner.pool,
+                "SELECT pg_drop_replication_slot($1)",
+                &params,
+            );
             tokio::time::timeout(SQL_TIMEOUT, drop_slot)
                 .await
                 .map_err(|_| db("dropping the slot past an unreadable message timed out"))?;
@@ -371,26 +360,12 @@ impl Stream<'_> {
         self.inner.shared.skipped.fetch_add(1, Ordering::Relaxed);
         let to = open.version.saturating_add(1);
         let lsn = format!("{:X}/{:X}", to >> 32, to & 0xFFFF_FFFF);
-        // The failed session's walsender releases the slot once it sees its
-        // connection closed: try for a while.
-        let advance = async {
-            let mut wait = Duration::from_millis(10);
-            loop {
-                let advanced = sqlx::query("SELECT pg_replication_slot_advance($1, $2::pg_lsn)")
-                    .bind(slot)
-                    .bind(&lsn)
-                    .execute(&self.inner.pool)
-                    .await;
-                match advanced {
-                    Ok(_) => return,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "cdc relay: advancing the slot past the skipped transaction");
-                        tokio::time::sleep(wait).await;
-                        wait = wait.saturating_mul(2).min(Duration::from_millis(500));
-                    }
-                }
-            }
-        };
+        let params = [slot.as_str(), lsn.as_str()];
+        let advance = slot::until_done(
+            &self.inner.pool,
+            "SELECT pg_replication_slot_advance($1, $2::pg_lsn)",
+            &params,
+        );
         tokio::time::timeout(SQL_TIMEOUT, advance)
             .await
             .map_err(|_| db("advancing the slot past a skipped transaction timed out"))?;
