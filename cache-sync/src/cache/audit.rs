@@ -276,7 +276,11 @@ fn random() -> u64 {
 /// nodes started together do not read the source together.
 pub(crate) fn first_wait(rate: u32, batch: usize) -> Duration {
     let share = batch.max(1) as f64 / f64::from(rate.max(1));
-    Duration::from_secs_f64(share * (random() % 1024) as f64 / 1024.0)
+    // Whole nanoseconds, rounded down: `from_secs_f64` rounds to the
+    // nearest, which can land above one share when it is under a
+    // nanosecond (a rate of a billion keys a second).
+    let nanos = share * (random() % 1024) as f64 / 1024.0 * 1e9;
+    Duration::from_nanos(nanos as u64)
 }
 
 /// One cache's auditor: its settings, its sweep, and its counters.
