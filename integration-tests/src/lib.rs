@@ -9,6 +9,8 @@ use std::time::Duration;
 use cache_sync::transport::Transport;
 use cache_sync::{Audit, Node, NodeBuilder, Publisher, SyncedCache};
 
+#[cfg(feature = "postgres-cdc")]
+pub mod cdc;
 pub mod cluster_view;
 pub mod conformance;
 pub mod nats_cluster;

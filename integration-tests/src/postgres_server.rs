@@ -29,6 +29,9 @@ pub struct PostgresServer {
     log_from: usize,
     /// `-c name=value` settings after the harness's own.
     settings: Vec<String>,
+    /// A start that fails is the test's to see (`restart_with`), not a
+    /// panic.
+    refusal_expected: bool,
 }
 
 fn bin(name: &str) -> PathBuf {
@@ -122,6 +125,7 @@ impl PostgresServer {
                 process: ServerProcess::default(),
                 log_from: 0,
                 settings: settings.iter().map(|s| (*s).to_owned()).collect(),
+                refusal_expected: false,
             };
             server.spawn().map(|()| server)
         })
@@ -199,6 +203,9 @@ impl PostgresServer {
                 if this_start.contains("pre-existing shared memory block") {
                     return Err("the previous server's backends are still exiting".to_owned());
                 }
+                if self.refusal_expected {
+                    return Err(format!("postgres exited with {status}; log:\n{this_start}"));
+                }
                 panic!("postgres exited with {status}; log:\n{log}");
             }
             assert!(
@@ -263,6 +270,22 @@ impl PostgresServer {
             try_signal("-INT", p);
         }
         self.wait_gone(pid);
+    }
+
+    /// A fast shutdown, then a start with `settings` (`name=value`) added,
+    /// for this start only: `Err` with what the server logged when it
+    /// refuses to start with them (it exits), as PostgreSQL does for
+    /// settings its data cannot run with.
+    pub fn restart_with(&mut self, settings: &[&str]) -> Result<(), String> {
+        self.stop();
+        let kept = self.settings.clone();
+        self.settings
+            .extend(settings.iter().map(|s| (*s).to_owned()));
+        self.refusal_expected = true;
+        let started = self.spawn();
+        self.refusal_expected = false;
+        self.settings = kept;
+        started
     }
 
     /// Starts again on the same port and data: after `kill`, once the old
