@@ -27,8 +27,10 @@ use crate::wire::encode_part;
 mod batch;
 mod metrics;
 pub(crate) mod pgoutput;
+mod publication;
 mod relay;
 mod slot;
+mod state;
 mod stream;
 
 pub use relay::{CdcRelay, CdcRelayBuilder, CdcRelayStats};
@@ -192,7 +194,8 @@ impl<'a> Row<'a> {
         self
     }
 
-    /// The table's name (without its schema).
+    /// The name (without its schema) of the table the row is in: for a
+    /// partitioned table, the partition's.
     pub fn table(&self) -> &str {
         &self.relation.name
     }

@@ -12,6 +12,7 @@ use sqlx::postgres::PgPoolOptions;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use super::publication::{self, Mode};
 use super::slot::{self, SlotState, db};
 use super::stream::{self, SQL_TIMEOUT};
 use super::{CdcTable, Mapping};
@@ -64,9 +65,12 @@ const READ_AHEAD: usize = 128;
 ///   log; when the stream reaches it (and every commit not yet visible
 ///   then is), every mapped cache is cleared at its LSN (counted in
 ///   [`CdcRelayStats::resyncs`], logged). A new slot starts the same way.
-///   The resync is recorded as owed, in a comment on the publication,
-///   before the slot is made, and cleared with the message: a relay that
-///   dies in between leaves it to the next relay that looks.
+///   The resync is recorded as owed (in the relays' record, the comment
+///   on the publication, which the relays own) before the slot is made,
+///   and cleared with the message: a relay that dies in between leaves it
+///   to the next relay that looks. Two relays creating the slot at once
+///   resync it once; a server crash that makes the stream deliver the
+///   message again does not apply it twice.
 /// - **Large transactions, large rows.** Past
 ///   [`max_rows_per_transaction`](CdcRelayBuilder::max_rows_per_transaction)
 ///   row changes (10,000 by default) or 64 MiB of keys and values to one
@@ -81,9 +85,21 @@ const READ_AHEAD: usize = 128;
 ///   its cache is cleared, with a warning, and its changes are ignored. A
 ///   table created under a mapped name (after a rename or a drop) is added
 ///   to the publication within [`lag_interval`](CdcRelayBuilder::lag_interval),
-///   with a resync. A partitioned table is mapped by its own name (its
-///   partitions' changes are published as the root's). A message that
-///   does not decode clears every mapped cache.
+///   with a resync. A partitioned table is mapped by its own name: its
+///   partitions' changes (a partition-level `TRUNCATE` included) reach its
+///   cache. A message that does not decode clears every mapped cache.
+/// - **What an operator does, answered.** Every
+///   [`lag_interval`](CdcRelayBuilder::lag_interval) the relay checks the
+///   publication and the mapped tables. A partition detached, attached or
+///   dropped, or a mapped table dropped, changes the table's rows with no
+///   row change in the log: its cache is resynced. The publication
+///   dropped (its slot's stream then cannot go on): created again, with a
+///   new slot and a resync. Altered (an operation left out, a row filter
+///   or column list, `publish_via_partition_root`, a mapped table taken
+///   out): set back, with a resync. Until the check, nodes may serve rows
+///   such an action removed. Losing `REPLICATION` stops the relay's
+///   sessions (counted in [`CdcRelayStats::failures`], retried); given
+///   back, the stream goes on where it was.
 ///
 /// **Lag.** A slot holds back the server's WAL until the relay confirms
 /// it: a relay that is down or slow pins WAL and can fill the server's
@@ -339,7 +355,11 @@ impl CdcRelayBuilder {
     /// on separate slots never share one; 1 to 63 bytes of a-z, 0-9 and _).
     /// The relay creates it, or adds the mapped tables an existing one
     /// lacks; it never removes one (a relay of another version may map
-    /// it), and changes of tables it does not map are ignored.
+    /// it), and changes of tables it does not map are ignored. An existing
+    /// one that would hide changes (one that does not publish inserts,
+    /// updates, deletes and truncates, publishes via the partition root,
+    /// or has a row filter or column list on a mapped table) is refused at
+    /// [`start`](Self::start). The relays keep their record in its comment.
     pub fn publication(mut self, name: impl Into<String>) -> Self {
         self.publication = Some(name.into());
         self
@@ -387,10 +407,16 @@ impl CdcRelayBuilder {
     /// the slot if there is none (PostgreSQL waits for the transactions
     /// open at that moment to end), and starts the relay's task on the
     /// current tokio runtime. Fails when the
-    /// database cannot be reached or refuses the publication (a mapped
-    /// table that does not exist, a user that does not own it), or a
-    /// setting is out of range. A slot held by another relay is not an
-    /// error: this one starts as its standby.
+    /// database cannot be reached or refuses the publication (a user that
+    /// does not own a mapped table), or a setting is out of range. Refuses
+    /// ([`Error::Config`], naming the table or publication and the
+    /// setting) before it touches anything: a mapped table that does not
+    /// exist or is not a table; one without a replica identity, or with a
+    /// partition without one (in a publication that publishes updates and
+    /// deletes, PostgreSQL would refuse every `UPDATE` and `DELETE` on it);
+    /// an existing publication that would hide changes (see
+    /// [`publication`](Self::publication)). A slot held by another relay is
+    /// not an error: this one starts as its standby.
     pub async fn start(self) -> Result<CdcRelay> {
         if self.tables.is_empty() {
             return Err(Error::Config("a CDC relay needs at least one table".into()));
@@ -450,7 +476,9 @@ impl CdcRelayBuilder {
             .collect();
         relations.sort();
         relations.dedup();
-        slot::ensure_publication(&pool, &publication, &self.slot, &relations, false).await?;
+        // Refuses what would make the stream wrong, or the application's
+        // writes fail, before anything is touched.
+        publication::check(&pool, &publication, &self.slot, &relations, Mode::Start).await?;
         // Created here, so that a server without wal_level = logical or a
         // user without REPLICATION fails the start, not a task's log.
         if slot::slot_state(&pool, &self.slot).await? == SlotState::Missing {

@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use sqlx::{PgConnection, PgPool, Row as _};
+use sqlx::{PgPool, Row as _};
+
+use super::state;
 
 use crate::error::{Error, Result};
 use crate::util::Backoff;
@@ -22,101 +24,6 @@ pub(crate) fn db(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Erro
 /// `name` as a quoted SQL identifier.
 pub(crate) fn ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
-}
-
-/// Creates the publication for `relations` (`(schema, table)`), or adds
-/// those an existing one lacks; returns the relations it added. Never
-/// removes a table: another relay of the group, of another version, may
-/// map it. Partitions are published as their root, so a partitioned table
-/// is mapped by its own name. Serialized between relays by an advisory
-/// lock, so two relays starting at once do not both try to create it.
-///
-/// `existing_only`: add only the tables that exist now (the periodic
-/// check, after a table was dropped or renamed); otherwise a mapped table
-/// that does not exist is an error (the relay's start).
-pub(crate) async fn ensure_publication(
-    pool: &PgPool,
-    publication: &str,
-    slot: &str,
-    relations: &[(String, String)],
-    existing_only: bool,
-) -> Result<Vec<(String, String)>> {
-    let quoted = |(schema, name): &(String, String)| format!("{}.{}", ident(schema), ident(name));
-    let mut tx = pool.begin().await.map_err(db)?;
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
-        .bind(format!("cache-sync cdc publication\n{publication}"))
-        .execute(&mut *tx)
-        .await
-        .map_err(db)?;
-    // Read first, and written only where it differs: the periodic check
-    // runs this every few seconds, and a write would add WAL, make the
-    // server send every table's shape again, and, under a synchronous
-    // standby, wait for it.
-    let via_root: Option<bool> =
-        sqlx::query_scalar("SELECT pubviaroot FROM pg_publication WHERE pubname = $1")
-            .bind(publication)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(db)?;
-    let added = if let Some(via_root) = via_root {
-        if !via_root {
-            sqlx::query(&format!(
-                "ALTER PUBLICATION {} SET (publish_via_partition_root = true)",
-                ident(publication)
-            ))
-            .execute(&mut *tx)
-            .await
-            .map_err(db)?;
-        }
-        let members: Vec<(String, String)> = sqlx::query_as(
-            "SELECT schemaname::text, tablename::text FROM pg_publication_tables WHERE pubname = $1",
-        )
-        .bind(publication)
-        .fetch_all(&mut *tx)
-        .await
-        .map_err(db)?;
-        let mut missing = Vec::new();
-        for r in relations.iter().filter(|r| !members.contains(r)) {
-            if existing_only {
-                let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-                    .bind(quoted(r))
-                    .fetch_one(&mut *tx)
-                    .await
-                    .map_err(db)?;
-                if !exists {
-                    continue;
-                }
-            }
-            missing.push(r.clone());
-        }
-        if existing_only && !missing.is_empty() {
-            // Their changes before now were never streamed.
-            owe(&mut tx, publication, slot).await?;
-        }
-        for r in &missing {
-            sqlx::query(&format!(
-                "ALTER PUBLICATION {} ADD TABLE {}",
-                ident(publication),
-                quoted(r)
-            ))
-            .execute(&mut *tx)
-            .await
-            .map_err(db)?;
-        }
-        missing
-    } else {
-        let tables = relations.iter().map(quoted).collect::<Vec<_>>().join(", ");
-        sqlx::query(&format!(
-            "CREATE PUBLICATION {} FOR TABLE {tables} WITH (publish_via_partition_root = true)",
-            ident(publication)
-        ))
-        .execute(&mut *tx)
-        .await
-        .map_err(db)?;
-        relations.to_vec()
-    };
-    tx.commit().await.map_err(db)?;
-    Ok(added)
 }
 
 /// What the server says of the slot.
@@ -158,79 +65,28 @@ pub(crate) async fn slot_state(pool: &PgPool, slot: &str) -> Result<SlotState> {
     Ok(pid.map_or(SlotState::Idle, SlotState::Active))
 }
 
-/// The comment on the publication that says a resync is owed: written
-/// (durably, in a transaction) before whatever makes it owed, and cleared
-/// in the transaction that wrote the resync message, whose commit also
-/// makes the message durable. Whoever finds it set writes the message: a
-/// relay that dies in between leaves the debt to the next, never lost.
-fn owed_comment(slot: &str) -> String {
-    format!("cache-sync cdc: a resync is owed to slot {slot}")
-}
-
-/// Records that a resync is owed to `slot`, in `conn`'s transaction.
-pub(crate) async fn owe(conn: &mut PgConnection, publication: &str, slot: &str) -> Result<()> {
-    sqlx::query(&format!(
-        "COMMENT ON PUBLICATION {} IS {}",
-        ident(publication),
-        literal(&owed_comment(slot))
-    ))
-    .execute(conn)
-    .await
-    .map_err(db)
-    .map(drop)
-}
-
-/// Writes the resync message if one is owed to `slot`, and clears the
-/// debt in the same transaction. Returns whether it wrote one.
-pub(crate) async fn settle(pool: &PgPool, publication: &str, slot: &str) -> Result<bool> {
-    let comment: Option<String> = sqlx::query_scalar(
-        "SELECT obj_description(oid, 'pg_publication') FROM pg_publication WHERE pubname = $1",
-    )
-    .bind(publication)
-    .fetch_optional(pool)
-    .await
-    .map_err(db)?
-    .flatten();
-    if comment.as_deref() != Some(owed_comment(slot).as_str()) {
-        return Ok(false);
-    }
-    let mut tx = pool.begin().await.map_err(db)?;
-    sqlx::query("SELECT pg_logical_emit_message(false, $1, $2)")
-        .bind(RESYNC_PREFIX)
-        .bind(slot)
-        .execute(&mut *tx)
-        .await
-        .map_err(db)?;
-    sqlx::query(&format!(
-        "COMMENT ON PUBLICATION {} IS NULL",
-        ident(publication)
-    ))
-    .execute(&mut *tx)
-    .await
-    .map_err(db)?;
-    tx.commit().await.map_err(db)?;
-    Ok(true)
-}
-
 /// `text` as a SQL string literal.
-fn literal(text: &str) -> String {
+pub(crate) fn literal(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
 
 /// Creates the slot (dropping a lost one first), with a resync owed from
 /// before it, settled right after: the message lands after the slot's
 /// starting point, and covers whatever was lost before it. `false`:
-/// another relay created it first (its debt, recorded the same way, is
-/// settled by whoever gets to it).
+/// another relay created it first; its own debt covers the slot, and this
+/// one's is taken back, so the slot is resynced once.
 pub(crate) async fn create_slot(
     pool: &PgPool,
     publication: &str,
     slot: &str,
     lost: bool,
 ) -> Result<bool> {
-    let mut conn = pool.acquire().await.map_err(db)?;
-    owe(&mut conn, publication, slot).await?;
-    drop(conn);
+    let Some(token) = state::owe(pool, publication, slot, None).await? else {
+        // The periodic check creates it again (with a resync owed).
+        return Err(db(format!(
+            "publication {publication:?} does not exist; a slot without it cannot stream"
+        )));
+    };
     if lost {
         // Fails if another relay already dropped it: the create says who won.
         let _ = sqlx::query("SELECT pg_drop_replication_slot($1)")
@@ -246,11 +102,30 @@ pub(crate) async fn create_slot(
     match created {
         Ok(_) => {}
         // duplicate_object: another relay was quicker.
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42710") => return Ok(false),
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42710") => {
+            state::forgive(pool, publication, slot, token).await?;
+            return Ok(false);
+        }
         Err(e) => return Err(db(e)),
     }
-    settle(pool, publication, slot).await?;
+    state::settle(pool, publication, slot).await?;
     Ok(true)
+}
+
+/// The partitioned tables `relation` (an oid) is a partition of, at every
+/// level, as `(schema, table)`; none for a table that is no partition, or
+/// no longer exists.
+pub(crate) async fn ancestors(pool: &PgPool, relation: u32) -> Result<Vec<(String, String)>> {
+    sqlx::query_as(
+        "SELECT n.nspname::text, c.relname::text \
+         FROM pg_partition_ancestors($1::int8::oid) AS a \
+         JOIN pg_class c ON c.oid = a.relid JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE a.relid <> $1::int8::oid",
+    )
+    .bind(i64::from(relation))
+    .fetch_all(pool)
+    .await
+    .map_err(db)
 }
 
 /// What the server says of the slot's lag.

@@ -13,8 +13,10 @@ use tokio::sync::watch;
 use super::Row;
 use super::batch::Batch;
 use super::pgoutput::{self, Message, Relation};
+use super::publication::{self, Mode};
 use super::relay::Inner;
 use super::slot::{self, RESYNC_PREFIX, SlotState, db};
+use super::state::{self, Scope};
 use crate::error::Result;
 use crate::publish::Publisher;
 use crate::util::Backoff;
@@ -43,7 +45,14 @@ enum Ended {
     Closed,
     /// The relay was told to stop, and closed the stream.
     Stopped,
+    /// The publication was dropped under the stream (see `run`).
+    PublicationGone(String),
 }
+
+/// How long a stopping session waits for the client to report its last
+/// confirmed position to the server (it does so every 200 ms), so the
+/// next relay does not publish it again.
+const FEEDBACK_GRACE: Duration = Duration::from_secs(1);
 
 /// How long a stopping relay waits for its session to close the stream
 /// (a publish under way finishes first) before dropping it.
@@ -82,6 +91,18 @@ pub(super) async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
                 backoff.fail()
             }
             Ok(Ended::Stopped) => break,
+            Ok(Ended::PublicationGone(why)) => {
+                // pgoutput reads the publication as the catalog was at each
+                // change: past the drop, this slot's stream fails for ever,
+                // whatever is created since. Only a new slot goes on, and
+                // what the old one could not stream is resynced.
+                standby_of = None;
+                inner.shared.failures.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(slot = %inner.shared.slot, error = %why, "cdc relay: the publication was dropped under the stream, which cannot go past the drop; creating the publication again, and the slot anew with a resync");
+                check_publication(&inner).await;
+                drop_slot(&inner).await;
+                backoff.fail()
+            }
             Err(e) => {
                 standby_of = None;
                 inner.shared.failures.fetch_add(1, Ordering::Relaxed);
@@ -108,16 +129,24 @@ async fn session(
         SlotState::Active(pid) => return Ok(Ended::Standby(pid)),
         SlotState::Missing => {
             tracing::warn!(slot = %slot, "cdc relay: the slot is gone (dropped?); creating it again and clearing every mapped cache");
+            // A slot streams through the publication: put it back first
+            // if it went too.
+            check_publication(inner).await;
             slot::create_slot(&inner.pool, &inner.publication, slot, false).await?;
         }
         SlotState::Lost => {
             tracing::warn!(slot = %slot, "cdc relay: the server invalidated the slot (max_slot_wal_keep_size); creating it again and clearing every mapped cache");
+            check_publication(inner).await;
             slot::create_slot(&inner.pool, &inner.publication, slot, true).await?;
         }
         SlotState::Idle => {}
     }
     // A debt a relay left when it died (after creating the slot, say).
-    slot::settle(&inner.pool, &inner.publication, slot).await?;
+    state::settle(&inner.pool, &inner.publication, slot).await?;
+    // Resyncs this slot already applied: streamed again after a server
+    // crash forgot the slot's confirmed position, they are not applied
+    // twice.
+    let done = state::done(&inner.pool, &inner.publication, slot).await?;
     let mut client = ReplicationClient::connect(inner.config.clone())
         .await
         .map_err(db)?;
@@ -147,15 +176,30 @@ async fn session(
         committed: false,
         committed_since: None,
         open_batch: Batch::default(),
-        resync_in_batch: false,
+        resync_at: None,
+        done,
+        last_confirmed: None,
     };
     let result = stream.pump(&mut client, &mut stop).await;
+    let last_confirmed = stream.last_confirmed;
     // What it held is given up: the next session receives it again.
     inner
         .shared
         .oldest_pending_commit
         .store(0, Ordering::Relaxed);
     if matches!(result, Ok(Ended::Stopped)) {
+        // The client reports the confirmed position every 200 ms, and not
+        // on its way out: wait for the last one to be sent, or the next
+        // relay would publish it all again (and apply a resync twice).
+        if let Some(lsn) = last_confirmed {
+            let metrics = client.metrics();
+            let _ = tokio::time::timeout(FEEDBACK_GRACE, async {
+                while metrics.last_applied_lsn() < lsn {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+            .await;
+        }
         // CopyDone, and the worker's end: the connection is closed when
         // this returns.
         let _ = tokio::time::timeout(STOP_GRACE, client.shutdown()).await;
@@ -188,8 +232,13 @@ struct Stream<'a> {
     committed_since: Option<tokio::time::Instant>,
     /// The open transaction's changes, joining `batch` at its commit.
     open_batch: Batch,
-    /// The batch holds a resync: see `slot::wait_committed_visible`.
-    resync_in_batch: bool,
+    /// The LSN of the newest resync message in the batch: see
+    /// `slot::wait_committed_visible`, and `done`.
+    resync_at: Option<u64>,
+    /// Resync messages at or below this LSN were applied already.
+    done: u64,
+    /// The last position this session confirmed.
+    last_confirmed: Option<Lsn>,
 }
 
 impl Stream<'_> {
@@ -232,6 +281,7 @@ impl Stream<'_> {
                 Ok(Some(event)) => event,
                 Ok(None) => return Ok(Ended::Closed),
                 Err(e) if e.is_message_too_large() => return self.skip_oversized(client, e).await,
+                Err(e) if publication_gone(&e) => return Ok(Ended::PublicationGone(e.to_string())),
                 Err(e) => return Err(db(e)),
             };
             let shared = &self.inner.shared;
@@ -261,7 +311,7 @@ impl Stream<'_> {
                     shared
                         .server_time
                         .fetch_max(server_time_micros, Ordering::Relaxed);
-                    self.message(&data);
+                    self.message(&data).await?;
                 }
                 ReplicationEvent::Message {
                     lsn,
@@ -269,8 +319,16 @@ impl Stream<'_> {
                     content,
                     ..
                 } => {
-                    if prefix == RESYNC_PREFIX && *content == *shared.slot.as_bytes() {
-                        tracing::info!(slot = %shared.slot, lsn = %lsn, "cdc relay: a new slot starts here; clearing every mapped cache");
+                    let scope = (prefix == RESYNC_PREFIX)
+                        .then(|| Scope::parse(&content, &shared.slot))
+                        .flatten();
+                    if let Some(scope) = scope {
+                        let at = lsn.as_u64();
+                        if at <= self.done {
+                            tracing::info!(slot = %shared.slot, lsn = %lsn, "cdc relay: a resync streamed again (the server forgot the slot's confirmed position: a crash?); it was applied before, and is not again");
+                            continue;
+                        }
+                        tracing::info!(slot = %shared.slot, lsn = %lsn, ?scope, "cdc relay: a resync: clearing the mapped caches it covers");
                         shared.resyncs.fetch_add(1, Ordering::Relaxed);
                         // Pending from now (the message has no commit time).
                         let now = shared.server_time.load(Ordering::Relaxed).max(1);
@@ -280,8 +338,8 @@ impl Stream<'_> {
                             Ordering::Relaxed,
                             Ordering::Relaxed,
                         );
-                        self.clear_all(lsn.as_u64());
-                        self.resync_in_batch = true;
+                        self.clear_scope(&scope, at);
+                        self.resync_at = Some(self.resync_at.map_or(at, |r| r.max(at)));
                         if self.open.is_none() {
                             self.mark_committed();
                         }
@@ -339,15 +397,9 @@ impl Stream<'_> {
         // again and resyncs, as for a lost slot.
         let Some(open) = self.open.take() else {
             tracing::error!(slot = %slot, error = %e, "cdc relay: a message outside any transaction is over max_row_bytes; dropping the slot to create it again and resync");
-            let params = [slot.as_str()];
-            let drop_slot = slot::until_done(
-                &self.inner.pool,
-                "SELECT pg_drop_replication_slot($1)",
-                &params,
-            );
-            tokio::time::timeout(SQL_TIMEOUT, drop_slot)
-                .await
-                .map_err(|_| db("dropping the slot past an unreadable message timed out"))?;
+            if !drop_slot(self.inner).await {
+                return Err(db("dropping the slot past an unreadable message timed out"));
+            }
             self.inner.shared.skipped.fetch_add(1, Ordering::Relaxed);
             return Ok(Ended::Closed);
         };
@@ -393,28 +445,39 @@ impl Stream<'_> {
     }
 
     fn clear_all(&mut self, version: u64) {
+        self.clear_scope(&Scope::All, version);
+    }
+
+    /// Clears the caches of the mapped tables `scope` covers.
+    fn clear_scope(&mut self, scope: &Scope, version: u64) {
         let inner = self.inner;
         for t in &inner.tables {
-            self.gather().clear(&t.cache, version);
+            let covered = match scope {
+                Scope::All => true,
+                Scope::Tables(tables) => tables.iter().any(|(s, n)| *s == t.schema && *n == t.name),
+            };
+            if covered {
+                self.gather().clear(&t.cache, version);
+            }
         }
     }
 
-    fn message(&mut self, data: &[u8]) {
+    async fn message(&mut self, data: &[u8]) -> Result<()> {
         let version = self.version();
         let message = match pgoutput::decode(data) {
             Ok(m) => m,
             Err(e) => {
                 tracing::error!(slot = %self.inner.shared.slot, error = %e, "cdc relay: a change did not decode; clearing every mapped cache");
                 self.clear_all(version);
-                return;
+                return Ok(());
             }
         };
         let cap = self.inner.max_rows_per_transaction;
         match message {
-            Message::Relation(relation) => self.relation(relation, version),
+            Message::Relation(relation) => self.relation(relation, version).await?,
             Message::Insert { relation, new } => {
                 let Some((rel, maps)) = self.lookup(relation) else {
-                    return;
+                    return Ok(());
                 };
                 for &i in maps.iter() {
                     let m = &self.inner.tables[i];
@@ -425,7 +488,7 @@ impl Stream<'_> {
             }
             Message::Update { relation, old, new } => {
                 let Some((rel, maps)) = self.lookup(relation) else {
-                    return;
+                    return Ok(());
                 };
                 for &i in maps.iter() {
                     let m = &self.inner.tables[i];
@@ -458,7 +521,7 @@ impl Stream<'_> {
             }
             Message::Delete { relation, old } => {
                 let Some((rel, maps)) = self.lookup(relation) else {
-                    return;
+                    return Ok(());
                 };
                 for &i in maps.iter() {
                     let key = self.inner.tables[i]
@@ -477,6 +540,7 @@ impl Stream<'_> {
             }
             Message::Other(_) => {}
         }
+        Ok(())
     }
 
     /// The relation's shape and mappings: shared, not copied, per change.
@@ -511,21 +575,36 @@ impl Stream<'_> {
         }
     }
 
-    /// A table's (new) shape.
-    fn relation(&mut self, relation: Relation, version: u64) {
+    /// A table's (new) shape. It feeds the mappings of its own name, and
+    /// those of the partitioned tables it is a partition of: with
+    /// `publish_via_partition_root` off, a partition's changes come under
+    /// its own name. Its ancestors are read from the catalog as it is now
+    /// (the stream does not carry them): a change of a partition since
+    /// detached is then not mapped, and the detach's resync, later in the
+    /// stream, covers it.
+    async fn relation(&mut self, relation: Relation, version: u64) -> Result<()> {
+        let ancestors =
+            tokio::time::timeout(SQL_TIMEOUT, slot::ancestors(&self.inner.pool, relation.id))
+                .await
+                .map_err(|_| db("reading a table's partition ancestors timed out"))??;
         let maps: Vec<usize> = self
             .inner
             .tables
             .iter()
             .enumerate()
-            .filter(|(_, t)| t.schema == relation.schema && t.name == relation.name)
+            .filter(|(_, t)| {
+                (t.schema == relation.schema && t.name == relation.name)
+                    || ancestors
+                        .iter()
+                        .any(|(s, n)| *s == t.schema && *n == t.name)
+            })
             .map(|(i, _)| i)
             .collect();
         if let Some(before) = self.mapped.get(&relation.id) {
             for &i in before.iter() {
                 if !maps.contains(&i) {
                     let t = &self.inner.tables[i];
-                    tracing::warn!(cache = %t.cache, table = %t.relation(), now = %format_args!("{}.{}", relation.schema, relation.name), "cdc relay: a mapped table was renamed; clearing its cache and no longer following it");
+                    tracing::warn!(cache = %t.cache, table = %t.relation(), now = %format_args!("{}.{}", relation.schema, relation.name), "cdc relay: a mapped table (or a partition of one) was renamed or detached; clearing its cache and no longer following it");
                     let cache = t.cache.clone();
                     self.batch.clear(&cache, version);
                 }
@@ -538,10 +617,12 @@ impl Stream<'_> {
         }
         self.mapped.insert(relation.id, maps.into());
         self.relations.insert(relation.id, Arc::new(relation));
+        Ok(())
     }
 
-    fn confirm(&self, client: &ReplicationClient, lsn: Lsn) {
+    fn confirm(&mut self, client: &ReplicationClient, lsn: Lsn) {
         client.update_applied_lsn(lsn);
+        self.last_confirmed = Some(self.last_confirmed.map_or(lsn, |l| l.max(lsn)));
         self.inner
             .shared
             .confirmed
@@ -560,13 +641,29 @@ impl Stream<'_> {
                 .await
                 .map_err(|_| db("the visibility check timed out"))??;
         }
-        if std::mem::take(&mut self.resync_in_batch) {
+        let resync = self.resync_at.take();
+        if resync.is_some() {
             tokio::time::timeout(SQL_TIMEOUT, slot::wait_committed_visible(&inner.pool))
                 .await
                 .map_err(|_| db("the visibility check timed out"))??;
         }
         for (cache, changes) in publishes {
             publish(&inner.publisher, &cache, changes).await?;
+        }
+        if let Some(at) = resync {
+            // Recorded before the position is confirmed: a server crash
+            // that forgets the confirmation streams the message again, and
+            // this says it was applied. Failing to record it costs a second
+            // clear at worst.
+            let marked = tokio::time::timeout(
+                SQL_TIMEOUT,
+                state::mark_done(&inner.pool, &inner.publication, &inner.shared.slot, at),
+            )
+            .await;
+            if !matches!(marked, Ok(Ok(()))) {
+                tracing::warn!(slot = %inner.shared.slot, "cdc relay: recording a resync as applied failed; a server crash may apply it again");
+            }
+            self.done = self.done.max(at);
         }
         inner
             .shared
@@ -621,6 +718,31 @@ async fn publish(publisher: &Publisher, cache: &str, changes: Vec<Change>) -> Re
     publisher.send(cache, split).await.map(|_| ())
 }
 
+/// Whether a session's error is PostgreSQL failing the stream because the
+/// publication is missing from the catalog as of a change it decodes
+/// (SQLSTATE 42704, undefined_object).
+fn publication_gone(e: &pgwire_replication::PgWireError) -> bool {
+    match e {
+        pgwire_replication::PgWireError::Server(msg) => {
+            msg.contains("SQLSTATE 42704") && msg.contains("publication")
+        }
+        _ => false,
+    }
+}
+
+/// Drops the slot (if it is still there), for the next session to create
+/// it anew with a resync; retried while a failed session's walsender still
+/// holds it. `false`: it could not be dropped within the SQL timeout.
+async fn drop_slot(inner: &Inner) -> bool {
+    let params = [inner.shared.slot.as_str()];
+    let dropped = slot::until_done(
+        &inner.pool,
+        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
+        &params,
+    );
+    tokio::time::timeout(SQL_TIMEOUT, dropped).await.is_ok()
+}
+
 pub(super) async fn lag_loop(
     inner: Arc<Inner>,
     mut stop: watch::Receiver<bool>,
@@ -661,30 +783,34 @@ pub(super) async fn lag_loop(
     }
 }
 
-/// A publication holds tables, not names: a mapped table dropped (or
-/// renamed) and created again is a new table, which it lacks. Added here,
-/// with a resync owed in the same transaction (its changes before it was
-/// added were never streamed), and any resync owed is settled.
+/// The periodic check of the publication and the mapped tables (see
+/// `publication`): what an operator changed is put back, with the resync
+/// it calls for owed; then any resync owed is settled.
 async fn check_publication(inner: &Inner) {
     let slot = &inner.shared.slot;
     let checked = tokio::time::timeout(SQL_TIMEOUT, async {
-        let added = slot::ensure_publication(
+        let changed = publication::check(
             &inner.pool,
             &inner.publication,
             slot,
             &inner.relations,
-            true,
+            Mode::Running,
         )
         .await?;
-        if !added.is_empty() {
-            tracing::warn!(slot = %slot, tables = ?added, "cdc relay: mapped tables were missing from the publication (created again?); added them, and clearing every mapped cache");
+        if !changed.is_empty() {
+            tracing::warn!(slot = %slot, publication = %inner.publication, ?changed, "cdc relay: the publication or a mapped table changed under the relay; resyncing what it may have hidden");
         }
-        slot::settle(&inner.pool, &inner.publication, slot).await
+        state::settle(&inner.pool, &inner.publication, slot).await
     })
     .await;
     match checked {
         Ok(Ok(_)) => {}
-        Ok(Err(e)) => tracing::debug!(error = %e, "cdc relay: checking the publication failed"),
-        Err(_) => tracing::debug!("cdc relay: checking the publication timed out"),
+        // An operator action goes unanswered until the check passes: say so.
+        Ok(Err(e)) => {
+            tracing::warn!(slot = %slot, error = %e, "cdc relay: checking the publication and the mapped tables failed")
+        }
+        Err(_) => {
+            tracing::warn!(slot = %slot, "cdc relay: checking the publication and the mapped tables timed out")
+        }
     }
 }
