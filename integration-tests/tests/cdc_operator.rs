@@ -5,8 +5,9 @@
 //! dropped; no replica identity), the relay's role (`REPLICATION`,
 //! `SELECT` revoked) and the server (`wal_level` lowered). Each ends in a
 //! correct stream, a resync, or a clear refusal: never a stall nor a stale
-//! node. Also the relay's own seams (issue 35): two relays starting at
-//! once, a graceful handover, a server crash after a resync.
+//! node. Also the relay's own seams (issue 35): an oversized value, two
+//! relays starting at once, a graceful handover, a server crash after a
+//! resync.
 #![cfg(feature = "postgres-cdc")]
 #![allow(clippy::unwrap_used)]
 
@@ -573,6 +574,51 @@ async fn wal_level_lowered_the_server_refuses_to_start_and_set_back_the_stream_g
         nodes.hold(&named(0..10, "b")).await
     })
     .await;
+    nodes.agree(&pool).await;
+    relay.shutdown().await;
+    nodes.shutdown().await;
+}
+
+/// Issue 35, item 11: one value over the event size limit made every
+/// refresh of its cache in the batch an invalidation (up to 5,000 rows of
+/// other transactions). Only its own key is invalidated now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_value_invalidates_only_its_own_key() {
+    let (pg, pool, transport, nodes) = items_fixture(2).await;
+    let publisher = Publisher::builder(transport.clone())
+        .max_event_bytes(8 << 10)
+        .build()
+        .unwrap();
+    let relay = CdcRelay::builder(pg.url(), publisher)
+        .lag_interval(Duration::from_millis(200))
+        .table(CdcTable::new(ITEMS, "items", |row| row.parse("id")).value(|row| row.parse("name")))
+        .start()
+        .await
+        .unwrap();
+    insert(&pool, 0..100, "a").await;
+    eventually("rows arrive", async || {
+        nodes.hold(&named(0..100, "a")).await
+    })
+    .await;
+    // One transaction: 99 small values and one of 64 KiB.
+    exec(
+        &pool,
+        "UPDATE items SET name = CASE WHEN id = 50 THEN repeat('x', 65536) ELSE 'b' || id END",
+    )
+    .await;
+    let mut small = named(0..100, "b");
+    small.remove(&50);
+    eventually("the small values are installed", async || {
+        nodes.hold(&small).await
+    })
+    .await;
+    for cache in &nodes.caches {
+        assert_eq!(
+            cache.peek(&50).await,
+            None,
+            "the oversized value was dropped, not installed"
+        );
+    }
     nodes.agree(&pool).await;
     relay.shutdown().await;
     nodes.shutdown().await;

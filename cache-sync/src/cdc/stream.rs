@@ -20,7 +20,7 @@ use super::state::{self, Scope};
 use crate::error::Result;
 use crate::publish::Publisher;
 use crate::util::Backoff;
-use crate::wire::Change;
+use crate::wire::{Change, KeyVersion};
 
 /// Row changes, bytes of keys and values, and transactions gathered into
 /// one publish at most (more wait for the next).
@@ -684,31 +684,69 @@ impl Stream<'_> {
 }
 
 /// Publishes one cache's changes. An entry that can never fit the
-/// publisher's size limit is sent as an invalidation of its key, and a key
-/// that cannot fit either as a clear: never dropped.
+/// publisher's size limit is sent as an invalidation of its own key, and a
+/// key that cannot fit either as a clear: never dropped, and never more
+/// than that entry made an invalidation (the others of its change go as
+/// they are).
 async fn publish(publisher: &Publisher, cache: &str, changes: Vec<Change>) -> Result<()> {
     let mut split = Vec::new();
-    // A clear in place of changes that fit in no form, at their newest version.
+    // A clear in place of keys that fit in no form, at their newest version.
     let mut fallback: Option<Option<u64>> = None;
+    let mut clear_at = |version: Option<u64>| {
+        tracing::warn!(
+            cache,
+            "cdc relay: a key is over the event size limit; clearing the cache instead"
+        );
+        fallback = Some(fallback.flatten().max(version));
+    };
     for change in changes {
         match publisher.resplit(change.clone()) {
             Ok(parts) => split.extend(parts),
-            Err(e) if e.is_too_large() => {
-                let version = match &change {
-                    Change::Invalidate { keys } => keys.iter().filter_map(|k| k.version).max(),
-                    Change::Refresh { entries } => entries.iter().filter_map(|e| e.version).max(),
-                    Change::Clear { version } => *version,
-                };
-                let as_invalidation = change.into_invalidation();
-                match publisher.resplit(as_invalidation) {
-                    Ok(parts) => split.extend(parts),
-                    Err(_) => fallback = Some(fallback.flatten().max(version)),
+            Err(e) if e.is_too_large() => match change {
+                Change::Refresh { entries } => {
+                    let mut fit = Vec::new();
+                    let mut keys = Vec::new();
+                    for entry in entries {
+                        let key = KeyVersion {
+                            key: entry.key.clone(),
+                            version: entry.version,
+                        };
+                        let version = entry.version;
+                        let one = Change::Refresh {
+                            entries: vec![entry],
+                        };
+                        if publisher.resplit(one.clone()).is_ok() {
+                            let Change::Refresh { entries } = one else {
+                                unreachable!("built above")
+                            };
+                            fit.extend(entries);
+                        } else if fits_invalidation(publisher, &key) {
+                            tracing::warn!(
+                                cache,
+                                "cdc relay: an entry is over the event size limit; invalidating its key instead"
+                            );
+                            keys.push(key);
+                        } else {
+                            clear_at(version);
+                        }
+                    }
+                    split.extend(publisher.resplit(Change::Invalidate { keys })?);
+                    split.extend(publisher.resplit(Change::Refresh { entries: fit })?);
                 }
-                tracing::warn!(
-                    cache,
-                    "cdc relay: an entry is over the event size limit; invalidating instead"
-                );
-            }
+                Change::Invalidate { keys } => {
+                    let mut fit = Vec::new();
+                    for key in keys {
+                        if fits_invalidation(publisher, &key) {
+                            fit.push(key);
+                        } else {
+                            clear_at(key.version);
+                        }
+                    }
+                    split.extend(publisher.resplit(Change::Invalidate { keys: fit })?);
+                }
+                // A clear carries no key: it always fits.
+                Change::Clear { version } => clear_at(version),
+            },
             Err(e) => return Err(e),
         }
     }
@@ -716,6 +754,14 @@ async fn publish(publisher: &Publisher, cache: &str, changes: Vec<Change>) -> Re
         split.insert(0, Change::Clear { version });
     }
     publisher.send(cache, split).await.map(|_| ())
+}
+
+fn fits_invalidation(publisher: &Publisher, key: &KeyVersion) -> bool {
+    publisher
+        .resplit(Change::Invalidate {
+            keys: vec![key.clone()],
+        })
+        .is_ok()
 }
 
 /// Whether a session's error is PostgreSQL failing the stream because the
