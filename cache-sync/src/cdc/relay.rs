@@ -202,7 +202,9 @@ pub struct CdcRelayStats {
     pub transactions: u64,
     /// Row changes taken from them.
     pub rows: u64,
-    /// Clears of every mapped cache for a new or lost slot.
+    /// Resyncs published: clears of the mapped caches for a new or lost
+    /// slot, or of a table's caches after an operator changed it (see
+    /// [`CdcRelay`]).
     pub resyncs: u64,
     /// Times this relay started streaming after another relay held the slot.
     pub takeovers: u64,

@@ -74,18 +74,17 @@ pub(crate) fn literal(text: &str) -> String {
 /// before it, settled right after: the message lands after the slot's
 /// starting point, and covers whatever was lost before it. `false`:
 /// another relay created it first; its own debt covers the slot, and this
-/// one's is taken back, so the slot is resynced once.
+/// one owes nothing (see `state::owe_new_slot`), so the slot is resynced
+/// once.
 pub(crate) async fn create_slot(
     pool: &PgPool,
     publication: &str,
     slot: &str,
     lost: bool,
 ) -> Result<bool> {
-    let Some(token) = state::owe(pool, publication, slot, None).await? else {
-        // The periodic check creates it again (with a resync owed).
-        return Err(db(format!(
-            "publication {publication:?} does not exist; a slot without it cannot stream"
-        )));
+    let Some(token) = state::owe_new_slot(pool, publication, slot).await? else {
+        // Another relay's slot: made, or being made, with its own debt.
+        return Ok(false);
     };
     if lost {
         // Fails if another relay already dropped it: the create says who won.

@@ -9,9 +9,11 @@
 //!   owed, and cleared in the transaction that writes the resync message,
 //!   whose commit also makes the message durable. Whoever finds one owed
 //!   writes the message: a relay that dies in between leaves it to the
-//!   next, never lost. Each debt carries the token of the relay that owes
-//!   it, so that a relay whose slot creation lost the race takes back its
-//!   own debt and nobody resyncs twice for one slot;
+//!   next, never lost. A relay about to create the slot owes only while
+//!   the slot is missing, under the lock every settle takes: one that
+//!   loses the race to create it owes nothing, or owes before the winner
+//!   settles both debts in one message (and takes back its debt, by its
+//!   token, if that is still owed), so the slot is resynced once;
 //! - the LSN of the last resync **done** (its clears published): a server
 //!   that crashed forgets the slot's confirmed position back to its last
 //!   checkpoint and streams the message again, which must not clear every
@@ -222,24 +224,44 @@ pub(crate) fn token() -> u64 {
     std::hash::RandomState::new().hash_one(std::time::SystemTime::now())
 }
 
-/// Records, in its own transaction, a resync of `tables` (`None`: all)
-/// owed to `slot`; returns the debt's token. `Ok(None)`: there is no
-/// publication to record it on (whoever creates it owes a resync of
-/// everything).
-pub(crate) async fn owe(
+/// Records, in its own transaction, the resync a slot about to be created
+/// owes, if the slot is still missing (or lost) when it is recorded:
+/// `Ok(None)` when another relay's slot exists, or is being created
+/// (then that relay's debt covers it). Checked under the publication's
+/// lock, like every settle, so a relay that loses the race to create the
+/// slot either owes nothing, or owes before the winner settles, which
+/// then writes one message for both. `Err` when there is no publication.
+pub(crate) async fn owe_new_slot(
     pool: &PgPool,
     publication: &str,
     slot: &str,
-    tables: Option<Vec<Relation>>,
 ) -> Result<Option<u64>> {
     let mut tx = pool.begin().await.map_err(db)?;
     lock(&mut tx, publication).await?;
     let Some(mut record) = Record::read(&mut tx, publication).await? else {
-        return Ok(None);
+        return Err(db(format!(
+            "publication {publication:?} does not exist; a slot without it cannot stream"
+        )));
     };
+    let status: Option<Option<String>> =
+        sqlx::query_scalar("SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1")
+            .bind(slot)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db)?;
+    if status.is_some_and(|s| s.as_deref() != Some("lost")) {
+        return Ok(None);
+    }
     let token = token();
-    tracing::debug!(slot, token, ?tables, "cdc relay: a resync owed");
-    record.slot(slot).owed.push(Debt { token, tables });
+    tracing::debug!(
+        slot,
+        token,
+        "cdc relay: a resync owed to a slot about to be created"
+    );
+    record.slot(slot).owed.push(Debt {
+        token,
+        tables: None,
+    });
     record.write(&mut tx, publication).await?;
     tx.commit().await.map_err(db)?;
     Ok(Some(token))

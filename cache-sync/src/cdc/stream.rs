@@ -324,12 +324,28 @@ impl Stream<'_> {
                         .flatten();
                     if let Some(scope) = scope {
                         let at = lsn.as_u64();
+                        if at > self.done {
+                            // Read again: the relay this session took over
+                            // from may have applied it since this one
+                            // started.
+                            let done = tokio::time::timeout(
+                                SQL_TIMEOUT,
+                                state::done(
+                                    &self.inner.pool,
+                                    &self.inner.publication,
+                                    &shared.slot,
+                                ),
+                            )
+                            .await;
+                            if let Ok(Ok(done)) = done {
+                                self.done = self.done.max(done);
+                            }
+                        }
                         if at <= self.done {
                             tracing::info!(slot = %shared.slot, lsn = %lsn, "cdc relay: a resync streamed again (the server forgot the slot's confirmed position: a crash?); it was applied before, and is not again");
                             continue;
                         }
                         tracing::info!(slot = %shared.slot, lsn = %lsn, ?scope, "cdc relay: a resync: clearing the mapped caches it covers");
-                        shared.resyncs.fetch_add(1, Ordering::Relaxed);
                         // Pending from now (the message has no commit time).
                         let now = shared.server_time.load(Ordering::Relaxed).max(1);
                         let _ = shared.oldest_pending_commit.compare_exchange(
@@ -664,6 +680,9 @@ impl Stream<'_> {
                 tracing::warn!(slot = %inner.shared.slot, "cdc relay: recording a resync as applied failed; a server crash may apply it again");
             }
             self.done = self.done.max(at);
+            // Counted once published: a session that fails before leaves
+            // it to the next, which publishes (and counts) it.
+            inner.shared.resyncs.fetch_add(1, Ordering::Relaxed);
         }
         inner
             .shared
