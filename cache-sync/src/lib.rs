@@ -158,7 +158,11 @@
 //!   held every event of the cache: each message carries how long ago, on
 //!   the publisher's own clock, it sent its previous event, and the node
 //!   compares that with its own receive time, never with another machine's
-//!   clock, allowing its reorder window for the message's time in transit.
+//!   clock. It allows its reorder window for the message's time in transit
+//!   after it went live or registered the cache, but none after the cache
+//!   was last emptied (a published or local clear, a resync): a clear does
+//!   not stop the node listening, and an event that may have been sent
+//!   after it counts as lost.
 //! - A publisher announces the last sequence number it used (see
 //!   [`PublisherBuilder::announce_interval`]), and the events up to it have
 //!   not arrived within the node's [reorder
@@ -174,8 +178,9 @@
 //!   re-subscribing after a transport error still resyncs on time. A node
 //!   that never heard of the publisher (a one-shot publisher whose only
 //!   event was lost) resyncs at the first announcement it receives, if it
-//!   had been live for longer than its reorder window when that event was
-//!   sent. It holds
+//!   had been live and held the cache for longer than its reorder window
+//!   when that event was sent, and has not emptied the cache since (which
+//!   covers the event). It holds
 //!   for every number announced: a newer announcement during a pending
 //!   check gets a full reorder window of its own. With announcements off
 //!   (`Duration::MAX`) there is no bound, and the loss is found at the

@@ -81,8 +81,11 @@ pub(crate) trait CacheHandle: Send + Sync {
     /// Lets moka finish pending bookkeeping, so `entries` is current.
     async fn settle(&self);
     /// When the cache was last emptied (registered, resynced, cleared):
-    /// every change sent before then is reflected in it.
+    /// every change sent by then is reflected in it.
     fn emptied_at(&self) -> tokio::time::Instant;
+    /// When the cache was last registered (reset for it): before then the
+    /// node was not keeping its events.
+    fn registered_at(&self) -> tokio::time::Instant;
     fn status(&self) -> CacheStatus;
     /// Whether versioned refreshes are quarantined now (the status's
     /// `quarantined`, without the rest of the snapshot).
@@ -195,6 +198,7 @@ where
     }
 
     async fn reset(&self) {
+        *lock(&self.registered_at) = tokio::time::Instant::now();
         self.clear(None).await;
         if let Some(trace) = &self.trace {
             trace.record(None, TraceEvent::Cleared, None, None, now_us());
@@ -220,6 +224,10 @@ where
 
     fn emptied_at(&self) -> tokio::time::Instant {
         *lock(&self.emptied_at)
+    }
+
+    fn registered_at(&self) -> tokio::time::Instant {
+        *lock(&self.registered_at)
     }
 
     fn trace_of(&self, key: &str) -> Result<Option<Vec<TraceRecord>>, String> {

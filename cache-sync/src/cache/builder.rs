@@ -164,6 +164,7 @@ where
                 quarantine_until: Mutex::new(None),
                 quarantine: Mutex::new(Duration::ZERO),
                 emptied_at: Mutex::new(tokio::time::Instant::now()),
+                registered_at: Mutex::new(tokio::time::Instant::now()),
                 stats: Stats::default(),
                 trace: self.trace,
                 audit: self.audit.map(Auditor::new),

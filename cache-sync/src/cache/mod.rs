@@ -162,10 +162,15 @@ pub(crate) struct Inner<K, V> {
     /// How long each resync quarantines, set by the node at registration.
     quarantine: Mutex<Duration>,
     /// When the cache was last emptied (built, registered, resynced or
-    /// cleared): every change sent before then is reflected in it, so a
-    /// node judging whether an event it never received was its to miss
-    /// looks no further back (see `node/seqs.rs`, `Prior`).
+    /// cleared), read before the clear's stamp: every change sent by then
+    /// is reflected in it, so a node judging whether an event it never
+    /// received was its to miss looks no further back (see `node/seqs.rs`,
+    /// `Prior`).
     emptied_at: Mutex<tokio::time::Instant>,
+    /// When the cache was last built or reset for a registration: before
+    /// then the node did not keep its events, and for a while after it (a
+    /// re-subscription with its tag) may not have received them yet.
+    registered_at: Mutex<tokio::time::Instant>,
     stats: Stats,
     /// What happened to keys, if the builder turned it on (`trace.rs`).
     trace: Option<Trace<K>>,

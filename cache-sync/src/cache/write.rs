@@ -178,10 +178,15 @@ where
                 pin.overtake();
             }
             let mut table = lock(&self.table);
+            // Read before the stamp: a change sent by then was committed
+            // before it, so a load that the stamp does not supersede reads
+            // it, and one that it does never installs. (Read after, a change
+            // committed between the two could count as covered while a load
+            // that began before it installed the row it replaced.)
+            *lock(&self.emptied_at) = tokio::time::Instant::now();
             table.clear(version);
             self.drop_parked(&mut pins, &mut table);
         }
-        *lock(&self.emptied_at) = tokio::time::Instant::now();
         // Then a barrier through every stripe, one at a time: a write that
         // passed its check before the stamp (a parked write a drainer took
         // out before the step above among them) holds its stripe until moka

@@ -168,9 +168,8 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
 
 /// What a message says of its publisher's previous event, on this node's
 /// clock: sent by `received` less the age the publisher measured, into a
-/// cache that has held every event since it was last emptied. Computed
-/// only when the message carries an age; an age beyond the clock's reach
-/// says nothing.
+/// cache registered and last emptied when it says. Computed only when the
+/// message carries an age; an age beyond the clock's reach says nothing.
 fn prior(
     ext: &HeaderExt,
     received: tokio::time::Instant,
@@ -179,7 +178,8 @@ fn prior(
     let age = Duration::from_micros(ext.since_prev_us?);
     Some(Prior {
         sent_by: received.checked_sub(age)?,
-        covered: cache.emptied_at(),
+        registered: cache.registered_at(),
+        emptied: cache.emptied_at(),
     })
 }
 

@@ -40,7 +40,8 @@ pub(super) struct PublisherSeqs {
     forgot_at: Option<Instant>,
     /// How late a live message may arrive: the node's reorder window. An
     /// unknown publisher's previous event counts as lost only if it was
-    /// sent more than this after the node was holding every event.
+    /// sent more than this after the node started listening (see
+    /// [`Prior`]).
     pub(super) margin: Duration,
     /// Caches whose unknown publishers are not taken on trust: every cache
     /// held when the subscription last resumed, until it is resynced.
@@ -72,14 +73,24 @@ struct Baseline {
 /// `seq - 1`, or for an announcement the one it announces), on the node's
 /// clock, for a publisher the node does not know: it was sent at or before
 /// `sent_by` (the receive time minus the age the publisher measured; the
-/// message's time in transit makes the real moment earlier), and the node
-/// has held every event for the cache since `covered` (when the cache was
-/// last emptied, by a registration or a resync: events before that are
-/// reflected in it).
+/// message's time in transit makes the real moment earlier), into a cache
+/// registered at `registered` and last emptied at `emptied`.
+///
+/// Two moments, because they bound different things. Before the node
+/// listened (it went live, the cache was registered, baselines were
+/// forgotten) an event was not its to receive, and since `sent_by` is only
+/// an upper bound, an event counts as sent after such a moment only if
+/// `sent_by` is more than the reorder window past it. A clear (a published
+/// one, a local one, a resync) does not stop the node listening: it only
+/// covers what was sent by then, so an event whose `sent_by` is after it
+/// may have been sent after it, and, missing, may have left the cache
+/// stale; it counts as lost (a needless resync costs a reload, a missed
+/// one leaves the cache stale).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Prior {
     pub(super) sent_by: Instant,
-    pub(super) covered: Instant,
+    pub(super) registered: Instant,
+    pub(super) emptied: Instant,
 }
 
 /// A publisher announced `seq` for `cache` while the node's last was below
@@ -135,9 +146,13 @@ impl PublisherSeqs {
     /// Whether an unknown publisher's previous event, sent by `prior`, was
     /// sent while this node held every event for the cache, so that it
     /// should have arrived and did not. Only once the node reads live, and
-    /// with the reorder window's margin for the message's time in transit;
-    /// never across baselines forgotten for room (those publishers' events
-    /// may well have arrived).
+    /// with the reorder window's margin for the message's time in transit
+    /// after the node started listening: after it went live, after the
+    /// cache was registered, and after baselines were forgotten for room
+    /// (those publishers' events may well have arrived). Not after the
+    /// cache was last emptied, with no margin: an event possibly sent after
+    /// a clear is not covered by it (see [`Prior`]). At the very moment of
+    /// the clear, the two cannot be ordered, so it counts as after.
     fn missed_since(&self, prior: impl FnOnce() -> Option<Prior>) -> bool {
         let Some(live) = self.live_since else {
             return false;
@@ -145,10 +160,14 @@ impl PublisherSeqs {
         let Some(prior) = prior() else {
             return false;
         };
-        let since = prior.covered.max(live).max(self.forgot_at.unwrap_or(live));
-        since
+        let listening = prior
+            .registered
+            .max(live)
+            .max(self.forgot_at.unwrap_or(live));
+        let heard = listening
             .checked_add(self.margin)
-            .is_some_and(|bound| prior.sent_by > bound)
+            .is_some_and(|bound| prior.sent_by > bound);
+        heard && prior.sent_by >= prior.emptied
     }
 
     /// The subscription resumed from a position. Had the transport's history

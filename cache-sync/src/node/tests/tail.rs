@@ -817,6 +817,71 @@ async fn a_one_shot_publishers_lost_only_event_is_found_by_its_announcement() {
     }
 }
 
+/// Issue 35, item 6: a clear of the cache (a published `invalidate_all`, a
+/// local one, a resync) does not stop the node listening. A one-shot
+/// publisher's only event, sent 0.3 s after the clear and lost, may have
+/// changed a row after the clear emptied the cache, so the clear does not
+/// cover it: its first announcement finds the loss. (The check used to
+/// wait a reorder window after every clear before it counted anything as
+/// lost, and the cache stayed stale.)
+#[tokio::test(start_paused = true)]
+async fn after_a_clear_a_one_shot_publishers_lost_only_event_is_still_found() {
+    let window = Duration::from_secs(2);
+    for clear in ["published", "local", "resync"] {
+        let transport = lossy();
+        let nodes = nodes(&transport, window, 1).await;
+        let (node, c) = &nodes[0];
+        // Live for longer than its reorder window.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        match clear {
+            "published" => {
+                let admin = Publisher::builder(transport.clone())
+                    .announce_interval(Duration::MAX)
+                    .build()
+                    .unwrap();
+                admin.invalidate_all("t").await.unwrap();
+                eventually("the clear applied", async || c.status().clears == 1).await;
+            }
+            "local" => c.invalidate_all().await,
+            _ => {
+                // Publisher 7's numbers jump: a gap, which resyncs the cache.
+                for seq in [1, 3] {
+                    transport
+                        .publish(
+                            DEFAULT_TOPIC,
+                            "t",
+                            raw_event("t", 7, seq, &refresh_change("j", "v")),
+                        )
+                        .await
+                        .unwrap();
+                }
+                eventually("the gap's resync", async || resyncs(node) == 1).await;
+            }
+        }
+        let before = resyncs(node);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Loaded after the clear, from the row the lost event changes.
+        c.insert("k".into(), "old".into()).await;
+        transport.lose_publishes(1);
+        let one_shot = Publisher::builder(transport.clone())
+            .announce_interval(INTERVAL)
+            .build()
+            .unwrap();
+        one_shot.insert("t", [("k", "new")]).await.unwrap();
+        drop(one_shot);
+        eventually_within("the loss is found", LONG, async || {
+            resyncs(node) == before + 1
+        })
+        .await;
+        assert_eq!(
+            c.peek("k").await,
+            None,
+            "after a {clear} clear: {:?}",
+            node.status()
+        );
+    }
+}
+
 /// A one-shot publisher whose first event is lost and second arrives: the
 /// second says the first was sent a moment ago, while the node listened.
 #[tokio::test(start_paused = true)]
@@ -879,15 +944,25 @@ async fn an_announcement_of_an_event_sent_before_the_node_listened_is_no_loss() 
 }
 
 /// The rule in isolation: only once the node reads live; the previous
-/// event must have been sent more than the margin after the cache was
-/// last emptied; never across baselines forgotten for room; ages beyond
-/// the clock's reach say nothing.
+/// event must have been sent more than the margin after the node went
+/// live and the cache was registered, and after (or at) the cache was last
+/// emptied; never across baselines forgotten for room; ages beyond the
+/// clock's reach say nothing.
 #[test]
 fn an_unknown_publishers_previous_event_counts_as_missed_only_when_it_was_ours_to_miss() {
     use super::super::seqs::{MAX_TRACKED_PUBLISHERS, Prior};
     let t0 = Instant::now();
     let at = |ms| t0 + Duration::from_millis(ms);
-    let prior = |sent_by, covered| move || Some(Prior { sent_by, covered });
+    // Registered at the start, emptied at `emptied`.
+    let prior = |sent_by, emptied| {
+        move || {
+            Some(Prior {
+                sent_by,
+                registered: t0,
+                emptied,
+            })
+        }
+    };
     let mut seqs = PublisherSeqs::default();
     seqs.margin = Duration::from_millis(100);
     // Not live yet: taken on trust.
@@ -907,18 +982,44 @@ fn an_unknown_publishers_previous_event_counts_as_missed_only_when_it_was_ours_t
         seqs.announced_after(2, "a", 3, at(0), prior(at(5000), at(0))),
         Some(lost(2, 3))
     );
-    // Within the margin of going live, or of the cache being emptied: no.
+    // Within the margin of going live: no.
     assert_eq!(
         seqs.announced_after(3, "a", 1, at(0), prior(at(1100), at(0))),
         None
     );
+    // Or of the cache being registered.
+    let registered = |sent_by| {
+        move || {
+            Some(Prior {
+                sent_by,
+                registered: at(4950),
+                emptied: at(4950),
+            })
+        }
+    };
     assert_eq!(
-        seqs.announced_after(4, "a", 1, at(0), prior(at(5000), at(4950))),
+        seqs.announced_after(4, "a", 1, at(0), registered(at(5000))),
+        None
+    );
+    assert_eq!(seqs.observe_after(5, "a", 4, registered(at(5000))), None);
+    // Issue 35, item 6: a clear does not stop the node listening. Sent
+    // before the cache was emptied, the event is covered; sent after it
+    // (or at it: the two cannot be ordered), it is lost, however soon.
+    assert_eq!(
+        seqs.announced_after(20, "a", 1, at(0), prior(at(4949), at(4950))),
         None
     );
     assert_eq!(
-        seqs.observe_after(5, "a", 4, prior(at(5000), at(4950))),
+        seqs.observe_after(21, "a", 4, prior(at(4949), at(4950))),
         None
+    );
+    assert_eq!(
+        seqs.announced_after(22, "a", 2, at(0), prior(at(4950), at(4950))),
+        Some(lost(22, 2))
+    );
+    assert_eq!(
+        seqs.observe_after(23, "a", 4, prior(at(4951), at(4950))),
+        Some(3)
     );
     // An event: the one before it was missed; a first event vouches for
     // itself.
