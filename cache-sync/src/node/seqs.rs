@@ -27,7 +27,8 @@ pub(super) struct PublisherSeqs {
     names: HashSet<Arc<str>>,
     /// Bumped by every loss that resynced every cache: a baseline from an
     /// earlier epoch still says what was applied (for acknowledgements),
-    /// but its publisher's next number is no gap, and counts as a first.
+    /// but a jump past it is no gap: a number above the one right after it
+    /// counts as a first.
     epoch: u32,
     /// Observations so far: each baseline's age, for `forget_oldest`.
     touches: u64,
@@ -293,6 +294,11 @@ impl PublisherSeqs {
             return None;
         }
         let Some(last) = self.last(publisher, cache) else {
+            if self.applied(publisher, cache).is_some_and(|a| a >= seq) {
+                // A baseline from before a loss already reaches it: every
+                // number up to it arrived or was covered then.
+                return None;
+            }
             let lost = self.distrusted.contains(cache) || self.missed_since(prior);
             self.set_last(publisher, cache, seq);
             return lost.then(|| missing(1));
@@ -419,7 +425,14 @@ impl PublisherSeqs {
             .find_mut(hash, |e| e.publisher == publisher && &*e.cache == cache)
         {
             e.touched = touches;
-            let known = e.epoch == epoch;
+            // From before a loss, the number right after the baseline (or
+            // one at or below it) misses nothing: every number up to the
+            // baseline arrived or was covered then. Judged as a first, it
+            // would be held against the resync's moment, which a previous
+            // event sent just before it can seem to follow (`sent_by` is
+            // late by the message's time in transit): a needless second
+            // resync after every loss.
+            let known = e.epoch == epoch || seq <= e.last.saturating_add(1);
             e.epoch = epoch;
             let late = seq <= e.last;
             // A late event does not move it back.

@@ -1051,6 +1051,47 @@ fn an_unknown_publishers_previous_event_counts_as_missed_only_when_it_was_ours_t
     );
 }
 
+/// After a loss that resynced every cache (a new epoch), a publisher whose
+/// baseline from before it is just below its next number lost nothing:
+/// every number up to the baseline arrived or was covered. Judged as a
+/// first instead, its previous event, sent just before the resync, would
+/// look possibly sent after it (`sent_by` is late by the message's time
+/// in transit), and cost every busy cache a second resync after each loss.
+/// A number above the next one, or an announcement above the baseline, is
+/// judged as a first, as before.
+#[test]
+fn after_a_loss_a_publishers_next_number_is_no_loss() {
+    use super::super::seqs::Prior;
+    let t0 = Instant::now();
+    let at = |ms| t0 + Duration::from_millis(ms);
+    // The previous event's `sent_by` is at the resync's moment.
+    let prior = move || {
+        Some(Prior {
+            sent_by: at(5000),
+            registered: t0,
+            emptied: at(5000),
+        })
+    };
+    let mut seqs = PublisherSeqs::default();
+    seqs.live_since = Some(t0);
+    for p in [1, 2, 3] {
+        assert_eq!(seqs.observe(p, "a", 4), None);
+    }
+    seqs.clear();
+    assert_eq!(seqs.observe_after(1, "a", 5, prior), None);
+    assert_eq!(seqs.announced_after(2, "a", 4, at(0), prior), None);
+    assert_eq!(seqs.observe_after(3, "a", 7, prior), Some(6));
+    assert_eq!(
+        seqs.announced_after(2, "a", 6, at(0), prior),
+        Some(Missing {
+            publisher: 2,
+            cache: "a".into(),
+            from: 1,
+            to: 6
+        })
+    );
+}
+
 /// A publisher's wall clock an hour off, either way, changes no loss
 /// decision: the node reads only the age the publisher measured on its own
 /// clock (`since_prev_us`), never its time of day (`published_at_us`,
