@@ -206,10 +206,14 @@
 //! each cache's `loss_resyncs`) and logged.
 //!
 //! An event numbered at or below one its publisher already sent for its
-//! cache (a redelivery, or an event that took another queue when a broker
-//! failed and arrived after later ones) may carry an older value than the
-//! cache holds, or than a resync loaded since: its refreshes are applied as
-//! invalidations of their keys, and counted (`events_late`).
+//! cache (a redelivery, a replay, or an event that took another queue when
+//! a broker failed and arrived after later ones) may carry an older value
+//! than the cache holds, or than a resync loaded since, and is counted
+//! (`events_late`). Its refreshes are never installed: an unversioned one
+//! is applied as an invalidation of its key; a versioned one is ignored as
+//! stale (`stale_ignored`) if the node already has its version for the key
+//! (the key's exact record is at or above it, or a versioned clear's floor
+//! above it), and is applied as an invalidation of its key otherwise.
 //!
 //! ## Bad input
 //! Garbage, truncated, oversized (over 1 MiB by default) or unknown-format
@@ -236,8 +240,10 @@
 //! logged, and change nothing (not even an invalidation, or forgeries could
 //! flush caches at will). A
 //! [`Keyring`] accepts several keys, so keys can rotate. A replayed signed
-//! event is still authentic: versions make a replayed refresh stale, while an
-//! unversioned one is applied again.
+//! event is still authentic, and late on a node that received it before
+//! (see above): a replayed versioned refresh is ignored as stale, while a
+//! replayed unversioned refresh, invalidation or clear removes again what
+//! it names, which costs reloads and installs nothing.
 //!
 //! Signatures cover events, not the broker's bookkeeping around them: a
 //! party that can write to the broker directly (its own `XADD` to a Redis
@@ -343,8 +349,14 @@
 //!
 //! ## Redelivery
 //! Positions are saved periodically and on shutdown through an
-//! [`OffsetStore`]; after a crash some events are applied again. Applying an
-//! event twice has the same effect as once.
+//! [`OffsetStore`]; after a crash some events are applied again, in order,
+//! to caches emptied at registration, as they were the first time. On
+//! a running node an event delivered twice is late the second time, and
+//! installs nothing: a versioned refresh then changes nothing, while an
+//! unversioned refresh (whose value the node cannot tell from a newer
+//! one), an invalidation or a clear removes again what it names, so the
+//! next reads load it. Either way no older value than the first time is
+//! left in the cache.
 //!
 //! # Features
 //! The embedded transport needs no feature and no server. Broker transports come

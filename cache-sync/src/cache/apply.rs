@@ -22,6 +22,10 @@ use crate::wire::{ChangeView, Header, decode_part};
 pub(crate) struct Event<'a> {
     pub(crate) header: Header<'a>,
     pub(crate) change: ChangeView<'a>,
+    /// Numbered at or below its publisher's last for the cache (a
+    /// redelivery, a replay, an event that changed queue): its refreshes
+    /// are never installed (see `Op::Late`).
+    pub(crate) late: bool,
 }
 
 impl Event<'_> {
@@ -331,6 +335,12 @@ where
                     };
                     let op = if !refresh {
                         Op::Invalidate
+                    } else if event.late {
+                        // Its value is never installed: not read either.
+                        match item.version {
+                            Some(_) => Op::Late,
+                            None => Op::Invalidate,
+                        }
                     } else {
                         match decode_part::<V>(item.value, "value") {
                             Ok(_) if quarantined && item.version.is_some() => Op::Quarantined,

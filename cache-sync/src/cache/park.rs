@@ -37,6 +37,15 @@ pub(super) enum Op<V> {
     Quarantined,
     /// A refresh (counted by its decision).
     Refresh(V),
+    /// A versioned refresh in a late event (at or below its publisher's
+    /// last number: a redelivery, a replay, an event that changed queue).
+    /// Never installed: a gap may have resynced the cache since, and a
+    /// value loaded without a version then leaves the record older than
+    /// what the cache holds. Ignored as stale where the record says the
+    /// node already had its version (a replay changes nothing), otherwise
+    /// applied as an invalidation at its version. An unversioned refresh
+    /// in a late event is an `Invalidate`: nothing tells its age.
+    Late,
 }
 
 /// One event item for one key.
@@ -192,6 +201,14 @@ where
                         TraceEvent::Quarantined,
                     )
                 }
+                Op::Late => match table.refresh_late(&key, item.version) {
+                    RefreshDecision::Stale => {
+                        (Write::Keep, &s.stale_ignored, TraceEvent::StaleIgnored)
+                    }
+                    RefreshDecision::Invalidate | RefreshDecision::Apply => {
+                        (Write::Remove, &s.invalidations, TraceEvent::Invalidated)
+                    }
+                },
                 Op::Refresh(value) => match table.refresh(&key, item.version) {
                     RefreshDecision::Apply => {
                         (Write::Put(value), &s.refreshes, TraceEvent::Refreshed)

@@ -51,7 +51,13 @@ async fn apply(c: &Cache, change: &Change) {
     let bytes = encode(&header(), change).unwrap();
     let (header, offset) = crate::wire::decode_header(&bytes, 1 << 20).unwrap();
     let change = crate::wire::decode_change(&bytes, offset).unwrap();
-    c.inner.apply(&[Event { header, change }]).await;
+    c.inner
+        .apply(&[Event {
+            header,
+            change,
+            late: false,
+        }])
+        .await;
 }
 
 async fn invalidate(c: &Cache, k: &str, version: Option<u64>) {

@@ -288,6 +288,29 @@ impl<K: Hash + Eq + Clone> VersionTable<K> {
         RefreshDecision::Apply
     }
 
+    /// A refresh from a late event (see `park::Op::Late`): never
+    /// [`Apply`](RefreshDecision::Apply). [`Stale`](RefreshDecision::Stale),
+    /// and nothing changes, where a refresh would be stale for certain (at
+    /// or below the key's exact record, or below the clear floor: the node
+    /// already had that version, so what it holds is no older); otherwise
+    /// [`Invalidate`](RefreshDecision::Invalidate), recorded as an
+    /// invalidation at `version`.
+    pub(crate) fn refresh_late(&mut self, key: &K, version: Option<u64>) -> RefreshDecision {
+        if let Some(v) = version {
+            if self.clear_floor.is_some_and(|floor| v < floor) {
+                return RefreshDecision::Stale;
+            }
+            if let Some(i) = self.find(key) {
+                let slot = &self.slots[i];
+                if slot.exact() && slot.version().is_some_and(|known| v <= known) {
+                    return RefreshDecision::Stale;
+                }
+            }
+        }
+        self.invalidate(key, version);
+        RefreshDecision::Invalidate
+    }
+
     /// An invalidation always removes the entry; with a version it also
     /// leaves a tombstone that older refreshes cannot pass.
     pub(crate) fn invalidate(&mut self, key: &K, version: Option<u64>) {
@@ -444,6 +467,32 @@ mod tests {
 
     fn table<K: Hash + Eq + Clone>(capacity: usize) -> VersionTable<K> {
         VersionTable::new(capacity, Hasher::default())
+    }
+
+    /// Issue 35, item 7: a refresh from a late event is never applied. It
+    /// is stale where a refresh would be stale for certain (at or below
+    /// the key's exact record, below a clear's floor), and otherwise an
+    /// invalidation at its version: one newer than the record, one for a
+    /// key with no record or only the evicted floor, one with no version.
+    #[test]
+    fn a_late_refresh_is_stale_or_an_invalidation_never_applied() {
+        let mut t = table::<&str>(2);
+        assert_eq!(t.refresh(&"k", Some(5)), Apply);
+        assert_eq!(t.refresh_late(&"k", Some(5)), Stale);
+        assert_eq!(t.refresh_late(&"k", Some(4)), Stale);
+        assert_eq!(t.held_at(&"k"), Some(5), "a stale one changes nothing");
+        assert_eq!(t.refresh_late(&"k", Some(6)), Invalidate);
+        assert_eq!((t.exact_version(&"k"), t.held_at(&"k")), (Some(6), None));
+        assert_eq!(t.refresh(&"k", Some(6)), Stale, "its tombstone stands");
+        assert_eq!(t.refresh_late(&"k", None), Invalidate);
+        assert_eq!(t.refresh_late(&"new", Some(1)), Invalidate);
+        // "k" is evicted: the floor it leaves is no exact record.
+        t.touch(&"other");
+        assert_eq!(t.exact_version(&"k"), None);
+        assert_eq!(t.refresh_late(&"k", Some(3)), Invalidate);
+        t.clear(Some(50));
+        assert_eq!(t.refresh_late(&"x", Some(49)), Stale);
+        assert_eq!(t.refresh_late(&"x", Some(50)), Invalidate);
     }
 
     /// `held_at` names the version of the value held, and only while no

@@ -120,18 +120,19 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
         let observed = seqs.observe_late(header.publisher, header.cache, header.seq, prior);
         if observed.late {
             // Late: its publisher's later events for this cache came first
-            // (a redelivery, or a publisher whose events moved to another
-            // queue when a broker failed, read from the old one after the
-            // new). A gap may have resynced the cache meanwhile, and an
-            // unversioned cache cannot tell its value from a newer one, so
-            // a refresh lands as an invalidation of its keys.
+            // (a redelivery, a replay, or a publisher whose events moved to
+            // another queue when a broker failed, read from the old one
+            // after the new). A gap may have resynced the cache meanwhile,
+            // and a value loaded since without a version may be newer than
+            // the key's record says, so its refreshes are never installed:
+            // an unversioned one lands as an invalidation, a versioned one
+            // is ignored if the record already has its version (a replay
+            // changes nothing) and lands as an invalidation otherwise (see
+            // `Op::Late`).
             shared.stats.late.fetch_add(1, Relaxed);
             tracing::debug!(node = %shared.id, cache = %header.cache, origin = %header.origin,
                 publisher = header.publisher, seq = header.seq,
-                "event at or below its publisher's last number; applying it as an invalidation");
-            if let Ok(ChangeView::Refresh(items)) = change {
-                change = Ok(ChangeView::Invalidate(items));
-            }
+                "event at or below its publisher's last number; its refreshes are not installed");
         }
         if let Some(missed) = observed.missed {
             shared.stats.publisher_gaps.fetch_add(1, Relaxed);
@@ -153,7 +154,11 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
                 // Built in place: an event is some 150 bytes, and every
                 // move through an async call is a copy.
                 run.cache = Some(cache);
-                run.events.push(Event { header, change });
+                run.events.push(Event {
+                    header,
+                    change,
+                    late: observed.late,
+                });
             }
             Err(e) => {
                 reject(shared, record, &e.to_string(), e.kind().label());
