@@ -256,6 +256,60 @@ async fn status_publish_and_lag_on_redis_streams() {
     }
 }
 
+/// Issue 35, item 9: a probe whose key no node can read (a string key for
+/// a cache of `u64` keys) is the command's error, not agreement: it exits
+/// 2 (it said "all 1 nodes agree" and exited 0). The key's own type agrees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_of_a_key_no_node_can_read_exits_2() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let transport = RedisStreamsTransport::builder(url.clone())
+        .block(Duration::from_millis(200))
+        .connect()
+        .await
+        .expect("connect");
+    let ids: SyncedCache<u64, String> = SyncedCache::new("ids", moka::future::Cache::new(10));
+    let n1 = Node::builder("n1", transport)
+        .heartbeat_interval(EVERY)
+        .register(&ids)
+        .start()
+        .await
+        .expect("start a node");
+    let probe = async |key_type: &str| {
+        cli(&[
+            "--transport",
+            "redis-streams",
+            "--url",
+            url.as_str(),
+            "--heartbeat-interval",
+            "100ms",
+            "probe",
+            "--cache",
+            "ids",
+            "--key",
+            "7",
+            "--key-type",
+            key_type,
+        ])
+        .await
+    };
+    let out = probe("string").await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stdout}{stderr}");
+    assert!(stdout.contains("n1: error: "), "{stdout}");
+    assert!(
+        stdout.contains("1 of 1 nodes could not read the key"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("agree"), "{stdout}");
+    assert!(stderr.contains("--key-type"), "{stderr}");
+    let out = probe("u64").await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    assert!(stdout.contains("all 1 nodes agree"), "{stdout}");
+    n1.shutdown().await.expect("shutdown");
+}
+
 /// `status` on `transport` lists two nodes started on `connect()`.
 async fn status_lists_every_node<T: Transport>(
     name: &str,

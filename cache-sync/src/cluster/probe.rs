@@ -67,13 +67,27 @@ impl KeyProbe {
 
     /// Whether every node that answered knows the same version of the key
     /// (or none) and holds it alike; a node that did not answer is not
-    /// counted (see [`incomplete`](Self::incomplete)).
+    /// counted (see [`incomplete`](Self::incomplete)). Never while a node
+    /// could not read the key (see [`refused`](Self::refused)): nodes that
+    /// all refused it said nothing about it, least of all that they agree.
     pub fn agrees(&self) -> bool {
-        let mut states = self.answered().map(|(_, s)| (s.version, s.held, &s.error));
+        if self.refused().next().is_some() {
+            return false;
+        }
+        let mut states = self.answered().map(|(_, s)| (s.version, s.held));
         match states.next() {
             None => true,
             Some(first) => states.all(|s| s == first),
         }
+    }
+
+    /// The nodes that answered that they could not read the key as their
+    /// cache's key type (their answer's `error`): the key was of another
+    /// type, or those nodes hold another cache under the name.
+    pub fn refused(&self) -> impl Iterator<Item = &str> {
+        self.answered()
+            .filter(|(_, s)| s.error.is_some())
+            .map(|(id, _)| id)
     }
 
     /// The nodes whose answer differs from the newest: an older version,
@@ -94,8 +108,11 @@ impl KeyProbe {
     }
 }
 
-/// One line per node: `node-1 holds version 9`, `node-3 holds version 5
-/// (behind)`, `node-4 did not answer`.
+/// One line per node (`n1: holds, version 9`, `n3: holds, version 5  <-
+/// differs`, `n4: no answer`, `n5: error: …`), then one that sums up: `all
+/// 3 nodes agree`, `the nodes disagree`, `2 of 3 nodes could not read the
+/// key`, or `incomplete: …` (`some nodes did not answer`, and the other
+/// reasons of [`Incomplete`]) with the refusals after it, if any.
 impl fmt::Display for KeyProbe {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // A set: one look-up per node, not a scan of the others.
@@ -124,11 +141,30 @@ impl fmt::Display for KeyProbe {
             }
             writeln!(f)?;
         }
+        let refused = self.refused().count();
+        let refusals = |f: &mut fmt::Formatter<'_>| {
+            write!(
+                f,
+                "{refused} of {} nodes could not read the key",
+                self.nodes.len()
+            )
+        };
         match self.incomplete {
-            Some(why) => write!(f, "incomplete: {why}"),
-            None if self.agrees() => write!(f, "all {} nodes agree", self.nodes.len()),
-            None => write!(f, "the nodes disagree"),
+            // The probe's own words: `Incomplete`'s say what an
+            // acknowledgement waits for ("had not applied it").
+            Some(Incomplete::Pending) => write!(f, "incomplete: some nodes did not answer")?,
+            Some(why) => write!(f, "incomplete: {why}")?,
+            None if refused > 0 => return refusals(f),
+            None if self.agrees() => {
+                return write!(f, "all {} nodes agree", self.nodes.len());
+            }
+            None => return write!(f, "the nodes disagree"),
         }
+        if refused > 0 {
+            write!(f, "; ")?;
+            refusals(f)?;
+        }
+        Ok(())
     }
 }
 
@@ -285,5 +321,86 @@ impl Cluster {
                 () = tokio::time::sleep_until(wake) => {}
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: &str, state: Option<(bool, Option<u64>, Option<&str>)>) -> NodeKey {
+        NodeKey {
+            node_id: id.to_owned(),
+            state: state.map(|(held, version, error)| KeyState {
+                held,
+                version,
+                quarantined: false,
+                trace: Vec::new(),
+                error: error.map(str::to_owned),
+            }),
+        }
+    }
+
+    fn probe(nodes: Vec<NodeKey>, incomplete: Option<Incomplete>) -> KeyProbe {
+        KeyProbe {
+            cache: "ids".into(),
+            key: "\"abc\"".into(),
+            nodes,
+            elapsed: Duration::ZERO,
+            incomplete,
+        }
+    }
+
+    /// Issue 35, item 9: a probe says what a probe found, in its own
+    /// words. A node that did not answer is not one that "had not applied
+    /// it" (an acknowledgement's words); a node that could not read the key
+    /// never agrees, even with others that could not either.
+    #[test]
+    fn a_probe_reports_refusals_and_missing_answers_in_its_own_words() {
+        let refused = Some((false, None, Some("the key is not one of this cache's")));
+        let all_refused = probe(vec![node("n1", refused), node("n2", refused)], None);
+        assert!(!all_refused.agrees());
+        assert_eq!(all_refused.refused().collect::<Vec<_>>(), ["n1", "n2"]);
+        let text = all_refused.to_string();
+        assert!(
+            text.ends_with("\n2 of 2 nodes could not read the key"),
+            "{text}"
+        );
+        assert!(!text.contains("agree"), "{text}");
+
+        let held = Some((true, Some(3), None));
+        let one_refused = probe(vec![node("n1", held), node("n2", refused)], None);
+        assert!(!one_refused.agrees());
+        assert!(
+            one_refused
+                .to_string()
+                .ends_with("1 of 2 nodes could not read the key")
+        );
+
+        let pending = probe(
+            vec![node("n1", held), node("n2", None)],
+            Some(Incomplete::Pending),
+        );
+        let text = pending.to_string();
+        assert!(text.contains("n2: no answer"), "{text}");
+        assert!(
+            text.ends_with("incomplete: some nodes did not answer"),
+            "{text}"
+        );
+        assert!(!text.contains("applied"), "{text}");
+        let both = probe(
+            vec![node("n1", refused), node("n2", None)],
+            Some(Incomplete::Pending),
+        );
+        assert!(
+            both.to_string().ends_with(
+                "incomplete: some nodes did not answer; 1 of 2 nodes could not read the key"
+            ),
+            "{both}"
+        );
+
+        let agreeing = probe(vec![node("n1", held), node("n2", held)], None);
+        assert!(agreeing.agrees() && agreeing.refused().next().is_none());
+        assert!(agreeing.to_string().ends_with("all 2 nodes agree"));
     }
 }

@@ -73,7 +73,8 @@ pub(crate) enum Command {
     /// line per node (held or absent, the newest version it knows, whether
     /// the cache is quarantined), flagging the nodes that differ from the
     /// newest. Exits 0 when every node answered and all agree, 1 when they
-    /// disagree or some node did not answer, 2 on errors
+    /// disagree, some node did not answer or some could not read the key,
+    /// 2 on errors (a key that no node could read: see --key-type)
     #[command(verbatim_doc_comment)]
     Probe {
         /// The cache's name, e.g. countries

@@ -10,7 +10,8 @@
 //!
 //! Exit codes: 0 all good, 1 a node diverged, no node answered, a publish
 //! was not applied everywhere in time, or a probe found nodes that
-//! disagree, 2 an error (bad arguments, no broker).
+//! disagree, did not answer or could not read the key, 2 an error (bad
+//! arguments, no broker, a probe's key that no node could read).
 
 // A command-line tool's output is its interface: it prints to stdout.
 #![allow(clippy::print_stdout)]
@@ -231,7 +232,17 @@ async fn run(args: Args) -> Result<ExitCode, String> {
             } else {
                 println!("{probe}");
             }
-            Ok(if probe.is_complete() && probe.agrees() {
+            let answered = probe.nodes.iter().filter(|n| n.state.is_some()).count();
+            let refused = probe.refused().count();
+            Ok(if refused > 0 && refused == answered {
+                // No node could read the key: the command's error, most
+                // likely a --key-type other than the cache's, not the
+                // cluster's (issue 35, item 9: this passed as agreement).
+                eprintln!(
+                    "error: no node could read the key as its cache's key type: is --key-type the cache's?"
+                );
+                ExitCode::from(ERROR)
+            } else if probe.is_complete() && probe.agrees() {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(1)

@@ -165,6 +165,53 @@ async fn absent_and_foreign_keys_and_an_unheld_cache() {
     n1.shutdown().await.unwrap();
 }
 
+/// Issue 35, item 9: a key of another type than the cache's, which every
+/// node refuses, is no agreement (it used to say "all 2 nodes agree").
+#[tokio::test]
+async fn a_probe_every_node_refused_does_not_agree() {
+    let transport = EmbeddedTransport::new();
+    let mut nodes = Vec::new();
+    let mut caches = Vec::new();
+    for id in ["n1", "n2"] {
+        let ids: SyncedCache<u64, String> = SyncedCache::new("ids", moka::future::Cache::new(10));
+        nodes.push(
+            Node::builder(id, transport.clone())
+                .heartbeat_interval(EVERY)
+                .register(&ids)
+                .start()
+                .await
+                .unwrap(),
+        );
+        caches.push(ids);
+    }
+    let cluster = nodes[0].cluster();
+    eventually("both nodes in the view", async || {
+        cluster.nodes().len() == 2
+    })
+    .await;
+    let probe = cluster
+        .probe("ids", "abc", Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(probe.is_complete(), "{probe:?}");
+    assert!(!probe.agrees(), "{probe}");
+    assert_eq!(probe.refused().collect::<Vec<_>>(), ["n1", "n2"]);
+    let text = probe.to_string();
+    assert!(
+        text.ends_with("2 of 2 nodes could not read the key"),
+        "{text}"
+    );
+    // The key's own type: they agree.
+    let probe = cluster
+        .probe("ids", &7u64, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(probe.agrees() && probe.is_complete(), "{probe}");
+    for n in nodes {
+        n.shutdown().await.unwrap();
+    }
+}
+
 /// Probes travel signed: verifying nodes answer a signing party, and
 /// ignore an unsigned one (which sees them without an answer).
 #[tokio::test]
@@ -206,6 +253,12 @@ async fn verifying_nodes_answer_only_signed_probes() {
         .unwrap();
     assert_eq!(probe.nodes[0].state, None, "{probe:?}");
     assert_eq!(probe.incomplete, Some(crate::cluster::Incomplete::Pending));
+    assert!(
+        probe
+            .to_string()
+            .ends_with("incomplete: some nodes did not answer"),
+        "{probe}"
+    );
     assert!(n1.status().heartbeats_rejected > rejected);
     n1.shutdown().await.unwrap();
 }
