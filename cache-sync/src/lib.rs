@@ -310,7 +310,9 @@
 //! compared with the source of truth by the node that holds it, while the
 //! node is ready, at most [`Audit::rate`] keys a second:
 //! - An entry the node knows at a version below the source's row (or, where
-//!   values are compared, with another value) is a suspect. A suspect whose
+//!   values are compared, with another value: equal means equal by
+//!   `PartialEq` or encoded alike, so a NaN equals itself; see
+//!   [`Audit::compare_values`]) is a suspect. A suspect whose
 //!   key is written, or whose cache is cleared, before it is judged is
 //!   explained and cleared.
 //! - After the [grace window](Audit::grace), counted from when the

@@ -133,10 +133,11 @@ where
 
     /// Audits against a source without versions, comparing values: `read`
     /// answers `Some(value)` for a row, or `None` where there is none.
-    /// Otherwise as [`versioned`](Self::versioned).
+    /// Otherwise as [`versioned`](Self::versioned). Values compare as
+    /// [`compare_values`](Self::compare_values) says.
     pub fn by_value<F, Fut, E>(read: F) -> Self
     where
-        V: PartialEq,
+        V: PartialEq + Serialize,
         F: Fn(Vec<K>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Vec<(K, Option<V>)>, E>> + Send + 'static,
         E: fmt::Display,
@@ -153,7 +154,7 @@ where
                 }
             })
         }));
-        audit.same = Some(V::eq);
+        audit.same = Some(same_value::<V>);
         audit
     }
 
@@ -172,11 +173,21 @@ where
     /// Also compares values: an entry the node knows at the row's version
     /// (or at none) but whose value differs is behind, and one whose value
     /// equals the row's is not, whatever its version.
+    ///
+    /// Two values are equal if `PartialEq` says so, or else if they encode
+    /// to the same bytes (bincode's standard encoding, as events carry
+    /// values). The second makes a value equal to itself where `PartialEq`
+    /// is not reflexive: a float NaN, alone or inside a value, would
+    /// otherwise be removed as an inconsistency at every sweep. It adds no
+    /// false agreement (what encodes alike reaches every node alike; a
+    /// field that `Serialize` skips is never compared), and two NaNs with
+    /// different bits still differ. The encoding is paid only where
+    /// `PartialEq` says the values differ.
     pub fn compare_values(mut self) -> Self
     where
-        V: PartialEq,
+        V: PartialEq + Serialize,
     {
-        self.same = Some(V::eq);
+        self.same = Some(same_value::<V>);
         self
     }
 
@@ -263,6 +274,20 @@ where
         let share = keys.max(1) as f64 / f64::from(self.rate);
         let stretch = 1.0 + (random() % 1024) as f64 / 4096.0;
         Duration::from_secs_f64(share * stretch)
+    }
+}
+
+/// The audit's equality (see [`Audit::compare_values`]): `PartialEq`, or
+/// the same encoding. A value that does not encode is judged by
+/// `PartialEq` alone.
+fn same_value<V: PartialEq + Serialize>(held: &V, source: &V) -> bool {
+    if held == source {
+        return true;
+    }
+    let encode = |v: &V| crate::wire::encode_part(v, "value").ok();
+    match (encode(held), encode(source)) {
+        (Some(h), Some(s)) => h == s,
+        _ => false,
     }
 }
 
@@ -839,6 +864,21 @@ mod tests {
             version,
             value: Some(value.to_owned()),
         }
+    }
+
+    /// Issue 35, item 10: the audit's equality is `PartialEq` or the same
+    /// encoding, so a NaN equals itself and truly different values differ.
+    #[test]
+    fn values_compare_equal_by_partial_eq_or_encoding() {
+        let nan = f64::NAN;
+        assert!(same_value(&nan, &nan));
+        assert!(same_value(&(nan, 1u32), &(nan, 1u32)));
+        assert!(!same_value(&(nan, 1u32), &(nan, 2u32)));
+        assert!(!same_value(&nan, &1.0));
+        assert!(!same_value(&nan, &-nan), "another NaN's bits");
+        assert!(same_value(&0.0f64, &-0.0f64), "PartialEq's equal");
+        assert!(same_value(&"a".to_owned(), &"a".to_owned()));
+        assert!(!same_value(&"a".to_owned(), &"b".to_owned()));
     }
 
     #[test]

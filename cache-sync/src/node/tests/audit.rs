@@ -386,6 +386,73 @@ async fn a_source_without_versions_is_compared_by_value() {
     node.shutdown().await.unwrap();
 }
 
+/// Issue 35, item 10: a value equal to the source's is no inconsistency,
+/// even where `PartialEq` says otherwise: a NaN, alone or in a value
+/// (`NaN != NaN`), was removed on every sweep. A value that truly differs
+/// (here beside a NaN) still is one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nan_held_by_the_node_and_the_source_is_no_inconsistency() {
+    type Row = (f64, u32);
+    let source: Arc<Mutex<HashMap<String, Row>>> = Arc::default();
+    let read = source.clone();
+    let c: SyncedCache<String, Row> = SyncedCache::builder("rows", moka::future::Cache::new(100))
+        .audit(
+            Audit::by_value(move |keys: Vec<String>| {
+                let read = read.clone();
+                async move {
+                    let rows = read.lock().unwrap();
+                    Ok::<_, std::convert::Infallible>(
+                        keys.into_iter()
+                            .map(|k| {
+                                let v = rows.get(&k).copied();
+                                (k, v)
+                            })
+                            .collect(),
+                    )
+                }
+            })
+            .rate(1000)
+            .batch(10)
+            .grace(Duration::from_millis(100)),
+        )
+        .build()
+        .unwrap();
+    let node = Node::builder("n", EmbeddedTransport::new())
+        .reorder_window(Duration::ZERO)
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    for (k, held, row) in [
+        ("nan", (f64::NAN, 1), (f64::NAN, 1)),
+        ("plain", (0.5, 1), (0.5, 1)),
+        ("differs", (f64::NAN, 1), (f64::NAN, 2)),
+    ] {
+        source.lock().unwrap().insert(k.into(), row);
+        c.insert(k.into(), held).await;
+    }
+    eventually("the differing value found", async || {
+        c.status().audit.unwrap().inconsistencies >= 1
+    })
+    .await;
+    // Three more sweeps, each judging the NaN again.
+    let sweeps = c.status().audit.unwrap().sweeps;
+    eventually("three more sweeps", async || {
+        c.status().audit.unwrap().sweeps >= sweeps + 3
+    })
+    .await;
+    let a = c.status().audit.unwrap();
+    assert_eq!((a.inconsistencies, a.repairs), (1, 1), "{a:?}");
+    assert!(
+        c.peek("nan")
+            .await
+            .is_some_and(|(v, n)| v.is_nan() && n == 1)
+    );
+    assert_eq!(c.peek("plain").await, Some((0.5, 1)));
+    assert_eq!(c.peek("differs").await, None, "repaired");
+    node.shutdown().await.unwrap();
+}
+
 /// Held without a version, and values not compared: counted as
 /// unverified, never a suspect.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
