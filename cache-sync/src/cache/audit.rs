@@ -62,6 +62,18 @@ const WINDOW_BUCKETS: u32 = 60;
 /// source still differs, it is an *inconsistency*: counted, logged with
 /// the key's trace, and repaired by removing the entry, so the next read
 /// loads it. See [`AuditStatus`] for what is reported.
+///
+/// The auditor's reads of the node's entries count no access in moka (for
+/// its eviction policy and its time-to-idle, so audited entries idle out
+/// as others do): a sweep takes the keys, and where values are compared
+/// their values, from moka's iteration, and keeps those values until it
+/// reaches each key (a second copy of the cache's values for up to a
+/// sweep: wrap large values in `Arc`, as moka advises). Only a key written
+/// since the sweep began (which that write just accessed), one the bounded
+/// version table cannot vouch for while it is full (see
+/// [`max_tracked_keys`](crate::SyncedCacheBuilder::max_tracked_keys)), and
+/// a suspect read again after its grace window are read with moka's `get`,
+/// which counts as an access.
 pub struct Audit<K, V> {
     pub(super) read: Read<K, V>,
     /// Compares a held value with the source's, where values are compared.
@@ -311,15 +323,20 @@ pub(crate) fn first_wait(rate: u32, batch: usize) -> Duration {
 /// One cache's auditor: its settings, its sweep, and its counters.
 pub(super) struct Auditor<K, V> {
     pub(super) audit: Audit<K, V>,
-    state: Mutex<State<K>>,
+    state: Mutex<State<K, V>>,
     stats: AuditStats,
 }
 
-struct State<K> {
+struct State<K, V> {
     /// What is left of the current sweep, taken from the end: the keys held
     /// when it began, in the order of their hash, so a key comes round once
     /// a sweep at about the same place.
     pass: Vec<Arc<K>>,
+    /// Where values are compared, each key's value as the sweep read it
+    /// (`pass`'s, one for one), and the version table's stamp before that
+    /// read: see [`Sweep`].
+    seen: Vec<V>,
+    seen_at: u64,
     suspects: HashMap<K, Suspect>,
     backoff: Backoff,
     window: Window,
@@ -458,6 +475,8 @@ impl<K: Hash + Eq, V> Auditor<K, V> {
             audit,
             state: Mutex::new(State {
                 pass: Vec::new(),
+                seen: Vec::new(),
+                seen_at: 0,
                 suspects: HashMap::default(),
                 backoff: Backoff::new(min, min.max(Duration::from_secs(60))),
                 window,
@@ -522,11 +541,13 @@ where
         // of the whole cache must not hold up the status and heartbeats,
         // which read the counters under it.
         if lock(&auditor.state).pass.is_empty() {
-            let pass = self.sweep();
+            let pass = self.sweep(audit.same.is_some()).await;
             let mut state = lock(&auditor.state);
-            if state.pass.is_empty() && !pass.is_empty() {
+            if state.pass.is_empty() && !pass.keys.is_empty() {
                 auditor.stats.sweeps.fetch_add(1, Relaxed);
-                state.pass = pass;
+                state.pass = pass.keys;
+                state.seen = pass.values;
+                state.seen_at = pass.since;
             }
         }
         let (due, sweep) = {
@@ -573,8 +594,8 @@ where
         // The node's side first, then the source's: a write landing in
         // between shows in the stamp, and the suspect it may make clears.
         let mut held = Vec::with_capacity(sweep.len());
-        for key in sweep {
-            if let Some(entry) = self.held(&key).await {
+        for (key, seen) in sweep {
+            if let Some(entry) = self.held(&key, seen).await {
                 held.push(((*key).clone(), entry));
             }
         }
@@ -651,7 +672,11 @@ where
                 lock(&auditor.state).suspects.insert(key, suspect);
                 continue;
             };
-            let still = match self.held(&key).await {
+            // Read as it is now: what the sweep read may be older than an
+            // install no stamp shows (an entry moka expired, loaded again
+            // without a version). A `get`, which moka counts as an access,
+            // but only for a suspect, once after each grace window.
+            let still = match self.held(&key, None).await {
                 Some(entry) if !lock(&self.table).superseded(&key, suspect.token) => {
                     verdict(&entry, row.as_ref(), same) == Verdict::Behind
                 }
@@ -744,19 +769,30 @@ where
 
     /// The node's entry for `key`, read under its stripe so no write to it
     /// is half done; `None` if it holds none. The value is read only where
-    /// values are compared, since moka counts a read (for its eviction
-    /// policy, and a time-to-idle) and `contains_key` does not.
-    async fn held(&self, key: &K) -> Option<Held<V>> {
+    /// values are compared: moka counts a `get` as an access (for its
+    /// eviction policy, and its time-to-idle, which an auditor reading
+    /// every entry each sweep would never let pass: issue 35, item 8), and
+    /// `contains_key` and its iteration count none. So the value the sweep
+    /// read (`seen`: the value, and the table's stamp before the sweep) is
+    /// taken if no write to the key was stamped since; only a key written
+    /// since, which that write has just accessed anyway, or one without
+    /// such a value (a suspect read again) is read with `get`.
+    async fn held(&self, key: &K, seen: Option<Seen<V>>) -> Option<Held<V>> {
         let auditor = self.audit.as_ref()?;
         let _stripe = self.write_locks[self.stripe(key)].lock().await;
-        let (token, version) = {
+        let (token, version, seen) = {
             let table = lock(&self.table);
-            (table.load_token(), table.held_at(key))
+            let seen = seen
+                .filter(|(_, since)| !table.superseded(key, *since))
+                .map(|(value, _)| value);
+            (table.load_token(), table.held_at(key), seen)
         };
-        let value = match auditor.audit.same {
-            Some(_) => Some(self.cache.get(key).await?),
-            None if self.cache.contains_key(key) => None,
-            None => return None,
+        let value = match (auditor.audit.same, seen) {
+            (Some(_), Some(seen)) if self.cache.contains_key(key) => Some(seen),
+            (Some(_), Some(_)) => return None,
+            (Some(_), None) => Some(self.cache.get(key).await?),
+            (None, _) if self.cache.contains_key(key) => None,
+            (None, _) => return None,
         };
         Some(Held {
             token,
@@ -766,11 +802,40 @@ where
     }
 
     /// The keys the cache holds now, for a new sweep, in the order of their
-    /// hash (taken from the end).
-    fn sweep(&self) -> Vec<Arc<K>> {
-        let mut keys: Vec<Arc<K>> = self.cache.iter().map(|(k, _)| k).collect();
-        keys.sort_by_cached_key(|k| std::cmp::Reverse(self.hasher.hash_one(&**k)));
-        keys
+    /// hash (taken from the end), read with moka's iteration, which counts
+    /// no access; where values are compared (`values`), with the values.
+    async fn sweep(&self, values: bool) -> Sweep<K, V> {
+        let hash = |k: &Arc<K>| std::cmp::Reverse(self.hasher.hash_one(&**k));
+        if !values {
+            let mut keys: Vec<Arc<K>> = self.cache.iter().map(|(k, _)| k).collect();
+            keys.sort_by_cached_key(hash);
+            return Sweep {
+                keys,
+                values: Vec::new(),
+                since: 0,
+            };
+        }
+        // The stamp first, then a barrier through every stripe: a write
+        // stamped by then holds its stripe until moka has its value, so
+        // once the barrier is through, the iteration reads it (or a later
+        // write's, which a stamp after this one shows). No stamp shows a
+        // load without a version into an entry that moka expired, or that
+        // a clear stamped by then emptied after the iteration: the value
+        // read is then older than the entry, which can make a suspect (its
+        // second read, with `get`, clears it) or leave a wrong entry to
+        // the next sweep.
+        let since = lock(&self.table).load_token();
+        for stripe in &self.write_locks {
+            drop(stripe.lock().await);
+        }
+        let mut entries: Vec<(Arc<K>, V)> = self.cache.iter().collect();
+        entries.sort_by_cached_key(|(k, _)| hash(k));
+        let (keys, values) = entries.into_iter().unzip();
+        Sweep {
+            keys,
+            values,
+            since,
+        }
     }
 
     fn audit_pending(&self, auditor: &Auditor<K, V>) {
@@ -800,13 +865,30 @@ impl<T> Drop for Reading<T> {
     }
 }
 
-/// The sweep's next `n` keys that are not suspects.
-fn next_keys<K: Hash + Eq>(state: &mut State<K>, n: usize) -> Vec<Arc<K>> {
+/// A key's value as its sweep read it, and the version table's stamp
+/// before that read (see [`Sweep`]).
+type Seen<V> = (V, u64);
+
+/// A new sweep: the keys held when it began, in the order it takes them,
+/// and, where values are compared, their values as moka's iteration read
+/// them (one for one), and the version table's stamp before that: a write
+/// to a key stamped after it may have changed its value since.
+struct Sweep<K, V> {
+    keys: Vec<Arc<K>>,
+    values: Vec<V>,
+    since: u64,
+}
+
+/// The sweep's next `n` keys that are not suspects, each with its value as
+/// the sweep read it and the stamp before that read, where values are
+/// compared.
+fn next_keys<K: Hash + Eq, V>(state: &mut State<K, V>, n: usize) -> Vec<(Arc<K>, Option<Seen<V>>)> {
     let mut out = Vec::with_capacity(n.min(state.pass.len()));
     while out.len() < n {
         let Some(key) = state.pass.pop() else { break };
+        let seen = state.seen.pop().map(|v| (v, state.seen_at));
         if !state.suspects.contains_key(&*key) {
-            out.push(key);
+            out.push((key, seen));
         }
     }
     out

@@ -453,6 +453,86 @@ async fn a_nan_held_by_the_node_and_the_source_is_no_inconsistency() {
     node.shutdown().await.unwrap();
 }
 
+/// Issue 35, item 8: the auditor reads values (`by_value`,
+/// `compare_values`) without counting an access, so entries that agree with
+/// the source still idle out. Its reads with moka's `get` restarted every
+/// entry's time-to-idle at each sweep: audited entries never idled out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audited_entries_still_idle_out() {
+    let entries = 50;
+    let rows: Arc<HashMap<String, String>> = Arc::new(
+        (0..entries)
+            .map(|i| (format!("k{i}"), format!("v{i}")))
+            .collect(),
+    );
+    for compare in ["by_value", "compare_values"] {
+        let read = rows.clone();
+        let by_value = Audit::by_value(move |keys: Vec<String>| {
+            let read = read.clone();
+            async move {
+                Ok::<_, std::convert::Infallible>(
+                    keys.into_iter()
+                        .map(|k| {
+                            let v = read.get(&k).cloned();
+                            (k, v)
+                        })
+                        .collect(),
+                )
+            }
+        });
+        let read = rows.clone();
+        let versioned = Audit::versioned(move |keys: Vec<String>| {
+            let read = read.clone();
+            async move {
+                Ok::<_, std::convert::Infallible>(
+                    keys.into_iter()
+                        .map(|k| {
+                            let v = read.get(&k).map(|v| (v.clone(), 1));
+                            (k, v)
+                        })
+                        .collect(),
+                )
+            }
+        })
+        .compare_values();
+        let auditor = if compare == "by_value" {
+            by_value
+        } else {
+            versioned
+        };
+        let moka = moka::future::Cache::builder()
+            .max_capacity(1000)
+            .time_to_idle(Duration::from_secs(1))
+            .build();
+        let c: Cache = SyncedCache::builder("countries", moka)
+            .audit(
+                auditor
+                    .rate(10_000)
+                    .batch(10)
+                    .grace(Duration::from_secs(60)),
+            )
+            .build()
+            .unwrap();
+        let node = start("n", EmbeddedTransport::new(), &[&c]).await;
+        for (k, v) in rows.iter() {
+            c.insert(k.clone(), v.clone()).await;
+        }
+        // Sweeps far more often than the idle time, every entry agreeing.
+        eventually("ten sweeps", async || {
+            audit(&c).checks >= 10 * entries as u64
+        })
+        .await;
+        let a = audit(&c);
+        assert_eq!((a.suspects, a.inconsistencies), (0, 0), "{compare}: {a:?}");
+        // `contains_key` counts no access either.
+        eventually("every entry idled out", async || {
+            rows.keys().all(|k| !c.contains_key(k))
+        })
+        .await;
+        node.shutdown().await.unwrap();
+    }
+}
+
 /// Held without a version, and values not compared: counted as
 /// unverified, never a suspect.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
