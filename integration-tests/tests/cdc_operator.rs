@@ -2,7 +2,8 @@
 //! beforehand does to what it depends on: the publication (dropped,
 //! altered, replaced, pre-created with other settings), the mapped tables
 //! (a partition truncated, detached, attached or dropped; the table
-//! dropped; no replica identity), the relay's role (`REPLICATION`,
+//! dropped; no replica identity), the slot (read by another client), the
+//! relay's role (`REPLICATION`,
 //! `SELECT` revoked) and the server (`wal_level` lowered). Each ends in a
 //! correct stream, a resync, or a clear refusal: never a stall nor a stale
 //! node. Also the relay's own seams (issue 35): an oversized value, two
@@ -798,4 +799,97 @@ async fn a_slot_dropped_under_a_relay_and_its_standby_is_resynced_once() {
     assert_eq!(resyncs(), 5, "{:?} {:?}", a.stats(), b.stats());
     a.shutdown().await;
     b.shutdown().await;
+}
+
+/// The slot read by another client while the relay stands by
+/// (`pg_recvlogical`, say): what that client confirms is gone from the
+/// slot, and never reaches nodes. The relay sees the slot held by a
+/// session that is not a relay, says so, and resyncs every mapped cache
+/// once it has the slot back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_read_by_another_client_is_resynced_when_the_relay_has_it_back() {
+    let (pg, pool, transport, nodes) = items_fixture(2).await;
+    let relay = relay(&pg, &transport).start().await.unwrap();
+    insert(&pool, 0..20, "a").await;
+    eventually("rows arrive", async || nodes.hold(&named(0..20, "a")).await).await;
+    let recvlogical = || {
+        let bin = std::path::Path::new("/usr/lib/postgresql/15/bin/pg_recvlogical");
+        let bin = if bin.exists() {
+            bin.as_os_str()
+        } else {
+            "pg_recvlogical".as_ref()
+        };
+        std::process::Command::new(bin)
+            .args([
+                "-d",
+                &pg.url(),
+                "--slot",
+                "cache_sync",
+                "--start",
+                "-f",
+                "/dev/null",
+            ])
+            .args([
+                "-o",
+                "proto_version=1",
+                "-o",
+                "publication_names=cache_sync",
+            ])
+            // Confirm what it read every 100 ms.
+            .args(["-s", "1", "-F", "0"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("pg_recvlogical (Debian: postgresql-client-15)")
+    };
+    let holder = async || -> Option<String> {
+        sqlx::query_scalar(
+            "SELECT a.application_name FROM pg_replication_slots s \
+             JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = 'cache_sync'",
+        )
+        .fetch_optional(&pool)
+        .await
+        .unwrap()
+    };
+    // Take the slot from the relay: its session ends, and the other client
+    // starts before the relay's next try (100 ms later).
+    let mut client = None;
+    for _ in 0..50 {
+        exec(
+            &pool,
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE active_pid IS NOT NULL",
+        )
+        .await;
+        let mut c = recvlogical();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        if holder().await.as_deref() == Some("pg_recvlogical") {
+            client = Some(c);
+            break;
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    let mut client = client.expect("pg_recvlogical never got the slot");
+    exec(&pool, "UPDATE items SET name = 'b' || id WHERE id < 10").await;
+    let lsn: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    eventually("the other client confirmed the update", async || {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT confirmed_flush_lsn >= $1::pg_lsn FROM pg_replication_slots WHERE slot_name = 'cache_sync'",
+        )
+        .bind(&lsn)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    let _ = client.kill();
+    let _ = client.wait();
+    eventually("the relay has the slot back", async || relay.stats().active).await;
+    nodes.agree(&pool).await;
+    flows_again(&pool, &nodes).await;
+    relay.shutdown().await;
+    nodes.shutdown().await;
 }

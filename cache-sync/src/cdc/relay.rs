@@ -468,7 +468,7 @@ impl CdcRelayBuilder {
         let pool = PgPoolOptions::new()
             .max_connections(2)
             .acquire_timeout(SQL_TIMEOUT)
-            .connect_with(options.application_name("cache-sync cdc"))
+            .connect_with(options.application_name(slot::APPLICATION_NAME))
             .await
             .map_err(db)?;
         let mut relations: Vec<(String, String)> = self
@@ -610,7 +610,7 @@ fn replication_config(
             .with_status_interval(Duration::from_millis(200))
             .with_wakeup_interval(Duration::from_secs(1))
             .with_buffer_size(READ_AHEAD)
-            .with_application_name("cache-sync cdc"),
+            .with_application_name(slot::APPLICATION_NAME),
     )
 }
 

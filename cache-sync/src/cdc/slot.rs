@@ -17,6 +17,10 @@ use crate::util::Backoff;
 /// leaves the clear in the slot's stream for whichever relay comes next.
 pub(crate) const RESYNC_PREFIX: &str = "cache-sync.cdc.resync";
 
+/// The `application_name` of the relays' sessions: a slot held by a
+/// session without it is read by another client.
+pub(crate) const APPLICATION_NAME: &str = "cache-sync cdc";
+
 pub(crate) fn db(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
     Error::Database(e.into())
 }
@@ -33,15 +37,21 @@ pub(crate) enum SlotState {
     /// The server invalidated it (`wal_status = 'lost'`: it fell behind
     /// `max_slot_wal_keep_size`); it can never stream again.
     Lost,
-    /// Held by the walsender of this backend pid.
-    Active(i32),
+    /// Held by the walsender of this backend pid; `foreign`: its client
+    /// says it is not a cache-sync relay (its `application_name`).
+    Active {
+        pid: i32,
+        foreign: Option<String>,
+    },
     Idle,
 }
 
 pub(crate) async fn slot_state(pool: &PgPool, slot: &str) -> Result<SlotState> {
     let row = sqlx::query(
-        "SELECT active_pid, wal_status, plugin, database = current_database() AS here \
-         FROM pg_replication_slots WHERE slot_name = $1",
+        "SELECT s.active_pid, s.wal_status, s.plugin, s.database = current_database() AS here, \
+                a.application_name \
+         FROM pg_replication_slots s LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid \
+         WHERE s.slot_name = $1",
     )
     .bind(slot)
     .fetch_optional(pool)
@@ -62,7 +72,15 @@ pub(crate) async fn slot_state(pool: &PgPool, slot: &str) -> Result<SlotState> {
         return Ok(SlotState::Lost);
     }
     let pid: Option<i32> = row.try_get("active_pid").map_err(db)?;
-    Ok(pid.map_or(SlotState::Idle, SlotState::Active))
+    let name: Option<String> = row.try_get("application_name").map_err(db)?;
+    Ok(match pid {
+        None => SlotState::Idle,
+        Some(pid) => SlotState::Active {
+            pid,
+            // Unknown (not visible to this role): taken for a relay.
+            foreign: name.filter(|n| n != APPLICATION_NAME),
+        },
+    })
 }
 
 /// `text` as a SQL string literal.

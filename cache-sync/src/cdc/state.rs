@@ -224,6 +224,29 @@ pub(crate) fn token() -> u64 {
     std::hash::RandomState::new().hash_one(std::time::SystemTime::now())
 }
 
+/// Records, in its own transaction, a resync of `tables` (`None`: all)
+/// owed to `slot`; returns the debt's token (`None`: there is no
+/// publication to record it on, and whoever creates it owes a resync of
+/// everything).
+pub(crate) async fn owe(
+    pool: &PgPool,
+    publication: &str,
+    slot: &str,
+    tables: Option<Vec<Relation>>,
+) -> Result<Option<u64>> {
+    let mut tx = pool.begin().await.map_err(db)?;
+    lock(&mut tx, publication).await?;
+    let Some(mut record) = Record::read(&mut tx, publication).await? else {
+        return Ok(None);
+    };
+    let token = token();
+    tracing::debug!(slot, token, ?tables, "cdc relay: a resync owed");
+    record.slot(slot).owed.push(Debt { token, tables });
+    record.write(&mut tx, publication).await?;
+    tx.commit().await.map_err(db)?;
+    Ok(Some(token))
+}
+
 /// Records, in its own transaction, the resync a slot about to be created
 /// owes, if the slot is still missing (or lost) when it is recorded:
 /// `Ok(None)` when another relay's slot exists, or is being created

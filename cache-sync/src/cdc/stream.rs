@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures_util::FutureExt as _;
@@ -39,8 +39,8 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// How a session ended without an error.
 enum Ended {
-    /// Another relay streams the slot.
-    Standby(i32),
+    /// Another relay streams the slot (or, `foreign`, another client).
+    Standby { pid: i32, foreign: Option<String> },
     /// The server ended the stream.
     Closed,
     /// The relay was told to stop, and closed the stream.
@@ -61,11 +61,19 @@ const STOP_GRACE: Duration = Duration::from_secs(5);
 pub(super) async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
     let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
     let mut standby_of: Option<i32> = None;
+    // A client that is not a relay held the slot: what it confirmed never
+    // reached nodes, so a resync is owed once the slot is free again.
+    let after_foreign = AtomicBool::new(false);
     loop {
         if *stop.borrow() {
             break;
         }
-        let mut session = std::pin::pin!(session(&inner, standby_of.is_some(), stop.clone()));
+        let mut session = std::pin::pin!(session(
+            &inner,
+            standby_of.is_some(),
+            &after_foreign,
+            stop.clone()
+        ));
         let ended = tokio::select! {
             ended = &mut session => ended,
             _ = stop.changed() => {
@@ -78,8 +86,13 @@ pub(super) async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
         };
         inner.shared.active.store(false, Ordering::Relaxed);
         let wait = match ended {
-            Ok(Ended::Standby(pid)) => {
-                if standby_of.is_none() {
+            Ok(Ended::Standby { pid, foreign }) => {
+                if let Some(client) = foreign {
+                    if !after_foreign.load(Ordering::Relaxed) || standby_of != Some(pid) {
+                        tracing::error!(slot = %inner.shared.slot, pid, client, "cdc relay: the slot is read by a client that is not a cache-sync relay: the changes it confirms never reach nodes; every mapped cache is resynced once the relay has the slot back");
+                    }
+                    after_foreign.store(true, Ordering::Relaxed);
+                } else if standby_of.is_none() {
                     tracing::info!(slot = %inner.shared.slot, pid, "cdc relay: standby, another session streams the slot");
                 }
                 standby_of = Some(pid);
@@ -122,11 +135,12 @@ pub(super) async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
 async fn session(
     inner: &Inner,
     was_standby: bool,
+    after_foreign: &AtomicBool,
     mut stop: watch::Receiver<bool>,
 ) -> Result<Ended> {
     let slot = &inner.shared.slot;
     match slot::slot_state(&inner.pool, slot).await? {
-        SlotState::Active(pid) => return Ok(Ended::Standby(pid)),
+        SlotState::Active { pid, foreign } => return Ok(Ended::Standby { pid, foreign }),
         SlotState::Missing => {
             tracing::warn!(slot = %slot, "cdc relay: the slot is gone (dropped?); creating it again and clearing every mapped cache");
             // A slot streams through the publication: put it back first
@@ -139,7 +153,14 @@ async fn session(
             check_publication(inner).await;
             slot::create_slot(&inner.pool, &inner.publication, slot, true).await?;
         }
-        SlotState::Idle => {}
+        SlotState::Idle => {
+            if after_foreign.load(Ordering::Relaxed) {
+                // Owed now the other client let go: the message lands after
+                // whatever it confirmed.
+                state::owe(&inner.pool, &inner.publication, slot, None).await?;
+                after_foreign.store(false, Ordering::Relaxed);
+            }
+        }
     }
     // A debt a relay left when it died (after creating the slot, say).
     state::settle(&inner.pool, &inner.publication, slot).await?;
@@ -153,8 +174,8 @@ async fn session(
     if let Err(e) = client.wait_started().await {
         // Most often another relay took the slot between the check and
         // the start: that is standing by, not a failure.
-        if let Ok(SlotState::Active(pid)) = slot::slot_state(&inner.pool, slot).await {
-            return Ok(Ended::Standby(pid));
+        if let Ok(SlotState::Active { pid, foreign }) = slot::slot_state(&inner.pool, slot).await {
+            return Ok(Ended::Standby { pid, foreign });
         }
         return Err(db(e));
     }
