@@ -3,12 +3,11 @@
 //! altered, replaced, pre-created with other settings), the mapped tables
 //! (a partition truncated, detached, attached or dropped; the table
 //! dropped; no replica identity), the slot (read by another client), the
-//! relay's role (`REPLICATION`,
-//! `SELECT` revoked) and the server (`wal_level` lowered). Each ends in a
-//! correct stream, a resync, or a clear refusal: never a stall nor a stale
-//! node. Also the relay's own seams (issue 35): an oversized value, two
-//! relays starting at once, a graceful handover, a server crash after a
-//! resync.
+//! relay's role (`REPLICATION`, `SELECT` revoked) and the server
+//! (`wal_level` lowered). Each ends in a correct stream, a resync, or a
+//! clear refusal: never a stall nor a stale node. Also the relay's own
+//! seams (issue 35): an oversized value, two relays starting at once, a
+//! graceful handover, a server crash after a resync.
 #![cfg(feature = "postgres-cdc")]
 #![allow(clippy::unwrap_used)]
 

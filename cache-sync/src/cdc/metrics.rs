@@ -42,7 +42,7 @@ impl Collector for RelayCollector {
             ),
             (
                 "cdc_resyncs",
-                "Clears of every mapped cache for a new or lost slot.",
+                "Resyncs published: clears of the mapped caches for a new or lost slot, or of a table's after an operator changed it.",
                 s.resyncs,
             ),
             (
