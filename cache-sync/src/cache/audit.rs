@@ -9,12 +9,14 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
-use std::hash::{BuildHasher, Hash};
+use std::hash::{BuildHasher, Hash, RandomState};
+use std::num::NonZeroU64;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bytes::Bytes;
 use serde::Serialize;
 use tokio::time::Instant;
 
@@ -65,19 +67,29 @@ const WINDOW_BUCKETS: u32 = 60;
 ///
 /// The auditor's reads of the node's entries count no access in moka (for
 /// its eviction policy and its time-to-idle, so audited entries idle out
-/// as others do): a sweep takes the keys, and where values are compared
-/// their values, from moka's iteration, and keeps those values until it
-/// reaches each key (a second copy of the cache's values for up to a
-/// sweep: wrap large values in `Arc`, as moka advises). Only a key written
-/// since the sweep began (which that write just accessed), one the bounded
-/// version table cannot vouch for while it is full (see
-/// [`max_tracked_keys`](crate::SyncedCacheBuilder::max_tracked_keys)), and
-/// a suspect read again after its grace window are read with moka's `get`,
-/// which counts as an access.
+/// as others do), except where noted here. A sweep takes the keys from
+/// moka's iteration, which counts none, and where values are compared,
+/// keeps no copy of the values: for each key, a 64-bit fingerprint of its
+/// value's encoding (bincode's standard encoding, the one
+/// [`compare_values`](Self::compare_values) falls back on), 8 bytes a key
+/// for up to a sweep. When the sweep reaches a key that no write touched
+/// since and that moka still holds, a source row whose encoding has the
+/// same fingerprint agrees, with no access. Two different encodings share
+/// a fingerprint with a chance of about 2⁻⁶⁴ (a keyed hash, its key drawn
+/// at random when the cache is built), which would let a wrong entry pass
+/// for one sweep. Read with moka's `get`, which counts as an access, are
+/// only: an entry whose fingerprint differs from the row's, where the
+/// versions leave the values to decide (read after the source, then
+/// compared as `compare_values` says), a key written
+/// since the sweep began (which that write just accessed), one the
+/// bounded version table cannot vouch for while it is full (see
+/// [`max_tracked_keys`](crate::SyncedCacheBuilder::max_tracked_keys)), a
+/// value that does not encode, and a suspect read again after its grace
+/// window.
 pub struct Audit<K, V> {
     pub(super) read: Read<K, V>,
-    /// Compares a held value with the source's, where values are compared.
-    pub(super) same: Option<fn(&V, &V) -> bool>,
+    /// How values are compared, where they are.
+    pub(super) values: Option<Values<V>>,
     pub(super) rate: u32,
     pub(super) batch: usize,
     pub(super) grace: Option<Duration>,
@@ -88,7 +100,7 @@ pub struct Audit<K, V> {
 impl<K, V> fmt::Debug for Audit<K, V> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Audit")
-            .field("compares_values", &self.same.is_some())
+            .field("compares_values", &self.values.is_some())
             .field("rate", &self.rate)
             .field("batch", &self.batch)
             .field("grace", &self.grace)
@@ -166,14 +178,14 @@ where
                 }
             })
         }));
-        audit.same = Some(same_value::<V>);
+        audit.values = Some(Values::of());
         audit
     }
 
     fn with_read(read: Read<K, V>) -> Self {
         Self {
             read,
-            same: None,
+            values: None,
             rate: 100,
             batch: 100,
             grace: None,
@@ -199,7 +211,7 @@ where
     where
         V: PartialEq + Serialize,
     {
-        self.same = Some(same_value::<V>);
+        self.values = Some(Values::of());
         self
     }
 
@@ -289,6 +301,40 @@ where
     }
 }
 
+/// How values are compared, where they are: the audit's equality, and the
+/// encoding the sweep's fingerprints hash. Set together where
+/// `V: PartialEq + Serialize` is known (`by_value`, `compare_values`).
+pub(super) struct Values<V> {
+    same: fn(&V, &V) -> bool,
+    encode: fn(&V) -> Option<Bytes>,
+}
+
+impl<V> Clone for Values<V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<V> Copy for Values<V> {}
+
+impl<V> Values<V> {
+    fn of() -> Self
+    where
+        V: PartialEq + Serialize,
+    {
+        Self {
+            same: same_value::<V>,
+            encode: encode_value::<V>,
+        }
+    }
+}
+
+/// A value's encoding: the wire's, which [`same_value`] compares and the
+/// sweep's fingerprints hash; `None` if it does not encode.
+fn encode_value<V: Serialize>(value: &V) -> Option<Bytes> {
+    crate::wire::encode_part(value, "value").ok()
+}
+
 /// The audit's equality (see [`Audit::compare_values`]): `PartialEq`, or
 /// the same encoding. A value that does not encode is judged by
 /// `PartialEq` alone.
@@ -296,11 +342,21 @@ fn same_value<V: PartialEq + Serialize>(held: &V, source: &V) -> bool {
     if held == source {
         return true;
     }
-    let encode = |v: &V| crate::wire::encode_part(v, "value").ok();
-    match (encode(held), encode(source)) {
+    match (encode_value(held), encode_value(source)) {
         (Some(h), Some(s)) => h == s,
         _ => false,
     }
+}
+
+/// A value's fingerprint: its encoding hashed with the auditor's keyed
+/// hash (SipHash-1-3, `std`'s, its key drawn at random per auditor, so
+/// no writer can aim at a collision), never 0, so that `Option` of it is
+/// 8 bytes. Equal encodings have equal fingerprints; different ones share
+/// one with a chance of about 2⁻⁶⁴. `None` for a value that does not
+/// encode.
+fn fingerprint<V>(values: Values<V>, hash: &RandomState, value: &V) -> Option<NonZeroU64> {
+    let encoded = (values.encode)(value)?;
+    Some(NonZeroU64::new(hash.hash_one(&encoded[..])).unwrap_or(NonZeroU64::MIN))
 }
 
 fn random() -> u64 {
@@ -323,19 +379,22 @@ pub(crate) fn first_wait(rate: u32, batch: usize) -> Duration {
 /// One cache's auditor: its settings, its sweep, and its counters.
 pub(super) struct Auditor<K, V> {
     pub(super) audit: Audit<K, V>,
-    state: Mutex<State<K, V>>,
+    /// The key of the values' fingerprints (see [`fingerprint`]).
+    fingerprints: RandomState,
+    state: Mutex<State<K>>,
     stats: AuditStats,
 }
 
-struct State<K, V> {
+struct State<K> {
     /// What is left of the current sweep, taken from the end: the keys held
     /// when it began, in the order of their hash, so a key comes round once
     /// a sweep at about the same place.
     pass: Vec<Arc<K>>,
-    /// Where values are compared, each key's value as the sweep read it
-    /// (`pass`'s, one for one), and the version table's stamp before that
-    /// read: see [`Sweep`].
-    seen: Vec<V>,
+    /// Where values are compared, the fingerprint of each key's value as
+    /// the sweep read it (`pass`'s, one for one; `None` for a value that
+    /// does not encode), and the version table's stamp before that read:
+    /// see [`Sweep`]. No value is kept: 8 bytes a key.
+    seen: Vec<Option<NonZeroU64>>,
     seen_at: u64,
     suspects: HashMap<K, Suspect>,
     backoff: Backoff,
@@ -426,27 +485,37 @@ enum Verdict {
 }
 
 /// The node's entry for a key: the table's stamp when read, the version
-/// the node knows exactly for the key, and the value.
+/// the held value was installed at, and its value, where values are
+/// compared.
 struct Held<V> {
     token: u64,
     version: Option<u64>,
-    /// Read only where values are compared.
-    value: Option<V>,
+    value: HeldValue<V>,
 }
 
-/// Compares the node's entry with the source's row (`None`: no row).
-fn verdict<V>(held: &Held<V>, row: Option<&Row<V>>, same: Option<fn(&V, &V) -> bool>) -> Verdict {
-    let Some((value, version)) = row else {
+/// The node's value, as far as it was read.
+enum HeldValue<V> {
+    /// Values are not compared.
+    NotCompared,
+    /// Read with moka's `get`.
+    Read(V),
+    /// Not read: the fingerprint of the value the sweep read, which no
+    /// stamped write has replaced since (and moka held the key).
+    Seen(NonZeroU64),
+}
+
+/// Compares the node's entry, installed at `version`, with the source's
+/// row (`None`: no row), given whether their values are equal (`None`:
+/// not compared). A caller may leave the values uncompared where this
+/// does not look at them: no row, or a row below `version`.
+fn verdict<V>(version: Option<u64>, row: Option<&Row<V>>, same_value: Option<bool>) -> Verdict {
+    let Some((_, row_version)) = row else {
         // The node holds a value for a row the source does not have.
         return Verdict::Behind;
     };
-    let same_value = match (same, &held.value) {
-        (Some(eq), Some(held)) => Some(eq(held, value)),
-        _ => None,
-    };
-    match (held.version, version) {
+    match (version, row_version) {
         // The source lags the node (a replica): not the node's fault.
-        (Some(h), Some(r)) if h > *r => Verdict::Agrees,
+        (Some(h), Some(r)) if source_lags(h, *r) => Verdict::Agrees,
         (Some(h), Some(r)) if h == *r => match same_value {
             Some(false) => Verdict::Behind,
             _ => Verdict::Agrees,
@@ -463,6 +532,13 @@ fn verdict<V>(held: &Held<V>, row: Option<&Row<V>>, same: Option<fn(&V, &V) -> b
     }
 }
 
+/// Whether the source's row, at `row`, is below the version the node's
+/// value was installed at, `held`: a lagging replica, which agrees
+/// whatever the values (see [`verdict`]).
+fn source_lags(held: u64, row: u64) -> bool {
+    held > row
+}
+
 impl<K: Hash + Eq, V> Auditor<K, V> {
     pub(super) fn new(audit: Audit<K, V>) -> Self {
         let window = Window::new(audit.window);
@@ -473,6 +549,7 @@ impl<K: Hash + Eq, V> Auditor<K, V> {
             .max(Duration::from_millis(10));
         Self {
             audit,
+            fingerprints: RandomState::new(),
             state: Mutex::new(State {
                 pass: Vec::new(),
                 seen: Vec::new(),
@@ -541,12 +618,12 @@ where
         // of the whole cache must not hold up the status and heartbeats,
         // which read the counters under it.
         if lock(&auditor.state).pass.is_empty() {
-            let pass = self.sweep(audit.same.is_some()).await;
+            let pass = self.sweep(auditor).await;
             let mut state = lock(&auditor.state);
             if state.pass.is_empty() && !pass.keys.is_empty() {
                 auditor.stats.sweeps.fetch_add(1, Relaxed);
                 state.pass = pass.keys;
-                state.seen = pass.values;
+                state.seen = pass.fingerprints;
                 state.seen_at = pass.since;
             }
         }
@@ -593,6 +670,9 @@ where
         };
         // The node's side first, then the source's: a write landing in
         // between shows in the stamp, and the suspect it may make clears.
+        // (A value left unread, its fingerprint differing from the row's,
+        // is read after the source's, but only if no write came since the
+        // node's side was read: see `judge`.)
         let mut held = Vec::with_capacity(sweep.len());
         for (key, seen) in sweep {
             if let Some(entry) = self.held(&key, seen).await {
@@ -639,14 +719,19 @@ where
             }
         };
         lock(&auditor.state).backoff.reset();
-        let same = audit.same;
         let mut checks = 0u64;
         for (key, entry) in held {
             let Some(row) = rows.remove(&key) else {
                 auditor.stats.unverified.fetch_add(1, Relaxed);
                 continue;
             };
-            match verdict(&entry, row.as_ref(), same) {
+            let (token, version) = (entry.token, entry.version);
+            let Some(judged) = self.judge(auditor, &key, entry, row.as_ref()).await else {
+                // Written, or gone, since the node's side was read: nothing
+                // to judge; the key comes round again next sweep.
+                continue;
+            };
+            match judged {
                 Verdict::Agrees => checks = checks.saturating_add(1),
                 Verdict::Unverified => {
                     auditor.stats.unverified.fetch_add(1, Relaxed);
@@ -657,9 +742,9 @@ where
                     lock(&auditor.state).suspects.insert(
                         key,
                         Suspect {
-                            token: entry.token,
+                            token,
                             observed: now,
-                            version: entry.version,
+                            version,
                         },
                     );
                 }
@@ -672,13 +757,14 @@ where
                 lock(&auditor.state).suspects.insert(key, suspect);
                 continue;
             };
-            // Read as it is now: what the sweep read may be older than an
-            // install no stamp shows (an entry moka expired, loaded again
-            // without a version). A `get`, which moka counts as an access,
-            // but only for a suspect, once after each grace window.
+            // Read as it is now: the sweep's fingerprint may be of a value
+            // older than an install no stamp shows (an entry moka expired,
+            // loaded again without a version). A `get`, which moka counts
+            // as an access, but only for a suspect, once after each grace
+            // window.
             let still = match self.held(&key, None).await {
                 Some(entry) if !lock(&self.table).superseded(&key, suspect.token) => {
-                    verdict(&entry, row.as_ref(), same) == Verdict::Behind
+                    self.judge(auditor, &key, entry, row.as_ref()).await == Some(Verdict::Behind)
                 }
                 _ => false,
             };
@@ -768,30 +854,32 @@ where
     }
 
     /// The node's entry for `key`, read under its stripe so no write to it
-    /// is half done; `None` if it holds none. The value is read only where
-    /// values are compared: moka counts a `get` as an access (for its
-    /// eviction policy, and its time-to-idle, which an auditor reading
-    /// every entry each sweep would never let pass: issue 35, item 8), and
-    /// `contains_key` and its iteration count none. So the value the sweep
-    /// read (`seen`: the value, and the table's stamp before the sweep) is
-    /// taken if no write to the key was stamped since; only a key written
-    /// since, which that write has just accessed anyway, or one without
-    /// such a value (a suspect read again) is read with `get`.
-    async fn held(&self, key: &K, seen: Option<Seen<V>>) -> Option<Held<V>> {
+    /// is half done; `None` if it holds none. Where values are compared,
+    /// the value is left unread if it can be: moka counts a `get` as an
+    /// access (for its eviction policy, and its time-to-idle, which an
+    /// auditor reading every entry each sweep would never let pass: issue
+    /// 35, item 8), and `contains_key` and its iteration count none. So if
+    /// the sweep fingerprinted the value (`seen`: the fingerprint, and the
+    /// table's stamp before the sweep) and no write to the key was stamped
+    /// since, the fingerprint stands for it (see [`judge`](Self::judge));
+    /// only a key written since, which that write has just accessed
+    /// anyway, or one without a fingerprint (a value that does not encode,
+    /// a suspect read again) is read with `get` here.
+    async fn held(&self, key: &K, seen: Option<Seen>) -> Option<Held<V>> {
         let auditor = self.audit.as_ref()?;
         let _stripe = self.write_locks[self.stripe(key)].lock().await;
         let (token, version, seen) = {
             let table = lock(&self.table);
             let seen = seen
                 .filter(|(_, since)| !table.superseded(key, *since))
-                .map(|(value, _)| value);
+                .map(|(fingerprint, _)| fingerprint);
             (table.load_token(), table.held_at(key), seen)
         };
-        let value = match (auditor.audit.same, seen) {
-            (Some(_), Some(seen)) if self.cache.contains_key(key) => Some(seen),
+        let value = match (auditor.audit.values, seen) {
+            (Some(_), Some(seen)) if self.cache.contains_key(key) => HeldValue::Seen(seen),
             (Some(_), Some(_)) => return None,
-            (Some(_), None) => Some(self.cache.get(key).await?),
-            (None, _) if self.cache.contains_key(key) => None,
+            (Some(_), None) => HeldValue::Read(self.cache.get(key).await?),
+            (None, _) if self.cache.contains_key(key) => HeldValue::NotCompared,
             (None, _) => return None,
         };
         Some(Held {
@@ -801,39 +889,110 @@ where
         })
     }
 
+    /// Judges the node's entry, as [`held`](Self::held) read it, against
+    /// the source's row (`None`: no row). A value left unread (its
+    /// fingerprint) agrees if the row's value encodes to the same
+    /// fingerprint, with no access; otherwise, where the verdict looks at
+    /// the values, it is read now with `get` and compared as
+    /// [`Audit::compare_values`] says, if the entry is still the one read
+    /// first (see [`value_now`](Self::value_now)). `None`: it is not, or
+    /// moka no longer holds it, and there is nothing to judge.
+    async fn judge(
+        &self,
+        auditor: &Auditor<K, V>,
+        key: &K,
+        held: Held<V>,
+        row: Option<&Row<V>>,
+    ) -> Option<Verdict> {
+        let same_value = match (auditor.audit.values, held.value, row) {
+            (Some(values), HeldValue::Read(value), Some((source, _))) => {
+                Some((values.same)(&value, source))
+            }
+            (Some(values), HeldValue::Seen(seen), Some((source, source_version))) => {
+                let lags = held
+                    .version
+                    .zip(*source_version)
+                    .is_some_and(|(h, r)| source_lags(h, r));
+                if fingerprint(values, &auditor.fingerprints, source) == Some(seen) {
+                    // The same encoding as the value the sweep read, which
+                    // is still the one held: equal.
+                    Some(true)
+                } else if lags {
+                    // Agrees whatever the values.
+                    None
+                } else {
+                    let value = self.value_now(key, held.token, held.version).await?;
+                    Some((values.same)(&value, source))
+                }
+            }
+            // No row, which is behind whatever the value, or values not
+            // compared.
+            _ => None,
+        };
+        Some(verdict(held.version, row, same_value))
+    }
+
+    /// The node's value for `key`, read with `get` under its stripe after
+    /// the source's row, if the entry is still the one [`held`](Self::held)
+    /// read: no write to the key stamped since `token`, and its value
+    /// installed at the same `version`. Otherwise `None`: a write landing
+    /// after the node's side was read, judged against a row read before
+    /// it, would look behind (the order `audit_round` keeps for this
+    /// reason), and it explains any difference anyway. An install no stamp
+    /// shows (an entry moka expired, loaded again without a version) is
+    /// read and judged; the grace window's second read, with `get`, judges
+    /// a suspect it makes again before anything counts.
+    async fn value_now(&self, key: &K, token: u64, version: Option<u64>) -> Option<V> {
+        let _stripe = self.write_locks[self.stripe(key)].lock().await;
+        {
+            let table = lock(&self.table);
+            if table.superseded(key, token) || table.held_at(key) != version {
+                return None;
+            }
+        }
+        self.cache.get(key).await
+    }
+
     /// The keys the cache holds now, for a new sweep, in the order of their
     /// hash (taken from the end), read with moka's iteration, which counts
-    /// no access; where values are compared (`values`), with the values.
-    async fn sweep(&self, values: bool) -> Sweep<K, V> {
+    /// no access; where values are compared, with a fingerprint of each
+    /// value, and no value kept.
+    async fn sweep(&self, auditor: &Auditor<K, V>) -> Sweep<K> {
         let hash = |k: &Arc<K>| std::cmp::Reverse(self.hasher.hash_one(&**k));
-        if !values {
+        let Some(values) = auditor.audit.values else {
             let mut keys: Vec<Arc<K>> = self.cache.iter().map(|(k, _)| k).collect();
             keys.sort_by_cached_key(hash);
             return Sweep {
                 keys,
-                values: Vec::new(),
+                fingerprints: Vec::new(),
                 since: 0,
             };
-        }
+        };
         // The stamp first, then a barrier through every stripe: a write
         // stamped by then holds its stripe until moka has its value, so
         // once the barrier is through, the iteration reads it (or a later
         // write's, which a stamp after this one shows). No stamp shows a
         // load without a version into an entry that moka expired, or that
-        // a clear stamped by then emptied after the iteration: the value
-        // read is then older than the entry, which can make a suspect (its
-        // second read, with `get`, clears it) or leave a wrong entry to
-        // the next sweep.
+        // a clear stamped by then emptied after the iteration: the
+        // fingerprint is then of a value older than the entry. If it
+        // matches the source's row, a wrong entry is left to the next
+        // sweep; if not, the entry is read with `get` and judged as it is.
         let since = lock(&self.table).load_token();
         for stripe in &self.write_locks {
             drop(stripe.lock().await);
         }
-        let mut entries: Vec<(Arc<K>, V)> = self.cache.iter().collect();
+        // Each value moka's iteration hands over (a clone) is dropped once
+        // fingerprinted: the sweep holds 8 bytes a key, not the values.
+        let mut entries: Vec<(Arc<K>, Option<NonZeroU64>)> = self
+            .cache
+            .iter()
+            .map(|(k, v)| (k, fingerprint(values, &auditor.fingerprints, &v)))
+            .collect();
         entries.sort_by_cached_key(|(k, _)| hash(k));
-        let (keys, values) = entries.into_iter().unzip();
+        let (keys, fingerprints) = entries.into_iter().unzip();
         Sweep {
             keys,
-            values,
+            fingerprints,
             since,
         }
     }
@@ -865,28 +1024,31 @@ impl<T> Drop for Reading<T> {
     }
 }
 
-/// A key's value as its sweep read it, and the version table's stamp
-/// before that read (see [`Sweep`]).
-type Seen<V> = (V, u64);
+/// The fingerprint of a key's value as its sweep read it, and the version
+/// table's stamp before that read (see [`Sweep`]).
+type Seen = (NonZeroU64, u64);
 
 /// A new sweep: the keys held when it began, in the order it takes them,
-/// and, where values are compared, their values as moka's iteration read
-/// them (one for one), and the version table's stamp before that: a write
-/// to a key stamped after it may have changed its value since.
-struct Sweep<K, V> {
+/// and, where values are compared, the fingerprints of their values as
+/// moka's iteration read them (one for one; `None` for a value that does
+/// not encode), and the version table's stamp before that: a write to a
+/// key stamped after it may have changed its value since.
+struct Sweep<K> {
     keys: Vec<Arc<K>>,
-    values: Vec<V>,
+    fingerprints: Vec<Option<NonZeroU64>>,
     since: u64,
 }
 
-/// The sweep's next `n` keys that are not suspects, each with its value as
-/// the sweep read it and the stamp before that read, where values are
-/// compared.
-fn next_keys<K: Hash + Eq, V>(state: &mut State<K, V>, n: usize) -> Vec<(Arc<K>, Option<Seen<V>>)> {
+/// The sweep's next `n` keys that are not suspects, each with its value's
+/// fingerprint as the sweep read it and the stamp before that read, where
+/// values are compared and the value encoded.
+fn next_keys<K: Hash + Eq>(state: &mut State<K>, n: usize) -> Vec<(Arc<K>, Option<Seen>)> {
     let mut out = Vec::with_capacity(n.min(state.pass.len()));
     while out.len() < n {
         let Some(key) = state.pass.pop() else { break };
-        let seen = state.seen.pop().map(|v| (v, state.seen_at));
+        // Popped whether or not the key is skipped, so the two stay one
+        // for one.
+        let seen = state.seen.pop().flatten().map(|f| (f, state.seen_at));
         if !state.suspects.contains_key(&*key) {
             out.push((key, seen));
         }
@@ -940,14 +1102,6 @@ fn answered<K: Hash + Eq, V>(
 mod tests {
     use super::*;
 
-    fn held(version: Option<u64>, value: &str) -> Held<String> {
-        Held {
-            token: 0,
-            version,
-            value: Some(value.to_owned()),
-        }
-    }
-
     /// Issue 35, item 10: the audit's equality is `PartialEq` or the same
     /// encoding, so a NaN equals itself and truly different values differ.
     #[test]
@@ -963,49 +1117,83 @@ mod tests {
         assert!(!same_value(&"a".to_owned(), &"b".to_owned()));
     }
 
+    /// A fingerprint is the encoding's: equal for values that encode
+    /// alike (a NaN included, which `PartialEq` denies), different for
+    /// values that do not (0.0 and -0.0, which `PartialEq` calls equal,
+    /// are then read and compared by `same_value`); none for a value that
+    /// does not encode; and 8 bytes, `None` included.
+    #[test]
+    fn fingerprints_follow_the_encoding() {
+        assert_eq!(std::mem::size_of::<Option<NonZeroU64>>(), 8);
+        let hash = RandomState::new();
+        let f = |v: &(f64, String)| fingerprint(Values::of(), &hash, v);
+        let nan = f64::NAN;
+        assert!(f(&(nan, "a".into())).is_some());
+        assert_eq!(f(&(nan, "a".into())), f(&(nan, "a".into())));
+        assert_ne!(f(&(nan, "a".into())), f(&(nan, "b".into())));
+        assert_ne!(f(&(nan, "a".into())), f(&(-nan, "a".into())));
+        assert_ne!(f(&(0.0, "a".into())), f(&(-0.0, "a".into())));
+        // No encoding, so no fingerprint.
+        #[derive(PartialEq)]
+        struct Refuses;
+        impl Serialize for Refuses {
+            fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+                Err(serde::ser::Error::custom("refused"))
+            }
+        }
+        assert_eq!(fingerprint(Values::of(), &hash, &Refuses), None);
+    }
+
     #[test]
     fn verdicts_hold_a_lagging_source_against_nobody() {
-        let row = |v: &str, ver| Some((v.to_owned(), ver));
-        let eq: Option<fn(&String, &String) -> bool> = Some(String::eq);
+        // The node's value installed at `version`, against a row, with the
+        // values compared or not.
+        let judge =
+            |version: Option<u64>, held: &str, row: Option<(&str, Option<u64>)>, compared: bool| {
+                let row = row.map(|(v, ver)| (v.to_owned(), ver));
+                let same = row.as_ref().filter(|_| compared).map(|(v, _)| v == held);
+                verdict(version, row.as_ref(), same)
+            };
         // By version alone.
         assert_eq!(
-            verdict(&held(Some(5), "a"), row("b", Some(6)).as_ref(), None),
+            judge(Some(5), "a", Some(("b", Some(6))), false),
             Verdict::Behind
         );
         assert_eq!(
-            verdict(&held(Some(6), "a"), row("b", Some(6)).as_ref(), None),
+            judge(Some(6), "a", Some(("b", Some(6))), false),
             Verdict::Agrees
         );
         assert_eq!(
-            verdict(&held(Some(7), "a"), row("b", Some(6)).as_ref(), None),
+            judge(Some(7), "a", Some(("b", Some(6))), false),
             Verdict::Agrees
         );
         assert_eq!(
-            verdict(&held(None, "a"), row("b", Some(6)).as_ref(), None),
+            judge(None, "a", Some(("b", Some(6))), false),
             Verdict::Unverified
         );
-        assert_eq!(verdict(&held(Some(1), "a"), None, None), Verdict::Behind);
+        assert_eq!(judge(Some(1), "a", None, false), Verdict::Behind);
         // With values.
         assert_eq!(
-            verdict(&held(Some(6), "a"), row("b", Some(6)).as_ref(), eq),
+            judge(Some(6), "a", Some(("b", Some(6))), true),
             Verdict::Behind
         );
         assert_eq!(
-            verdict(&held(Some(5), "b"), row("b", Some(6)).as_ref(), eq),
+            judge(Some(5), "b", Some(("b", Some(6))), true),
             Verdict::Agrees
         );
         assert_eq!(
-            verdict(&held(Some(7), "a"), row("b", Some(6)).as_ref(), eq),
+            judge(Some(7), "a", Some(("b", Some(6))), true),
             Verdict::Agrees
         );
         assert_eq!(
-            verdict(&held(None, "a"), row("b", Some(6)).as_ref(), eq),
+            judge(None, "a", Some(("b", Some(6))), true),
             Verdict::Behind
         );
-        assert_eq!(
-            verdict(&held(None, "b"), row("b", None).as_ref(), eq),
-            Verdict::Agrees
-        );
+        assert_eq!(judge(None, "b", Some(("b", None)), true), Verdict::Agrees);
+        assert_eq!(judge(None, "b", None, true), Verdict::Behind);
+        // What `judge` leaves uncompared: no row, or a lagging source.
+        assert_eq!(verdict::<String>(None, None, None), Verdict::Behind);
+        assert!(source_lags(7, 6) && !source_lags(6, 6) && !source_lags(5, 6));
     }
 
     #[test]

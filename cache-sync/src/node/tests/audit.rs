@@ -91,7 +91,7 @@ fn audited(
         .unwrap()
 }
 
-fn audit(c: &Cache) -> AuditStatus {
+fn audit<V: Clone + Send + Sync + 'static>(c: &SyncedCache<String, V>) -> AuditStatus {
     c.status().audit.expect("audited")
 }
 
@@ -427,6 +427,9 @@ async fn a_nan_held_by_the_node_and_the_source_is_no_inconsistency() {
         ("nan", (f64::NAN, 1), (f64::NAN, 1)),
         ("plain", (0.5, 1), (0.5, 1)),
         ("differs", (f64::NAN, 1), (f64::NAN, 2)),
+        // Equal by `PartialEq`, not by encoding: the fingerprints differ,
+        // so the value is read and compared as `compare_values` says.
+        ("signed zero", (0.0, 1), (-0.0, 1)),
     ] {
         source.lock().unwrap().insert(k.into(), row);
         c.insert(k.into(), held).await;
@@ -442,13 +445,24 @@ async fn a_nan_held_by_the_node_and_the_source_is_no_inconsistency() {
     })
     .await;
     let a = c.status().audit.unwrap();
-    assert_eq!((a.inconsistencies, a.repairs), (1, 1), "{a:?}");
+    // The one that differs is the one suspect: the signed zero, read and
+    // compared by `PartialEq`, agrees at once, not after a second look.
+    assert_eq!(
+        (a.inconsistencies, a.repairs, a.suspects),
+        (1, 1, 1),
+        "{a:?}"
+    );
     assert!(
         c.peek("nan")
             .await
             .is_some_and(|(v, n)| v.is_nan() && n == 1)
     );
     assert_eq!(c.peek("plain").await, Some((0.5, 1)));
+    assert!(
+        c.peek("signed zero")
+            .await
+            .is_some_and(|(v, n)| v == 0.0 && v.is_sign_positive() && n == 1)
+    );
     assert_eq!(c.peek("differs").await, None, "repaired");
     node.shutdown().await.unwrap();
 }
@@ -531,6 +545,206 @@ async fn audited_entries_still_idle_out() {
         .await;
         node.shutdown().await.unwrap();
     }
+}
+
+/// Issue 35, item 8, with values equal only by their encoding (a NaN,
+/// which `PartialEq` calls unequal to itself): the sweep's fingerprint of
+/// the value matches the row's, so the entry agrees with no `get`, and
+/// entries still idle out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_equal_to_the_source_only_by_encoding_still_idle_out() {
+    type Row = (f64, u32);
+    let entries = 50u32;
+    let rows: Arc<HashMap<String, Row>> = Arc::new(
+        (0..entries)
+            .map(|i| (format!("k{i}"), (f64::NAN, i)))
+            .collect(),
+    );
+    let read = rows.clone();
+    let moka = moka::future::Cache::builder()
+        .max_capacity(1000)
+        .time_to_idle(Duration::from_secs(1))
+        .build();
+    let c: SyncedCache<String, Row> = SyncedCache::builder("rows", moka)
+        .audit(
+            Audit::by_value(move |keys: Vec<String>| {
+                let read = read.clone();
+                async move {
+                    Ok::<_, std::convert::Infallible>(
+                        keys.into_iter()
+                            .map(|k| {
+                                let v = read.get(&k).copied();
+                                (k, v)
+                            })
+                            .collect(),
+                    )
+                }
+            })
+            .rate(10_000)
+            .batch(10)
+            .grace(Duration::from_secs(60)),
+        )
+        .build()
+        .unwrap();
+    let node = Node::builder("n", EmbeddedTransport::new())
+        .reorder_window(Duration::ZERO)
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    for (k, v) in rows.iter() {
+        c.insert(k.clone(), *v).await;
+    }
+    eventually("ten sweeps", async || {
+        audit(&c).checks >= 10 * u64::from(entries)
+    })
+    .await;
+    let a = audit(&c);
+    assert_eq!((a.suspects, a.inconsistencies), (0, 0), "{a:?}");
+    eventually("every entry idled out", async || {
+        rows.keys().all(|k| !c.contains_key(k))
+    })
+    .await;
+    node.shutdown().await.unwrap();
+}
+
+/// A value that counts its live copies: every clone shares `_copies`, which
+/// the encoding and the equality leave out.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+struct Counted {
+    value: String,
+    /// Held, never read: its strong count is the number of copies.
+    #[serde(skip)]
+    _copies: Arc<()>,
+}
+
+impl PartialEq for Counted {
+    fn eq(&self, other: &Self) -> bool {
+        self.value == other.value
+    }
+}
+
+/// A sweep that compares values keeps a fingerprint of each, not a copy:
+/// once the node lets go of its entries, no copy of their values is left,
+/// though the sweep that began with them has most of its keys ahead of it.
+/// (It kept a copy of every value until it reached its key: twice the
+/// values' memory for up to a sweep, and values of removed keys alive.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_keeps_no_copy_of_the_values() {
+    let entries = 20;
+    let source: Arc<HashMap<String, String>> = Arc::new(
+        (0..entries)
+            .map(|i| (format!("k{i}"), format!("v{i}")))
+            .collect(),
+    );
+    let read = source.clone();
+    let moka = moka::future::Cache::new(1000);
+    // One key a round, a round a second or so: the sweep lasts about 20 s.
+    let c: SyncedCache<String, Counted> = SyncedCache::builder("rows", moka.clone())
+        .audit(
+            Audit::by_value(move |keys: Vec<String>| {
+                let read = read.clone();
+                async move {
+                    Ok::<_, std::convert::Infallible>(
+                        keys.into_iter()
+                            .map(|k| {
+                                let v = read.get(&k).map(|v| Counted {
+                                    value: v.clone(),
+                                    _copies: Arc::default(),
+                                });
+                                (k, v)
+                            })
+                            .collect(),
+                    )
+                }
+            })
+            .rate(1)
+            .batch(1)
+            .grace(Duration::from_secs(60)),
+        )
+        .build()
+        .unwrap();
+    let node = Node::builder("n", EmbeddedTransport::new())
+        .reorder_window(Duration::ZERO)
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    let copies = Arc::new(());
+    for (k, v) in source.iter() {
+        let value = Counted {
+            value: v.clone(),
+            _copies: copies.clone(),
+        };
+        c.insert(k.clone(), value).await;
+    }
+    eventually("a sweep begun", async || audit(&c).sweeps >= 1).await;
+    for k in source.keys() {
+        c.invalidate(k).await;
+    }
+    eventually("no copy of the values left", async || {
+        moka.run_pending_tasks().await;
+        Arc::strong_count(&copies) == 1
+    })
+    .await;
+    let a = audit(&c);
+    assert!(
+        a.sweeps == 1 && a.checks < entries,
+        "still the first sweep: {a:?}"
+    );
+    assert_eq!((a.suspects, a.inconsistencies), (0, 0), "{a:?}");
+    node.shutdown().await.unwrap();
+}
+
+/// An entry whose fingerprint differs from the source's row is read with
+/// `get` after the row: a write to the key landing in between (here, the
+/// source changes again and the node takes the new value, right after
+/// the auditor read the row) is not judged against the older row, so it
+/// makes not even a suspect; the next sweep finds the two agreeing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_after_the_source_was_read_is_not_judged_against_it() {
+    let source: Arc<Mutex<HashMap<String, String>>> = Arc::default();
+    let node_cache: Arc<std::sync::OnceLock<Cache>> = Arc::default();
+    let written = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (read, cache, once) = (source.clone(), node_cache.clone(), written.clone());
+    let c: Cache = SyncedCache::builder("countries", moka::future::Cache::new(100))
+        .audit(
+            Audit::by_value(move |keys: Vec<String>| {
+                let (read, cache, once) = (read.clone(), cache.clone(), once.clone());
+                async move {
+                    let rows: Vec<(String, Option<String>)> = {
+                        let rows = read.lock().unwrap();
+                        keys.iter()
+                            .map(|k| (k.clone(), rows.get(k).cloned()))
+                            .collect()
+                    };
+                    if keys.iter().any(|k| k == "k") && !once.swap(true, Relaxed) {
+                        read.lock().unwrap().insert("k".into(), "newer".into());
+                        let c = cache.get().expect("set before the node started");
+                        c.insert("k".into(), "newer".into()).await;
+                    }
+                    Ok::<_, std::convert::Infallible>(rows)
+                }
+            })
+            .rate(1000)
+            .batch(10)
+            .grace(Duration::from_millis(100)),
+        )
+        .build()
+        .unwrap();
+    assert!(node_cache.set(c.clone()).is_ok(), "set once");
+    let node = start("n", EmbeddedTransport::new(), &[&c]).await;
+    // The source changed to "new"; its event has not reached the node.
+    source.lock().unwrap().insert("k".into(), "new".into());
+    c.insert("k".into(), "old".into()).await;
+    eventually("the write after the read", async || written.load(Relaxed)).await;
+    let sweeps = audit(&c).sweeps;
+    eventually("two more sweeps", async || audit(&c).sweeps >= sweeps + 2).await;
+    let a = audit(&c);
+    assert_eq!((a.suspects, a.inconsistencies), (0, 0), "{a:?}");
+    assert!(a.checks >= 1, "{a:?}");
+    assert_eq!(c.peek("k").await.as_deref(), Some("newer"));
+    node.shutdown().await.unwrap();
 }
 
 /// Held without a version, and values not compared: counted as
