@@ -237,3 +237,9 @@ pub async fn owed(pool: &PgPool, slot: &str) -> usize {
     let record = record(pool, slot).await;
     record["slots"][slot]["owed"].as_array().map_or(0, Vec::len)
 }
+
+/// Waits until a relay on a new slot published that slot's resync: a count
+/// read as a baseline before it would take it for a later one.
+pub async fn first_resync(relay: &CdcRelay) {
+    eventually("the new slot's resync", async || relay.stats().resyncs >= 1).await;
+}

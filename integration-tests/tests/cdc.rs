@@ -342,6 +342,7 @@ async fn a_row_over_max_row_bytes_is_skipped_and_the_cache_cleared() {
         nodes.hold(&named(10..12, "b")).await
     })
     .await;
+    first_resync(&relay).await;
     let resyncs = relay.stats().resyncs;
     exec(
         &pool,
@@ -541,6 +542,12 @@ async fn schema_changes_never_cache_a_wrong_value() {
     exec(&pool, "UPDATE things SET name = 'e' || id WHERE id = 2").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(nodes.caches[0].peek(&2).await, None, "no longer followed");
+    // The check found the mapped name without its table: a resync of it
+    // (after the new slot's).
+    eventually("the renamed table's resync", async || {
+        relay.stats().resyncs >= 2
+    })
+    .await;
     // A new table under the mapped name: added to the publication, every
     // cache resynced, and its changes followed.
     let resyncs = relay.stats().resyncs;
@@ -793,6 +800,7 @@ async fn an_owed_resync_is_settled_by_the_next_relay_that_looks() {
         0,
         "the first slot's debt was settled"
     );
+    first_resync(&relay).await;
     let resyncs = relay.stats().resyncs;
     let mut record = record(&pool, "cache_sync").await;
     record["slots"]["cache_sync"]["owed"] = serde_json::json!([{"token": 7, "tables": null}]);

@@ -195,6 +195,7 @@ async fn detaching_attaching_or_dropping_a_partition_resyncs_its_table() {
     };
     fill().await;
     assert_eq!(node.cache.peek(&250).await, Some(None), "no row 250 yet");
+    first_resync(&relay).await;
     let resyncs = relay.stats().resyncs;
 
     exec(
@@ -249,6 +250,7 @@ async fn a_dropped_publication_ends_in_a_new_slot_and_a_resync() {
     let relay = relay(&pg, &transport).start().await.unwrap();
     insert(&pool, 0..50, "a").await;
     eventually("rows arrive", async || nodes.hold(&named(0..50, "a")).await).await;
+    first_resync(&relay).await;
     let resyncs = relay.stats().resyncs;
     let (stop, task) = writer(pool.clone(), 50);
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -287,6 +289,7 @@ async fn a_publication_altered_or_replaced_is_put_back_and_resynced() {
         "ALTER PUBLICATION cache_sync DROP TABLE items",
         "ALTER PUBLICATION cache_sync SET (publish_via_partition_root = true)",
     ];
+    first_resync(&relay).await;
     for (round, action) in actions.iter().enumerate() {
         let resyncs = relay.stats().resyncs;
         exec(&pool, action).await;
@@ -466,6 +469,7 @@ async fn a_dropped_table_clears_its_cache_and_its_successor_is_followed() {
     let relay = relay(&pg, &transport).start().await.unwrap();
     insert(&pool, 0..20, "a").await;
     eventually("rows arrive", async || nodes.hold(&named(0..20, "a")).await).await;
+    first_resync(&relay).await;
     let resyncs = relay.stats().resyncs;
     exec(&pool, "DROP TABLE items").await;
     eventually(
@@ -529,6 +533,7 @@ async fn the_relays_role_losing_replication_or_select() {
         .unwrap();
     insert(&pool, 0..20, "a").await;
     eventually("rows arrive", async || nodes.hold(&named(0..20, "a")).await).await;
+    first_resync(&relay).await;
     let resyncs = relay.stats().resyncs;
 
     exec(&pool, "REVOKE SELECT ON items FROM relay").await;
