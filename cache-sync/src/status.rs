@@ -87,6 +87,14 @@ pub struct NodeStatus {
     /// view. Absent in JSON from nodes older than this field.
     #[serde(default)]
     pub heartbeats_dropped: u64,
+    /// The most the runtime the node runs on was late running a 10 ms
+    /// timer of the node's in the last minute, in microseconds: how long a
+    /// task (the node's or the application's) held a worker without
+    /// yielding. The whole distribution is in `GET /metrics`
+    /// (`cache_sync_runtime_lateness_seconds`). Absent in JSON from nodes
+    /// older than this field.
+    #[serde(default)]
+    pub runtime_lateness_us: u64,
     /// Each registered cache, by name.
     pub caches: Vec<CacheStatus>,
 }

@@ -160,6 +160,9 @@ where
         let mut quarantined = self.quarantined();
         // The trace's records of a run share one time, read once, as below.
         let at_us = if self.trace.is_some() { now_us() } else { 0 };
+        // Each event has spent a unit of the consumer's cooperative budget
+        // already, as it was read (`node/route.rs`); `apply_one` spends one
+        // per further entry.
         for event in events {
             if self.apply_one(event, quarantined, at_us).await {
                 applied = applied.saturating_add(1);
@@ -325,7 +328,15 @@ where
             // also drops whatever the event's earlier items changed.
             ChangeView::Invalidate(items) | ChangeView::Refresh(items) => {
                 let refresh = matches!(event.change, ChangeView::Refresh(_));
-                for item in items.clone() {
+                for (i, item) in items.clone().enumerate() {
+                    // An event can carry 10,000 entries: one unit of the
+                    // task's cooperative budget for each after the first
+                    // (which the event's own unit covers), so applying it
+                    // never holds the worker for more than some 128 entries
+                    // at a time; a one-entry event pays nothing more.
+                    if i > 0 {
+                        tokio::task::coop::consume_budget().await;
+                    }
                     let k = match decode_part::<K>(item.key, "key") {
                         Ok(k) => k,
                         Err(e) => {

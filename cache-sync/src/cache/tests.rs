@@ -708,3 +708,40 @@ async fn reads_take_borrowed_keys_and_iterate_as_moka_does() {
     let s = c.status();
     assert_eq!((s.hits, s.misses), (1, 0));
 }
+
+/// Issue 36: applying an event of 10,000 entries never holds the worker
+/// for all of them. On a runtime with one thread, a task that counts its
+/// own polls runs between the entries: every 128 at most (the task's
+/// cooperative budget, one unit per entry). Counted, not timed.
+#[tokio::test(flavor = "current_thread")]
+async fn a_ten_thousand_entry_event_is_applied_in_slices_with_yields_between() {
+    let c = SyncedCache::new("t", moka::future::Cache::new(100_000));
+    let entries: Vec<EntryVersion> = (0..10_000)
+        .map(|i| EntryVersion {
+            key: b(&format!("k{i}")),
+            value: b("v"),
+            version: Some(1),
+        })
+        .collect();
+    let polls = std::sync::Arc::new(AtomicUsize::new(0));
+    let probe = tokio::spawn({
+        let polls = polls.clone();
+        async move {
+            loop {
+                polls.fetch_add(1, Relaxed);
+                tokio::task::yield_now().await;
+            }
+        }
+    });
+    // Let the probe start, then count from here.
+    tokio::task::yield_now().await;
+    let before = polls.load(Relaxed);
+    apply(&c, &Change::Refresh { entries }).await;
+    let during = polls.load(Relaxed).saturating_sub(before);
+    probe.abort();
+    assert_eq!(c.peek(&"k9999".to_owned()).await.as_deref(), Some("v"));
+    assert!(
+        during >= 10_000 / 128 - 2,
+        "the probe ran {during} times while 10,000 entries were applied"
+    );
+}

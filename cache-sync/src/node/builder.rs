@@ -280,12 +280,19 @@ impl NodeBuilder {
         ));
         let maintenance = tokio::spawn(maintenance_loop(shared.clone(), stop_rx.clone()));
         let heartbeats = tokio::spawn(heartbeat_loop(shared.clone(), stop_rx.clone()));
-        let auditors = tokio::spawn(super::audit::audit_loop(shared.clone(), stop_rx));
+        let auditors = tokio::spawn(super::audit::audit_loop(shared.clone(), stop_rx.clone()));
+        let lateness = tokio::spawn(super::lateness::lateness_loop(shared.clone(), stop_rx));
         Ok(Node {
             handle: Arc::new(Handle {
                 shared,
                 stop,
-                tasks: tokio::sync::Mutex::new(Some((consumer, maintenance, heartbeats, auditors))),
+                tasks: tokio::sync::Mutex::new(Some([
+                    consumer,
+                    maintenance,
+                    heartbeats,
+                    auditors,
+                    lateness,
+                ])),
             }),
         })
     }
@@ -295,6 +302,7 @@ impl NodeBuilder {
     /// The node's shared state, and the caches still to register.
     pub(super) fn into_shared(self) -> (Arc<Shared>, Vec<Arc<dyn CacheHandle>>) {
         let codec = Codec::new(self.config.max_event_bytes, self.keyring);
+        let housekeeper = super::maintenance::Housekeeper::start(&self.id);
         let shared = Arc::new_cyclic(|weak: &std::sync::Weak<Shared>| Shared {
             token: NEXT_NODE_TOKEN.fetch_add(1, Relaxed),
             cluster: Cluster::new(
@@ -335,6 +343,8 @@ impl NodeBuilder {
             applied: Notify::new(),
             consuming: AtomicBool::new(false),
             stats: NodeStats::default(),
+            housekeeper,
+            lateness: super::lateness::Lateness::default(),
         });
         (shared, self.caches)
     }

@@ -44,6 +44,7 @@ pub(super) async fn render(node: &Node) -> Result<String, std::fmt::Error> {
         status,
         ready,
         latencies,
+        lateness: node.handle.shared.lateness.histogram().clone(),
     }));
     register_cluster_metrics(&mut registry, node);
     let mut text = String::new();
@@ -142,6 +143,8 @@ struct NodeCollector {
     ready: bool,
     /// By cache name, sorted.
     latencies: Vec<(String, Histogram)>,
+    /// How late the runtime ran the node's timer (`lateness.rs`).
+    lateness: Histogram,
 }
 
 /// A per-cache counter: family name (no `_total`: the encoder adds it),
@@ -458,6 +461,13 @@ impl Collector for NodeCollector {
                 histogram.encode(family.encode_family(&[("cache", name.as_str())])?)?;
             }
         }
+
+        self.lateness.encode(encoder.encode_descriptor(
+            "runtime_lateness",
+            "How late the runtime the node runs on ran the node's 10 ms timer: a task (the node's or the application's) held a worker that long without yielding.",
+            Some(&Unit::Seconds),
+            MetricType::Histogram,
+        )?)?;
 
         let node = &self.status;
         for (name, help, field) in NODE_COUNTERS {

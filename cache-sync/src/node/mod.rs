@@ -35,6 +35,7 @@ mod consume;
 mod fences;
 mod heartbeat;
 mod http;
+mod lateness;
 mod maintenance;
 mod metrics;
 mod offsets;
@@ -90,13 +91,9 @@ struct Handle {
 }
 
 /// The node's tasks: the consumer, the maintenance task, the heartbeat
-/// task, and the auditors' (`audit.rs`).
-type Tasks = (
-    JoinHandle<()>,
-    JoinHandle<()>,
-    JoinHandle<()>,
-    JoinHandle<()>,
-);
+/// task, the auditors' (`audit.rs`), and the runtime's lateness monitor
+/// (`lateness.rs`).
+type Tasks = [JoinHandle<()>; 5];
 
 impl Drop for Handle {
     fn drop(&mut self) {
@@ -282,7 +279,7 @@ impl Node {
     pub async fn status_settled(&self) -> NodeStatus {
         let caches: Vec<_> = self.handle.shared.caches().values().cloned().collect();
         for cache in caches {
-            cache.settle().await;
+            self.handle.shared.housekeeper.settle(cache).await;
         }
         self.status()
     }
@@ -391,11 +388,8 @@ impl Node {
     pub async fn shutdown(&self) -> Result<()> {
         self.handle.stop.send_replace(true);
         let tasks = self.handle.tasks.lock().await.take();
-        if let Some((consumer, maintenance, heartbeats, auditors)) = tasks {
-            let _ = consumer.await;
-            let _ = maintenance.await;
-            let _ = heartbeats.await;
-            let _ = auditors.await;
+        for task in tasks.into_iter().flatten() {
+            let _ = task.await;
         }
         let shared = &self.handle.shared;
         shared.consuming.store(false, Relaxed);

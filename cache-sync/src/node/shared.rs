@@ -71,6 +71,10 @@ pub(super) struct Shared {
     /// What this node sees of the cluster, its own heartbeat included.
     pub(super) cluster: Cluster,
     pub(super) stats: NodeStats,
+    /// The thread moka's housekeeping runs on (see `maintenance.rs`).
+    pub(super) housekeeper: super::maintenance::Housekeeper,
+    /// How late the runtime runs the node's timer (see `lateness.rs`).
+    pub(super) lateness: super::lateness::Lateness,
 }
 
 #[derive(Debug, Clone)]

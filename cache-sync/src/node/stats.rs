@@ -84,6 +84,7 @@ impl Shared {
             heartbeats_received: s.cluster.stats().received.load(Relaxed),
             heartbeats_rejected: s.cluster.stats().rejected.load(Relaxed),
             heartbeats_dropped: s.cluster.stats().dropped.load(Relaxed),
+            runtime_lateness_us: s.lateness.recent_max_us(tokio::time::Instant::now()),
             caches,
         }
     }

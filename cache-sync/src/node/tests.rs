@@ -17,6 +17,7 @@ mod cluster;
 mod fence;
 mod late;
 mod probe;
+mod stalls;
 mod tail;
 
 type Cache = SyncedCache<String, String>;
