@@ -958,12 +958,10 @@ where
     /// no access; where values are compared, with a fingerprint of each
     /// value, and no value kept.
     async fn sweep(&self, auditor: &Auditor<K, V>) -> Sweep<K> {
-        let hash = |k: &Arc<K>| std::cmp::Reverse(self.hasher.hash_one(&**k));
         let Some(values) = auditor.audit.values else {
-            let mut keys: Vec<Arc<K>> = self.cache.iter().map(|(k, _)| k).collect();
-            keys.sort_by_cached_key(hash);
+            let entries = self.in_hash_order(|_| ()).await;
             return Sweep {
-                keys,
+                keys: entries.into_iter().map(|(k, _)| k).collect(),
                 fingerprints: Vec::new(),
                 since: 0,
             };
@@ -983,18 +981,44 @@ where
         }
         // Each value moka's iteration hands over (a clone) is dropped once
         // fingerprinted: the sweep holds 8 bytes a key, not the values.
-        let mut entries: Vec<(Arc<K>, Option<NonZeroU64>)> = self
-            .cache
-            .iter()
-            .map(|(k, v)| (k, fingerprint(values, &auditor.fingerprints, &v)))
-            .collect();
-        entries.sort_by_cached_key(|(k, _)| hash(k));
+        let entries = self
+            .in_hash_order(|v| fingerprint(values, &auditor.fingerprints, v))
+            .await;
         let (keys, fingerprints) = entries.into_iter().unzip();
         Sweep {
             keys,
             fingerprints,
             since,
         }
+    }
+
+    /// Every entry moka holds, as `(key, what of its value)`, in descending
+    /// order of the key's hash (a sweep takes them from the end). A cache of
+    /// 1M entries takes a good part of a second to read and order, so it is
+    /// done in slices: a unit of the task's cooperative budget per entry
+    /// read (moka's iterator may be held across the yields), then the
+    /// entries shared out by the top byte of their hash into 256 buckets,
+    /// each sorted on its own, with a unit per bucket: never more than a
+    /// bucket's sort (some 4,000 entries for 1M) at a time.
+    pub(super) async fn in_hash_order<T>(&self, of: impl Fn(&V) -> T) -> Vec<(Arc<K>, T)> {
+        const BUCKETS: usize = 256;
+        let mut buckets: Vec<Vec<(u64, Arc<K>, T)>> =
+            std::iter::repeat_with(Vec::new).take(BUCKETS).collect();
+        for (k, v) in self.cache.iter() {
+            tokio::task::coop::consume_budget().await;
+            let hash = self.hasher.hash_one(&*k);
+            let top = usize::try_from(hash >> 56).unwrap_or(0);
+            if let Some(bucket) = buckets.get_mut(top) {
+                bucket.push((hash, k, of(&v)));
+            }
+        }
+        let mut out = Vec::with_capacity(buckets.iter().map(Vec::len).sum());
+        for mut bucket in buckets.into_iter().rev() {
+            tokio::task::coop::consume_budget().await;
+            bucket.sort_unstable_by_key(|(hash, _, _)| std::cmp::Reverse(*hash));
+            out.extend(bucket.into_iter().map(|(_, k, t)| (k, t)));
+        }
+        out
     }
 
     fn audit_pending(&self, auditor: &Auditor<K, V>) {

@@ -745,3 +745,44 @@ async fn a_ten_thousand_entry_event_is_applied_in_slices_with_yields_between() {
         "the probe ran {during} times while 10,000 entries were applied"
     );
 }
+
+/// Issue 36: an auditor's sweep reads and orders every entry of the cache;
+/// for 1M entries, a good part of a second. Done in slices, with a probe
+/// task running between them on a one-thread runtime; and the order is a
+/// full sort's.
+#[tokio::test(flavor = "current_thread")]
+async fn a_sweep_of_a_large_cache_is_read_and_ordered_in_slices() {
+    let c = SyncedCache::new("t", moka::future::Cache::new(100_000));
+    for i in 0..50_000 {
+        c.insert(format!("k{i}"), "v".to_owned()).await;
+    }
+    c.inner.cache.run_pending_tasks().await;
+    let polls = std::sync::Arc::new(AtomicUsize::new(0));
+    let probe = tokio::spawn({
+        let polls = polls.clone();
+        async move {
+            loop {
+                polls.fetch_add(1, Relaxed);
+                tokio::task::yield_now().await;
+            }
+        }
+    });
+    tokio::task::yield_now().await;
+    let before = polls.load(Relaxed);
+    let ordered = c.inner.in_hash_order(|_| ()).await;
+    let during = polls.load(Relaxed).saturating_sub(before);
+    probe.abort();
+    assert_eq!(ordered.len(), 50_000);
+    let hashes: Vec<u64> = ordered
+        .iter()
+        .map(|(k, ())| std::hash::BuildHasher::hash_one(&c.inner.hasher, &**k))
+        .collect();
+    assert!(
+        hashes.windows(2).all(|w| w[0] >= w[1]),
+        "descending hash order"
+    );
+    assert!(
+        during >= 50_000 / 128 - 2,
+        "the probe ran {during} times while 50,000 entries were read"
+    );
+}
