@@ -45,7 +45,10 @@ async fn moka_housekeeping_after_a_clear_runs_off_the_runtime() {
     let during = polls.load(Relaxed).saturating_sub(before);
     task.abort();
     assert_eq!(c.handle().status().entries, 0, "the clear was settled");
-    assert!(during >= 1, "nothing else ran while moka evicted 200,000 entries");
+    assert!(
+        during >= 1,
+        "nothing else ran while moka evicted 200,000 entries"
+    );
 }
 
 /// The housekeeping thread is the node's: named so a profile shows it.
