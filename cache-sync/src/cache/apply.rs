@@ -1,6 +1,7 @@
 //! Applying events: the type-erased face a node sees of each cache.
 
 use std::hash::Hash;
+use std::sync::Arc;
 use std::sync::atomic::{
     Ordering::AcqRel, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
 };
@@ -10,9 +11,9 @@ use async_trait::async_trait;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::Inner;
 use super::park::{Item, Op};
 use super::stats::LatencyHistogram;
+use super::{Housekeeper, Inner};
 use crate::status::{CacheStatus, KeyState, TraceEvent, TraceRecord};
 use crate::util::{lock, now_us};
 use crate::wire::{ChangeView, Header, decode_part};
@@ -55,7 +56,7 @@ pub(crate) trait CacheHandle: Send + Sync {
     /// Claims the cache for the node with token `owner` (never 0), whose
     /// reorder window sets how long each quarantine lasts. False if another
     /// node holds it.
-    fn claim(&self, owner: u64, reorder_window: Duration) -> bool;
+    fn claim(&self, owner: u64, reorder_window: Duration, housekeeper: Arc<Housekeeper>) -> bool;
     /// Gives the cache up, if `owner` holds it, so another node may claim it.
     fn release(&self, owner: u64);
     /// Applies events, in order. Undecodable keys or values are answered
@@ -133,7 +134,7 @@ where
         self.topic
     }
 
-    fn claim(&self, owner: u64, reorder_window: Duration) -> bool {
+    fn claim(&self, owner: u64, reorder_window: Duration, housekeeper: Arc<Housekeeper>) -> bool {
         if self
             .owner
             .compare_exchange(0, owner, AcqRel, Acquire)
@@ -142,13 +143,20 @@ where
             return false;
         }
         *lock(&self.quarantine) = reorder_window;
+        *lock(&self.housekeeper) = Some(housekeeper);
         true
     }
 
     fn release(&self, owner: u64) {
         // Only the claimant's release counts: a node that shut down, and
         // whose cache another node claimed since, must not free it again.
-        let _ = self.owner.compare_exchange(owner, 0, AcqRel, Acquire);
+        if self
+            .owner
+            .compare_exchange(owner, 0, AcqRel, Acquire)
+            .is_ok()
+        {
+            *lock(&self.housekeeper) = None;
+        }
     }
 
     async fn apply(&self, events: &[Event<'_>]) {

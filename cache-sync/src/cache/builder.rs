@@ -163,6 +163,7 @@ where
                 owner: AtomicU64::new(0),
                 quarantine_until: Mutex::new(None),
                 quarantine: Mutex::new(Duration::ZERO),
+                housekeeper: Mutex::new(None),
                 emptied_at: Mutex::new(tokio::time::Instant::now()),
                 registered_at: Mutex::new(tokio::time::Instant::now()),
                 stats: Stats::default(),

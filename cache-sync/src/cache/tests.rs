@@ -467,7 +467,11 @@ async fn reads_count_hits_and_misses() {
 #[tokio::test(start_paused = true)]
 async fn after_a_resync_versioned_refreshes_are_quarantined() {
     let c = cache();
-    assert!(c.inner.claim(1, Duration::from_secs(10)));
+    assert!(c.inner.claim(
+        1,
+        Duration::from_secs(10),
+        std::sync::Arc::new(crate::cache::Housekeeper::start()),
+    ));
     c.inner.resync().await;
     refresh(&c, "k", "maybe older than what was lost", Some(10)).await;
     assert_eq!(c.get("k").await, None, "applied as an invalidation");

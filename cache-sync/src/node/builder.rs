@@ -302,7 +302,7 @@ impl NodeBuilder {
     /// The node's shared state, and the caches still to register.
     pub(super) fn into_shared(self) -> (Arc<Shared>, Vec<Arc<dyn CacheHandle>>) {
         let codec = Codec::new(self.config.max_event_bytes, self.keyring);
-        let housekeeper = super::maintenance::Housekeeper::start(&self.id);
+        let housekeeper = Arc::new(crate::cache::Housekeeper::start());
         let shared = Arc::new_cyclic(|weak: &std::sync::Weak<Shared>| Shared {
             token: NEXT_NODE_TOKEN.fetch_add(1, Relaxed),
             cluster: Cluster::new(

@@ -1,5 +1,5 @@
 //! Off the consumer's path: saving positions and moka's housekeeping, the
-//! latter on a thread the node owns.
+//! latter on the runtime's blocking pool (`cache::Housekeeper`).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
@@ -8,82 +8,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::Shared;
-use crate::cache::CacheHandle;
 use crate::util::deadline_after;
-
-/// A thread of the node's own, with a single-threaded tokio runtime, that
-/// runs moka's housekeeping. That work cannot be split: after a clear of a
-/// 1M-entry cache (a published `invalidate_all`, a resync after a loss)
-/// moka evicts every entry in one call, 5 to 8 s without a yield
-/// (`docs/benchmarks/cdc.md`); on the application's runtime it would hold a
-/// worker, and every task queued behind it, for as long. Here it holds only
-/// this thread; the maintenance task waits for it without holding a
-/// worker.
-pub(super) struct Housekeeper {
-    /// `None` when the thread could not be started: housekeeping then runs
-    /// on the maintenance task, as it would without this.
-    handle: Option<tokio::runtime::Handle>,
-    /// Dropped with the node's shared state: the thread's runtime then
-    /// stops (a run under way is cancelled at its next await).
-    _stop: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-impl Housekeeper {
-    pub(super) fn start(node: &str) -> Self {
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let started = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .and_then(|runtime| {
-                let handle = runtime.handle().clone();
-                std::thread::Builder::new()
-                    .name("cache-sync-housekeeping".to_owned())
-                    .spawn(move || {
-                        runtime.block_on(async {
-                            let _ = stopped.await;
-                        });
-                    })
-                    .map(|_| handle)
-            });
-        match started {
-            Ok(handle) => Housekeeper {
-                handle: Some(handle),
-                _stop: Some(stop),
-            },
-            Err(e) => {
-                tracing::warn!(node, error = %e, "could not start the housekeeping thread; moka's housekeeping runs on the application's runtime");
-                Housekeeper {
-                    handle: None,
-                    _stop: None,
-                }
-            }
-        }
-    }
-
-    /// Runs `cache`'s pending housekeeping to its end on the node's thread;
-    /// the caller waits without holding a worker of its runtime.
-    pub(super) async fn settle(&self, cache: Arc<dyn CacheHandle>) {
-        self.run(async move { cache.settle().await }).await;
-    }
-
-    /// Runs `work` on the node's thread (or, without one, here), and waits
-    /// for it.
-    pub(super) async fn run<T: Send + 'static>(
-        &self,
-        work: impl std::future::Future<Output = T> + Send + 'static,
-    ) -> T {
-        if let Some(handle) = &self.handle {
-            match handle.spawn(work).await {
-                Ok(out) => return out,
-                // A panic there is a panic here; cancelled only when the
-                // thread stops, with the node's state, which outlives every
-                // caller.
-                Err(e) => std::panic::resume_unwind(e.into_panic()),
-            }
-        }
-        work.await
-    }
-}
 
 /// moka does its housekeeping (applying logged reads and writes, expiry,
 /// eviction) inline, in whichever cache call finds 64 writes logged or

@@ -33,7 +33,11 @@ impl Shared {
             if caches.contains_key(&name) {
                 return Err(Error::DuplicateCache(name));
             }
-            if !cache.claim(self.token, self.config.reorder_window) {
+            if !cache.claim(
+                self.token,
+                self.config.reorder_window,
+                self.housekeeper.clone(),
+            ) {
                 return Err(Error::Config(format!(
                     "cache {name:?} is already registered on a node"
                 )));

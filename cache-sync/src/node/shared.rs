@@ -71,8 +71,9 @@ pub(super) struct Shared {
     /// What this node sees of the cluster, its own heartbeat included.
     pub(super) cluster: Cluster,
     pub(super) stats: NodeStats,
-    /// The thread moka's housekeeping runs on (see `maintenance.rs`).
-    pub(super) housekeeper: super::maintenance::Housekeeper,
+    /// The thread moka's housekeeping runs on, the node's caches' and its
+    /// maintenance task's (see `cache::Housekeeper`).
+    pub(super) housekeeper: Arc<crate::cache::Housekeeper>,
     /// How late the runtime runs the node's timer (see `lateness.rs`).
     pub(super) lateness: super::lateness::Lateness,
 }

@@ -289,7 +289,11 @@ async fn a_pinned_last_load_older_than_the_key_is_not_cached() {
 #[tokio::test(start_paused = true)]
 async fn a_versioned_load_during_the_quarantine_is_cached_with_its_version() {
     let c = cache();
-    assert!(c.inner.claim(1, Duration::from_secs(10)));
+    assert!(c.inner.claim(
+        1,
+        Duration::from_secs(10),
+        std::sync::Arc::new(crate::cache::Housekeeper::start()),
+    ));
     c.inner.resync().await;
     assert_eq!(load_at(&c, "k", "v12", 12).await, "v12");
     assert_eq!(c.peek("k").await.as_deref(), Some("v12"));

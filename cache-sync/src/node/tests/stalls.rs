@@ -35,7 +35,7 @@ async fn moka_housekeeping_after_a_clear_runs_off_the_runtime() {
     for i in 0..200_000 {
         c.insert(format!("k{i}"), "v".to_owned()).await;
     }
-    let housekeeper = super::super::maintenance::Housekeeper::start("n");
+    let housekeeper = crate::cache::Housekeeper::start();
     housekeeper.settle(c.handle()).await;
     c.invalidate_all().await;
     let (polls, task) = probe();
@@ -51,14 +51,14 @@ async fn moka_housekeeping_after_a_clear_runs_off_the_runtime() {
     );
 }
 
-/// The housekeeping thread is the node's: named so a profile shows it.
-#[tokio::test]
-async fn housekeeping_runs_on_the_nodes_own_thread() {
-    let housekeeper = super::super::maintenance::Housekeeper::start("n");
-    let name = housekeeper
-        .run(async { std::thread::current().name().map(str::to_owned) })
-        .await;
-    assert_eq!(name.as_deref(), Some("cache-sync-housekeeping"));
+/// Housekeeping runs on a thread of the runtime's blocking pool, never on
+/// the worker that asked for it.
+#[tokio::test(flavor = "current_thread")]
+async fn housekeeping_runs_off_the_workers() {
+    let housekeeper = crate::cache::Housekeeper::start();
+    let here = std::thread::current().id();
+    let there = housekeeper.run(async { std::thread::current().id() }).await;
+    assert_ne!(here, there);
 }
 
 /// A worker held for 300 ms (here by a blocking sleep, as a CPU-bound
@@ -95,6 +95,42 @@ async fn a_stalled_runtime_shows_as_lateness() {
     assert!(
         over_a_quarter_second < count,
         "one tick fell past the 0.25 s bucket: {text}"
+    );
+    node.shutdown().await.unwrap();
+}
+
+/// A clear of a registered cache hands moka's eviction to the node's
+/// thread and waits for it there: when it returns the entries are gone,
+/// and other tasks ran meanwhile. Left to moka, the eviction would run at
+/// the next cache write that finds 64 writes logged (the consumer's next
+/// event), on the runtime, in one go.
+#[tokio::test(flavor = "current_thread")]
+async fn a_clear_of_a_registered_cache_is_evicted_off_the_workers() {
+    let c = SyncedCache::new("big", moka::future::Cache::new(1_000_000));
+    let node = Node::builder("n", EmbeddedTransport::new())
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    // Filled once registered: a registration empties the cache.
+    for i in 0..200_000 {
+        c.insert(format!("k{i}"), "v".to_owned()).await;
+    }
+    node.status_settled().await;
+    let (polls, task) = probe();
+    tokio::task::yield_now().await;
+    let before = polls.load(Relaxed);
+    c.invalidate_all().await;
+    let during = polls.load(Relaxed).saturating_sub(before);
+    task.abort();
+    assert_eq!(
+        c.handle().status().entries,
+        0,
+        "evicted by the time the clear returned"
+    );
+    assert!(
+        during >= 1,
+        "nothing else ran while moka evicted 200,000 entries"
     );
     node.shutdown().await.unwrap();
 }
