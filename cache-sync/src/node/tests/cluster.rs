@@ -253,7 +253,12 @@ async fn a_verifying_node_takes_only_signed_heartbeats() {
     };
     let n1 = signed("n1", &a).start().await.unwrap();
     let n2 = signed("n2", &b).start().await.unwrap();
-    eventually("both seen", async || n1.cluster().nodes().len() == 2).await;
+    // Each must have heard the other: the forged heartbeat below is a
+    // copy of n1's entry as n2 holds it.
+    eventually("both seen", async || {
+        n1.cluster().nodes().len() == 2 && n2.cluster().nodes().len() == 2
+    })
+    .await;
     // An unsigned node, and a forged heartbeat, are refused.
     let c = cache("countries");
     let unsigned = start("intruder", transport.clone(), &[&c]).await;
