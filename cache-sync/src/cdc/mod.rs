@@ -28,6 +28,7 @@ mod batch;
 mod metrics;
 pub(crate) mod pgoutput;
 mod publication;
+mod publishing;
 mod relay;
 mod slot;
 mod state;

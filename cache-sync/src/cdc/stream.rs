@@ -1,36 +1,31 @@
 //! The relay's task: replication sessions, one after another, each
 //! streaming the slot, mapping its changes and publishing them.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures_util::FutureExt as _;
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 use super::Row;
 use super::batch::Batch;
 use super::pgoutput::{self, Message, Relation};
 use super::publication::{self, Mode};
+use super::publishing::{self, Job, Progress};
 use super::relay::Inner;
 use super::slot::{self, RESYNC_PREFIX, SlotState, db};
 use super::state::{self, Scope};
 use crate::error::Result;
-use crate::publish::Publisher;
 use crate::util::Backoff;
-use crate::wire::{Change, KeyVersion};
 
 /// Row changes, bytes of keys and values, and transactions gathered into
 /// one publish at most (more wait for the next).
 const MAX_BATCH_ROWS: u64 = 5_000;
 const MAX_BATCH_BYTES: usize = 16 << 20;
 const MAX_BATCH_TRANSACTIONS: u64 = 1_000;
-/// How long committed work may wait while the relay reads the next
-/// transaction (a large one takes a while to arrive) before it is
-/// published on its own.
-const FLUSH_WAIT: Duration = Duration::from_millis(20);
 /// The longest the database may take to answer the visibility check
 /// before the session is given up and started again.
 pub(super) const SQL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -47,6 +42,8 @@ enum Ended {
     Stopped,
     /// The publication was dropped under the stream (see `run`).
     PublicationGone(String),
+    /// The publishing task ended: its error says why.
+    Publishing,
 }
 
 /// How long a stopping session waits for the client to report its last
@@ -69,7 +66,7 @@ pub(super) async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
             break;
         }
         let mut session = std::pin::pin!(session(
-            &inner,
+            Arc::clone(&inner),
             standby_of.is_some(),
             &after_foreign,
             stop.clone()
@@ -104,6 +101,7 @@ pub(super) async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
                 backoff.fail()
             }
             Ok(Ended::Stopped) => break,
+            Ok(Ended::Publishing) => unreachable!("a session returns the publishing task's error"),
             Ok(Ended::PublicationGone(why)) => {
                 // pgoutput reads the publication as the catalog was at each
                 // change: past the drop, this slot's stream fails for ever,
@@ -133,11 +131,12 @@ pub(super) async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
 
 /// One replication session: from taking the slot to losing it.
 async fn session(
-    inner: &Inner,
+    owned: Arc<Inner>,
     was_standby: bool,
     after_foreign: &AtomicBool,
     mut stop: watch::Receiver<bool>,
 ) -> Result<Ended> {
+    let inner = &*owned;
     let slot = &inner.shared.slot;
     match slot::slot_state(&inner.pool, slot).await? {
         SlotState::Active { pid, foreign } => return Ok(Ended::Standby { pid, foreign }),
@@ -186,6 +185,11 @@ async fn session(
     } else {
         tracing::info!(slot = %slot, "cdc relay: streaming the slot");
     }
+    let publishing::Handle {
+        jobs,
+        progress,
+        mut task,
+    } = publishing::start(Arc::clone(&owned), done);
     let mut stream = Stream {
         inner,
         relations: HashMap::new(),
@@ -195,13 +199,33 @@ async fn session(
         last_commit: 0,
         pending_end: None,
         committed: false,
-        committed_since: None,
         open_batch: Batch::default(),
         resync_at: None,
         done,
         last_confirmed: None,
+        jobs: Some(jobs),
+        progress,
+        handed: 0,
+        in_flight: VecDeque::new(),
+        batch_oldest: 0,
     };
-    let result = stream.pump(&mut client, &mut stop).await;
+    let mut result = stream.pump(&mut client, &mut stop).await;
+    // What was handed over is published (or the task fails), and
+    // confirmed: a stop hands its last position over to the next relay,
+    // and a session that fails for another reason does not leave a
+    // publish half done for the next one to race with.
+    stream.jobs = None;
+    let finished = task.finish().await;
+    if let Err(e) = finished {
+        if matches!(result, Ok(Ended::Publishing | Ended::Stopped)) {
+            result = Err(e);
+        } else {
+            tracing::debug!(slot = %slot, error = %e, "cdc relay: the publishing task failed too");
+        }
+    } else if matches!(result, Ok(Ended::Publishing)) {
+        result = Err(db("the relay's publishing task ended"));
+    }
+    stream.progressed(&client);
     let last_confirmed = stream.last_confirmed;
     // What it held is given up: the next session receives it again.
     inner
@@ -234,6 +258,8 @@ async fn session(
 struct Open {
     version: u64,
     xid: u32,
+    /// Its commit time on the server's clock, in µs.
+    commit_time: i64,
 }
 
 struct Stream<'a> {
@@ -249,8 +275,6 @@ struct Stream<'a> {
     pending_end: Option<Lsn>,
     /// The batch holds committed work.
     committed: bool,
-    /// Since when.
-    committed_since: Option<tokio::time::Instant>,
     /// The open transaction's changes, joining `batch` at its commit.
     open_batch: Batch,
     /// The LSN of the newest resync message in the batch: see
@@ -260,6 +284,25 @@ struct Stream<'a> {
     done: u64,
     /// The last position this session confirmed.
     last_confirmed: Option<Lsn>,
+    /// The publishing task's channel (`None` once the session ends).
+    jobs: Option<mpsc::Sender<Job>>,
+    progress: watch::Receiver<Progress>,
+    /// Jobs handed over.
+    handed: u64,
+    /// The oldest commit time of each job handed over and not yet
+    /// published, in order (for the lag in seconds).
+    in_flight: VecDeque<i64>,
+    /// The oldest commit time of the batch and the open transaction.
+    batch_oldest: i64,
+}
+
+/// What the stream waits for.
+enum Next {
+    Event(std::result::Result<Option<ReplicationEvent>, pgwire_replication::PgWireError>),
+    Progress,
+    Room,
+    Stop,
+    TaskEnded,
 }
 
 impl Stream<'_> {
@@ -269,34 +312,55 @@ impl Stream<'_> {
         stop: &mut watch::Receiver<bool>,
     ) -> Result<Ended> {
         loop {
-            // Committed work waits while more is ready (so that a burst
-            // goes out in few publishes), and is flushed before waiting.
-            let event = if self.open.is_none() && self.committed {
-                match client.recv().now_or_never() {
-                    Some(event) => event,
-                    None => {
-                        self.flush(client).await?;
-                        continue;
+            // Committed work is handed over to the publishing task as soon
+            // as it has room, once nothing more is ready to read (a burst
+            // goes out in few publishes), and inside a transaction at once
+            // (a large one takes a while to arrive).
+            let mut ready = None;
+            if self.committed {
+                if self.open.is_none() && !self.full() {
+                    ready = client.recv().now_or_never();
+                }
+                if ready.is_none() {
+                    match self.hand_off() {
+                        Some(true) => continue,
+                        Some(false) => {}
+                        None => return Ok(Ended::Publishing),
                     }
                 }
-            } else if self.committed {
-                // Inside a transaction, with committed work waiting.
-                let now = tokio::time::Instant::now();
-                let since = *self.committed_since.get_or_insert(now);
-                let due = since.checked_add(FLUSH_WAIT).unwrap_or(now);
-                tokio::select! {
-                    event = client.recv() => event,
-                    () = tokio::time::sleep_until(due) => {
-                        self.flush(client).await?;
-                        continue;
+            }
+            let next = match ready {
+                Some(event) => Next::Event(event),
+                None => {
+                    // A full batch reads no more until it is handed over:
+                    // what the relay holds is bounded in bytes.
+                    let reading = !(self.committed && self.full());
+                    let Some(jobs) = &self.jobs else {
+                        return Ok(Ended::Publishing);
+                    };
+                    tokio::select! {
+                        biased;
+                        _ = stop.changed() => Next::Stop,
+                        changed = self.progress.changed() => {
+                            if changed.is_ok() { Next::Progress } else { Next::TaskEnded }
+                        }
+                        // The permit is let go: the loop's top hands over.
+                        room = jobs.reserve(), if self.committed => {
+                            if room.is_ok() { Next::Room } else { Next::TaskEnded }
+                        }
+                        event = client.recv(), if reading => Next::Event(event),
                     }
-                    _ = stop.changed() => return Ok(Ended::Stopped),
                 }
-            } else {
-                tokio::select! {
-                    event = client.recv() => event,
-                    _ = stop.changed() => return Ok(Ended::Stopped),
+            };
+            let event = match next {
+                Next::Event(event) => event,
+                Next::Progress => {
+                    self.progressed(client);
+                    continue;
                 }
+                Next::Room => continue,
+                Next::Stop => return Ok(Ended::Stopped),
+                Next::TaskEnded => return Ok(Ended::Publishing),
             };
             let event = match event {
                 Ok(Some(event)) => event,
@@ -313,16 +377,16 @@ impl Stream<'_> {
                     xid,
                     commit_time_micros,
                 } => {
+                    let commit_time = commit_time_micros.max(1);
                     self.open = Some(Open {
                         version: final_lsn.as_u64(),
                         xid,
+                        commit_time,
                     });
-                    let _ = shared.oldest_pending_commit.compare_exchange(
-                        0,
-                        commit_time_micros.max(1),
-                        Ordering::Relaxed,
-                        Ordering::Relaxed,
-                    );
+                    if self.batch_oldest == 0 {
+                        self.batch_oldest = commit_time;
+                        self.show_oldest();
+                    }
                 }
                 ReplicationEvent::XLogData {
                     data,
@@ -368,13 +432,10 @@ impl Stream<'_> {
                         }
                         tracing::info!(slot = %shared.slot, lsn = %lsn, ?scope, "cdc relay: a resync: clearing the mapped caches it covers");
                         // Pending from now (the message has no commit time).
-                        let now = shared.server_time.load(Ordering::Relaxed).max(1);
-                        let _ = shared.oldest_pending_commit.compare_exchange(
-                            0,
-                            now,
-                            Ordering::Relaxed,
-                            Ordering::Relaxed,
-                        );
+                        if self.batch_oldest == 0 {
+                            self.batch_oldest = shared.server_time.load(Ordering::Relaxed).max(1);
+                            self.show_oldest();
+                        }
                         self.clear_scope(&scope, at);
                         self.resync_at = Some(self.resync_at.map_or(at, |r| r.max(at)));
                         if self.open.is_none() {
@@ -389,12 +450,6 @@ impl Stream<'_> {
                     self.batch.absorb(&mut self.open_batch, xid);
                     self.pending_end = Some(end_lsn);
                     self.mark_committed();
-                    if self.batch.rows >= MAX_BATCH_ROWS
-                        || self.batch.bytes >= MAX_BATCH_BYTES
-                        || self.batch.transactions >= MAX_BATCH_TRANSACTIONS
-                    {
-                        self.flush(client).await?;
-                    }
                 }
                 ReplicationEvent::KeepAlive {
                     wal_end,
@@ -408,7 +463,11 @@ impl Stream<'_> {
                     // with nothing open or unpublished, its position is
                     // done, so a slot whose tables are quiet does not pin
                     // the WAL other tables write.
-                    if self.open.is_none() && !self.committed && self.batch.is_empty() {
+                    if self.open.is_none()
+                        && !self.committed
+                        && self.batch.is_empty()
+                        && self.in_flight.is_empty()
+                    {
                         self.confirm(client, wal_end);
                     }
                 }
@@ -445,7 +504,9 @@ impl Stream<'_> {
         self.clear_all(open.version);
         self.batch.xids.push(open.xid);
         self.mark_committed();
-        self.flush(client).await?;
+        if !self.drain(client).await {
+            return Ok(Ended::Publishing);
+        }
         self.inner.shared.skipped.fetch_add(1, Ordering::Relaxed);
         let to = open.version.saturating_add(1);
         let lsn = format!("{:X}/{:X}", to >> 32, to & 0xFFFF_FFFF);
@@ -463,8 +524,86 @@ impl Stream<'_> {
 
     fn mark_committed(&mut self) {
         self.committed = true;
-        self.committed_since
-            .get_or_insert_with(tokio::time::Instant::now);
+    }
+
+    /// The batch is as large as one publish may be.
+    fn full(&self) -> bool {
+        self.batch.rows >= MAX_BATCH_ROWS
+            || self.batch.bytes >= MAX_BATCH_BYTES
+            || self.batch.transactions >= MAX_BATCH_TRANSACTIONS
+    }
+
+    /// Hands the committed batch over to the publishing task if it has
+    /// room: `Some(false)` if it has none, `None` if it ended.
+    fn hand_off(&mut self) -> Option<bool> {
+        let permit = match self.jobs.as_ref()?.try_reserve() {
+            Ok(permit) => permit,
+            Err(mpsc::error::TrySendError::Full(())) => return Some(false),
+            Err(mpsc::error::TrySendError::Closed(())) => return None,
+        };
+        let transactions = self.batch.transactions;
+        let rows = self.batch.rows;
+        let xids = std::mem::take(&mut self.batch.xids);
+        permit.send(Job {
+            publishes: self.batch.take(),
+            xids,
+            resync: self.resync_at.take(),
+            end: self.pending_end.take(),
+            transactions,
+            rows,
+        });
+        self.committed = false;
+        self.handed = self.handed.saturating_add(1);
+        self.in_flight.push_back(self.batch_oldest);
+        self.batch_oldest = self.open.as_ref().map_or(0, |o| o.commit_time);
+        self.show_oldest();
+        Some(true)
+    }
+
+    /// Confirms what the publishing task published.
+    fn progressed(&mut self, client: &ReplicationClient) {
+        let p = *self.progress.borrow_and_update();
+        let waiting = self.handed.saturating_sub(p.jobs);
+        while u64::try_from(self.in_flight.len()).unwrap_or(u64::MAX) > waiting {
+            self.in_flight.pop_front();
+        }
+        if let Some(end) = p.end {
+            self.confirm(client, end);
+        }
+        self.done = self.done.max(p.done);
+        self.show_oldest();
+    }
+
+    /// Hands the committed batch over and waits until everything handed
+    /// over is published and confirmed: `false` if the task ended first.
+    async fn drain(&mut self, client: &ReplicationClient) -> bool {
+        loop {
+            if self.committed && self.hand_off().is_none() {
+                return false;
+            }
+            if !self.committed && self.in_flight.is_empty() {
+                return true;
+            }
+            if self.progress.changed().await.is_err() {
+                return false;
+            }
+            self.progressed(client);
+        }
+    }
+
+    /// The commit time of the oldest change not yet published, for the
+    /// relay's lag in seconds (0: none).
+    fn show_oldest(&self) {
+        let oldest = self
+            .in_flight
+            .iter()
+            .copied()
+            .find(|&t| t != 0)
+            .unwrap_or(self.batch_oldest);
+        self.inner
+            .shared
+            .oldest_pending_commit
+            .store(oldest, Ordering::Relaxed);
     }
 
     /// Where a change goes: the open transaction's batch, or, outside one
@@ -665,143 +804,6 @@ impl Stream<'_> {
             .confirmed
             .fetch_max(lsn.as_u64(), Ordering::Relaxed);
     }
-
-    /// Publishes the batch, then confirms the slot up to its last commit.
-    async fn flush(&mut self, client: &ReplicationClient) -> Result<()> {
-        let inner = self.inner;
-        let transactions = self.batch.transactions;
-        let rows = self.batch.rows;
-        let xids = std::mem::take(&mut self.batch.xids);
-        let publishes = self.batch.take();
-        if !publishes.is_empty() {
-            tokio::time::timeout(SQL_TIMEOUT, slot::wait_visible(&inner.pool, &xids))
-                .await
-                .map_err(|_| db("the visibility check timed out"))??;
-        }
-        let resync = self.resync_at.take();
-        if resync.is_some() {
-            tokio::time::timeout(SQL_TIMEOUT, slot::wait_committed_visible(&inner.pool))
-                .await
-                .map_err(|_| db("the visibility check timed out"))??;
-        }
-        for (cache, changes) in publishes {
-            publish(&inner.publisher, &cache, changes).await?;
-        }
-        if let Some(at) = resync {
-            // Recorded before the position is confirmed: a server crash
-            // that forgets the confirmation streams the message again, and
-            // this says it was applied. Failing to record it costs a second
-            // clear at worst.
-            let marked = tokio::time::timeout(
-                SQL_TIMEOUT,
-                state::mark_done(&inner.pool, &inner.publication, &inner.shared.slot, at),
-            )
-            .await;
-            if !matches!(marked, Ok(Ok(()))) {
-                tracing::warn!(slot = %inner.shared.slot, "cdc relay: recording a resync as applied failed; a server crash may apply it again");
-            }
-            self.done = self.done.max(at);
-            // Counted once published: a session that fails before leaves
-            // it to the next, which publishes (and counts) it.
-            inner.shared.resyncs.fetch_add(1, Ordering::Relaxed);
-        }
-        inner
-            .shared
-            .transactions
-            .fetch_add(transactions, Ordering::Relaxed);
-        inner.shared.rows.fetch_add(rows, Ordering::Relaxed);
-        if let Some(end) = self.pending_end.take() {
-            self.confirm(client, end);
-        }
-        self.committed = false;
-        self.committed_since = None;
-        inner
-            .shared
-            .oldest_pending_commit
-            .store(0, Ordering::Relaxed);
-        Ok(())
-    }
-}
-
-/// Publishes one cache's changes. An entry that can never fit the
-/// publisher's size limit is sent as an invalidation of its own key, and a
-/// key that cannot fit either as a clear: never dropped, and never more
-/// than that entry made an invalidation (the others of its change go as
-/// they are).
-async fn publish(publisher: &Publisher, cache: &str, changes: Vec<Change>) -> Result<()> {
-    let mut split = Vec::new();
-    // A clear in place of keys that fit in no form, at their newest version.
-    let mut fallback: Option<Option<u64>> = None;
-    let mut clear_at = |version: Option<u64>| {
-        tracing::warn!(
-            cache,
-            "cdc relay: a key is over the event size limit; clearing the cache instead"
-        );
-        fallback = Some(fallback.flatten().max(version));
-    };
-    for change in changes {
-        match publisher.resplit(change.clone()) {
-            Ok(parts) => split.extend(parts),
-            Err(e) if e.is_too_large() => match change {
-                Change::Refresh { entries } => {
-                    let mut fit = Vec::new();
-                    let mut keys = Vec::new();
-                    for entry in entries {
-                        let key = KeyVersion {
-                            key: entry.key.clone(),
-                            version: entry.version,
-                        };
-                        let version = entry.version;
-                        let one = Change::Refresh {
-                            entries: vec![entry],
-                        };
-                        if publisher.resplit(one.clone()).is_ok() {
-                            let Change::Refresh { entries } = one else {
-                                unreachable!("built above")
-                            };
-                            fit.extend(entries);
-                        } else if fits_invalidation(publisher, &key) {
-                            tracing::warn!(
-                                cache,
-                                "cdc relay: an entry is over the event size limit; invalidating its key instead"
-                            );
-                            keys.push(key);
-                        } else {
-                            clear_at(version);
-                        }
-                    }
-                    split.extend(publisher.resplit(Change::Invalidate { keys })?);
-                    split.extend(publisher.resplit(Change::Refresh { entries: fit })?);
-                }
-                Change::Invalidate { keys } => {
-                    let mut fit = Vec::new();
-                    for key in keys {
-                        if fits_invalidation(publisher, &key) {
-                            fit.push(key);
-                        } else {
-                            clear_at(key.version);
-                        }
-                    }
-                    split.extend(publisher.resplit(Change::Invalidate { keys: fit })?);
-                }
-                // A clear carries no key: it always fits.
-                Change::Clear { version } => clear_at(version),
-            },
-            Err(e) => return Err(e),
-        }
-    }
-    if let Some(version) = fallback {
-        split.insert(0, Change::Clear { version });
-    }
-    publisher.send(cache, split).await.map(|_| ())
-}
-
-fn fits_invalidation(publisher: &Publisher, key: &KeyVersion) -> bool {
-    publisher
-        .resplit(Change::Invalidate {
-            keys: vec![key.clone()],
-        })
-        .is_ok()
 }
 
 /// Whether a session's error is PostgreSQL failing the stream because the
