@@ -288,7 +288,13 @@ impl Publisher {
     ) -> Result<(Published, T)> {
         let (cache, seq) = self.seq(cache)?;
         // Held across the publish so numbers reach the transport in order.
-        let mut seq = seq.lock().await;
+        // Free, the usual case, it is taken at once without building the
+        // waiting future; a lock with waiters queued is never free (tokio
+        // hands a released lock to the first waiter), so this jumps no queue.
+        let mut seq = match seq.try_lock() {
+            Ok(seq) => seq,
+            Err(_) => seq.lock().await,
+        };
         let (changes, out) = build()?;
         let published = self.publish_locked(&cache, &mut seq, fence, &changes).await;
         drop(seq);
@@ -298,8 +304,9 @@ impl Publisher {
         let published = published?;
         // Scheduled only once the first send went through: a failed one
         // returns its error, and the caller retries the whole change.
-        if let Some(delay) = self.inner.again_after {
-            self.send_again(cache, delay, changes);
+        match self.inner.again_after {
+            Some(delay) => self.send_again(cache, delay, changes),
+            None => changes.recycle(),
         }
         Ok((published, out))
     }

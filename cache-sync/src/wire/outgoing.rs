@@ -23,6 +23,16 @@ use super::{
 };
 use crate::error::{Error, Result};
 
+thread_local! {
+    /// A cleared items buffer, given back by the last publish on this
+    /// thread. Taken out whole, never borrowed across an await: a publish
+    /// that resumes on another thread gives its buffer back there.
+    static SPARE: std::cell::Cell<Option<Vec<u8>>> = const { std::cell::Cell::new(None) };
+}
+
+/// The largest items buffer kept for reuse: a few small publishes' worth.
+const SPARE_MAX: usize = 4096;
+
 /// The changes of one publish, each to become one event, in order.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Outgoing {
@@ -67,10 +77,7 @@ impl Body<'_> {
 impl Outgoing {
     /// A clear, at `version` if any.
     pub(crate) fn clear(version: Option<u64>) -> Self {
-        let mut out = Outgoing {
-            bytes: Vec::with_capacity(10),
-            ..Outgoing::default()
-        };
+        let mut out = Outgoing::with_room();
         put_option(&mut out.bytes, version);
         out.push(CLEAR, 0);
         out
@@ -217,12 +224,33 @@ impl Outgoing {
 
     /// An empty buffer with room for a small entry or two, so that
     /// encoding one does not grow it step by step (each step a
-    /// reallocation).
+    /// reallocation): one that an earlier publish on this thread gave
+    /// back ([`recycle`](Self::recycle)), or a new one.
     fn with_room() -> Self {
+        let bytes = SPARE
+            .try_with(|spare| spare.take())
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| Vec::with_capacity(64));
         Outgoing {
-            bytes: Vec::with_capacity(64),
+            bytes,
             ..Outgoing::default()
         }
+    }
+
+    /// Gives the items' buffer back once the events are sent, for the
+    /// next publish on this thread to encode into: a publish then
+    /// allocates only the event it hands to the transport. A buffer grown
+    /// past [`SPARE_MAX`] is freed instead, so a large batch once does not
+    /// keep its memory for good.
+    pub(crate) fn recycle(self) {
+        let mut bytes = self.bytes;
+        if bytes.capacity() > SPARE_MAX || bytes.capacity() == 0 {
+            return;
+        }
+        bytes.clear();
+        // A thread being torn down has no slot left: the buffer is freed.
+        let _ = SPARE.try_with(|spare| spare.set(Some(bytes)));
     }
 
     /// Ends an event at the end of the bytes written so far.
@@ -409,6 +437,7 @@ fn varint(n: u64) -> ([u8; 9], usize) {
 
 /// [`varint`], written with fixed-size copies: a copy of a length known
 /// only at run time is a call to `memcpy`, dearer than the write itself.
+#[inline(always)]
 fn put_varint(out: &mut Vec<u8>, n: u64) {
     let le = n.to_le_bytes();
     match n {
@@ -427,6 +456,7 @@ fn bytes_len(len: usize) -> usize {
     varint_len(u64::try_from(len).unwrap_or(u64::MAX)).saturating_add(len)
 }
 
+#[inline(always)]
 fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
     put_varint(out, u64::try_from(bytes.len()).unwrap_or(u64::MAX));
     out.extend_from_slice(bytes);
@@ -436,6 +466,7 @@ fn option_len(n: Option<u64>) -> usize {
     n.map_or(1, |n| varint_len(n).saturating_add(1))
 }
 
+#[inline(always)]
 fn put_option(out: &mut Vec<u8>, n: Option<u64>) {
     match n {
         None => out.push(0),
@@ -476,14 +507,19 @@ fn put_part<T: Serialize + ?Sized>(
         }
     })?;
     let len = out.len().saturating_sub(at).saturating_sub(1);
-    let (prefix, used) = varint(u64::try_from(len).unwrap_or(u64::MAX));
-    let prefix = prefix.get(..used).unwrap_or_default();
-    if used == 1 {
-        if let Some(b) = out.get_mut(at) {
-            *b = prefix.first().copied().unwrap_or_default();
+    match u8::try_from(len) {
+        Ok(short @ 0..=250) => {
+            if let Some(b) = out.get_mut(at) {
+                *b = short;
+            }
         }
-    } else {
-        out.splice(at..=at, prefix.iter().copied());
+        _ => {
+            let (prefix, used) = varint(u64::try_from(len).unwrap_or(u64::MAX));
+            out.splice(
+                at..=at,
+                prefix.get(..used).unwrap_or_default().iter().copied(),
+            );
+        }
     }
     Ok(len)
 }
@@ -677,6 +713,31 @@ mod tests {
         let (_, change) = crate::wire::decode(&encode_body(&h, &ext, refresh), usize::MAX).unwrap();
         assert_eq!(change.max_version(), Some(5));
         assert_eq!(change.len(), 2);
+    }
+
+    /// A publish's items buffer is given back cleared, and the next
+    /// publish on the thread encodes into it; a large one is freed.
+    #[test]
+    fn a_recycled_buffer_comes_back_empty_and_a_large_one_is_freed() {
+        let small = Outgoing::refreshes([(1u32, 2u32, None)], 1000).unwrap();
+        let at = small.bytes.as_ptr();
+        small.recycle();
+        let again = Outgoing::refreshes([(3u32, 4u32, Some(5))], 1000).unwrap();
+        assert_eq!(again.bytes.as_ptr(), at, "not reused");
+        let mut expected = Outgoing::default();
+        expected.put_change(&Change::Refresh {
+            entries: vec![EntryVersion {
+                key: encode_part(&3u32, "key").unwrap(),
+                value: encode_part(&4u32, "value").unwrap(),
+                version: Some(5),
+            }],
+        });
+        assert_eq!(again.bytes, expected.bytes);
+        assert_eq!(again.events().count(), 1);
+        again.recycle();
+        let big = Outgoing::refreshes([(1u32, "v".repeat(SPARE_MAX), None)], usize::MAX).unwrap();
+        big.recycle();
+        assert!(Outgoing::with_room().bytes.capacity() <= SPARE_MAX);
     }
 
     /// An item that does not encode is reported before one that is too
