@@ -188,6 +188,14 @@ impl Transport for EmbeddedTransport {
     }
 
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        // Every subscriber clones the records it reads. A `Bytes` made from
+        // a full `Vec` (a publisher's event is sealed into one of exactly
+        // its size) allocates its shared count at its first clone: taken
+        // here, that is paid by the publish, once, not by the first reader
+        // on its apply path. A payload already shared only gains a reference.
+        let shared = payload.clone();
+        drop(payload);
+        let payload = shared;
         let topic = self.topic(topic);
         let end = {
             let mut log = lock(&topic.log);
