@@ -261,7 +261,10 @@ async fn publish(publisher: &Publisher, cache: &str, changes: Vec<Change>) -> Re
     if let Some(version) = fallback {
         split.insert(0, Change::Clear { version });
     }
-    publisher.send(cache, split).await.map(|_| ())
+    publisher
+        .send(cache, crate::wire::Outgoing::from_changes(split))
+        .await
+        .map(|_| ())
 }
 
 fn fits_invalidation(publisher: &Publisher, key: &KeyVersion) -> bool {

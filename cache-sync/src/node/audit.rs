@@ -17,7 +17,7 @@ use super::Shared;
 use crate::cache::{AUDIT_MARGIN, CacheHandle};
 use crate::publish::DEFAULT_ANNOUNCE_INTERVAL;
 use crate::util::{HashMap, HashSet, deadline_after, lock, now_us};
-use crate::wire::{Change, Header, HeaderExt, Origin};
+use crate::wire::{Body, Header, HeaderExt, Origin};
 
 /// The markers an auditor sends round before it counts an inconsistency:
 /// announcements numbered 0 (which vouch for nothing, so every node passes
@@ -78,7 +78,7 @@ async fn round_trip(shared: &Shared, cache: &str, timeout: Duration) -> bool {
     };
     let payload = match shared
         .codec
-        .seal_ext(&header, &HeaderExt::default(), &Change::ANNOUNCE)
+        .seal_body(&header, &HeaderExt::default(), Body::ANNOUNCE)
     {
         Ok(payload) => payload,
         Err(e) => {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::{Publisher, PublisherInner};
 use crate::util::{deadline_after, lock};
-use crate::wire::Change;
+use crate::wire::Outgoing;
 
 impl Publisher {
     /// The second send of [`PublisherBuilder::again_after`]: queues, for
@@ -16,12 +16,12 @@ impl Publisher {
     /// delay, so the queue is in due order); it holds the publisher's
     /// state until the queue is empty, so a dropped publisher's second
     /// sends still go out while the process and its runtime live.
-    pub(super) fn send_again(&self, cache: &str, delay: Duration, changes: Vec<Change>) {
-        let again: Vec<Change> = changes.into_iter().map(Change::into_invalidation).collect();
+    pub(super) fn send_again(&self, cache: Arc<str>, delay: Duration, changes: Outgoing) {
+        let again = changes.into_invalidation();
         let mut queue = lock(&self.inner.again);
         queue
             .pending
-            .push_back((deadline_after(delay), cache.to_owned(), again));
+            .push_back((deadline_after(delay), cache.clone(), again));
         if queue.sending {
             return;
         }
@@ -44,7 +44,7 @@ impl Publisher {
 /// The second sends of `again_after` waiting for their time.
 #[derive(Default)]
 pub(super) struct AgainQueue {
-    pending: VecDeque<(tokio::time::Instant, String, Vec<Change>)>,
+    pending: VecDeque<(tokio::time::Instant, Arc<str>, Outgoing)>,
     sending: bool,
 }
 
@@ -76,7 +76,14 @@ async fn again_loop(mut guard: AgainGuard) {
         let publisher = Publisher {
             inner: inner.clone(),
         };
-        let seq = publisher.seq(&cache);
+        // Interned when the first send went out, so this finds it.
+        let (cache, seq) = match publisher.seq(&cache) {
+            Ok(seq) => seq,
+            Err(e) => {
+                tracing::warn!(cache = %cache, error = %e, "the delayed second invalidation failed");
+                continue;
+            }
+        };
         let mut seq = seq.lock().await;
         // A failure used up its number: nodes see the gap and resync
         // this cache, which is what the second invalidation was for.

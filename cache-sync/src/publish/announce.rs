@@ -9,9 +9,8 @@ use bytes::Bytes;
 
 use super::{Publisher, PublisherInner, SeqState};
 use crate::error::Result;
-use crate::transport::Transport;
 use crate::util::{deadline_after, lock, now_us};
-use crate::wire::{Change, Header, HeaderExt, Origin};
+use crate::wire::{Body, Header, HeaderExt, Origin};
 
 /// How often a publisher announces its last sequence numbers by default.
 pub(crate) const DEFAULT_ANNOUNCE_INTERVAL: Duration = Duration::from_secs(1);
@@ -107,7 +106,7 @@ async fn announce_loop(mut respawn: Respawn, every: Duration) {
             // Under the publish lock: the announcement reaches the
             // transport after every event it vouches for, and takes no number.
             let n = seq.seq;
-            let times = match lock(&inner.announced).get(cache.as_str()) {
+            let times = match lock(&inner.announced).get(&*cache) {
                 Some(&(m, times)) if m == n => times,
                 _ => 0,
             };
@@ -146,7 +145,7 @@ impl Drop for Respawn {
 impl PublisherInner {
     /// The caches with numbers not yet announced `QUIET_ANNOUNCEMENTS`
     /// times; a cache being published to now counts, it will need it.
-    fn due(&self) -> Vec<(String, Arc<tokio::sync::Mutex<SeqState>>)> {
+    fn due(&self) -> Vec<(Arc<str>, Arc<tokio::sync::Mutex<SeqState>>)> {
         let sent = lock(&self.announced);
         lock(&self.seqs)
             .iter()
@@ -156,7 +155,7 @@ impl PublisherInner {
                 };
                 seq.seq > 0
                     && sent
-                        .get(cache.as_str())
+                        .get(&**cache)
                         .is_none_or(|&(n, times)| n != seq.seq || times < QUIET_ANNOUNCEMENTS)
             })
             .map(|(cache, seq)| (cache.clone(), seq.clone()))
@@ -177,8 +176,8 @@ impl PublisherInner {
             since_prev_us,
             fence: None,
         };
-        let payload = self.codec.seal_ext(&header, &ext, &Change::ANNOUNCE)?;
-        self.transport
+        let payload = self.codec.seal_body(&header, &ext, Body::ANNOUNCE)?;
+        (*self.transport)
             .publish(&self.topic, cache, Bytes::from(payload))
             .await?;
         Ok(())

@@ -1,6 +1,7 @@
 //! Changes built from typed keys and rows, packed into as few as fit a
-//! size budget: the publisher's (what one event may carry) and the
-//! outbox's (what one row may hold) alike.
+//! size budget, as the outbox stores them (what one row may hold). A
+//! publisher builds its own in their wire form (`wire::Outgoing`), packed
+//! by the same rule.
 
 use serde::Serialize;
 

@@ -12,7 +12,7 @@ use super::Publisher;
 use crate::error::{Error, Result};
 use crate::table::{Table, check_topic};
 use crate::util::now_us;
-use crate::wire::Change;
+use crate::wire::Outgoing;
 
 /// Hands out row versions: microseconds since the Unix epoch, bumped so each
 /// is strictly greater than the last this clock gave or saw. Across restarts
@@ -115,7 +115,7 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
         R: Serialize + ?Sized,
     {
         self.publish(None, |p, v| {
-            super::refreshes([(key, row, Some(v))], p.budget())
+            Outgoing::refreshes([(key, row, Some(v))], p.budget())
         })
         .await
     }
@@ -129,7 +129,7 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
         R: Serialize + ?Sized,
     {
         self.publish(Some(version), |p, v| {
-            super::refreshes([(key, row, Some(v))], p.budget())
+            Outgoing::refreshes([(key, row, Some(v))], p.budget())
         })
         .await
     }
@@ -144,7 +144,7 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
         V: 'a,
     {
         self.publish(None, |p, v| {
-            super::refreshes(rows.into_iter().map(|(k, r)| (k, r, Some(v))), p.budget())
+            Outgoing::refreshes(rows.into_iter().map(|(k, r)| (k, r, Some(v))), p.budget())
         })
         .await
     }
@@ -157,7 +157,7 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
         Q: Serialize + ?Sized,
     {
         self.publish(None, |p, v| {
-            super::invalidations([(key, Some(v))], p.budget())
+            Outgoing::invalidations([(key, Some(v))], p.budget())
         })
         .await
     }
@@ -169,7 +169,7 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
         Q: Serialize + ?Sized,
     {
         self.publish(Some(version), |p, v| {
-            super::invalidations([(key, Some(v))], p.budget())
+            Outgoing::invalidations([(key, Some(v))], p.budget())
         })
         .await
     }
@@ -177,16 +177,14 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
     /// Every row goes: every node drops the whole cache, and the version
     /// becomes a floor, so no older insert that arrives late comes back.
     pub async fn invalidate_all(&self) -> Result<u64> {
-        self.publish(None, |_, v| Ok(vec![Change::Clear { version: Some(v) }]))
+        self.publish(None, |_, v| Ok(Outgoing::clear(Some(v))))
             .await
     }
 
     /// [`invalidate_all`](Self::invalidate_all) at the caller's version.
     pub async fn invalidate_all_versioned(&self, version: u64) -> Result<u64> {
-        self.publish(Some(version), |_, v| {
-            Ok(vec![Change::Clear { version: Some(v) }])
-        })
-        .await
+        self.publish(Some(version), |_, v| Ok(Outgoing::clear(Some(v))))
+            .await
     }
 
     /// The table was replaced wholesale: every node drops all rows, then
@@ -200,7 +198,7 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
         K: 'a,
         V: 'a,
     {
-        self.publish(None, |p, v| super::replacement(rows, v, p.budget()))
+        self.publish(None, |p, v| Outgoing::replacement(rows, v, p.budget()))
             .await
     }
 
@@ -215,7 +213,7 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
         V: 'a,
     {
         self.publish(Some(version), |p, v| {
-            super::replacement(rows, v, p.budget())
+            Outgoing::replacement(rows, v, p.budget())
         })
         .await
     }
@@ -226,7 +224,7 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
     async fn publish(
         &self,
         version: Option<u64>,
-        build: impl FnOnce(&Publisher, u64) -> Result<Vec<Change>>,
+        build: impl FnOnce(&Publisher, u64) -> Result<Outgoing>,
     ) -> Result<u64> {
         check_topic(&self.cache, self.topic, &self.publisher.inner.topic)?;
         let (_, v) = self
@@ -251,6 +249,7 @@ mod tests {
     use super::*;
     use crate::EmbeddedTransport;
     use crate::publish::tests::drain;
+    use crate::wire::Change;
 
     #[tokio::test]
     async fn dictionary_versions_increase_and_respect_caller_versions() {

@@ -13,8 +13,10 @@ use serde::Serialize;
 use crate::error::Result;
 use crate::table::Table;
 use crate::transport::{DEFAULT_TOPIC, Transport};
-use crate::util::{lock, now_us};
-use crate::wire::{Change, Codec, DEFAULT_MAX_EVENT_BYTES, Fence, Header, HeaderExt, Origin};
+use crate::util::{Hasher, lock, now_us};
+#[cfg(feature = "postgres")]
+use crate::wire::Change;
+use crate::wire::{Codec, DEFAULT_MAX_EVENT_BYTES, Fence, Header, HeaderExt, Origin, Outgoing};
 
 /// Publishes change events for named caches.
 ///
@@ -59,7 +61,10 @@ struct PublisherInner {
     origin: String,
     id: u64,
     codec: Codec,
-    seqs: Mutex<HashMap<String, Arc<tokio::sync::Mutex<SeqState>>>>,
+    /// Per cache, its numbering. The key is the cache's name, interned:
+    /// a publish finds its cache without allocating, and takes the name
+    /// from here for what it returns ([`Published`]) and queues (`again_after`).
+    seqs: Mutex<HashMap<Arc<str>, Arc<tokio::sync::Mutex<SeqState>>, Hasher>>,
     /// `Duration::MAX`: no announcements.
     announce_interval: Duration,
     /// Whether an announcing task is running (or spawned, not yet run).
@@ -67,7 +72,7 @@ struct PublisherInner {
     /// Per cache: the number last announced and how often it was sent.
     /// Kept here, not in the task, so that a task started again by a later
     /// publish does not announce long-quiet caches once more.
-    announced: Mutex<HashMap<String, (u64, u8)>>,
+    announced: Mutex<HashMap<Arc<str>, (u64, u8)>>,
     /// The second sends of `again_after` not yet due, in due order (the
     /// delay is the same for all), and whether a task is sending them.
     again: Mutex<AgainQueue>,
@@ -91,8 +96,14 @@ struct SeqState {
 impl SeqState {
     /// Microseconds since the event numbered `seq` was sent, if one was.
     fn since_prev_us(&self) -> Option<u64> {
-        self.sent_at
-            .map(|at| u64::try_from(at.elapsed().as_micros()).unwrap_or(u64::MAX))
+        self.since_prev_us_at(tokio::time::Instant::now())
+    }
+
+    /// Microseconds from the event numbered `seq` being sent to `now`.
+    fn since_prev_us_at(&self, now: tokio::time::Instant) -> Option<u64> {
+        self.sent_at.map(|at| {
+            u64::try_from(now.saturating_duration_since(at).as_micros()).unwrap_or(u64::MAX)
+        })
     }
 }
 
@@ -183,7 +194,7 @@ impl Publisher {
         cache: &str,
         entries: impl IntoIterator<Item = (K, V, Option<u64>)>,
     ) -> Result<Published> {
-        let changes = changes::refreshes(entries, self.budget())?;
+        let changes = Outgoing::refreshes(entries, self.budget())?;
         self.send(cache, changes).await
     }
 
@@ -205,26 +216,19 @@ impl Publisher {
         cache: &str,
         keys: impl IntoIterator<Item = (K, Option<u64>)>,
     ) -> Result<Published> {
-        let changes = changes::invalidations(keys, self.budget())?;
+        let changes = Outgoing::invalidations(keys, self.budget())?;
         self.send(cache, changes).await
     }
 
     /// Tells every node to drop everything in `cache`.
     pub async fn invalidate_all(&self, cache: &str) -> Result<Published> {
-        self.send(cache, vec![Change::Clear { version: None }])
-            .await
+        self.send(cache, Outgoing::clear(None)).await
     }
 
     /// Drops everything and makes `version` a floor: inserts older than it
     /// that arrive later are ignored.
     pub async fn invalidate_all_versioned(&self, cache: &str, version: u64) -> Result<Published> {
-        self.send(
-            cache,
-            vec![Change::Clear {
-                version: Some(version),
-            }],
-        )
-        .await
+        self.send(cache, Outgoing::clear(Some(version))).await
     }
 
     /// A typed publisher for one dictionary table: a [`Table`] shared with
@@ -254,7 +258,7 @@ impl Publisher {
         changes::resplit(change, self.budget())
     }
 
-    pub(crate) async fn send(&self, cache: &str, changes: Vec<Change>) -> Result<Published> {
+    pub(crate) async fn send(&self, cache: &str, changes: Outgoing) -> Result<Published> {
         self.send_with(cache, None, || Ok((changes, ())))
             .await
             .map(|(p, ())| p)
@@ -268,6 +272,7 @@ impl Publisher {
         changes: Vec<Change>,
         fence: Fence,
     ) -> Result<Published> {
+        let changes = Outgoing::from_changes(changes);
         self.send_with(cache, Some(fence), || Ok((changes, ())))
             .await
             .map(|(p, ())| p)
@@ -279,14 +284,19 @@ impl Publisher {
         &self,
         cache: &str,
         fence: Option<Fence>,
-        build: impl FnOnce() -> Result<(Vec<Change>, T)>,
+        build: impl FnOnce() -> Result<(Outgoing, T)>,
     ) -> Result<(Published, T)> {
-        self.inner.transport.check_tag(cache)?;
-        let seq = self.seq(cache);
+        let (cache, seq) = self.seq(cache)?;
         // Held across the publish so numbers reach the transport in order.
-        let mut seq = seq.lock().await;
+        // Free, the usual case, it is taken at once without building the
+        // waiting future; a lock with waiters queued is never free (tokio
+        // hands a released lock to the first waiter), so this jumps no queue.
+        let mut seq = match seq.try_lock() {
+            Ok(seq) => seq,
+            Err(_) => seq.lock().await,
+        };
         let (changes, out) = build()?;
-        let published = self.publish_locked(cache, &mut seq, fence, &changes).await;
+        let published = self.publish_locked(&cache, &mut seq, fence, &changes).await;
         drop(seq);
         // After the number was used, failed publish or not: an announcing
         // task that ends from now on finds it due (see `announce_loop`).
@@ -294,31 +304,43 @@ impl Publisher {
         let published = published?;
         // Scheduled only once the first send went through: a failed one
         // returns its error, and the caller retries the whole change.
-        if let Some(delay) = self.inner.again_after {
-            self.send_again(cache, delay, changes);
+        match self.inner.again_after {
+            Some(delay) => self.send_again(cache, delay, changes),
+            None => changes.recycle(),
         }
         Ok((published, out))
     }
 
-    fn seq(&self, cache: &str) -> Arc<tokio::sync::Mutex<SeqState>> {
+    /// The cache's interned name and numbering.
+    fn seq(&self, cache: &str) -> Result<(Arc<str>, Arc<tokio::sync::Mutex<SeqState>>)> {
         let mut seqs = lock(&self.inner.seqs);
-        seqs.entry(cache.to_owned()).or_default().clone()
+        if let Some((name, seq)) = seqs.get_key_value(cache) {
+            return Ok((name.clone(), seq.clone()));
+        }
+        // The first publish to this cache: the only time its name is
+        // checked (the transport carries it as a tag, and a name's verdict
+        // does not change) and copied. A name refused is never kept.
+        (*self.inner.transport).check_tag(cache)?;
+        let name: Arc<str> = Arc::from(cache);
+        let seq = Arc::<tokio::sync::Mutex<SeqState>>::default();
+        seqs.insert(name.clone(), seq.clone());
+        Ok((name, seq))
     }
 
     /// Seals and publishes `changes` in order, each under the next number.
     async fn publish_locked(
         &self,
-        cache: &str,
+        cache: &Arc<str>,
         state: &mut SeqState,
         fence: Option<Fence>,
-        changes: &[Change],
+        changes: &Outgoing,
     ) -> Result<Published> {
         let mut published = Published {
             events: 0,
             position: None,
             last: None,
         };
-        for change in changes {
+        for change in changes.events() {
             // 2^64 publishes to one cache from one publisher will not happen;
             // saturating keeps the numbers from ever going back regardless.
             state.seq = state.seq.saturating_add(1);
@@ -329,27 +351,33 @@ impl Publisher {
                 seq: state.seq,
                 published_at_us: now_us(),
             };
+            // One read of the clock for both: the time since the previous
+            // event, and this one's send time (the next event's "previous").
+            // Both are taken at the same point of a publish, before sealing,
+            // so what the next event says it measures alike.
+            let now = tokio::time::Instant::now();
             let ext = HeaderExt {
-                since_prev_us: state.since_prev_us(),
+                since_prev_us: state.since_prev_us_at(now),
                 fence,
             };
-            let payload = self.inner.codec.seal_ext(&header, &ext, change)?;
+            let payload = self.inner.codec.seal_body(&header, &ext, change)?;
             // Before the call: whether or not it fails, the number is used
             // and the event may have reached some nodes.
-            let sent_at = tokio::time::Instant::now();
-            state.sent_at = Some(sent_at);
-            let position = self
-                .inner
-                .transport
+            state.sent_at = Some(now);
+            // Through the trait object itself: `Arc<dyn Transport>` is a
+            // `Transport` too, and calling that one would box a second future.
+            // The payload's buffer is exactly full, so the `Bytes` takes it
+            // over without allocating.
+            let position = (*self.inner.transport)
                 .publish(&self.inner.topic, cache, Bytes::from(payload))
                 .await?;
             published.events = published.events.saturating_add(1);
             published.position = position.or(published.position);
             published.last = Some(Sent {
-                cache: cache.to_owned(),
+                cache: cache.clone(),
                 publisher: header.publisher,
                 seq: header.seq,
-                at: sent_at,
+                at: now,
             });
         }
         Ok(published)
@@ -359,10 +387,12 @@ impl Publisher {
 mod again;
 mod announce;
 mod builder;
+#[cfg(feature = "postgres")]
 mod changes;
 mod dictionary;
 mod published;
 
+#[cfg(feature = "postgres")]
 pub(crate) use changes::{invalidations, refreshes, replacement};
 
 use again::AgainQueue;
@@ -377,7 +407,7 @@ mod tests {
     use super::*;
     use crate::EmbeddedTransport;
     use crate::transport::{Delivery, StartFrom, SubscribeOptions};
-    use crate::wire::{KeyVersion, MAX_EVENT_BYTES_CEILING, decode, encode_part};
+    use crate::wire::{Change, KeyVersion, MAX_EVENT_BYTES_CEILING, decode, encode_part};
 
     /// What a test needs of a published event's header.
     #[derive(Debug)]
@@ -498,11 +528,7 @@ mod tests {
             .announce_interval(Duration::MAX)
             .build()
             .unwrap();
-        p.send_again(
-            "t",
-            Duration::from_secs(1),
-            vec![Change::Clear { version: None }],
-        );
+        p.send_again("t".into(), Duration::from_secs(1), Outgoing::clear(None));
         tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .start_paused(true)

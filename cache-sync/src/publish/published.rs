@@ -1,5 +1,6 @@
 //! What a publish call sent, and waiting for the nodes to apply it.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::cluster::{Acks, Cluster, Goal, Target};
@@ -20,7 +21,7 @@ pub struct Published {
 /// Which event a publish sent last: what nodes report once they apply it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Sent {
-    pub(super) cache: String,
+    pub(super) cache: Arc<str>,
     pub(super) publisher: u64,
     pub(super) seq: u64,
     /// When it was handed to the transport, on this process's clock:

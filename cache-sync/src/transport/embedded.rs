@@ -188,6 +188,14 @@ impl Transport for EmbeddedTransport {
     }
 
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        // Every subscriber clones the records it reads. A `Bytes` made from
+        // a full `Vec` (a publisher's event is sealed into one of exactly
+        // its size) allocates its shared count at its first clone: taken
+        // here, that is paid by the publish, once, not by the first reader
+        // on its apply path. A payload already shared only gains a reference.
+        let shared = payload.clone();
+        drop(payload);
+        let payload = shared;
         let topic = self.topic(topic);
         let end = {
             let mut log = lock(&topic.log);
@@ -196,11 +204,13 @@ impl Transport for EmbeddedTransport {
             let ts = log.last_ts.map_or(now, |last| last.max(now));
             log.last_ts = Some(ts);
             log.bytes = log.bytes.saturating_add(payload.len());
-            log.records.push_back(Stored {
-                ts,
-                tag: tag.into(),
-                payload,
-            });
+            // Publishes come in runs to one cache: the newest record's tag,
+            // when it is the same name, is shared rather than copied again.
+            let tag = match log.records.back() {
+                Some(newest) if *newest.tag == *tag => newest.tag.clone(),
+                _ => tag.into(),
+            };
+            log.records.push_back(Stored { ts, tag, payload });
             while log.records.len() > self.shared.max_records
                 || (log.bytes > self.shared.max_bytes && log.records.len() > 1)
             {

@@ -2,9 +2,12 @@
 //! the change, the optional signed frame, and the size limit over all of them.
 
 use super::keyring::SIGNED_OVERHEAD;
+use super::outgoing::{Body, encode_body};
+#[cfg(test)]
+use super::{Change, encode_ext};
 use super::{
-    Change, ChangeView, Header, HeaderExt, Keyring, MAX_NAME_BYTES, decode_change, decode_header,
-    decode_header_ext, encode_ext, strip_unverified,
+    ChangeView, Header, HeaderExt, Keyring, MAX_NAME_BYTES, decode_change, decode_header,
+    decode_header_ext, strip_unverified,
 };
 use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
 
@@ -110,6 +113,7 @@ impl Codec {
     /// The bytes to publish: encoded (with the header's extension), signed
     /// when there is a keyring, and refused with [`Error::TooLarge`] over
     /// the limit.
+    #[cfg(test)]
     pub(crate) fn seal_ext(
         &self,
         header: &Header<'_>,
@@ -117,6 +121,28 @@ impl Codec {
         change: &Change,
     ) -> Result<Vec<u8>> {
         let mut payload = encode_ext(header, ext, change)?;
+        if let Some(ring) = &self.keyring {
+            payload = ring.sign(&payload);
+        }
+        if payload.len() > self.max_bytes {
+            return Err(Error::TooLarge {
+                what: "event",
+                size: payload.len(),
+                limit: self.max_bytes,
+            });
+        }
+        Ok(payload)
+    }
+
+    /// [`seal_ext`](Self::seal_ext) for a publisher's change in its wire
+    /// form: the same bytes, written into a buffer of exactly their size.
+    pub(crate) fn seal_body(
+        &self,
+        header: &Header<'_>,
+        ext: &HeaderExt,
+        body: Body<'_>,
+    ) -> Result<Vec<u8>> {
+        let mut payload = encode_body(header, ext, body);
         if let Some(ring) = &self.keyring {
             payload = ring.sign(&payload);
         }

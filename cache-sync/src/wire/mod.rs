@@ -36,12 +36,14 @@ use crate::error::{DecodeError, DecodeErrorKind, Error, Result};
 
 mod codec;
 mod keyring;
+mod outgoing;
 mod reader;
 #[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
 mod row;
 mod view;
 
 pub(crate) use codec::{Channel, Codec, Refused};
+pub(crate) use outgoing::{Body, Outgoing};
 #[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
 pub(crate) use row::{decode_row, encode_row};
 
@@ -163,39 +165,32 @@ impl fmt::Debug for Origin<'_> {
     }
 }
 
-/// What changed, as a publisher builds it.
+/// What changed, as a publisher used to build it, and as the outbox
+/// stores it (a publish itself goes out as [`Outgoing`]).
+#[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
 // Deserialize: tests, and the outbox, which stores changes in its rows (`row.rs`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[cfg_attr(
-    any(test, feature = "postgres", feature = "_fuzz"),
-    derive(serde::Deserialize)
-)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub(crate) enum Change {
     Invalidate { keys: Vec<KeyVersion> },
     Refresh { entries: Vec<EntryVersion> },
     Clear { version: Option<u64> },
 }
 
+#[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
 impl Change {
     /// An announcement: see the module docs.
     pub(crate) const ANNOUNCE: Change = Change::Invalidate { keys: Vec::new() };
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[cfg_attr(
-    any(test, feature = "postgres", feature = "_fuzz"),
-    derive(serde::Deserialize)
-)]
+#[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub(crate) struct KeyVersion {
     pub(crate) key: Bytes,
     pub(crate) version: Option<u64>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[cfg_attr(
-    any(test, feature = "postgres", feature = "_fuzz"),
-    derive(serde::Deserialize)
-)]
+#[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub(crate) struct EntryVersion {
     pub(crate) key: Bytes,
     pub(crate) value: Bytes,
@@ -207,6 +202,7 @@ const INVALIDATE: u32 = 0;
 const REFRESH: u32 = 1;
 const CLEAR: u32 = 2;
 
+#[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
 impl Change {
     /// How many keys the change names; `Clear` counts as one.
     #[cfg(test)]
@@ -252,6 +248,9 @@ pub(crate) fn encode(header: &Header<'_>, change: &Change) -> Result<Vec<u8>> {
 
 /// Encodes an event with an extension: as version 2, or as version 1 when
 /// the extension is empty (so nodes that read only version 1 read it).
+/// Through bincode's serde layer: the reference the publisher's own writer
+/// ([`Outgoing`]) is tested against, and the fuzz targets' encoder.
+#[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
 pub(crate) fn encode_ext(header: &Header<'_>, ext: &HeaderExt, change: &Change) -> Result<Vec<u8>> {
     let encode_err = |e: bincode::error::EncodeError| Error::Encode {
         what: "event",
@@ -400,10 +399,17 @@ pub(crate) fn decode_part<T: DeserializeOwned>(
 
 /// Encoded size of a key or entry inside a change, used to split batches
 /// before they exceed the event limit. Over-estimates the varint prefixes.
+#[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
 pub(crate) fn framed_len(parts: &[&Bytes]) -> usize {
     parts.iter().fold(10usize, |sum, p| {
         sum.saturating_add(p.len().saturating_add(9))
     })
+}
+
+/// [`framed_len`] of parts of these lengths.
+fn framed_len_of(lens: &[usize]) -> usize {
+    lens.iter()
+        .fold(10usize, |sum, n| sum.saturating_add(n.saturating_add(9)))
 }
 
 #[cfg(test)]
