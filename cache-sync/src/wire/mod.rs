@@ -176,7 +176,7 @@ pub(crate) enum Change {
     Clear { version: Option<u64> },
 }
 
-#[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
+#[cfg(any(test, feature = "_fuzz"))]
 impl Change {
     /// An announcement: see the module docs.
     pub(crate) const ANNOUNCE: Change = Change::Invalidate { keys: Vec::new() };
@@ -250,7 +250,7 @@ pub(crate) fn encode(header: &Header<'_>, change: &Change) -> Result<Vec<u8>> {
 /// the extension is empty (so nodes that read only version 1 read it).
 /// Through bincode's serde layer: the reference the publisher's own writer
 /// ([`Outgoing`]) is tested against, and the fuzz targets' encoder.
-#[cfg(any(test, feature = "postgres", feature = "_fuzz"))]
+#[cfg(any(test, feature = "_fuzz"))]
 pub(crate) fn encode_ext(header: &Header<'_>, ext: &HeaderExt, change: &Change) -> Result<Vec<u8>> {
     let encode_err = |e: bincode::error::EncodeError| Error::Encode {
         what: "event",
