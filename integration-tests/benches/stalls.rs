@@ -174,12 +174,7 @@ fn clear(sizes: &Sizes, lose_it: bool) {
         }
     });
     let took = started.elapsed();
-    rt.block_on(async { tokio::time::sleep(Duration::from_millis(200)).await });
-    let late = timer.finish(&rt);
-    let node_us = nodes
-        .iter()
-        .map(|(n, _)| n.status().runtime_lateness_us)
-        .max();
+    let (late, node_us) = settle_and_read(&rt, timer, &nodes);
     report(
         if lose_it { "resync-1m" } else { "clear-1m" },
         late,
@@ -191,6 +186,22 @@ fn clear(sizes: &Sizes, lose_it: bool) {
             node.shutdown().await.expect("shutdown");
         }
     });
+}
+
+/// Lets the runtime settle for 200 ms, then stops the timer: its samples,
+/// and the worst lateness the nodes' own monitors saw.
+fn settle_and_read(
+    rt: &Runtime,
+    timer: Timer,
+    nodes: &[(Node, SyncedCache<u64, u64>)],
+) -> (Vec<u64>, Option<u64>) {
+    rt.block_on(async { tokio::time::sleep(Duration::from_millis(200)).await });
+    let late = timer.finish(rt);
+    let node_us = nodes
+        .iter()
+        .map(|(n, _)| n.status().runtime_lateness_us)
+        .max();
+    (late, node_us)
 }
 
 fn raw_moka_clear(sizes: &Sizes) {
@@ -292,12 +303,7 @@ fn storm(name: &str, sizes: &Sizes, rate: u64, entries: u64) {
         .map(|(n, _)| n.status().caches[0].events_applied)
         .min()
         .unwrap_or(0);
-    rt.block_on(async { tokio::time::sleep(Duration::from_millis(200)).await });
-    let late = timer.finish(&rt);
-    let node_us = nodes
-        .iter()
-        .map(|(n, _)| n.status().runtime_lateness_us)
-        .max();
+    let (late, node_us) = settle_and_read(&rt, timer, &nodes);
     #[allow(clippy::cast_precision_loss)]
     let extra = format!(
         "{STORM_NODES} nodes; sent {:.0}/s, the slower node applied {:.0}/s while sending",
