@@ -148,6 +148,12 @@ pub struct CacheStatus {
     pub stale_ignored: u64,
     /// Refreshes whose value did not decode, applied as invalidations.
     pub refresh_fallbacks: u64,
+    /// Refreshes skipped because a later entry for the same key, in the
+    /// same backlog the node read at once, overrides them (a newer version,
+    /// or both unversioned): the cache ends as if each had been applied.
+    /// Absent in JSON from nodes older than this field; it reads as 0 then.
+    #[serde(default)]
+    pub coalesced: u64,
     /// Versioned refreshes applied as invalidations because they arrived
     /// within the quarantine after a loss or registration.
     pub refreshes_quarantined: u64,

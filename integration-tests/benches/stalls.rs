@@ -5,6 +5,7 @@
 //! ```text
 //! cargo bench -p integration-tests --bench stalls              # full sizes, about 2 minutes
 //! cargo bench -p integration-tests --bench stalls -- --quick   # small sizes
+//! cargo bench -p integration-tests --bench stalls -- --only storm   # scenarios named so
 //! ```
 //!
 //! Without `--bench` (as under `cargo test --all-targets`) it runs a tiny
@@ -278,8 +279,15 @@ fn storm(name: &str, sizes: &Sizes, rate: u64, entries: u64) {
     let nodes = rt.block_on(async {
         let mut nodes = Vec::new();
         for i in 0..STORM_NODES {
-            let cache: SyncedCache<u64, u64> =
-                SyncedCache::new("storm", moka::future::Cache::new(1_000_000));
+            let cache: SyncedCache<u64, u64> = SyncedCache::new(
+                "storm",
+                moka::future::Cache::new(
+                    std::env::var("STORM_CAP")
+                        .ok()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(1_000_000),
+                ),
+            );
             let node = Node::builder(format!("n{i}"), transport.clone())
                 .max_event_bytes(4 << 20)
                 .register(&cache)
@@ -299,8 +307,10 @@ fn storm(name: &str, sizes: &Sizes, rate: u64, entries: u64) {
     let timer = Timer::start(&rt);
     let started = Instant::now();
     let sent = publishers.block_on(async {
-        // Paced in 10 ms steps: rate / 100 events each.
+        // Paced in steps of 10 ms (rate / 100 events each), or of one
+        // event each below 100 a second.
         let per_step = (rate / 100).max(1);
+        let step = Duration::from_secs(per_step) / u32::try_from(rate.max(1)).unwrap_or(u32::MAX);
         let mut sent = 0u64;
         let mut next = tokio::time::Instant::now();
         let end = next + Duration::from_secs(sizes.seconds);
@@ -316,7 +326,7 @@ fn storm(name: &str, sizes: &Sizes, rate: u64, entries: u64) {
                 publisher.insert("storm", batch).await.expect("publish");
                 sent += 1;
             }
-            next += Duration::from_millis(10);
+            next += step;
             tokio::time::sleep_until(next).await;
         }
         sent
@@ -370,14 +380,31 @@ fn main() {
         "| scenario | ticks | p50 | p99 | max | node's own monitor, max of the last minute | notes |"
     );
     println!("|---|---|---|---|---|---|---|");
-    raw_moka_clear(&sizes);
-    clear(&sizes, false);
-    clear(&sizes, true);
-    storm("storm (50,000 single-entry events/s)", &sizes, 50_000, 1);
-    storm(
-        "big-events (50 events/s of 10,000 entries)",
-        &sizes,
-        50,
-        10_000,
-    );
+    // `--only NAME`: the scenarios whose name starts with NAME.
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .map_or("", String::as_str);
+    let run = |name: &str| name.starts_with(only);
+    if run("raw-moka-clear") {
+        raw_moka_clear(&sizes);
+    }
+    if run("clear") {
+        clear(&sizes, false);
+    }
+    if run("resync") {
+        clear(&sizes, true);
+    }
+    if run("storm") {
+        storm("storm (50,000 single-entry events/s)", &sizes, 50_000, 1);
+    }
+    if run("big-events") {
+        storm(
+            "big-events (50 events/s of 10,000 entries)",
+            &sizes,
+            50,
+            10_000,
+        );
+    }
 }

@@ -11,6 +11,7 @@ use async_trait::async_trait;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use super::coalesce::{Superseded, entries_of};
 use super::park::{Item, Op};
 use super::stats::LatencyHistogram;
 use super::{Housekeeper, Inner};
@@ -168,11 +169,26 @@ where
         let mut quarantined = self.quarantined();
         // The trace's records of a run share one time, read once, as below.
         let at_us = if self.trace.is_some() { now_us() } else { 0 };
+        // A backlog's refreshes that the run itself overrides (see
+        // `coalesce.rs`); with tracing on, every entry is applied, so the
+        // trace tells each one.
+        let superseded = if self.trace.is_none() {
+            Superseded::of(events)
+        } else {
+            Superseded::default()
+        };
+        // The run's position of each event's first entry, as `Superseded`
+        // numbers them.
+        let mut first_entry = 0usize;
         // Each event has spent a unit of the consumer's cooperative budget
         // already, as it was read (`node/route.rs`); `apply_one` spends one
         // per further entry.
         for event in events {
-            if self.apply_one(event, quarantined, at_us).await {
+            let skip = superseded.any().then_some((&superseded, first_entry));
+            if superseded.any() {
+                first_entry = first_entry.saturating_add(entries_of(event));
+            }
+            if self.apply_one(event, quarantined, at_us, skip).await {
                 applied = applied.saturating_add(1);
                 published_at_us = Some(event.header.published_at_us);
             } else {
@@ -312,7 +328,16 @@ where
     V: Clone + Send + Sync + DeserializeOwned + 'static,
 {
     /// Applies one event; false if it was answered by a resync instead.
-    async fn apply_one(&self, event: &Event<'_>, quarantined: bool, at_us: u64) -> bool {
+    /// With `skip`, the run's overridden entries and the position of this
+    /// event's first entry among them: those entries are counted as
+    /// coalesced, not applied.
+    async fn apply_one(
+        &self,
+        event: &Event<'_>,
+        quarantined: bool,
+        at_us: u64,
+        skip: Option<(&Superseded, usize)>,
+    ) -> bool {
         let s = &self.stats;
         let header = &event.header;
         // Raised only once the change is in the cache, so a node never reports
@@ -337,13 +362,19 @@ where
             ChangeView::Invalidate(items) | ChangeView::Refresh(items) => {
                 let refresh = matches!(event.change, ChangeView::Refresh(_));
                 for (i, item) in items.clone().enumerate() {
-                    // An event can carry 10,000 entries: one unit of the
-                    // task's cooperative budget for each after the first
-                    // (which the event's own unit covers), so applying it
-                    // never holds the worker for more than some 128 entries
+                    // An event can carry 10,000 entries: one unit of work
+                    // (`util::pace`) for each after the first (which the
+                    // event's own unit covers), so applying it never holds
+                    // the worker for more than some 128 entries or a slice
                     // at a time; a one-entry event pays nothing more.
                     if i > 0 {
-                        tokio::task::coop::consume_budget().await;
+                        crate::util::pace().await;
+                    }
+                    if let Some((superseded, first)) = skip
+                        && superseded.contains(first.saturating_add(i))
+                    {
+                        s.coalesced.fetch_add(1, Relaxed);
+                        continue;
                     }
                     let k = match decode_part::<K>(item.key, "key") {
                         Ok(k) => k,

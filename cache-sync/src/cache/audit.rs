@@ -1005,7 +1005,7 @@ where
         let mut buckets: Vec<Vec<(u64, Arc<K>, T)>> =
             std::iter::repeat_with(Vec::new).take(BUCKETS).collect();
         for (k, v) in self.cache.iter() {
-            tokio::task::coop::consume_budget().await;
+            crate::util::pace().await;
             let hash = self.hasher.hash_one(&*k);
             let top = usize::try_from(hash >> 56).unwrap_or(0);
             if let Some(bucket) = buckets.get_mut(top) {
@@ -1014,7 +1014,7 @@ where
         }
         let mut out = Vec::with_capacity(buckets.iter().map(Vec::len).sum());
         for mut bucket in buckets.into_iter().rev() {
-            tokio::task::coop::consume_budget().await;
+            crate::util::pace().await;
             bucket.sort_unstable_by_key(|(hash, _, _)| std::cmp::Reverse(*hash));
             out.extend(bucket.into_iter().map(|(_, k, t)| (k, t)));
         }

@@ -17,6 +17,7 @@ use crate::util::{HashMap, Hasher, lock};
 mod apply;
 mod audit;
 mod builder;
+mod coalesce;
 mod housekeeping;
 mod load;
 mod park;

@@ -10,6 +10,7 @@ use crate::cache::Event;
 use crate::util::now_us;
 use crate::wire::{Change, EntryVersion, Header, KeyVersion, encode, encode_part};
 
+mod coalescing;
 mod fresh_reads;
 mod pinned_writes;
 mod trace;
@@ -747,6 +748,63 @@ async fn a_ten_thousand_entry_event_is_applied_in_slices_with_yields_between() {
     assert!(
         during >= 10_000 / 128 - 2,
         "the probe ran {during} times while 10,000 entries were applied"
+    );
+}
+
+/// Issue 36: yielding on the budget alone does not let a busy runtime run
+/// its timers: a worker whose queue never empties polls its driver only
+/// every 61 tasks it runs. Applying a long event also yields with
+/// `yield_now` every slice of work, after which the driver runs. On a
+/// runtime of one worker, a task sleeping 1 ms at a time wakes many times
+/// while another task applies 10,000 entries (some 100 ms in a debug
+/// build); with the budget alone it woke once or twice.
+#[test]
+fn a_long_apply_lets_the_runtime_run_its_timers() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let c: Cache = SyncedCache::new("t", moka::future::Cache::new(100_000));
+    let entries: Vec<EntryVersion> = (0..10_000)
+        .map(|i| EntryVersion {
+            key: b(&format!("k{i}")),
+            value: b("v"),
+            version: Some(1),
+        })
+        .collect();
+    let wakes = std::sync::Arc::new(AtomicUsize::new(0));
+    let timer = rt.spawn({
+        let wakes = wakes.clone();
+        async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                wakes.fetch_add(1, Relaxed);
+            }
+        }
+    });
+    // Let the timer start, then count from here.
+    rt.block_on(async { tokio::time::sleep(Duration::from_millis(5)).await });
+    let yields_before = crate::util::PACE_YIELDS.load(Relaxed);
+    let (during, cache) = rt
+        .block_on(rt.spawn({
+            let wakes = wakes.clone();
+            async move {
+                let before = wakes.load(Relaxed);
+                apply(&c, &Change::Refresh { entries }).await;
+                (wakes.load(Relaxed).saturating_sub(before), c)
+            }
+        }))
+        .unwrap();
+    timer.abort();
+    assert_eq!(
+        rt.block_on(cache.peek(&"k9999".to_owned())).as_deref(),
+        Some("v")
+    );
+    assert!(crate::util::PACE_YIELDS.load(Relaxed) > yields_before);
+    assert!(
+        during >= 5,
+        "the timer woke {during} times while 10,000 entries were applied"
     );
 }
 

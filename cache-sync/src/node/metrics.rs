@@ -151,7 +151,7 @@ struct NodeCollector {
 /// help, and the field it reads.
 type CacheCounter = (&'static str, &'static str, fn(&CacheStatus) -> u64);
 
-const CACHE_COUNTERS: [CacheCounter; 17] = [
+const CACHE_COUNTERS: [CacheCounter; 18] = [
     (
         "cache_events_applied",
         "Events applied to the cache.",
@@ -178,6 +178,11 @@ const CACHE_COUNTERS: [CacheCounter; 17] = [
         "cache_refresh_fallbacks",
         "Refreshes whose value did not decode, applied as invalidations.",
         |c| c.refresh_fallbacks,
+    ),
+    (
+        "cache_coalesced",
+        "Refreshes skipped because a later entry of the same backlog overrides them.",
+        |c| c.coalesced,
     ),
     (
         "cache_refreshes_quarantined",

@@ -309,7 +309,7 @@ impl Node {
     /// - counters `cache_sync_cache_events_applied_total`,
     ///   `_events_rejected_total`, `_stale_ignored_total`,
     ///   `_refreshes_total`, `_invalidations_total`, `_clears_total`,
-    ///   `_refresh_fallbacks_total`, `_refreshes_quarantined_total`,
+    ///   `_refresh_fallbacks_total`, `_coalesced_total`, `_refreshes_quarantined_total`,
     ///   `_loss_resyncs_total`, `_hits_total`, `_misses_total`,
     ///   `_loads_total`, `_load_failures_total`, `_loads_superseded_total`,
     ///   `_loads_stale_total`, `_fresh_reads_total`: the [`CacheStatus`](crate::status::CacheStatus)

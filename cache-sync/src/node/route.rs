@@ -27,10 +27,10 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
     let mut last: Option<(&str, &Arc<dyn CacheHandle>)> = None;
     for record in &records {
         // Authenticating and reading a record costs microseconds, and a
-        // batch can hold thousands: a unit of the consumer's cooperative
-        // budget each (and more in `apply`), so it yields its worker at
-        // least every 128.
-        tokio::task::coop::consume_budget().await;
+        // batch can hold thousands: a unit of work each (and more in
+        // `apply`), so the consumer yields its worker at least every 128,
+        // and lets the runtime's driver run every slice (`util::pace`).
+        crate::util::pace().await;
         shared.stats.received.fetch_add(1, Relaxed);
         // Tag filter: skip other caches' events without reading them. The
         // tag is not authenticated, but skipping changes nothing.

@@ -79,6 +79,13 @@ impl<'a> Items<'a> {
     }
 }
 
+impl Items<'_> {
+    /// How many items are left to read.
+    pub(crate) fn remaining(&self) -> usize {
+        usize::try_from(self.left).unwrap_or(usize::MAX)
+    }
+}
+
 impl<'a> Iterator for Items<'a> {
     type Item = Item<'a>;
 
