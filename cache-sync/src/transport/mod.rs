@@ -2,6 +2,8 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -298,6 +300,11 @@ impl fmt::Display for LossReason {
     }
 }
 
+/// A publish already handed over to the transport (see
+/// [`Transport::start_publish`]): completes with the broker's answer, the
+/// record's position where the transport knows it.
+pub type PendingPublish = Pin<Box<dyn Future<Output = Result<Option<Position>>> + Send + 'static>>;
+
 /// A transport that carries change events from publishers to every node.
 ///
 /// Every subscriber reads the whole topic (broadcast): there are no consumer
@@ -352,6 +359,42 @@ pub trait Transport: Send + Sync + 'static {
     /// Publishes one encoded event under a tag (the cache name). Returns the
     /// position of the record where the transport knows it.
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>>;
+
+    /// Publishes like [`publish`](Self::publish), in two stages, so that a
+    /// caller can have several publishes in flight (pipelined) while their
+    /// order on the wire stays the order they were handed over.
+    ///
+    /// - **Hand-over** (this call): once it returns `Ok`, the record's
+    ///   place on the topic is fixed before every record handed over later
+    ///   on the same topic (by this method or by `publish`, from this
+    ///   transport and its clones): they reach the broker after it, or not
+    ///   at all. It may wait for room in the transport's queue.
+    /// - **Acknowledgement** (the returned future): the broker's answer,
+    ///   as `publish` returns it. It completes whether or not it is polled
+    ///   meanwhile (the transport drives the call), and dropping it only
+    ///   gives up the answer: the record still goes out, or not.
+    ///
+    /// An `Err` at either stage means what a failed `publish` means: the
+    /// record may or may not have reached the broker, so the caller treats
+    /// its sequence number as used. After an `Err` from the hand-over the
+    /// record is no longer pending anywhere: it never reaches the broker
+    /// after a record handed over later. The same holds for a hand-over
+    /// future dropped before it completed.
+    ///
+    /// The default does the whole `publish` in the hand-over and returns an
+    /// acknowledgement that is already complete: correct for every
+    /// transport, and one call in flight at a time. A transport overrides
+    /// it only where its client keeps the order of calls in flight (Redis
+    /// pipelining, NATS JetStream's asynchronous acknowledgements).
+    async fn start_publish(
+        &self,
+        topic: &str,
+        tag: &str,
+        payload: Bytes,
+    ) -> Result<PendingPublish> {
+        let published = self.publish(topic, tag, payload).await?;
+        Ok(Box::pin(std::future::ready(Ok(published))))
+    }
 
     /// Starts a subscription. When this returns, every event published
     /// afterwards will be delivered (or a loss signalled).
@@ -474,6 +517,15 @@ impl<T: Transport + ?Sized> Transport for std::sync::Arc<T> {
 
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
         (**self).publish(topic, tag, payload).await
+    }
+
+    async fn start_publish(
+        &self,
+        topic: &str,
+        tag: &str,
+        payload: Bytes,
+    ) -> Result<PendingPublish> {
+        (**self).start_publish(topic, tag, payload).await
     }
 
     async fn subscribe(
