@@ -122,6 +122,11 @@ impl PublisherBuilder {
     /// On a transport that does not pipeline, one call is in flight at a
     /// time whatever the window.
     ///
+    /// A transport's client may bound the calls in flight on its
+    /// connection too (async-nats: 5000 JetStream acknowledgements), and a
+    /// hand-over then waits for room there; keep the windows of the
+    /// publishers sharing one transport within it.
+    ///
     /// Default 64; 1 (one call at a time, as before pipelining) or more,
     /// and [`build`](Self::build) refuses 0. Beyond tokio's semaphore limit
     /// (`usize::MAX >> 3`) it is that limit: as good as unbounded.

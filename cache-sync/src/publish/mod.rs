@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use crate::error::Result;
 use crate::table::Table;
-use crate::transport::{DEFAULT_TOPIC, PendingPublish, Transport};
+use crate::transport::{DEFAULT_TOPIC, PendingPublish, Position, Transport};
 use crate::util::{Hasher, lock, now_us};
 #[cfg(feature = "postgres")]
 use crate::wire::Change;
@@ -89,6 +89,8 @@ struct PublisherInner {
     /// One permit per event handed over and not yet acknowledged: the
     /// window of calls in flight, across every cache.
     window: tokio::sync::Semaphore,
+    /// The transport's `pipelines()`, asked once.
+    pipelines: bool,
 }
 
 /// How many events a publisher has in flight at most by default: enough to
@@ -101,38 +103,59 @@ pub(crate) const DEFAULT_WINDOW: usize = 64;
 struct InFlight<'a> {
     ack: PendingPublish,
     sent: Sent,
-    _permit: tokio::sync::SemaphorePermit<'a>,
+    /// `None` where the transport does not pipeline.
+    _permit: Option<tokio::sync::SemaphorePermit<'a>>,
 }
 
 /// The events of one publish handed over so far, and how it went.
 struct HandedOver<'a> {
-    in_flight: std::collections::VecDeque<InFlight<'a>>,
+    /// The oldest in flight, where a publish of one event (the usual one)
+    /// keeps it without allocating; the others follow in `rest`.
+    first: Option<InFlight<'a>>,
+    rest: std::collections::VecDeque<InFlight<'a>>,
     published: Published,
     /// The first failure, in event order: an acknowledgement awaited under
     /// the lock, or the hand-over that stopped the publish.
     error: Option<crate::Error>,
 }
 
-impl HandedOver<'_> {
+impl<'a> HandedOver<'a> {
+    fn push(&mut self, event: InFlight<'a>) {
+        if self.first.is_none() && self.rest.is_empty() {
+            self.first = Some(event);
+        } else {
+            self.rest.push_back(event);
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.first.is_none() && self.rest.is_empty()
+    }
+
     /// Awaits the oldest acknowledgement; false if none is left.
     async fn settle_one(&mut self) -> bool {
-        let Some(event) = self.in_flight.pop_front() else {
+        let Some(event) = self.first.take().or_else(|| self.rest.pop_front()) else {
             return false;
         };
         let result = event.ack.await;
+        self.record(result, event.sent);
+        true
+    }
+
+    /// Counts an acknowledged event, or keeps its error if it is the first.
+    fn record(&mut self, result: Result<Option<Position>>, sent: Sent) {
         match result {
             Ok(position) if self.error.is_none() => {
                 let published = &mut self.published;
                 published.events = published.events.saturating_add(1);
                 published.position = position.or(published.position.take());
-                published.last = Some(event.sent);
+                published.last = Some(sent);
             }
             Ok(_) => {}
             Err(e) => {
                 self.error.get_or_insert(e);
             }
         }
-        true
     }
 
     /// Awaits every acknowledgement (each frees its place in the window as
@@ -197,6 +220,7 @@ impl Publisher {
     ) -> Self {
         Publisher {
             inner: Arc::new(PublisherInner {
+                pipelines: transport.pipelines(),
                 transport,
                 topic,
                 origin,
@@ -432,7 +456,8 @@ impl Publisher {
         changes: &Outgoing,
     ) -> HandedOver<'_> {
         let mut handed = HandedOver {
-            in_flight: std::collections::VecDeque::new(),
+            first: None,
+            rest: std::collections::VecDeque::new(),
             published: Published {
                 events: 0,
                 position: None,
@@ -443,14 +468,20 @@ impl Publisher {
         for change in changes.events() {
             // Waits for a place in the window only while holding none: this
             // publish's own events in flight are awaited first, else two
-            // publishes of many events each could wait for the other's.
+            // publishes of many events each could wait for the other's. A
+            // transport that does not pipeline has its call done by the
+            // end of the hand-over, so nothing is ever in flight after it:
+            // no place to take (and no semaphore to touch).
             let permit = loop {
-                if let Ok(permit) = self.inner.window.try_acquire() {
-                    break permit;
+                if !self.inner.pipelines {
+                    break None;
                 }
-                if handed.in_flight.is_empty() {
+                if let Ok(permit) = self.inner.window.try_acquire() {
+                    break Some(permit);
+                }
+                if handed.is_empty() {
                     match self.inner.window.acquire().await {
-                        Ok(permit) => break permit,
+                        Ok(permit) => break Some(permit),
                         Err(_) => unreachable!("the publish window is never closed"),
                     }
                 }
@@ -492,26 +523,40 @@ impl Publisher {
             // `Transport` too, and calling that one would box a second future.
             // The payload's buffer is exactly full, so the `Bytes` takes it
             // over without allocating.
-            let ack = match (*self.inner.transport)
-                .start_publish(&self.inner.topic, cache, Bytes::from(payload))
+            let payload = Bytes::from(payload);
+            let transport = &*self.inner.transport;
+            let sent = Sent {
+                cache: cache.clone(),
+                publisher: header.publisher,
+                seq: header.seq,
+                at: now,
+            };
+            if !self.inner.pipelines {
+                // The whole call, answered now: nothing to hold in flight,
+                // and one boxed future, not the two the default
+                // `start_publish` would make.
+                let published = transport.publish(&self.inner.topic, cache, payload).await;
+                let failed = published.is_err();
+                handed.record(published, sent);
+                if failed {
+                    return handed;
+                }
+                continue;
+            }
+            match transport
+                .start_publish(&self.inner.topic, cache, payload)
                 .await
             {
-                Ok(ack) => ack,
+                Ok(ack) => handed.push(InFlight {
+                    ack,
+                    sent,
+                    _permit: permit,
+                }),
                 Err(e) => {
                     handed.error = Some(e);
                     return handed;
                 }
-            };
-            handed.in_flight.push_back(InFlight {
-                ack,
-                sent: Sent {
-                    cache: cache.clone(),
-                    publisher: header.publisher,
-                    seq: header.seq,
-                    at: now,
-                },
-                _permit: permit,
-            });
+            }
         }
         handed
     }

@@ -301,9 +301,55 @@ impl fmt::Display for LossReason {
 }
 
 /// A publish already handed over to the transport (see
-/// [`Transport::start_publish`]): completes with the broker's answer, the
-/// record's position where the transport knows it.
-pub type PendingPublish = Pin<Box<dyn Future<Output = Result<Option<Position>>> + Send + 'static>>;
+/// [`Transport::start_publish`]): a future that completes with the
+/// broker's answer, the record's position where the transport knows it.
+pub struct PendingPublish(Pending);
+
+enum Pending {
+    /// Answered already: no future to box (`None` once taken).
+    Ready(Option<Result<Option<Position>>>),
+    Waiting(Pin<Box<dyn Future<Output = Result<Option<Position>>> + Send + 'static>>),
+}
+
+impl PendingPublish {
+    /// An acknowledgement still to come, from `ack`.
+    pub fn new(ack: impl Future<Output = Result<Option<Position>>> + Send + 'static) -> Self {
+        Self(Pending::Waiting(Box::pin(ack)))
+    }
+
+    /// An acknowledgement already in: what a transport that cannot
+    /// pipeline returns once its whole publish is done.
+    pub fn ready(published: Result<Option<Position>>) -> Self {
+        Self(Pending::Ready(Some(published)))
+    }
+}
+
+impl Future for PendingPublish {
+    type Output = Result<Option<Position>>;
+
+    fn poll(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        match &mut self.get_mut().0 {
+            Pending::Ready(published) => std::task::Poll::Ready(
+                published
+                    .take()
+                    .expect("a PendingPublish polled after it completed"),
+            ),
+            Pending::Waiting(ack) => ack.as_mut().poll(cx),
+        }
+    }
+}
+
+impl fmt::Debug for PendingPublish {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self.0 {
+            Pending::Ready(_) => "PendingPublish(ready)",
+            Pending::Waiting(_) => "PendingPublish(waiting)",
+        })
+    }
+}
 
 /// A transport that carries change events from publishers to every node.
 ///
@@ -360,6 +406,16 @@ pub trait Transport: Send + Sync + 'static {
     /// position of the record where the transport knows it.
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>>;
 
+    /// Whether [`start_publish`](Self::start_publish) can have several
+    /// publishes in flight (the transport overrides it). A publisher that
+    /// finds it false calls `publish` instead, and saves the boxed future
+    /// the default `start_publish` costs on top of it. Default false: a
+    /// transport that overrides `start_publish` and not this one is still
+    /// correct, one call at a time.
+    fn pipelines(&self) -> bool {
+        false
+    }
+
     /// Publishes like [`publish`](Self::publish), in two stages, so that a
     /// caller can have several publishes in flight (pipelined) while their
     /// order on the wire stays the order they were handed over.
@@ -393,7 +449,7 @@ pub trait Transport: Send + Sync + 'static {
         payload: Bytes,
     ) -> Result<PendingPublish> {
         let published = self.publish(topic, tag, payload).await?;
-        Ok(Box::pin(std::future::ready(Ok(published))))
+        Ok(PendingPublish::ready(Ok(published)))
     }
 
     /// Starts a subscription. When this returns, every event published
@@ -513,6 +569,10 @@ impl<T: Transport + ?Sized> Transport for std::sync::Arc<T> {
 
     fn check_tag(&self, tag: &str) -> Result<()> {
         (**self).check_tag(tag)
+    }
+
+    fn pipelines(&self) -> bool {
+        (**self).pipelines()
     }
 
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {

@@ -44,6 +44,12 @@ impl Transport for FaultyTransport {
         self.inner.check_tag(tag)
     }
 
+    /// Always: its faults are split between the two stages, whatever the
+    /// transport it wraps does.
+    fn pipelines(&self) -> bool {
+        true
+    }
+
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
         self.start_publish(topic, tag, payload).await?.await
     }
@@ -66,10 +72,10 @@ impl Transport for FaultyTransport {
             return Err(dropped());
         }
         if take(&faults.lose_publishes) {
-            return Ok(Box::pin(std::future::ready(Ok(None))));
+            return Ok(PendingPublish::ready(Ok(None)));
         }
         if take(&faults.fail_acks) {
-            return Ok(Box::pin(std::future::ready(Err(dropped()))));
+            return Ok(PendingPublish::ready(Err(dropped())));
         }
         let hang_after = picks(&faults.hang_after_broker, tag, &payload);
         let recorded = faults.recording.load(SeqCst).then(|| payload.clone());
@@ -83,7 +89,7 @@ impl Transport for FaultyTransport {
                 .push((tag.to_owned(), payload));
         }
         let faults = self.faults.clone();
-        Ok(Box::pin(async move {
+        Ok(PendingPublish::new(async move {
             let published = pending.await?;
             if hang_after {
                 hang(&faults.hanging, || faults.hang_after_broker.is_on()).await;

@@ -113,6 +113,10 @@ impl Transport for NatsJetStreamTransport {
         Ok(())
     }
 
+    fn pipelines(&self) -> bool {
+        true
+    }
+
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
         self.start(topic, tag, payload).await?.await
     }

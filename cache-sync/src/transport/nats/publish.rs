@@ -94,7 +94,7 @@ impl NatsJetStreamTransport {
         let this = self.clone();
         let topic = topic.to_owned();
         let tag = tag.to_owned();
-        Ok(Box::pin(async move {
+        Ok(PendingPublish::new(async move {
             match ack.await {
                 Ok(ack) => Ok(Some(seq_position(ack.sequence, created))),
                 Err(e) if e.kind() == jetstream::context::PublishErrorKind::StreamNotFound => {

@@ -180,6 +180,10 @@ impl Transport for RedisStreamsTransport {
         STREAMS
     }
 
+    fn pipelines(&self) -> bool {
+        self.pipeline.is_some()
+    }
+
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
         if self.pipeline.is_some() {
             // The same queue as pipelined publishes: one order for both.
@@ -213,7 +217,7 @@ impl Transport for RedisStreamsTransport {
     ) -> Result<PendingPublish> {
         let Some(pipeline) = &self.pipeline else {
             let published = self.publish(topic, tag, payload).await?;
-            return Ok(Box::pin(std::future::ready(Ok(published))));
+            return Ok(PendingPublish::ready(Ok(published)));
         };
         self.check_topic(topic)?;
         self.check_tag(tag)?;
@@ -221,7 +225,7 @@ impl Transport for RedisStreamsTransport {
         let answer = pipeline
             .hand_over(keys, self.config.max_len, tag, payload)
             .await?;
-        Ok(Box::pin(async move {
+        Ok(PendingPublish::new(async move {
             let id = pipeline::acknowledged(answer).await?;
             Ok(Some(Position::single(ID, Offset::Id(id))))
         }))
