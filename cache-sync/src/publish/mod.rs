@@ -158,13 +158,38 @@ impl<'a> HandedOver<'a> {
         }
     }
 
+    /// Nothing handed over yet.
+    fn new() -> Self {
+        Self {
+            first: None,
+            rest: std::collections::VecDeque::new(),
+            published: Published {
+                events: 0,
+                position: None,
+                last: None,
+            },
+            error: None,
+        }
+    }
+
     /// Awaits every acknowledgement (each frees its place in the window as
     /// it completes), then says how the publish went: its first failure.
-    async fn settle(mut self) -> Result<Published> {
-        while self.settle_one().await {}
-        match self.error {
+    /// By reference, as `hand_over_locked` fills it: moving it in and out
+    /// of the futures would copy it each time.
+    async fn settle(&mut self) -> Result<Published> {
+        if !self.is_empty() {
+            while self.settle_one().await {}
+        }
+        match self.error.take() {
             Some(e) => Err(e),
-            None => Ok(self.published),
+            None => Ok(std::mem::replace(
+                &mut self.published,
+                Published {
+                    events: 0,
+                    position: None,
+                    last: None,
+                },
+            )),
         }
     }
 }
@@ -396,8 +421,8 @@ impl Publisher {
             Err(_) => seq.lock().await,
         };
         let (changes, out) = build()?;
-        let handed = self
-            .hand_over_locked(&cache, &mut seq, fence, &changes)
+        let mut handed = HandedOver::new();
+        self.hand_over_locked(&cache, &mut seq, fence, &changes, &mut handed)
             .await;
         drop(seq);
         // After the number was used, failed publish or not: an announcing
@@ -438,33 +463,24 @@ impl Publisher {
         fence: Option<Fence>,
         changes: &Outgoing,
     ) -> Result<Published> {
-        self.hand_over_locked(cache, state, fence, changes)
-            .await
-            .settle()
-            .await
+        let mut handed = HandedOver::new();
+        self.hand_over_locked(cache, state, fence, changes, &mut handed)
+            .await;
+        handed.settle().await
     }
 
     /// Seals `changes` and hands them to the transport in order, each under
-    /// the next number and with a place in the window; the caller awaits
-    /// their acknowledgements ([`HandedOver::settle`]), once it has let the
-    /// cache's lock go. Stops at the first failure.
-    async fn hand_over_locked(
-        &self,
+    /// the next number and with a place in the window, into `handed`; the
+    /// caller awaits their acknowledgements ([`HandedOver::settle`]), once
+    /// it has let the cache's lock go. Stops at the first failure.
+    async fn hand_over_locked<'a>(
+        &'a self,
         cache: &Arc<str>,
         state: &mut SeqState,
         fence: Option<Fence>,
         changes: &Outgoing,
-    ) -> HandedOver<'_> {
-        let mut handed = HandedOver {
-            first: None,
-            rest: std::collections::VecDeque::new(),
-            published: Published {
-                events: 0,
-                position: None,
-                last: None,
-            },
-            error: None,
-        };
+        handed: &mut HandedOver<'a>,
+    ) {
         for change in changes.events() {
             // Waits for a place in the window only while holding none: this
             // publish's own events in flight are awaited first, else two
@@ -487,7 +503,7 @@ impl Publisher {
                 }
                 handed.settle_one().await;
                 if handed.error.is_some() {
-                    return handed;
+                    return;
                 }
             };
             // 2^64 publishes to one cache from one publisher will not happen;
@@ -513,7 +529,7 @@ impl Publisher {
                 Ok(payload) => payload,
                 Err(e) => {
                     handed.error = Some(e);
-                    return handed;
+                    return;
                 }
             };
             // Before the call: whether or not it fails, the number is used
@@ -539,7 +555,7 @@ impl Publisher {
                 let failed = published.is_err();
                 handed.record(published, sent);
                 if failed {
-                    return handed;
+                    return;
                 }
                 continue;
             }
@@ -554,11 +570,10 @@ impl Publisher {
                 }),
                 Err(e) => {
                     handed.error = Some(e);
-                    return handed;
+                    return;
                 }
             }
         }
-        handed
     }
 }
 
