@@ -90,7 +90,8 @@ fn xadd_rate(port: u16, requests: u64, clients: u32, pipeline: u32) -> Option<f6
         .next_back()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
@@ -123,11 +124,7 @@ fn main() {
         ("window 64", &many),
     ] {
         let each: Vec<_> = rates.iter().map(|r| format!("{r:.0}")).collect();
-        println!(
-            "| {name} | {:.0} | {} |",
-            median(rates.clone()),
-            each.join(", ")
-        );
+        println!("| {name} | {:.0} | {} |", median(rates), each.join(", "));
     }
     println!(
         "| redis-benchmark XADD, 64 connections, -P 1 | {} | |",
@@ -137,12 +134,12 @@ fn main() {
         "| redis-benchmark XADD, 1 connection, -P 64 | {} | |",
         show(raw_pipelined)
     );
-    let speedup = median(many.clone()) / median(one.clone());
+    let speedup = median(&many) / median(&one);
     println!("\nwindow 64 ÷ window 1: {speedup:.2}×");
     if let Some(raw) = raw_clients {
         println!(
             "window 64 ÷ XADD (64 connections): {:.2}×",
-            median(many) / raw
+            median(&many) / raw
         );
     }
     if !full {

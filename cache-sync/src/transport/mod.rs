@@ -441,7 +441,8 @@ pub trait Transport: Send + Sync + 'static {
     /// acknowledgement that is already complete: correct for every
     /// transport, and one call in flight at a time. A transport overrides
     /// it only where its client keeps the order of calls in flight (Redis
-    /// pipelining, NATS JetStream's asynchronous acknowledgements).
+    /// pipelining, NATS JetStream's asynchronous acknowledgements), and
+    /// then says so in [`pipelines`](Self::pipelines).
     async fn start_publish(
         &self,
         topic: &str,
