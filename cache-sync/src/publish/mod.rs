@@ -114,8 +114,8 @@ struct HandedOver<'a> {
     first: Option<InFlight<'a>>,
     rest: std::collections::VecDeque<InFlight<'a>>,
     published: Published,
-    /// The first failure, in event order: an acknowledgement awaited under
-    /// the lock, or the hand-over that stopped the publish.
+    /// The first failure seen (a hand-over that stopped the publish, or an
+    /// acknowledgement): what the caller gets, whichever event it was.
     error: Option<crate::Error>,
 }
 
