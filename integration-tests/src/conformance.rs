@@ -1037,6 +1037,192 @@ pub async fn publish_cut_mid_flight(fixture: &mut dyn Fixture) {
     cluster.shutdown().await;
 }
 
+/// How many tasks publish at once through one publisher in the pipelined
+/// scenarios: the publisher's default window.
+const TASKS: usize = 64;
+
+/// One task's key and the value it publishes `j`th.
+fn task_key(t: usize) -> String {
+    format!("p{t}")
+}
+
+/// The node of a pipelined scenario, and the publisher its tasks share.
+async fn pipelined_setup(
+    fixture: &dyn Fixture,
+    name: &str,
+    window: Duration,
+) -> (TestNode, Publisher) {
+    let node = TestNode::start(name, fixture.transport().await, |b| {
+        fixture.configure(b).reorder_window(window)
+    })
+    .await
+    .expect("start node");
+    let publisher = Publisher::builder(fixture.transport().await)
+        .origin(name)
+        .build()
+        .expect("publisher");
+    (node, publisher)
+}
+
+/// Many tasks publishing to one cache through one publisher at once
+/// (pipelined, where the transport can: several calls in flight) reach a
+/// node in that cache's order and all apply. The node has no reorder
+/// window, so a number arriving before the one it follows would be a
+/// publisher gap at once.
+pub async fn pipelined_publishes_arrive_in_order(fixture: &mut dyn Fixture) {
+    const EACH: usize = 20;
+    let (node, publisher) = pipelined_setup(fixture, "pipelined", Duration::ZERO).await;
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|t| {
+            let publisher = publisher.clone();
+            tokio::spawn(async move {
+                for j in 0..EACH {
+                    publisher
+                        .insert(TABLE, [(task_key(t), Some(j.to_string()))])
+                        .await
+                        .expect("a publish to a healthy broker");
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("publishing task");
+    }
+    retry(|| publisher.insert("fence", [("fence", 1u64)])).await;
+    fence_only(std::slice::from_ref(&node), 1).await;
+    tokio::time::sleep(fixture.settle()).await;
+    let name = fixture.name();
+    for t in 0..TASKS {
+        assert_eq!(
+            node.table.peek(&task_key(t)).await,
+            Some(Some((EACH - 1).to_string())),
+            "{name}: each key holds its last publish"
+        );
+    }
+    let s = node.node.status();
+    let applied: u64 = s
+        .caches
+        .iter()
+        .filter(|c| c.name == TABLE)
+        .map(|c| c.events_applied)
+        .sum();
+    assert_eq!(
+        (s.publisher_gaps, s.losses, applied),
+        (0, 0, (TASKS * EACH) as u64),
+        "{name}: every event applied, in order: {s:?}"
+    );
+    let _ = node.node.shutdown().await;
+}
+
+/// The broker is killed while many publishes are in flight, and started
+/// again. Each publish returns `Ok` or an error; a value whose publish
+/// returned `Ok` is never silently lost: the node holds that value or a
+/// later one of the same task, or nothing (it found the gaps the failed
+/// ones left and resynced). Once the tasks publish again, it holds their
+/// last values.
+pub async fn broker_killed_mid_window(fixture: &mut dyn Fixture) {
+    if fixture.expect(Fault::BrokerRestart).is_none() {
+        cannot_run(fixture.name(), "BrokerRestart");
+    }
+    let name = fixture.name();
+    let (node, publisher) =
+        pipelined_setup(fixture, "mid-window", Duration::from_millis(200)).await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let oks = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let errors = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|t| {
+            let (publisher, stop, oks, errors) =
+                (publisher.clone(), stop.clone(), oks.clone(), errors.clone());
+            tokio::spawn(async move {
+                use std::sync::atomic::Ordering::Relaxed;
+                // The last value acknowledged, and the last one tried.
+                let (mut last_ok, mut last_tried) = (None, 0u64);
+                let mut j = 0u64;
+                while !stop.load(Relaxed) {
+                    j += 1;
+                    last_tried = j;
+                    match publisher
+                        .insert(TABLE, [(task_key(t), Some(j.to_string()))])
+                        .await
+                    {
+                        Ok(_) => {
+                            last_ok = Some(j);
+                            oks.fetch_add(1, Relaxed);
+                        }
+                        Err(_) => {
+                            errors.fetch_add(1, Relaxed);
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                    }
+                }
+                (last_ok, last_tried)
+            })
+        })
+        .collect();
+    let acknowledged = |n: u64| {
+        let oks = oks.clone();
+        async move {
+            crate::eventually(&format!("{n} publishes acknowledged"), async || {
+                oks.load(std::sync::atomic::Ordering::Relaxed) >= n
+            })
+            .await;
+        }
+    };
+    acknowledged(500).await;
+    fixture.kill();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    fixture.revive();
+    let after = oks.load(std::sync::atomic::Ordering::Relaxed);
+    acknowledged(after + 500).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut sent = Vec::new();
+    for task in tasks {
+        sent.push(task.await.expect("publishing task"));
+    }
+    assert!(
+        errors.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "{name}: the kill failed no publish in flight"
+    );
+    // Everything sent has arrived, or its gap was answered, once a fence
+    // published after it has, plus a reorder window and an announcement.
+    retry(|| publisher.insert("fence", [("fence", 1u64)])).await;
+    fence_only(std::slice::from_ref(&node), 1).await;
+    tokio::time::sleep(Duration::from_secs(2) + fixture.settle()).await;
+    for (t, (last_ok, last_tried)) in sent.iter().enumerate() {
+        let held = node.table.peek(&task_key(t)).await.flatten();
+        let held: Option<u64> = held.map(|v| v.parse().expect("a number"));
+        if let Some(v) = held {
+            assert!(
+                last_ok.is_none_or(|ok| v >= ok) && v <= *last_tried,
+                "{name}: {} holds {v}, though {last_ok:?} was acknowledged (tried up to {last_tried})",
+                task_key(t)
+            );
+        }
+    }
+    let s = node.node.status();
+    assert!(
+        s.losses > 0 || s.publisher_gaps > 0 || s.caches.iter().any(|c| c.loss_resyncs > 0),
+        "{name}: failed publishes, and the node noticed nothing: {s:?}"
+    );
+    // Published again, every task's last value reaches the node.
+    for t in 0..TASKS {
+        retry(|| publisher.insert(TABLE, [(task_key(t), Some("last".to_owned()))])).await;
+    }
+    retry(|| publisher.insert("fence", [("fence", 2u64)])).await;
+    fence_only(std::slice::from_ref(&node), 2).await;
+    tokio::time::sleep(fixture.settle()).await;
+    for t in 0..TASKS {
+        assert_eq!(
+            node.table.peek(&task_key(t)).await,
+            Some(Some("last".to_owned())),
+            "{name}: {} after the broker came back",
+            task_key(t)
+        );
+    }
+    let _ = node.node.shutdown().await;
+}
+
 /// Topic names that once shared a broker resource, or broke one: each must
 /// get a resource of its own, and a node on one sees none of the other's
 /// events. Cache names with the characters brokers give meaning to work too.

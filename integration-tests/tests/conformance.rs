@@ -18,6 +18,7 @@ use cache_sync::{EmbeddedTransport, Publisher};
 #[cfg(feature = "redis")]
 use cache_sync::{RedisPubSubTransport, RedisStreamsTransport};
 use integration_tests::cluster_view;
+use integration_tests::conformance::broker_killed_mid_window;
 use integration_tests::conformance::{
     Expect, Fault, Fixture, a_refusal_is_no_disconnect, health_follows_the_broker,
     heartbeat_channel, heartbeats_take_no_room_in_the_history, names_map_one_to_one, normal_path,
@@ -516,6 +517,13 @@ macro_rules! case {
     ($f:expr, publish_cut_mid_flight_resyncs_only_that_cache) => {
         publish_cut_mid_flight(&mut $f).await
     };
+    ($f:expr, pipelined_publishes_arrive_in_order) => {
+        // By path: the test of the same name would shadow an import.
+        integration_tests::conformance::pipelined_publishes_arrive_in_order(&mut $f).await
+    };
+    ($f:expr, broker_killed_with_publishes_in_flight) => {
+        broker_killed_mid_window(&mut $f).await
+    };
     ($f:expr, publish_cut_at_the_tail_is_found_by_the_announcement) => {
         publish_cut_at_the_tail(&mut $f).await
     };
@@ -578,6 +586,8 @@ const SCENARIOS: &[&str] = &[
     "health_follows_a_killed_broker",
     "publish_cut_mid_flight_resyncs_only_that_cache",
     "publish_cut_at_the_tail_is_found_by_the_announcement",
+    "pipelined_publishes_arrive_in_order",
+    "broker_killed_with_publishes_in_flight",
     "names_map_one_to_one_onto_broker_resources",
     "heartbeat_channel_beside_the_change_history",
     "heartbeats_take_no_room_in_the_change_history",
@@ -648,6 +658,8 @@ conformance!(embedded, Embedded::new(), {
     health_follows_a_killed_broker = ignore "in-process: no broker to kill",
     publish_cut_mid_flight_resyncs_only_that_cache,
     publish_cut_at_the_tail_is_found_by_the_announcement,
+    pipelined_publishes_arrive_in_order,
+    broker_killed_with_publishes_in_flight = ignore "in-process: no broker to kill",
     names_map_one_to_one_onto_broker_resources,
     heartbeat_channel_beside_the_change_history,
     heartbeats_take_no_room_in_the_change_history =
@@ -679,6 +691,8 @@ conformance!(redis_streams, Streams { server: RedisServer::start() }, {
     health_follows_a_killed_broker,
     publish_cut_mid_flight_resyncs_only_that_cache,
     publish_cut_at_the_tail_is_found_by_the_announcement,
+    pipelined_publishes_arrive_in_order,
+    broker_killed_with_publishes_in_flight,
     names_map_one_to_one_onto_broker_resources,
     heartbeat_channel_beside_the_change_history,
     heartbeats_take_no_room_in_the_change_history,
@@ -708,6 +722,8 @@ conformance!(redis_pubsub, PubSub { server: RedisServer::start() }, {
     health_follows_a_killed_broker,
     publish_cut_mid_flight_resyncs_only_that_cache,
     publish_cut_at_the_tail_is_found_by_the_announcement,
+    pipelined_publishes_arrive_in_order,
+    broker_killed_with_publishes_in_flight,
     names_map_one_to_one_onto_broker_resources,
     heartbeat_channel_beside_the_change_history,
     heartbeats_take_no_room_in_the_change_history =
@@ -739,6 +755,8 @@ conformance!(nats_jetstream, Nats { server: NatsServer::start() }, {
     health_follows_a_killed_broker,
     publish_cut_mid_flight_resyncs_only_that_cache,
     publish_cut_at_the_tail_is_found_by_the_announcement,
+    pipelined_publishes_arrive_in_order,
+    broker_killed_with_publishes_in_flight,
     names_map_one_to_one_onto_broker_resources,
     heartbeat_channel_beside_the_change_history,
     heartbeats_take_no_room_in_the_change_history =
@@ -771,6 +789,8 @@ conformance!(rocketmq, RocketMq { server: RocketMqServer::start() }, {
     health_follows_a_killed_broker,
     publish_cut_mid_flight_resyncs_only_that_cache,
     publish_cut_at_the_tail_is_found_by_the_announcement,
+    pipelined_publishes_arrive_in_order,
+    broker_killed_with_publishes_in_flight,
     names_map_one_to_one_onto_broker_resources,
     heartbeat_channel_beside_the_change_history,
     heartbeats_take_no_room_in_the_change_history =

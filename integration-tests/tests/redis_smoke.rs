@@ -702,3 +702,75 @@ async fn a_sharded_publish_after_a_failover_lands_on_the_new_master() {
     );
     assert_eq!(spublished(new), 1, "SPUBLISH ran once on the new master");
 }
+
+/// The entry id a Streams publish returned, as (milliseconds, sequence).
+fn entry_id(position: Option<cache_sync::transport::Position>) -> (u64, u64) {
+    let position = position.expect("a position");
+    let Some(Offset::Id(id)) = position.get("id") else {
+        panic!("no entry id in {position}")
+    };
+    let (ms, seq) = id.split_once('-').expect("an entry id");
+    (ms.parse().expect("ms"), seq.parse().expect("seq"))
+}
+
+/// Publishes handed over one after another are pipelined: they land in
+/// the stream in hand-over order (their entry ids grow), a command refused
+/// in the middle fails only its own publish, as the server's refusal (not
+/// a disconnect), and a script cache flushed under the transport (as a
+/// restarted server has) is loaded again without losing or reordering
+/// anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_pipelined_publishes_keep_their_order_and_their_own_errors() {
+    let server = RedisServer::start();
+    let transport = RedisStreamsTransport::connect(server.url()).await.unwrap();
+    // The stream key of topic "bad" holds a string: XADD there fails.
+    assert_eq!(
+        server.command(&["SET", "cache-sync:{bad}", "x"]).unwrap(),
+        "+OK"
+    );
+    for round in 0..2 {
+        assert_eq!(server.command(&["SCRIPT", "FLUSH"]).unwrap(), "+OK");
+        let mut acks = Vec::new();
+        for i in 0..200 {
+            let topic = if i == 100 { "bad" } else { "good" };
+            let ack = transport
+                .start_publish(topic, "c", Bytes::from(format!("{round}-{i}")))
+                .await
+                .expect("handed over");
+            acks.push((topic, ack));
+        }
+        let mut last = (0, 0);
+        for (i, (topic, ack)) in acks.into_iter().enumerate() {
+            let result = ack.await;
+            if topic == "bad" {
+                let e = result.expect_err("XADD on a string");
+                assert!(!e.is_disconnected(), "the server answered: {e}");
+                continue;
+            }
+            let id = entry_id(result.unwrap_or_else(|e| panic!("publish {i}: {e}")));
+            assert!(id > last, "publish {i} landed at {id:?}, before {last:?}");
+            last = id;
+        }
+    }
+    let mut sub = transport
+        .subscribe("good", SubscribeOptions::new(StartFrom::Earliest))
+        .await
+        .unwrap();
+    let mut payloads = Vec::new();
+    while payloads.len() < 398 {
+        match sub.next(1000).await.unwrap() {
+            Delivery::Batch { records, .. } => {
+                payloads.extend(records.into_iter().map(|r| r.payload));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let expect: Vec<Bytes> = (0..2)
+        .flat_map(|round| {
+            (0..200)
+                .filter(|&i| i != 100)
+                .map(move |i| Bytes::from(format!("{round}-{i}")))
+        })
+        .collect();
+    assert_eq!(payloads, expect, "each once, in hand-over order");
+}

@@ -22,7 +22,7 @@ use tokio::task::JoinHandle;
 use crate::cache::SyncedCache;
 use crate::cluster::{Cluster, DEFAULT_HEARTBEAT_INTERVAL};
 use crate::error::{Error, Result};
-use crate::publish::{DEFAULT_ANNOUNCE_INTERVAL, Publisher};
+use crate::publish::{DEFAULT_ANNOUNCE_INTERVAL, DEFAULT_WINDOW, Publisher};
 use crate::status::NodeStatus;
 use crate::transport::{DEFAULT_TOPIC, StartFrom, Transport};
 use crate::wire::DEFAULT_MAX_EVENT_BYTES;
@@ -196,6 +196,7 @@ impl Node {
             s.codec.clone(),
             DEFAULT_ANNOUNCE_INTERVAL,
             None,
+            DEFAULT_WINDOW,
         )
     }
 

@@ -20,6 +20,7 @@ pub struct PublisherBuilder {
     pub(super) keyring: Option<Keyring>,
     pub(super) announce_interval: Duration,
     pub(super) again_after: Option<Duration>,
+    pub(super) window: usize,
 }
 
 impl fmt::Debug for PublisherBuilder {
@@ -111,6 +112,29 @@ impl PublisherBuilder {
         self
     }
 
+    /// How many events the publisher may have handed to the transport and
+    /// not yet seen acknowledged, across all caches: the pipelining window
+    /// (see [`Transport::start_publish`](crate::transport::Transport::start_publish)).
+    /// A publish that finds it full waits for a place before it takes its
+    /// sequence number. Each publish still returns only once its own events
+    /// are acknowledged, so the window matters only to concurrent
+    /// publishes (many tasks sharing one publisher, an outbox or CDC relay).
+    /// On a transport that does not pipeline, one call is in flight at a
+    /// time whatever the window.
+    ///
+    /// A transport's client may bound the calls in flight on its
+    /// connection too (async-nats: 5000 JetStream acknowledgements), and a
+    /// hand-over then waits for room there; keep the windows of the
+    /// publishers sharing one transport within it.
+    ///
+    /// Default 64; 1 (one call at a time, as before pipelining) or more,
+    /// and [`build`](Self::build) refuses 0. Beyond tokio's semaphore limit
+    /// (`usize::MAX >> 3`) it is that limit: as good as unbounded.
+    pub fn window(mut self, events: usize) -> Self {
+        self.window = events;
+        self
+    }
+
     /// The publisher, once the transport has accepted the topic's name
     /// ([`check_topic`](crate::transport::Transport::check_topic)) and the
     /// settings are in range; otherwise [`Error::Config`](crate::Error::Config) naming the rule
@@ -129,6 +153,11 @@ impl PublisherBuilder {
                 MAX_TIMEOUT,
             )?;
         }
+        if self.window == 0 {
+            return Err(crate::Error::Config(
+                "window must be at least 1 (one publish in flight at a time)".into(),
+            ));
+        }
         let codec = Codec::new(self.max_event_bytes, self.keyring);
         Ok(Publisher::with_codec(
             self.transport,
@@ -137,6 +166,7 @@ impl PublisherBuilder {
             codec,
             self.announce_interval,
             self.again_after,
+            self.window,
         ))
     }
 }

@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use crate::error::Result;
 use crate::table::Table;
-use crate::transport::{DEFAULT_TOPIC, Transport};
+use crate::transport::{DEFAULT_TOPIC, PendingPublish, Position, Transport};
 use crate::util::{Hasher, lock, now_us};
 #[cfg(feature = "postgres")]
 use crate::wire::Change;
@@ -22,12 +22,20 @@ use crate::wire::{Codec, DEFAULT_MAX_EVENT_BYTES, Fence, Header, HeaderExt, Orig
 ///
 /// Each call is one batch; a batch larger than the event size limit is split
 /// into several events, in order. Events to one cache from one publisher are
-/// numbered 1, 2, 3, … so nodes can detect a missing one. Publishing to one
-/// cache is serialised, so the numbers reach the transport in order.
+/// numbered 1, 2, 3, … so nodes can detect a missing one. Events to one
+/// cache are handed to the transport one at a time, in number order, and
+/// the transport keeps that order on the wire; the broker's
+/// acknowledgements are awaited outside that lock, so up to
+/// [`window`](PublisherBuilder::window) events (64 by default) of this
+/// publisher can be in flight at once (pipelined, on transports that
+/// support it: see [`Transport::start_publish`]). A publish still returns
+/// only once the broker acknowledged every event it sent.
 ///
 /// A failed publish returns an error and still uses up its sequence number:
 /// if the event did reach some nodes, the next one must not reuse the number,
-/// and if it did not, nodes see a gap and invalidate, which is safe.
+/// and if it did not, nodes see a gap and invalidate, which is safe. So
+/// does a publish whose acknowledgement fails while later ones, already in
+/// flight behind it, go through.
 ///
 /// Every [`announce_interval`](PublisherBuilder::announce_interval) (1 s
 /// by default) it also announces, per cache it has published to lately, the
@@ -78,6 +86,112 @@ struct PublisherInner {
     again: Mutex<AgainQueue>,
     /// Each change is sent a second time, as an invalidation, this much later.
     again_after: Option<Duration>,
+    /// One permit per event handed over and not yet acknowledged: the
+    /// window of calls in flight, across every cache.
+    window: tokio::sync::Semaphore,
+    /// The transport's `pipelines()`, asked once.
+    pipelines: bool,
+}
+
+/// How many events a publisher has in flight at most by default: enough to
+/// fill a round trip of a few milliseconds at tens of thousands of events a
+/// second, and a bounded amount of memory.
+pub(crate) const DEFAULT_WINDOW: usize = 64;
+
+/// An event handed over, waiting for its acknowledgement, holding its
+/// place in the window until then.
+struct InFlight<'a> {
+    ack: PendingPublish,
+    sent: Sent,
+    /// `None` where the transport does not pipeline.
+    _permit: Option<tokio::sync::SemaphorePermit<'a>>,
+}
+
+/// The events of one publish handed over so far, and how it went.
+struct HandedOver<'a> {
+    /// The oldest in flight, where a publish of one event (the usual one)
+    /// keeps it without allocating; the others follow in `rest`.
+    first: Option<InFlight<'a>>,
+    rest: std::collections::VecDeque<InFlight<'a>>,
+    published: Published,
+    /// The first failure seen (a hand-over that stopped the publish, or an
+    /// acknowledgement): what the caller gets, whichever event it was.
+    error: Option<crate::Error>,
+}
+
+impl<'a> HandedOver<'a> {
+    fn push(&mut self, event: InFlight<'a>) {
+        if self.first.is_none() && self.rest.is_empty() {
+            self.first = Some(event);
+        } else {
+            self.rest.push_back(event);
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.first.is_none() && self.rest.is_empty()
+    }
+
+    /// Awaits the oldest acknowledgement; false if none is left.
+    async fn settle_one(&mut self) -> bool {
+        let Some(event) = self.first.take().or_else(|| self.rest.pop_front()) else {
+            return false;
+        };
+        let result = event.ack.await;
+        self.record(result, event.sent);
+        true
+    }
+
+    /// Counts an acknowledged event, or keeps its error if it is the first.
+    fn record(&mut self, result: Result<Option<Position>>, sent: Sent) {
+        match result {
+            Ok(position) if self.error.is_none() => {
+                let published = &mut self.published;
+                published.events = published.events.saturating_add(1);
+                published.position = position.or(published.position.take());
+                published.last = Some(sent);
+            }
+            Ok(_) => {}
+            Err(e) => {
+                self.error.get_or_insert(e);
+            }
+        }
+    }
+
+    /// Nothing handed over yet.
+    fn new() -> Self {
+        Self {
+            first: None,
+            rest: std::collections::VecDeque::new(),
+            published: Published {
+                events: 0,
+                position: None,
+                last: None,
+            },
+            error: None,
+        }
+    }
+
+    /// Awaits every acknowledgement (each frees its place in the window as
+    /// it completes), then says how the publish went: its first failure.
+    /// By reference, as `hand_over_locked` fills it: moving it in and out
+    /// of the futures would copy it each time.
+    async fn settle(&mut self) -> Result<Published> {
+        if !self.is_empty() {
+            while self.settle_one().await {}
+        }
+        match self.error.take() {
+            Some(e) => Err(e),
+            None => Ok(std::mem::replace(
+                &mut self.published,
+                Published {
+                    events: 0,
+                    position: None,
+                    last: None,
+                },
+            )),
+        }
+    }
 }
 
 /// A cache's numbering at this publisher, behind the cache's publish lock.
@@ -127,9 +241,11 @@ impl Publisher {
         codec: Codec,
         announce_interval: Duration,
         again_after: Option<Duration>,
+        window: usize,
     ) -> Self {
         Publisher {
             inner: Arc::new(PublisherInner {
+                pipelines: transport.pipelines(),
                 transport,
                 topic,
                 origin,
@@ -142,6 +258,11 @@ impl Publisher {
                 announced: Mutex::default(),
                 again: Mutex::default(),
                 again_after,
+                // Tokio's limit is far above any useful window; beyond it
+                // the window is as good as unbounded.
+                window: tokio::sync::Semaphore::new(
+                    window.clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
+                ),
             }),
         }
     }
@@ -158,6 +279,7 @@ impl Publisher {
             Codec::new(DEFAULT_MAX_EVENT_BYTES, None),
             DEFAULT_ANNOUNCE_INTERVAL,
             None,
+            DEFAULT_WINDOW,
         )
     }
 
@@ -171,6 +293,7 @@ impl Publisher {
             keyring: None,
             announce_interval: DEFAULT_ANNOUNCE_INTERVAL,
             again_after: None,
+            window: DEFAULT_WINDOW,
         }
     }
 
@@ -287,21 +410,25 @@ impl Publisher {
         build: impl FnOnce() -> Result<(Outgoing, T)>,
     ) -> Result<(Published, T)> {
         let (cache, seq) = self.seq(cache)?;
-        // Held across the publish so numbers reach the transport in order.
-        // Free, the usual case, it is taken at once without building the
-        // waiting future; a lock with waiters queued is never free (tokio
-        // hands a released lock to the first waiter), so this jumps no queue.
+        // Held across the hand-over so numbers reach the transport in
+        // order, and released before the acknowledgements are awaited, so
+        // the next publish to the cache is handed over meanwhile. Free, the
+        // usual case, it is taken at once without building the waiting
+        // future; a lock with waiters queued is never free (tokio hands a
+        // released lock to the first waiter), so this jumps no queue.
         let mut seq = match seq.try_lock() {
             Ok(seq) => seq,
             Err(_) => seq.lock().await,
         };
         let (changes, out) = build()?;
-        let published = self.publish_locked(&cache, &mut seq, fence, &changes).await;
+        let mut handed = HandedOver::new();
+        self.hand_over_locked(&cache, &mut seq, fence, &changes, &mut handed)
+            .await;
         drop(seq);
         // After the number was used, failed publish or not: an announcing
         // task that ends from now on finds it due (see `announce_loop`).
         self.announce_later();
-        let published = published?;
+        let published = handed.settle().await?;
         // Scheduled only once the first send went through: a failed one
         // returns its error, and the caller retries the whole change.
         match self.inner.again_after {
@@ -327,7 +454,8 @@ impl Publisher {
         Ok((name, seq))
     }
 
-    /// Seals and publishes `changes` in order, each under the next number.
+    /// Seals and publishes `changes` in order, each under the next number,
+    /// and awaits their acknowledgements, all under the caller's lock.
     async fn publish_locked(
         &self,
         cache: &Arc<str>,
@@ -335,12 +463,49 @@ impl Publisher {
         fence: Option<Fence>,
         changes: &Outgoing,
     ) -> Result<Published> {
-        let mut published = Published {
-            events: 0,
-            position: None,
-            last: None,
-        };
+        let mut handed = HandedOver::new();
+        self.hand_over_locked(cache, state, fence, changes, &mut handed)
+            .await;
+        handed.settle().await
+    }
+
+    /// Seals `changes` and hands them to the transport in order, each under
+    /// the next number and with a place in the window, into `handed`; the
+    /// caller awaits their acknowledgements ([`HandedOver::settle`]), once
+    /// it has let the cache's lock go. Stops at the first failure.
+    async fn hand_over_locked<'a>(
+        &'a self,
+        cache: &Arc<str>,
+        state: &mut SeqState,
+        fence: Option<Fence>,
+        changes: &Outgoing,
+        handed: &mut HandedOver<'a>,
+    ) {
         for change in changes.events() {
+            // Waits for a place in the window only while holding none: this
+            // publish's own events in flight are awaited first, else two
+            // publishes of many events each could wait for the other's. A
+            // transport that does not pipeline has its call done by the
+            // end of the hand-over, so nothing is ever in flight after it:
+            // no place to take (and no semaphore to touch).
+            let permit = loop {
+                if !self.inner.pipelines {
+                    break None;
+                }
+                if let Ok(permit) = self.inner.window.try_acquire() {
+                    break Some(permit);
+                }
+                if handed.is_empty() {
+                    match self.inner.window.acquire().await {
+                        Ok(permit) => break Some(permit),
+                        Err(_) => unreachable!("the publish window is never closed"),
+                    }
+                }
+                handed.settle_one().await;
+                if handed.error.is_some() {
+                    return;
+                }
+            };
             // 2^64 publishes to one cache from one publisher will not happen;
             // saturating keeps the numbers from ever going back regardless.
             state.seq = state.seq.saturating_add(1);
@@ -360,7 +525,13 @@ impl Publisher {
                 since_prev_us: state.since_prev_us_at(now),
                 fence,
             };
-            let payload = self.inner.codec.seal_body(&header, &ext, change)?;
+            let payload = match self.inner.codec.seal_body(&header, &ext, change) {
+                Ok(payload) => payload,
+                Err(e) => {
+                    handed.error = Some(e);
+                    return;
+                }
+            };
             // Before the call: whether or not it fails, the number is used
             // and the event may have reached some nodes.
             state.sent_at = Some(now);
@@ -368,19 +539,41 @@ impl Publisher {
             // `Transport` too, and calling that one would box a second future.
             // The payload's buffer is exactly full, so the `Bytes` takes it
             // over without allocating.
-            let position = (*self.inner.transport)
-                .publish(&self.inner.topic, cache, Bytes::from(payload))
-                .await?;
-            published.events = published.events.saturating_add(1);
-            published.position = position.or(published.position);
-            published.last = Some(Sent {
+            let payload = Bytes::from(payload);
+            let transport = &*self.inner.transport;
+            let sent = Sent {
                 cache: cache.clone(),
                 publisher: header.publisher,
                 seq: header.seq,
                 at: now,
-            });
+            };
+            if !self.inner.pipelines {
+                // The whole call, answered now: nothing to hold in flight,
+                // and one boxed future, not the two the default
+                // `start_publish` would make.
+                let published = transport.publish(&self.inner.topic, cache, payload).await;
+                let failed = published.is_err();
+                handed.record(published, sent);
+                if failed {
+                    return;
+                }
+                continue;
+            }
+            match transport
+                .start_publish(&self.inner.topic, cache, payload)
+                .await
+            {
+                Ok(ack) => handed.push(InFlight {
+                    ack,
+                    sent,
+                    _permit: permit,
+                }),
+                Err(e) => {
+                    handed.error = Some(e);
+                    return;
+                }
+            }
         }
-        Ok(published)
     }
 }
 
@@ -573,6 +766,134 @@ mod tests {
         assert!(!stuck.is_finished());
         assert!(transport.hanging() >= 1, "stuck in the transport");
         stuck.abort();
+    }
+
+    /// Waits (on paused time) until `f` holds.
+    async fn until(what: &str, f: impl Fn() -> bool) {
+        for _ in 0..100_000 {
+            if f() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        panic!("never: {what}");
+    }
+
+    /// The sequence numbers of what reached the broker, in the order it
+    /// took them.
+    fn seqs_handed_over(transport: &crate::transport::FaultyTransport) -> Vec<u64> {
+        transport
+            .published()
+            .iter()
+            .map(|(_, payload)| decode(payload, MAX_EVENT_BYTES_CEILING).unwrap().0.seq)
+            .collect()
+    }
+
+    /// Concurrent publishes of one cache are handed over one after another,
+    /// in number order, without waiting for each other's acknowledgements:
+    /// with every acknowledgement held back, all of them reach the broker
+    /// (up to the window), and each caller still waits for its own.
+    #[tokio::test(start_paused = true)]
+    async fn publishes_are_handed_over_in_order_while_acknowledgements_are_outstanding() {
+        let embedded = EmbeddedTransport::new();
+        let transport = crate::transport::FaultyTransport::new(embedded.clone());
+        transport.record_publishes(true);
+        for (window, n) in [(None, 10_usize), (Some(4), 10)] {
+            let mut builder =
+                Publisher::builder(transport.clone()).announce_interval(Duration::MAX);
+            if let Some(window) = window {
+                builder = builder.window(window);
+            }
+            let p = builder.build().unwrap();
+            let cache = format!("c{n}{window:?}");
+            let before = transport.publishes();
+            // Every acknowledgement held back until released.
+            transport.hang_after_broker_where(|_, _| true);
+            let publishing: Vec<_> = (0..n)
+                .map(|i| {
+                    let p = p.clone();
+                    let cache = cache.clone();
+                    tokio::spawn(async move { p.insert(&cache, [(i, i)]).await })
+                })
+                .collect();
+            let in_flight = window.unwrap_or(DEFAULT_WINDOW).min(n);
+            until("the window handed over", || {
+                transport.hanging() == in_flight
+            })
+            .await;
+            // Long enough for anything else to be handed over, if it would.
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            assert_eq!(
+                transport.hanging(),
+                in_flight,
+                "acknowledgements outstanding"
+            );
+            assert_eq!(transport.publishes() - before, in_flight, "handed over");
+            assert!(
+                publishing.iter().all(|t| !t.is_finished()),
+                "returned unacknowledged"
+            );
+            transport.hang_publishes(false);
+            for t in publishing {
+                t.await.unwrap().unwrap();
+            }
+            assert_eq!(transport.publishes() - before, n);
+        }
+        let sent: Vec<_> = drain(&embedded)
+            .await
+            .iter()
+            .map(|(h, _)| (h.cache.clone(), h.seq))
+            .collect();
+        let expect: Vec<_> = ["c10None", "c10Some(4)"]
+            .iter()
+            .flat_map(|c| (1..=10).map(|seq| (c.to_string(), seq)))
+            .collect();
+        assert_eq!(sent, expect, "each cache's numbers on the wire in order");
+        assert_eq!(
+            seqs_handed_over(&transport),
+            expect.iter().map(|(_, s)| *s).collect::<Vec<_>>()
+        );
+    }
+
+    /// A publish split into more events than the window hands over as many
+    /// as fit, waits for its own oldest acknowledgement to hand over the
+    /// next, and keeps its events in order.
+    #[tokio::test(start_paused = true)]
+    async fn a_publish_of_more_events_than_the_window_waits_for_its_own_acknowledgements() {
+        let embedded = EmbeddedTransport::new();
+        let transport = crate::transport::FaultyTransport::new(embedded.clone());
+        let p = Publisher::builder(transport.clone())
+            .max_event_bytes(4096)
+            .window(2)
+            .announce_interval(Duration::MAX)
+            .build()
+            .unwrap();
+        let rows: Vec<(u32, String)> = (0..100).map(|i| (i, "v".repeat(200))).collect();
+        let other = p.clone();
+        let (big, small) = tokio::join!(p.insert("t", rows), async {
+            other.insert("u", [(1, 1)]).await
+        });
+        let big = big.unwrap();
+        small.unwrap();
+        assert!(big.events > 2, "{big:?}");
+        let seqs: Vec<_> = drain(&embedded)
+            .await
+            .iter()
+            .filter(|(h, _)| h.cache == "t")
+            .map(|(h, _)| h.seq)
+            .collect();
+        assert_eq!(seqs, (1..=big.events as u64).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn the_window_is_at_least_one_and_any_larger_size_is_accepted() {
+        let builder = || Publisher::builder(EmbeddedTransport::new());
+        let e = builder().window(0).build().unwrap_err();
+        assert!(e.is_config() && e.to_string().contains("window"), "{e}");
+        for n in [1, usize::MAX] {
+            let p = builder().window(n).build().unwrap();
+            assert!(p.inner.window.available_permits() >= 1);
+        }
     }
 
     #[tokio::test]

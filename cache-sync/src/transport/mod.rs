@@ -2,6 +2,8 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -298,6 +300,57 @@ impl fmt::Display for LossReason {
     }
 }
 
+/// A publish already handed over to the transport (see
+/// [`Transport::start_publish`]): a future that completes with the
+/// broker's answer, the record's position where the transport knows it.
+pub struct PendingPublish(Pending);
+
+enum Pending {
+    /// Answered already: no future to box (`None` once taken).
+    Ready(Option<Result<Option<Position>>>),
+    Waiting(Pin<Box<dyn Future<Output = Result<Option<Position>>> + Send + 'static>>),
+}
+
+impl PendingPublish {
+    /// An acknowledgement still to come, from `ack`.
+    pub fn new(ack: impl Future<Output = Result<Option<Position>>> + Send + 'static) -> Self {
+        Self(Pending::Waiting(Box::pin(ack)))
+    }
+
+    /// An acknowledgement already in: what a transport that cannot
+    /// pipeline returns once its whole publish is done.
+    pub fn ready(published: Result<Option<Position>>) -> Self {
+        Self(Pending::Ready(Some(published)))
+    }
+}
+
+impl Future for PendingPublish {
+    type Output = Result<Option<Position>>;
+
+    fn poll(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        match &mut self.get_mut().0 {
+            Pending::Ready(published) => std::task::Poll::Ready(
+                published
+                    .take()
+                    .expect("a PendingPublish polled after it completed"),
+            ),
+            Pending::Waiting(ack) => ack.as_mut().poll(cx),
+        }
+    }
+}
+
+impl fmt::Debug for PendingPublish {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self.0 {
+            Pending::Ready(_) => "PendingPublish(ready)",
+            Pending::Waiting(_) => "PendingPublish(waiting)",
+        })
+    }
+}
+
 /// A transport that carries change events from publishers to every node.
 ///
 /// Every subscriber reads the whole topic (broadcast): there are no consumer
@@ -352,6 +405,53 @@ pub trait Transport: Send + Sync + 'static {
     /// Publishes one encoded event under a tag (the cache name). Returns the
     /// position of the record where the transport knows it.
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>>;
+
+    /// Whether [`start_publish`](Self::start_publish) can have several
+    /// publishes in flight (the transport overrides it). A publisher that
+    /// finds it false calls `publish` instead, and saves the boxed future
+    /// the default `start_publish` costs on top of it. Default false: a
+    /// transport that overrides `start_publish` and not this one is still
+    /// correct, one call at a time.
+    fn pipelines(&self) -> bool {
+        false
+    }
+
+    /// Publishes like [`publish`](Self::publish), in two stages, so that a
+    /// caller can have several publishes in flight (pipelined) while their
+    /// order on the wire stays the order they were handed over.
+    ///
+    /// - **Hand-over** (this call): once it returns `Ok`, the record's
+    ///   place on the topic is fixed before every record handed over later
+    ///   on the same topic (by this method or by `publish`, from this
+    ///   transport and its clones): they reach the broker after it, or not
+    ///   at all. It may wait for room in the transport's queue.
+    /// - **Acknowledgement** (the returned future): the broker's answer,
+    ///   as `publish` returns it. It completes whether or not it is polled
+    ///   meanwhile (the transport drives the call), and dropping it only
+    ///   gives up the answer: the record still goes out, or not.
+    ///
+    /// An `Err` at either stage means what a failed `publish` means: the
+    /// record may or may not have reached the broker, so the caller treats
+    /// its sequence number as used. After an `Err` from the hand-over the
+    /// record is no longer pending anywhere: it never reaches the broker
+    /// after a record handed over later. The same holds for a hand-over
+    /// future dropped before it completed.
+    ///
+    /// The default does the whole `publish` in the hand-over and returns an
+    /// acknowledgement that is already complete: correct for every
+    /// transport, and one call in flight at a time. A transport overrides
+    /// it only where its client keeps the order of calls in flight (Redis
+    /// pipelining, NATS JetStream's asynchronous acknowledgements), and
+    /// then says so in [`pipelines`](Self::pipelines).
+    async fn start_publish(
+        &self,
+        topic: &str,
+        tag: &str,
+        payload: Bytes,
+    ) -> Result<PendingPublish> {
+        let published = self.publish(topic, tag, payload).await?;
+        Ok(PendingPublish::ready(Ok(published)))
+    }
 
     /// Starts a subscription. When this returns, every event published
     /// afterwards will be delivered (or a loss signalled).
@@ -472,8 +572,21 @@ impl<T: Transport + ?Sized> Transport for std::sync::Arc<T> {
         (**self).check_tag(tag)
     }
 
+    fn pipelines(&self) -> bool {
+        (**self).pipelines()
+    }
+
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
         (**self).publish(topic, tag, payload).await
+    }
+
+    async fn start_publish(
+        &self,
+        topic: &str,
+        tag: &str,
+        payload: Bytes,
+    ) -> Result<PendingPublish> {
+        (**self).start_publish(topic, tag, payload).await
     }
 
     async fn subscribe(

@@ -165,6 +165,8 @@ conformance!(nats_jetstream_cluster, NatsOnCluster { cluster: NatsCluster::start
     health_follows_a_killed_broker = ignore "not on the cluster fixture, which fails one server at a time: the whole broker killed, paused or wiped is the one-server fixture's scenario",
     publish_cut_mid_flight_resyncs_only_that_cache,
     publish_cut_at_the_tail_is_found_by_the_announcement,
+    pipelined_publishes_arrive_in_order,
+    broker_killed_with_publishes_in_flight = ignore "not on the cluster fixture, which fails one server at a time: the whole broker killed is the one-server fixture's scenario",
     names_map_one_to_one_onto_broker_resources,
     heartbeat_channel_beside_the_change_history,
     heartbeats_take_no_room_in_the_change_history =

@@ -153,6 +153,8 @@ conformance!(rocketmq_brokers, TwoBrokers::start(), {
     health_follows_a_killed_broker = ignore "not on the two-broker fixture, which fails one broker: the whole broker killed, paused or wiped is the one-broker fixture's scenario",
     publish_cut_mid_flight_resyncs_only_that_cache = ignore "the one-broker fixture's scenario: the node's side of a cut publish does not depend on the brokers",
     publish_cut_at_the_tail_is_found_by_the_announcement = ignore "the one-broker fixture's scenario: the node's side of a cut publish does not depend on the brokers",
+    pipelined_publishes_arrive_in_order = ignore "the one-broker fixture's scenario: the order of one publisher's calls does not depend on the brokers",
+    broker_killed_with_publishes_in_flight = ignore "not on the two-broker fixture, which fails one broker: the whole broker killed is the one-broker fixture's scenario",
     names_map_one_to_one_onto_broker_resources = ignore "the one-broker fixture's scenario: names do not depend on the brokers",
     heartbeat_channel_beside_the_change_history = ignore "the one-broker fixture's scenario",
     heartbeats_take_no_room_in_the_change_history =

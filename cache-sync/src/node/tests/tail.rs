@@ -1150,3 +1150,70 @@ async fn a_publishers_wall_clock_changes_no_loss_decision() {
         node.shutdown().await.unwrap();
     }
 }
+
+/// A pipelined publish whose acknowledgement fails while publishes before
+/// and after it are in flight: its caller gets the error, the others go
+/// through, and the node finds the number that never reached the broker
+/// missing and resyncs the cache.
+#[tokio::test(start_paused = true)]
+async fn a_failed_acknowledgement_in_the_window_is_a_gap_the_node_resyncs() {
+    let transport = lossy();
+    let mut nodes = nodes(&transport, Duration::ZERO, 1).await;
+    let (node, c) = nodes.pop().unwrap();
+    let p = Publisher::builder(transport.clone())
+        .announce_interval(INTERVAL)
+        .build()
+        .unwrap();
+    p.insert("t", [("k0", "v")]).await.unwrap();
+    eventually("event 1 applied", async || holds(&c, "k0", Some("v")).await).await;
+    // Every acknowledgement is held back: what follows is in flight at once.
+    transport.hang_after_broker_where(|_, _| true);
+    let spawn = |k: &'static str| {
+        let p = p.clone();
+        tokio::spawn(async move { p.insert("t", [(k, "v")]).await })
+    };
+    let mut ok = Vec::new();
+    for k in ["k1", "k2"] {
+        ok.push(spawn(k));
+        let n = ok.len();
+        eventually("handed over", async || transport.hanging() == n).await;
+    }
+    transport.fail_acks(1);
+    let failed = spawn("k3").await.unwrap();
+    assert!(
+        failed.is_err_and(|e| e.is_disconnected()),
+        "its caller gets the error"
+    );
+    for k in ["k4", "k5"] {
+        ok.push(spawn(k));
+        let n = ok.len();
+        eventually("handed over", async || transport.hanging() == n).await;
+    }
+    assert!(
+        ok.iter().all(|t| !t.is_finished()),
+        "all in flight together"
+    );
+    transport.hang_publishes(false);
+    for t in ok {
+        t.await.unwrap().unwrap();
+    }
+    assert_eq!(
+        transport.publishes(),
+        5,
+        "all but the failed one reached the broker"
+    );
+    eventually_within("the gap is answered", LONG, async || resyncs(&node) == 1).await;
+    eventually("the last event applied", async || {
+        holds(&c, "k5", Some("v")).await
+    })
+    .await;
+    let s = node.status();
+    assert_eq!(s.publisher_gaps, 1, "{s:?}");
+    assert_eq!(s.last_loss_reason.as_deref(), Some("publisher_gap"));
+    assert_eq!(
+        c.peek("k1").await,
+        None,
+        "what came before the gap was dropped"
+    );
+    assert_eq!(c.peek("k3").await, None, "never sent");
+}

@@ -12,7 +12,8 @@ use bytes::Bytes;
 use super::{Faults, FaultyTransport, PublishFilter, Switch, hang, take};
 use crate::error::{Error, Result};
 use crate::transport::{
-    Delivery, HeartbeatSubscription, Position, StartFrom, SubscribeOptions, Subscription, Transport,
+    Delivery, HeartbeatSubscription, PendingPublish, Position, StartFrom, SubscribeOptions,
+    Subscription, Transport,
 };
 
 /// Whether `switch` is on and picks this publish.
@@ -43,7 +44,26 @@ impl Transport for FaultyTransport {
         self.inner.check_tag(tag)
     }
 
+    /// Always: its faults are split between the two stages, whatever the
+    /// transport it wraps does.
+    fn pipelines(&self) -> bool {
+        true
+    }
+
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        self.start_publish(topic, tag, payload).await?.await
+    }
+
+    /// The faults before the broker apply to the hand-over; a hang after
+    /// the broker, a cut and a failed acknowledgement to the
+    /// acknowledgement, so a test can hold acknowledgements back while
+    /// later publishes are handed over.
+    async fn start_publish(
+        &self,
+        topic: &str,
+        tag: &str,
+        payload: Bytes,
+    ) -> Result<PendingPublish> {
         let faults = &self.faults;
         if picks(&faults.hang_publishes, tag, &payload) {
             hang(&faults.hanging, || faults.hang_publishes.is_on()).await;
@@ -52,11 +72,14 @@ impl Transport for FaultyTransport {
             return Err(dropped());
         }
         if take(&faults.lose_publishes) {
-            return Ok(None);
+            return Ok(PendingPublish::ready(Ok(None)));
+        }
+        if take(&faults.fail_acks) {
+            return Ok(PendingPublish::ready(Err(dropped())));
         }
         let hang_after = picks(&faults.hang_after_broker, tag, &payload);
         let recorded = faults.recording.load(SeqCst).then(|| payload.clone());
-        let published = self.inner.publish(topic, tag, payload).await?;
+        let pending = self.inner.start_publish(topic, tag, payload).await?;
         faults.publishes.fetch_add(1, SeqCst);
         if let Some(payload) = recorded {
             faults
@@ -65,13 +88,17 @@ impl Transport for FaultyTransport {
                 .unwrap_or_else(PoisonError::into_inner)
                 .push((tag.to_owned(), payload));
         }
-        if hang_after {
-            hang(&faults.hanging, || faults.hang_after_broker.is_on()).await;
-        }
-        if take(&faults.cut_publishes) {
-            return Err(dropped());
-        }
-        Ok(published)
+        let faults = self.faults.clone();
+        Ok(PendingPublish::new(async move {
+            let published = pending.await?;
+            if hang_after {
+                hang(&faults.hanging, || faults.hang_after_broker.is_on()).await;
+            }
+            if take(&faults.cut_publishes) {
+                return Err(dropped());
+            }
+            Ok(published)
+        }))
     }
 
     async fn subscribe(

@@ -99,6 +99,7 @@ struct Faults {
     fail_publishes: AtomicUsize,
     lose_publishes: AtomicUsize,
     cut_publishes: AtomicUsize,
+    fail_acks: AtomicUsize,
     /// Publishes that wait before the broker.
     hang_publishes: Switch<PublishFilter>,
     /// Publishes that wait after the broker took them.
@@ -188,6 +189,15 @@ impl FaultyTransport {
         self.faults.cut_publishes.store(n, SeqCst);
     }
 
+    /// The next `n` publishes are handed over (see
+    /// [`Transport::start_publish`]), never reach the broker, and their
+    /// acknowledgement fails as on a dropped connection: a pipelined call
+    /// lost in flight while later ones go through. Not counted in
+    /// [`publishes`](Self::publishes).
+    pub fn fail_acks(&self, n: usize) {
+        self.faults.fail_acks.store(n, SeqCst);
+    }
+
     /// While on, publishes wait (before the broker) until it is turned off.
     /// Turning it off also releases the hangs of
     /// [`hang_publishes_where`](Self::hang_publishes_where) and
@@ -211,7 +221,9 @@ impl FaultyTransport {
 
     /// The publishes that `pick(tag, payload)` picks reach the broker, and
     /// then wait before they return until `hang_publishes(false)`: the
-    /// record is out, and the caller does not know it yet.
+    /// record is out, and the caller does not know it yet. What waits is
+    /// the acknowledgement (see [`Transport::start_publish`]): publishes
+    /// handed over later go on meanwhile.
     pub fn hang_after_broker_where(
         &self,
         pick: impl Fn(&str, &[u8]) -> bool + Send + Sync + 'static,
@@ -240,7 +252,7 @@ impl FaultyTransport {
 
     /// The `(tag, payload)` of each change-event publish that reached the
     /// broker while [`record_publishes`](Self::record_publishes) was on,
-    /// in the order the broker took them (as their calls returned).
+    /// in the order the broker took them (as they were handed over).
     pub fn published(&self) -> Vec<(String, Bytes)> {
         self.faults
             .published

@@ -152,6 +152,7 @@ impl NatsJetStreamBuilder {
             config: self.config,
             link,
             known_streams: Arc::default(),
+            handing: Arc::default(),
         })
     }
 

@@ -12,8 +12,8 @@ use bytes::Bytes;
 use tokio::sync::watch;
 
 use super::{
-    HeartbeatSubscription, Loss, LossReason, Offset, Position, StartFrom, SubscribeOptions,
-    Subscription, Tags, Transport,
+    HeartbeatSubscription, Loss, LossReason, Offset, PendingPublish, Position, StartFrom,
+    SubscribeOptions, Subscription, Tags, Transport,
 };
 use crate::error::{Error, Result};
 use crate::transport::names::{self, NameKind};
@@ -75,6 +75,11 @@ pub struct NatsJetStreamTransport {
     /// Topics whose stream this transport has made sure of. Asking the server on
     /// every publish cost a second round trip and doubled the publish time.
     known_streams: Arc<Mutex<HashMap<String, u64>>>,
+    /// Held while a message is handed to the client, and the number of the
+    /// last one handed over (shared by clones, which share the client):
+    /// a retry may go out only if nothing was handed over after the
+    /// message it repeats (see `start`).
+    handing: Arc<tokio::sync::Mutex<u64>>,
 }
 
 impl fmt::Debug for NatsJetStreamTransport {
@@ -108,26 +113,21 @@ impl Transport for NatsJetStreamTransport {
         Ok(())
     }
 
+    fn pipelines(&self) -> bool {
+        true
+    }
+
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
-        self.check_tag(tag)?;
-        // Creating the stream on first use keeps publishers and nodes free of
-        // set-up order.
-        let created = self.ensure_stream(topic).await?;
-        match self
-            .publish_once(topic, tag, payload.clone(), created)
-            .await
-        {
-            Err(e) if e.kind() == jetstream::context::PublishErrorKind::StreamNotFound => {
-                // Deleted since, or lost by a broker without persistence: the
-                // message went nowhere, so make the stream again and retry once.
-                self.forget_stream(topic);
-                let created = self.ensure_stream(topic).await?;
-                self.publish_once(topic, tag, payload, created)
-                    .await
-                    .map_err(|e| self.err(e))
-            }
-            other => other.map_err(|e| self.err(e)),
-        }
+        self.start(topic, tag, payload).await?.await
+    }
+
+    async fn start_publish(
+        &self,
+        topic: &str,
+        tag: &str,
+        payload: Bytes,
+    ) -> Result<PendingPublish> {
+        self.start(topic, tag, payload).await
     }
 
     async fn subscribe(

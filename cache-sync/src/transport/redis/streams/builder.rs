@@ -6,9 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::RedisStreamsTransport;
+use super::pipeline::Pipeline;
 use super::state::XADD_SCRIPT;
 use crate::error::{Error, Result};
-use crate::transport::redis::servers::{Servers, Target};
+use crate::transport::redis::servers::{Commands, Servers, Target};
 use crate::transport::redis::{STREAMS, check_timeout};
 use crate::util::check_at_least;
 
@@ -76,11 +77,17 @@ impl RedisStreamsBuilder {
         servers
             .require_redis_7(STREAMS, timeout, "Redis before 7.0")
             .await?;
+        let script = redis::Script::new(XADD_SCRIPT);
+        let pipeline = match &publisher {
+            Commands::Single(conn) => Some(Arc::new(Pipeline::new(conn.clone(), script.clone()))),
+            Commands::Cluster(_) => None,
+        };
         Ok(RedisStreamsTransport {
             servers: Arc::new(servers),
             publisher,
-            script: redis::Script::new(XADD_SCRIPT),
+            script,
             config: self.config,
+            pipeline,
         })
     }
 

@@ -13,8 +13,8 @@ use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Value};
 
 use super::super::{
-    HeartbeatSubscription, Loss, LossReason, Offset, Position, StartFrom, SubscribeOptions,
-    Subscription, Tags, Transport,
+    HeartbeatSubscription, Loss, LossReason, Offset, PendingPublish, Position, StartFrom,
+    SubscribeOptions, Subscription, Tags, Transport,
 };
 use super::servers::{Commands, Servers};
 use super::{EPOCH, ID, ORDINAL, STREAMS, key_part, map_err};
@@ -22,6 +22,7 @@ use crate::error::Result;
 
 mod builder;
 mod heartbeat;
+mod pipeline;
 mod reply;
 mod state;
 mod subscription;
@@ -68,6 +69,8 @@ pub struct RedisStreamsTransport {
     publisher: Commands,
     script: redis::Script,
     config: StreamsConfig,
+    /// Publishes pipelined, on one server (`None` on a cluster).
+    pipeline: Option<Arc<pipeline::Pipeline>>,
 }
 
 /// The stream's key, and the keys of its ordinal counter and its epoch.
@@ -177,7 +180,15 @@ impl Transport for RedisStreamsTransport {
         STREAMS
     }
 
+    fn pipelines(&self) -> bool {
+        self.pipeline.is_some()
+    }
+
     async fn publish(&self, topic: &str, tag: &str, payload: Bytes) -> Result<Option<Position>> {
+        if self.pipeline.is_some() {
+            // The same queue as pipelined publishes: one order for both.
+            return self.start_publish(topic, tag, payload).await?.await;
+        }
         self.check_topic(topic)?;
         self.check_tag(tag)?;
         let mut conn = self.publisher.clone();
@@ -194,6 +205,30 @@ impl Transport for RedisStreamsTransport {
             .await
             .map_err(|e| map_err(STREAMS, e))?;
         Ok(Some(Position::single(ID, Offset::Id(id))))
+    }
+
+    /// Pipelined on one server (see the `pipeline` module); on a cluster,
+    /// the whole publish, one at a time.
+    async fn start_publish(
+        &self,
+        topic: &str,
+        tag: &str,
+        payload: Bytes,
+    ) -> Result<PendingPublish> {
+        let Some(pipeline) = &self.pipeline else {
+            let published = self.publish(topic, tag, payload).await?;
+            return Ok(PendingPublish::ready(Ok(published)));
+        };
+        self.check_topic(topic)?;
+        self.check_tag(tag)?;
+        let keys = Arc::new(self.keys(topic));
+        let answer = pipeline
+            .hand_over(keys, self.config.max_len, tag, payload)
+            .await?;
+        Ok(PendingPublish::new(async move {
+            let id = pipeline::acknowledged(answer).await?;
+            Ok(Some(Position::single(ID, Offset::Id(id))))
+        }))
     }
 
     async fn subscribe(
