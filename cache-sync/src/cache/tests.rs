@@ -714,6 +714,18 @@ async fn reads_take_borrowed_keys_and_iterate_as_moka_does() {
     assert_eq!((s.hits, s.misses), (1, 0));
 }
 
+/// Entries `k0`..`k9999`, each `v` at version 1: an event as large as a
+/// node must apply without holding its worker.
+fn ten_thousand_entries() -> Vec<EntryVersion> {
+    (0..10_000)
+        .map(|i| EntryVersion {
+            key: b(&format!("k{i}")),
+            value: b("v"),
+            version: Some(1),
+        })
+        .collect()
+}
+
 /// Issue 36: applying an event of 10,000 entries never holds the worker
 /// for all of them. On a runtime with one thread, a task that counts its
 /// own polls runs between the entries: every 128 at most (the task's
@@ -721,13 +733,7 @@ async fn reads_take_borrowed_keys_and_iterate_as_moka_does() {
 #[tokio::test(flavor = "current_thread")]
 async fn a_ten_thousand_entry_event_is_applied_in_slices_with_yields_between() {
     let c = SyncedCache::new("t", moka::future::Cache::new(100_000));
-    let entries: Vec<EntryVersion> = (0..10_000)
-        .map(|i| EntryVersion {
-            key: b(&format!("k{i}")),
-            value: b("v"),
-            version: Some(1),
-        })
-        .collect();
+    let entries = ten_thousand_entries();
     let polls = std::sync::Arc::new(AtomicUsize::new(0));
     let probe = tokio::spawn({
         let polls = polls.clone();
@@ -766,13 +772,7 @@ fn a_long_apply_lets_the_runtime_run_its_timers() {
         .build()
         .unwrap();
     let c: Cache = SyncedCache::new("t", moka::future::Cache::new(100_000));
-    let entries: Vec<EntryVersion> = (0..10_000)
-        .map(|i| EntryVersion {
-            key: b(&format!("k{i}")),
-            value: b("v"),
-            version: Some(1),
-        })
-        .collect();
+    let entries = ten_thousand_entries();
     let wakes = std::sync::Arc::new(AtomicUsize::new(0));
     let timer = rt.spawn({
         let wakes = wakes.clone();
