@@ -80,14 +80,7 @@ fn xadd_rate(port: u16, requests: u64, clients: u32, pipeline: u32) -> Option<f6
         .args(["XADD", "bench-stream", "*", "f", "v"])
         .output()
         .ok()?;
-    let text = String::from_utf8_lossy(&output.stdout);
-    // The summary line: "  throughput summary: 69686.41 requests per second".
-    text.split(['\r', '\n'])
-        .filter_map(|l| {
-            let before = l.split_once("requests per second")?.0;
-            before.split_whitespace().next_back()?.parse::<f64>().ok()
-        })
-        .next_back()
+    integration_tests::redis_server::requests_per_second(&output.stdout)
 }
 
 fn median(v: &[f64]) -> f64 {

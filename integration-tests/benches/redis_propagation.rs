@@ -531,14 +531,7 @@ async fn redis_benchmark(port: u16, requests: u64, clients: u32, command: &[&str
             .await
             .expect("redis-benchmark task")
             .ok()?;
-    let text = String::from_utf8_lossy(&output.stdout);
-    // The summary line: "  throughput summary: 69686.41 requests per second".
-    text.split(['\r', '\n'])
-        .filter_map(|l| {
-            let before = l.split_once("requests per second")?.0;
-            before.split_whitespace().next_back()?.parse::<f64>().ok()
-        })
-        .next_back()
+    integration_tests::redis_server::requests_per_second(&output.stdout)
 }
 
 const XADD_COMMAND: &[&str] = &["XADD", "bench-stream", "*", "f", "v"];

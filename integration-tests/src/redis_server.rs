@@ -335,6 +335,19 @@ pub fn free_port() -> u16 {
     listener.local_addr().expect("local addr").port()
 }
 
+/// The rate of a `redis-benchmark` run, from its summary line ("  throughput
+/// summary: 69686.41 requests per second"); `None` without one. For the
+/// benches that compare against `redis-benchmark`.
+pub fn requests_per_second(stdout: &[u8]) -> Option<f64> {
+    let text = String::from_utf8_lossy(stdout);
+    text.split(['\r', '\n'])
+        .filter_map(|l| {
+            let before = l.split_once("requests per second")?.0;
+            before.split_whitespace().next_back()?.parse::<f64>().ok()
+        })
+        .next_back()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -357,5 +370,13 @@ mod tests {
             other.command(&["PING"]).is_ok_and(|r| r == "+PONG"),
             "the other server was disturbed"
         );
+    }
+
+    #[test]
+    fn a_redis_benchmark_rate_is_read_from_its_summary_line() {
+        let out = b"XADD: rps=0.0\r  throughput summary: 69686.41 requests per second\n  latency summary\n";
+        assert_eq!(requests_per_second(out), Some(69686.41));
+        assert_eq!(requests_per_second(b"Could not connect\n"), None);
+        assert_eq!(requests_per_second(b""), None);
     }
 }
