@@ -122,6 +122,73 @@ async fn streams_notice_a_trim_while_idle() {
     }
 }
 
+/// A reader that finds entries trimmed past its position reads on from the
+/// stream's newest entry: the node resyncs on the loss, which supersedes
+/// every entry before it, and a reader left at the trim's edge would be
+/// trimmed again and again while it is behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_read_on_from_the_newest_entry_after_a_trim() {
+    let server = RedisServer::start();
+    let transport = RedisStreamsTransport::builder(server.url())
+        .block(Duration::from_millis(100))
+        .connect()
+        .await
+        .unwrap();
+    let mut sub = transport
+        .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
+        .await
+        .unwrap();
+    transport
+        .publish("t", "c", Bytes::from_static(b"a"))
+        .await
+        .unwrap();
+    assert!(matches!(
+        sub.next(10).await.unwrap(),
+        Delivery::Batch { .. }
+    ));
+    // "a" (read) and "b" (not) are trimmed; "c" and "d" are kept, and were
+    // added before the loss.
+    for payload in ["b", "c", "d"] {
+        transport
+            .publish("t", "c", Bytes::from(payload))
+            .await
+            .unwrap();
+    }
+    let reply = server
+        .command(&["XTRIM", "cache-sync:{t}", "MAXLEN", "2"])
+        .unwrap();
+    assert_eq!(reply, ":2");
+    match sub.next(10).await.unwrap() {
+        Delivery::Lost(loss) => {
+            assert_eq!(loss.reason, LossReason::Trimmed);
+            assert_eq!(loss.missed, Some(1));
+        }
+        other => panic!("expected the trim to be signalled, got {other:?}"),
+    }
+    transport
+        .publish("t", "c", Bytes::from_static(b"e"))
+        .await
+        .unwrap();
+    let mut read = Vec::new();
+    while read.is_empty() {
+        match tokio::time::timeout(Duration::from_secs(5), sub.next(10))
+            .await
+            .expect("\"e\" never arrived")
+            .unwrap()
+        {
+            Delivery::Batch { records, .. } => {
+                read.extend(records.iter().map(|r| r.payload.clone()));
+            }
+            other => panic!("expected entries, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        read,
+        [Bytes::from_static(b"e")],
+        "read entries the resync covers"
+    );
+}
+
 /// The ordinal counter next to the stream can go missing (evicted, deleted,
 /// or a stream written before it existed); numbering then continues from the
 /// stream's own `entries-added`, so readers see no false gap.

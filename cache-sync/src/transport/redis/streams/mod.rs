@@ -39,7 +39,10 @@ use subscription::StreamsSubscription;
 /// - **Delivery:** every entry still in the stream, in order, to every node.
 /// - **Retention:** `XADD … MAXLEN ~ n` (default 100 000 entries). A node that
 ///   falls further behind, or resumes from a position older than that, gets
-///   [`LossReason::Trimmed`] with the number of entries missed.
+///   [`LossReason::Trimmed`] with the number of entries missed. A reader that
+///   finds the trim while reading on reads on from the stream's newest entry
+///   (the node's resync supersedes every entry before it), so a node that
+///   fell behind under load starts level rather than at the trim's edge.
 /// - **Disconnects:** the subscription fails; the node re-subscribes from its
 ///   last id with backoff, losing nothing still in the stream.
 /// - **History reset** (the stream deleted, or a Redis without persistence
