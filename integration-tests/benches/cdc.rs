@@ -58,6 +58,12 @@
 //! - The relays (CDC and outbox) run on the bench's runtime, with the
 //!   nodes, or with `--relay-runtime` on a runtime of one worker thread of
 //!   their own, as a relay service would.
+//! - With `CDC_STALL_TRACE` set, each burst also prints an anatomy of its
+//!   longest stall: the runtime's own counters (busy time and parks per
+//!   worker, queued tasks) and every thread's state and system call, read
+//!   from `/proc` every 2 ms by a thread of its own. With
+//!   `perf record -k 1 -g -e cpu-clock -e sched:sched_switch` around the
+//!   run (frame pointers on), the window's samples name what ran.
 //! - Lag: with the relay streaming (`lag_interval` 500 ms), one connection
 //!   inserts 1,000,000 rows in 100 back-to-back transactions of 10,000 (the
 //!   relay's default `max_rows_per_transaction`: row events, not clears),
@@ -816,6 +822,141 @@ async fn writer(
     (h, conn)
 }
 
+/// The ticker's worst oversleep: when it went to sleep and when it woke.
+static WORST_TICK: std::sync::Mutex<Option<(Instant, Instant)>> = std::sync::Mutex::new(None);
+
+/// With `CDC_STALL_TRACE` set: the bench runtime's own counters, read every
+/// 2 ms from a thread of its own, printed for the ticker's worst oversleep:
+/// were the workers busy (busy time growing) or parked (park counts
+/// growing), and how many tasks were queued?
+fn stall_trace() -> Option<(
+    Arc<std::sync::atomic::AtomicBool>,
+    std::thread::JoinHandle<()>,
+)> {
+    std::env::var_os("CDC_STALL_TRACE")?;
+    *WORST_TICK.lock().expect("worst tick") = None;
+    let m = tokio::runtime::Handle::current().metrics();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = stop.clone();
+    let thread = std::thread::spawn(move || {
+        let mut samples = Vec::new();
+        let mut procs: Vec<(Instant, Vec<(String, String, char, String)>)> = Vec::new();
+        while !flag.load(Ordering::Relaxed) {
+            let busy: Vec<Duration> = (0..m.num_workers())
+                .map(|w| m.worker_total_busy_duration(w))
+                .collect();
+            let parks: Vec<u64> = (0..m.num_workers())
+                .map(|w| m.worker_park_count(w))
+                .collect();
+            samples.push((
+                Instant::now(),
+                busy,
+                parks,
+                m.global_queue_depth(),
+                m.num_alive_tasks(),
+            ));
+            // Every thread's state and system call now.
+            let mut threads = Vec::new();
+            if let Ok(dir) = std::fs::read_dir("/proc/self/task") {
+                for t in dir.flatten() {
+                    let path = t.path();
+                    let stat = std::fs::read_to_string(path.join("stat")).unwrap_or_default();
+                    let state = stat
+                        .rsplit(") ")
+                        .next()
+                        .and_then(|r| r.chars().next())
+                        .unwrap_or('?');
+                    let name = stat
+                        .split('(')
+                        .nth(1)
+                        .and_then(|r| r.split(')').next())
+                        .unwrap_or("")
+                        .to_owned();
+                    let sys = std::fs::read_to_string(path.join("syscall")).unwrap_or_default();
+                    let sys = sys.split_whitespace().next().unwrap_or("").to_owned();
+                    threads.push((
+                        t.file_name().to_string_lossy().into_owned(),
+                        name,
+                        state,
+                        sys,
+                    ));
+                }
+            }
+            procs.push((Instant::now(), threads));
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let Some((from, to)) = *WORST_TICK.lock().expect("worst tick") else {
+            return;
+        };
+        let wall = |at: Instant| {
+            let ago = Instant::now().saturating_duration_since(at);
+            let t = std::time::SystemTime::now() - ago;
+            t.duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64())
+        };
+        println!(
+            "stall trace: worst oversleep {:?}, from unix {:.3} to {:.3}; samples from 20 ms before it went to sleep",
+            to - from,
+            wall(from),
+            wall(to)
+        );
+        // Per thread, over the window: how many samples in each state and
+        // system call (R = running or runnable; S with a syscall number:
+        // 202 futex, 232 epoll_wait, 230 clock_nanosleep, 0 read, 1 write).
+        let mut per: std::collections::BTreeMap<
+            (String, String),
+            std::collections::BTreeMap<String, u32>,
+        > = std::collections::BTreeMap::new();
+        for (_, threads) in procs.iter().filter(|p| p.0 >= from && p.0 <= to) {
+            for (tid, name, state, sys) in threads {
+                let key = if *state == 'R' {
+                    "R".to_owned()
+                } else {
+                    format!("{state}:{sys}")
+                };
+                *per.entry((tid.clone(), name.clone()))
+                    .or_default()
+                    .entry(key)
+                    .or_default() += 1;
+            }
+        }
+        for ((tid, name), states) in &per {
+            let states: Vec<String> = states.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            println!("thread {tid} {name}: {}", states.join(" "));
+        }
+        println!(
+            "t ms | busy ms per worker (delta) | parks per worker (delta) | global queue | alive tasks"
+        );
+        let mut prev: Option<&(Instant, Vec<Duration>, Vec<u64>, usize, usize)> = None;
+        for s in samples.iter().filter(|s| {
+            s.0 + Duration::from_millis(20) >= from && s.0 <= to + Duration::from_millis(10)
+        }) {
+            if let Some(p) = prev {
+                let busy: Vec<String> =
+                    s.1.iter()
+                        .zip(&p.1)
+                        .map(|(a, b)| format!("{:.1}", (*a - *b).as_secs_f64() * 1e3))
+                        .collect();
+                let parks: Vec<String> =
+                    s.2.iter()
+                        .zip(&p.2)
+                        .map(|(a, b)| (a - b).to_string())
+                        .collect();
+                println!(
+                    "{:.1} | {} | {} | {} | {}",
+                    s.0.saturating_duration_since(from).as_secs_f64() * 1e3 - 0.0,
+                    busy.join(" "),
+                    parks.join(" "),
+                    s.3,
+                    s.4
+                );
+            }
+            prev = Some(s);
+        }
+    });
+    Some((stop, thread))
+}
+
 /// A task that sleeps 10 ms at a time and keeps the longest it overslept:
 /// how long the bench's runtime left a ready task waiting.
 fn ticker() -> (
@@ -829,7 +970,11 @@ fn ticker() -> (
         while !flag.load(Ordering::Relaxed) {
             let t = Instant::now();
             tokio::time::sleep(Duration::from_millis(10)).await;
-            worst = worst.max(t.elapsed().saturating_sub(Duration::from_millis(10)));
+            let late = t.elapsed().saturating_sub(Duration::from_millis(10));
+            if late > worst {
+                worst = late;
+                *WORST_TICK.lock().expect("worst tick") = Some((t, Instant::now()));
+            }
         }
         worst
     });
@@ -1576,6 +1721,7 @@ async fn burst(
     let last_value = format!("b{last_id}");
     let transactions = rows.div_ceil(per_tx);
     let (tick, tick_stop) = ticker();
+    let trace = stall_trace();
     let url = pg.url();
     // Writing and watching run off the bench's runtime (see
     // `off_runtime`), so neither waits out its stalls.
@@ -1693,6 +1839,10 @@ async fn burst(
         });
     tick_stop.store(true, Ordering::Relaxed);
     let stall = tick.await.expect("ticker");
+    if let Some((stop, thread)) = trace {
+        stop.store(true, Ordering::Relaxed);
+        thread.join().expect("stall trace");
+    }
     let stats1 = relay.stats();
     let timeouts = walsender_timeouts(pg, log0);
     let wrote = wrote.expect("written");
