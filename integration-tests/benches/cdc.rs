@@ -825,10 +825,60 @@ async fn writer(
 /// The ticker's worst oversleep: when it went to sleep and when it woke.
 static WORST_TICK: std::sync::Mutex<Option<(Instant, Instant)>> = std::sync::Mutex::new(None);
 
-/// With `CDC_STALL_TRACE` set: the bench runtime's own counters, read every
-/// 2 ms from a thread of its own, printed for the ticker's worst oversleep:
-/// were the workers busy (busy time growing) or parked (park counts
-/// growing), and how many tasks were queued?
+/// One reading of the bench runtime's own counters.
+struct RuntimeReading {
+    at: Instant,
+    /// Per worker: its total busy time and how often it parked (both
+    /// move only when it parks or does its maintenance).
+    busy: Vec<Duration>,
+    parks: Vec<u64>,
+    queued: usize,
+    alive: usize,
+}
+
+/// One thread of this process at a reading, from `/proc/self/task`.
+struct ThreadReading {
+    tid: String,
+    name: String,
+    /// `R` running or runnable, `S` asleep, ...
+    state: char,
+    /// The system call it is in (`/proc/.../syscall`'s first field).
+    syscall: String,
+}
+
+impl ThreadReading {
+    fn all() -> Vec<ThreadReading> {
+        let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+            return Vec::new();
+        };
+        dir.flatten()
+            .map(|t| {
+                let path = t.path();
+                let stat = std::fs::read_to_string(path.join("stat")).unwrap_or_default();
+                let syscall = std::fs::read_to_string(path.join("syscall")).unwrap_or_default();
+                ThreadReading {
+                    tid: t.file_name().to_string_lossy().into_owned(),
+                    // `pid (name) state ...`: the name may hold spaces.
+                    name: stat
+                        .split_once('(')
+                        .and_then(|(_, r)| r.rsplit_once(')'))
+                        .map_or("", |(n, _)| n)
+                        .to_owned(),
+                    state: stat
+                        .rsplit_once(") ")
+                        .and_then(|(_, r)| r.chars().next())
+                        .unwrap_or('?'),
+                    syscall: syscall.split_whitespace().next().unwrap_or("").to_owned(),
+                }
+            })
+            .collect()
+    }
+}
+
+/// With `CDC_STALL_TRACE` set: the bench runtime's own counters and every
+/// thread's state, read every 2 ms from a thread of its own, printed for
+/// the ticker's worst oversleep: were the workers busy or parked, and what
+/// were the other threads doing?
 fn stall_trace() -> Option<(
     Arc<std::sync::atomic::AtomicBool>,
     std::thread::JoinHandle<()>,
@@ -839,122 +889,102 @@ fn stall_trace() -> Option<(
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flag = stop.clone();
     let thread = std::thread::spawn(move || {
-        let mut samples = Vec::new();
-        let mut procs: Vec<(Instant, Vec<(String, String, char, String)>)> = Vec::new();
+        let mut readings = Vec::new();
+        let mut threads: Vec<(Instant, Vec<ThreadReading>)> = Vec::new();
         while !flag.load(Ordering::Relaxed) {
-            let busy: Vec<Duration> = (0..m.num_workers())
-                .map(|w| m.worker_total_busy_duration(w))
-                .collect();
-            let parks: Vec<u64> = (0..m.num_workers())
-                .map(|w| m.worker_park_count(w))
-                .collect();
-            samples.push((
-                Instant::now(),
-                busy,
-                parks,
-                m.global_queue_depth(),
-                m.num_alive_tasks(),
-            ));
-            // Every thread's state and system call now.
-            let mut threads = Vec::new();
-            if let Ok(dir) = std::fs::read_dir("/proc/self/task") {
-                for t in dir.flatten() {
-                    let path = t.path();
-                    let stat = std::fs::read_to_string(path.join("stat")).unwrap_or_default();
-                    let state = stat
-                        .rsplit(") ")
-                        .next()
-                        .and_then(|r| r.chars().next())
-                        .unwrap_or('?');
-                    let name = stat
-                        .split('(')
-                        .nth(1)
-                        .and_then(|r| r.split(')').next())
-                        .unwrap_or("")
-                        .to_owned();
-                    let sys = std::fs::read_to_string(path.join("syscall")).unwrap_or_default();
-                    let sys = sys.split_whitespace().next().unwrap_or("").to_owned();
-                    threads.push((
-                        t.file_name().to_string_lossy().into_owned(),
-                        name,
-                        state,
-                        sys,
-                    ));
-                }
-            }
-            procs.push((Instant::now(), threads));
+            let workers = 0..m.num_workers();
+            readings.push(RuntimeReading {
+                at: Instant::now(),
+                busy: workers
+                    .clone()
+                    .map(|w| m.worker_total_busy_duration(w))
+                    .collect(),
+                parks: workers.map(|w| m.worker_park_count(w)).collect(),
+                queued: m.global_queue_depth(),
+                alive: m.num_alive_tasks(),
+            });
+            threads.push((Instant::now(), ThreadReading::all()));
             std::thread::sleep(Duration::from_millis(2));
         }
         let Some((from, to)) = *WORST_TICK.lock().expect("worst tick") else {
             return;
         };
-        let wall = |at: Instant| {
-            let ago = Instant::now().saturating_duration_since(at);
-            let t = std::time::SystemTime::now() - ago;
-            t.duration_since(std::time::UNIX_EPOCH)
-                .map_or(0.0, |d| d.as_secs_f64())
-        };
-        println!(
-            "stall trace: worst oversleep {:?}, from unix {:.3} to {:.3}; samples from 20 ms before it went to sleep",
-            to - from,
-            wall(from),
-            wall(to)
-        );
-        // Per thread, over the window: how many samples in each state and
-        // system call (R = running or runnable; S with a syscall number:
-        // 202 futex, 232 epoll_wait, 230 clock_nanosleep, 0 read, 1 write).
-        let mut per: std::collections::BTreeMap<
-            (String, String),
-            std::collections::BTreeMap<String, u32>,
-        > = std::collections::BTreeMap::new();
-        for (_, threads) in procs.iter().filter(|p| p.0 >= from && p.0 <= to) {
-            for (tid, name, state, sys) in threads {
-                let key = if *state == 'R' {
-                    "R".to_owned()
-                } else {
-                    format!("{state}:{sys}")
-                };
-                *per.entry((tid.clone(), name.clone()))
-                    .or_default()
-                    .entry(key)
-                    .or_default() += 1;
-            }
-        }
-        for ((tid, name), states) in &per {
-            let states: Vec<String> = states.iter().map(|(k, v)| format!("{k}={v}")).collect();
-            println!("thread {tid} {name}: {}", states.join(" "));
-        }
-        println!(
-            "t ms | busy ms per worker (delta) | parks per worker (delta) | global queue | alive tasks"
-        );
-        let mut prev: Option<&(Instant, Vec<Duration>, Vec<u64>, usize, usize)> = None;
-        for s in samples.iter().filter(|s| {
-            s.0 + Duration::from_millis(20) >= from && s.0 <= to + Duration::from_millis(10)
-        }) {
-            if let Some(p) = prev {
-                let busy: Vec<String> =
-                    s.1.iter()
-                        .zip(&p.1)
-                        .map(|(a, b)| format!("{:.1}", (*a - *b).as_secs_f64() * 1e3))
-                        .collect();
-                let parks: Vec<String> =
-                    s.2.iter()
-                        .zip(&p.2)
-                        .map(|(a, b)| (a - b).to_string())
-                        .collect();
-                println!(
-                    "{:.1} | {} | {} | {} | {}",
-                    s.0.saturating_duration_since(from).as_secs_f64() * 1e3 - 0.0,
-                    busy.join(" "),
-                    parks.join(" "),
-                    s.3,
-                    s.4
-                );
-            }
-            prev = Some(s);
-        }
+        print_stall(from, to, &readings, &threads);
     });
     Some((stop, thread))
+}
+
+fn print_stall(
+    from: Instant,
+    to: Instant,
+    readings: &[RuntimeReading],
+    threads: &[(Instant, Vec<ThreadReading>)],
+) {
+    let unix = |at: Instant| {
+        let t = std::time::SystemTime::now() - Instant::now().saturating_duration_since(at);
+        t.duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64())
+    };
+    println!(
+        "stall trace: worst oversleep {:?}, from unix {:.3} to {:.3}",
+        to - from,
+        unix(from),
+        unix(to)
+    );
+    // Per thread over the window, how many readings in each state (R =
+    // running or runnable; S:202 asleep in futex, S:232 in epoll_wait,
+    // S:230 in clock_nanosleep).
+    let mut per: std::collections::BTreeMap<(&str, &str), std::collections::BTreeMap<String, u32>> =
+        std::collections::BTreeMap::new();
+    for (_, all) in threads.iter().filter(|t| (from..=to).contains(&t.0)) {
+        for t in all {
+            let state = if t.state == 'R' {
+                "R".to_owned()
+            } else {
+                format!("{}:{}", t.state, t.syscall)
+            };
+            *per.entry((&t.tid, &t.name))
+                .or_default()
+                .entry(state)
+                .or_default() += 1;
+        }
+    }
+    for ((tid, name), states) in &per {
+        let states: Vec<String> = states.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        println!("thread {tid} {name}: {}", states.join(" "));
+    }
+    println!(
+        "t ms (from 20 ms before it went to sleep) | busy ms per worker (delta) | parks per worker (delta) | global queue | alive tasks"
+    );
+    let window = readings.iter().filter(|r| {
+        r.at + Duration::from_millis(20) >= from && r.at <= to + Duration::from_millis(10)
+    });
+    let mut prev: Option<&RuntimeReading> = None;
+    for r in window {
+        if let Some(p) = prev {
+            let busy: Vec<String> = r
+                .busy
+                .iter()
+                .zip(&p.busy)
+                .map(|(a, b)| format!("{:.1}", a.saturating_sub(*b).as_secs_f64() * 1e3))
+                .collect();
+            let parks: Vec<String> = r
+                .parks
+                .iter()
+                .zip(&p.parks)
+                .map(|(a, b)| a.saturating_sub(*b).to_string())
+                .collect();
+            println!(
+                "{:.1} | {} | {} | {} | {}",
+                r.at.saturating_duration_since(from).as_secs_f64() * 1e3,
+                busy.join(" "),
+                parks.join(" "),
+                r.queued,
+                r.alive
+            );
+        }
+        prev = Some(r);
+    }
 }
 
 /// A task that sleeps 10 ms at a time and keeps the longest it overslept:
