@@ -17,6 +17,21 @@ pub(crate) type HashMap<K, V> = std::collections::HashMap<K, V, Hasher>;
 /// A `HashSet` with [`Hasher`].
 pub(crate) type HashSet<T> = std::collections::HashSet<T, Hasher>;
 
+/// A random 64-bit number, different on every call: the one source of the
+/// ids that must not repeat across processes, restarts or parties (a
+/// publisher's id, a request's, an embedded transport's instance, a debt's
+/// token, the auditor's marker numbers and its jitter). std's `RandomState`
+/// takes its keys from the operating system's generator once per thread and
+/// changes them with every instance; hashing a process-wide counter with a
+/// fresh one needs no `rand` dependency, and its output is not predictable
+/// without the keys.
+pub(crate) fn random_u64() -> u64 {
+    use std::hash::BuildHasher;
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    static N: AtomicU64 = AtomicU64::new(0);
+    std::hash::RandomState::new().hash_one(N.fetch_add(1, Relaxed))
+}
+
 /// Locks a std mutex, taking it over if a panic poisoned it. No state behind
 /// these locks is left half-written across a panic point (a caller's `Hash`
 /// or `Eq` is the only code that could panic under one), so serving on beats

@@ -296,7 +296,7 @@ where
     /// rate, stretched by 0 to 25 % at random.
     fn pace(&self, keys: usize) -> Duration {
         let share = keys.max(1) as f64 / f64::from(self.rate);
-        let stretch = 1.0 + (random() % 1024) as f64 / 4096.0;
+        let stretch = 1.0 + (crate::util::random_u64() % 1024) as f64 / 4096.0;
         Duration::from_secs_f64(share * stretch)
     }
 }
@@ -359,12 +359,6 @@ fn fingerprint<V>(values: Values<V>, hash: &RandomState, value: &V) -> Option<No
     Some(NonZeroU64::new(hash.hash_one(&encoded[..])).unwrap_or(NonZeroU64::MIN))
 }
 
-fn random() -> u64 {
-    use std::sync::atomic::AtomicU64;
-    static N: AtomicU64 = AtomicU64::new(0);
-    std::hash::RandomState::new().hash_one(N.fetch_add(1, Relaxed))
-}
-
 /// The wait before the first round: up to one round's pace, at random, so
 /// nodes started together do not read the source together.
 pub(crate) fn first_wait(rate: u32, batch: usize) -> Duration {
@@ -372,7 +366,7 @@ pub(crate) fn first_wait(rate: u32, batch: usize) -> Duration {
     // Whole nanoseconds, rounded down: `from_secs_f64` rounds to the
     // nearest, which can land above one share when it is under a
     // nanosecond (a rate of a billion keys a second).
-    let nanos = share * (random() % 1024) as f64 / 1024.0 * 1e9;
+    let nanos = share * (crate::util::random_u64() % 1024) as f64 / 1024.0 * 1e9;
     Duration::from_nanos(nanos as u64)
 }
 

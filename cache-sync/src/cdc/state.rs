@@ -220,8 +220,7 @@ impl Record {
 
 /// A fresh token for a debt.
 pub(crate) fn token() -> u64 {
-    use std::hash::BuildHasher;
-    std::hash::RandomState::new().hash_one(std::time::SystemTime::now())
+    crate::util::random_u64()
 }
 
 /// Records, in its own transaction, a resync of `tables` (`None`: all)

@@ -8,7 +8,6 @@
 //! node, and nobody decodes what is not theirs.
 
 use std::fmt;
-use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Mutex, Weak};
 use std::time::Duration;
@@ -251,7 +250,7 @@ impl Waiters {
         let mut requests = lock(&self.requests);
         // Random, so another party's answers never match by chance, and
         // a forger cannot guess which requests are out.
-        let mut id = RandomState::new().hash_one(now);
+        let mut id = crate::util::random_u64();
         while id == 0 || requests.contains_key(&id) {
             id = id.wrapping_add(1);
         }

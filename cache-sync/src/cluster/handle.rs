@@ -240,9 +240,8 @@ impl Cluster {
         local: Option<LocalHeartbeat>,
         local_request: Option<LocalRequest>,
     ) -> Self {
-        use std::hash::{BuildHasher, RandomState};
         // Never 0, which requests from older parties carry.
-        let asker = RandomState::new().hash_one(&observer) | 1;
+        let asker = crate::util::random_u64() | 1;
         Cluster {
             inner: Arc::new(Inner {
                 observer,

@@ -8,7 +8,6 @@
 //! is at, not the one the others reached.
 
 use std::fmt;
-use std::hash::{BuildHasher, RandomState};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -247,7 +246,7 @@ impl Cluster {
         let registered = {
             let mut waiting = lock(&probes.waiting);
             // Random, so that another party's answers never match by chance.
-            let mut id = RandomState::new().hash_one(started);
+            let mut id = crate::util::random_u64();
             while id == 0 || waiting.contains_key(&id) {
                 id = id.wrapping_add(1);
             }

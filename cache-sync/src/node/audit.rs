@@ -4,7 +4,6 @@
 //! is ready; a suspect's grace window counts from the last moment it was
 //! not.
 
-use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,7 +15,7 @@ use tokio::time::Instant;
 use super::Shared;
 use crate::cache::{AUDIT_MARGIN, CacheHandle};
 use crate::publish::DEFAULT_ANNOUNCE_INTERVAL;
-use crate::util::{HashMap, HashSet, deadline_after, lock, now_us};
+use crate::util::{HashMap, HashSet, deadline_after, lock};
 use crate::wire::{Body, Header, HeaderExt, Origin};
 
 /// The markers an auditor sends round before it counts an inconsistency:
@@ -36,7 +35,7 @@ pub(super) struct Markers {
 impl Markers {
     pub(super) fn new() -> Self {
         Self {
-            id: RandomState::new().hash_one((std::process::id(), now_us())),
+            id: crate::util::random_u64(),
             next: AtomicU64::new(0),
             back: Mutex::default(),
             arrived: Notify::new(),

@@ -2,7 +2,6 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -250,7 +249,7 @@ impl Publisher {
                 topic,
                 origin,
                 // Random: a restarted publisher must not continue an old numbering.
-                id: RandomState::new().hash_one((std::process::id(), now_us())),
+                id: crate::util::random_u64(),
                 codec,
                 seqs: Mutex::default(),
                 announce_interval,

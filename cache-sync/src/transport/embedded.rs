@@ -1,7 +1,6 @@
 //! The in-process transport: the default, and the one the demo and most tests use.
 
 use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
@@ -127,7 +126,7 @@ impl EmbeddedBuilder {
 
     fn build_checked(self) -> EmbeddedTransport {
         // A random instance id: positions from another instance must not alias.
-        let id = RandomState::new().hash_one(std::process::id());
+        let id = crate::util::random_u64();
         EmbeddedTransport {
             shared: Arc::new(Shared {
                 partition: format!("embedded-{id:016x}"),
