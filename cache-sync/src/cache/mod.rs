@@ -308,7 +308,11 @@ where
     /// oldest records go first once the cache's trace passes that many
     /// bytes, so a key's history reaches back only as far as every key's
     /// records since leave room for.
-    pub fn trace(&self, key: &K) -> Vec<TraceRecord> {
+    pub fn trace<Q>(&self, key: &Q) -> Vec<TraceRecord>
+    where
+        K: Borrow<Q>,
+        Q: PartialEq + ?Sized,
+    {
         self.inner
             .trace
             .as_ref()

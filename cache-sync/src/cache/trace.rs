@@ -119,11 +119,15 @@ impl<K: PartialEq + Clone> Trace<K> {
     }
 
     /// `key`'s records and the whole cache's, oldest first.
-    pub(super) fn of(&self, key: &K) -> Vec<TraceRecord> {
+    pub(super) fn of<Q>(&self, key: &Q) -> Vec<TraceRecord>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: PartialEq + ?Sized,
+    {
         lock(&self.ring)
             .records
             .iter()
-            .filter(|r| r.key.as_ref().is_none_or(|k| k == key))
+            .filter(|r| r.key.as_ref().is_none_or(|k| k.borrow() == key))
             .map(Kept::to_record)
             .collect()
     }

@@ -31,7 +31,7 @@ async fn a_key_through_load_refresh_stale_refresh_invalidation_and_resync() {
     c.inner.resync().await;
     c.insert("k".into(), "local".into()).await;
     c.invalidate("k").await;
-    let trace = c.trace(&"k".to_string());
+    let trace = c.trace("k");
     assert_eq!(
         events(&trace),
         [
@@ -59,7 +59,7 @@ async fn a_key_through_load_refresh_stale_refresh_invalidation_and_resync() {
     );
     assert!(trace.windows(2).all(|w| w[0].at_us <= w[1].at_us));
     assert_eq!(
-        events(&c.trace(&"other".to_string())),
+        events(&c.trace("other")),
         [
             (TraceEvent::Refreshed, Some(9)),
             (TraceEvent::Resynced, None)
@@ -74,7 +74,7 @@ async fn loads_refused_and_overtaken_and_a_quarantined_refresh_are_traced() {
     c.get_fresh("k".into(), || async { ("v4".to_string(), 4) })
         .await;
     let (c2, _) = load_racing_with(async |c: &Cache| invalidate(c, "k", None).await).await;
-    assert!(c2.trace(&"k".to_string()).is_empty(), "off by default");
+    assert!(c2.trace("k").is_empty(), "off by default");
     c.inner
         .quarantine
         .lock()
@@ -84,7 +84,7 @@ async fn loads_refused_and_overtaken_and_a_quarantined_refresh_are_traced() {
     refresh(&c, "k", "v6", Some(6)).await;
     c.invalidate_all().await;
     assert_eq!(
-        events(&c.trace(&"k".to_string())),
+        events(&c.trace("k")),
         [
             (TraceEvent::Refreshed, Some(5)),
             (TraceEvent::LoadStale, Some(4)),
@@ -103,7 +103,7 @@ async fn loads_refused_and_overtaken_and_a_quarantined_refresh_are_traced() {
     })
     .await;
     assert_eq!(
-        events(&c.trace(&"k".to_string()))[..2],
+        events(&c.trace("k"))[..2],
         [
             (TraceEvent::Inserted, None),
             (TraceEvent::LoadSuperseded, None)
@@ -125,7 +125,7 @@ async fn a_parked_write_shows_parked_then_applied() {
     release.send(()).unwrap();
     load.await.unwrap();
     crate::node::tests::eventually("the parked write applied", async || !c.inner.parked()).await;
-    let trace = c.trace(&"k".to_string());
+    let trace = c.trace("k");
     let parked = trace
         .iter()
         .position(|r| r.event == TraceEvent::Parked)

@@ -180,7 +180,7 @@ async fn writes_that_bypassed_the_publisher_are_found_counted_exactly_and_repair
         assert!(a.nines().is_some_and(|n| n > 0.0));
         for k in bypassed {
             assert_eq!(c.peek(k).await, None, "{k} repaired by removal");
-            let trace = c.trace(&k.to_owned());
+            let trace = c.trace(k);
             assert_eq!(
                 trace.last().map(|r| (r.event, r.version)),
                 Some((TraceEvent::Repaired, Some(2))),
