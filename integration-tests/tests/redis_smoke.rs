@@ -81,10 +81,13 @@ async fn pubsub_round_trip_and_a_dropped_connection_is_a_loss() {
     }
 }
 
-/// A trim with nothing published after it is still noticed, on the reader's
-/// next idle wake-up, rather than only when a later entry shows the gap.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn streams_notice_a_trim_while_idle() {
+/// A server, a transport on it (100 ms blocking reads) and a reader of topic
+/// `t` that has read its one entry, "a".
+async fn reader_past_a() -> (
+    RedisServer,
+    RedisStreamsTransport,
+    Box<dyn cache_sync::transport::Subscription>,
+) {
     let server = RedisServer::start();
     let transport = RedisStreamsTransport::builder(server.url())
         .block(Duration::from_millis(100))
@@ -103,6 +106,14 @@ async fn streams_notice_a_trim_while_idle() {
         sub.next(10).await.unwrap(),
         Delivery::Batch { .. }
     ));
+    (server, transport, sub)
+}
+
+/// A trim with nothing published after it is still noticed, on the reader's
+/// next idle wake-up, rather than only when a later entry shows the gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_notice_a_trim_while_idle() {
+    let (server, transport, mut sub) = reader_past_a().await;
     // "b" is published and trimmed before the reader asks again.
     transport
         .publish("t", "c", Bytes::from_static(b"b"))
@@ -128,24 +139,7 @@ async fn streams_notice_a_trim_while_idle() {
 /// trimmed again and again while it is behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_read_on_from_the_newest_entry_after_a_trim() {
-    let server = RedisServer::start();
-    let transport = RedisStreamsTransport::builder(server.url())
-        .block(Duration::from_millis(100))
-        .connect()
-        .await
-        .unwrap();
-    let mut sub = transport
-        .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
-        .await
-        .unwrap();
-    transport
-        .publish("t", "c", Bytes::from_static(b"a"))
-        .await
-        .unwrap();
-    assert!(matches!(
-        sub.next(10).await.unwrap(),
-        Delivery::Batch { .. }
-    ));
+    let (server, transport, mut sub) = reader_past_a().await;
     // "a" (read) and "b" (not) are trimmed; "c" and "d" are kept, and were
     // added before the loss.
     for payload in ["b", "c", "d"] {
