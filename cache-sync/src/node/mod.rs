@@ -311,18 +311,32 @@ impl Node {
     ///   `_events_rejected_total`, `_stale_ignored_total`,
     ///   `_refreshes_total`, `_invalidations_total`, `_clears_total`,
     ///   `_refresh_fallbacks_total`, `_coalesced_total`, `_refreshes_quarantined_total`,
+    ///   `_writes_parked_total`,
     ///   `_loss_resyncs_total`, `_hits_total`, `_misses_total`,
     ///   `_loads_total`, `_load_failures_total`, `_loads_superseded_total`,
     ///   `_loads_stale_total`, `_fresh_reads_total`: the [`CacheStatus`](crate::status::CacheStatus)
     ///   fields of those names (`events_rejected` is `rejected_events`);
-    /// - gauges `cache_sync_cache_entries`, `cache_sync_cache_tracked_keys`
-    ///   and `cache_sync_cache_version` (only caches with a version have a
-    ///   sample);
+    /// - gauges `cache_sync_cache_entries`, `cache_sync_cache_tracked_keys`,
+    ///   `cache_sync_cache_version` (only caches with a version have a
+    ///   sample) and `cache_sync_cache_quarantined` (0 or 1);
     /// - histogram `cache_sync_cache_publish_to_apply_latency_seconds`
     ///   (buckets 100 µs to 10 s): one observation per run of events applied
     ///   to the cache together, the latency of the run's last event, the
     ///   value `last_latency_us` takes. Across machines it includes clock
-    ///   skew.
+    ///   skew;
+    /// - for an audited cache only
+    ///   ([`SyncedCacheBuilder::audit`](crate::SyncedCacheBuilder::audit)),
+    ///   counters `cache_sync_cache_audit_checks_total`,
+    ///   `_suspects_total`, `_suspects_cleared_total`,
+    ///   `_inconsistencies_total`, `_repairs_total`, `_unverified_total`,
+    ///   `_source_reads_total`, `_source_failures_total` and `_sweeps_total`,
+    ///   and gauges `cache_sync_cache_audit_window_seconds`,
+    ///   `_suspects_pending`, `_window_checks`, `_window_inconsistencies`,
+    ///   `_max_stale_age_seconds` (once an entry was repaired) and
+    ///   `_consistency_nines` (once an entry was checked): the
+    ///   [`AuditStatus`](crate::status::AuditStatus) fields of those names
+    ///   (`max_stale_age_ms` in seconds, and
+    ///   [`nines`](crate::status::AuditStatus::nines)).
     ///
     /// Per node: counters `cache_sync_node_events_received_total`,
     /// `_events_skipped_total`, `_events_rejected_total`,
@@ -335,8 +349,12 @@ impl Node {
     /// but past the cluster view's bounds); gauges
     /// `cache_sync_node_consuming`, 1 while
     /// [`is_consuming`](Self::is_consuming), else 0, and
-    /// `cache_sync_node_ready`, 1 while [`is_ready`](Self::is_ready). Per
-    /// cache also the gauge `cache_sync_cache_quarantined` (0 or 1).
+    /// `cache_sync_node_ready`, 1 while [`is_ready`](Self::is_ready); and
+    /// the histogram `cache_sync_runtime_lateness_seconds` (buckets 100 µs
+    /// to 10 s): how late the runtime the node runs on ran the node's 10 ms
+    /// timer, that is how long a task (the node's or the application's)
+    /// held a worker without yielding (the most in the last minute is
+    /// [`NodeStatus::runtime_lateness_us`]).
     ///
     /// From the cluster view: gauge `cache_sync_cluster_nodes` (live nodes,
     /// this one included), and per live node (label `node`)
