@@ -1,5 +1,6 @@
-//! The relay's SQL side: the publication, the slot, its lag, and whether a
-//! decoded transaction is visible yet.
+//! The relay's SQL side but the publication (`publication.rs`): the slot,
+//! its lag, a partition's ancestors, and whether a decoded transaction is
+//! visible yet.
 
 use std::time::Duration;
 
