@@ -40,7 +40,7 @@ pub(crate) fn built() -> Vec<&'static str> {
 fn built_list() -> String {
     let names = built();
     if names.is_empty() {
-        "none (install with e.g. `cargo install cache-sync --features cli,redis`)".into()
+        "none (install with e.g. `cargo install --path cache-sync --features cli,redis` from a checkout)".into()
     } else {
         names.join(", ")
     }
