@@ -93,17 +93,17 @@ async fn reader_past_a() -> (
         .block(Duration::from_millis(100))
         .connect()
         .await
-        .unwrap();
+        .expect("connect");
     let mut sub = transport
         .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
         .await
-        .unwrap();
+        .expect("subscribe");
     transport
         .publish("t", "c", Bytes::from_static(b"a"))
         .await
-        .unwrap();
+        .expect("publish a");
     assert!(matches!(
-        sub.next(10).await.unwrap(),
+        sub.next(10).await.expect("read a"),
         Delivery::Batch { .. }
     ));
     (server, transport, sub)
