@@ -589,6 +589,12 @@ impl<K: 'static, V: 'static> SyncedCache<K, V> {
     {
         self.inner.clone()
     }
+
+    /// Whether a node holds the cache (tests of when a node lets go).
+    #[cfg(test)]
+    pub(crate) fn is_claimed(&self) -> bool {
+        self.inner.owner.load(std::sync::atomic::Ordering::Acquire) != 0
+    }
 }
 
 #[cfg(test)]
