@@ -1,8 +1,9 @@
-//! The defaults and limits that `docs/design.md` and `docs/transports.md`
-//! state, checked against the constants in the code, in the style of
-//! `tests/layers.rs`: each row names a constant, reads its value from the
-//! source, and requires the doc to say it in the row's words. A changed
-//! constant fails here until its doc says the new value.
+//! The defaults and limits that `docs/design.md`, `docs/transports.md` and
+//! the API docs of the CDC relay and the auditor state, checked against the
+//! constants in the code, in the style of `tests/layers.rs`: each row names
+//! a constant, reads its value from the source, and requires the doc to say
+//! it in the row's words. A changed constant fails here until its doc says
+//! the new value.
 
 use std::collections::HashMap;
 use std::fs;
@@ -12,8 +13,9 @@ use std::path::Path;
 type Value = u128;
 
 /// Evaluates the right-hand side of a `const` the way the rows need:
-/// integers (with `_`), `<<`, `*`, `-`, parentheses, `Duration::from_secs`,
-/// `from_millis`, and other constants of the same file or crate.
+/// integers (with `_`), `+`, `<<`, `*`, `-`, parentheses,
+/// `Duration::from_secs`, `from_millis`, and other constants of the same
+/// file or crate.
 fn eval(expr: &str, known: &HashMap<String, String>, depth: u32) -> Value {
     assert!(
         depth < 8,
@@ -32,7 +34,8 @@ fn eval(expr: &str, known: &HashMap<String, String>, depth: u32) -> Value {
         return eval(inner, known, depth + 1);
     }
     for (op, f) in [
-        (" << ", (|a, b| a << b) as fn(Value, Value) -> Value),
+        (" + ", (|a, b| a + b) as fn(Value, Value) -> Value),
+        (" << ", |a, b| a << b),
         (" - ", |a, b| a - b),
         (" * ", |a, b| a * b),
     ] {
@@ -91,6 +94,11 @@ fn constants() -> HashMap<String, String> {
     }
     let mut out = HashMap::new();
     walk(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"), &mut out);
+    // Values the code computes from constants, which the docs state.
+    out.insert(
+        "DEFAULT_AUDIT_GRACE".to_owned(),
+        "DEFAULT_REORDER_WINDOW + DEFAULT_ANNOUNCE_INTERVAL + AUDIT_MARGIN".to_owned(),
+    );
     out
 }
 
@@ -140,6 +148,18 @@ fn secs(v: Value) -> String {
     assert_eq!(v % 1000, 0, "{v} ms is no whole second");
     format!("{} s", v / 1000)
 }
+fn gib(v: Value) -> String {
+    assert_eq!(v % (1 << 30), 0, "{v} is no whole GiB");
+    format!("{} GiB", v >> 30)
+}
+fn mins(v: Value) -> String {
+    assert_eq!(v % 60_000, 0, "{v} ms is no whole minute");
+    format!("{} min", v / 60_000)
+}
+fn days(v: Value) -> String {
+    assert_eq!(v % 86_400_000, 0, "{v} ms is no whole day");
+    format!("{} days", v / 86_400_000)
+}
 fn hours(v: Value) -> String {
     assert_eq!(v % 3_600_000, 0, "{v} ms is no whole hour");
     format!("{} h", v / 3_600_000)
@@ -159,6 +179,9 @@ fn words(v: Value) -> String {
 
 const DESIGN: &str = "docs/design.md";
 const TRANSPORTS: &str = "docs/transports.md";
+// API docs: the `///` and `//!` lines of a source file.
+const RELAY: &str = "cache-sync/src/cdc/relay.rs";
+const AUDIT: &str = "cache-sync/src/cache/audit.rs";
 
 /// (doc, constant, how the doc writes it, the words around it: `{}` is the
 /// value).
@@ -329,6 +352,295 @@ const ROWS: &[Row] = &[
         "a `PEXPIRE` of {} on each publish",
     ),
     (TRANSPORTS, "ROUTE_WAIT", secs, "so the wait lasts up to {}"),
+    // The CDC relay: its settings, in design.md's prose and limits table,
+    // and in `CdcRelayBuilder`'s docs.
+    (
+        DESIGN,
+        "DEFAULT_MAX_ROWS_PER_TRANSACTION",
+        count,
+        "Past `max_rows_per_transaction` ({}) row changes",
+    ),
+    (
+        DESIGN,
+        "DEFAULT_MAX_ROWS_PER_TRANSACTION",
+        count,
+        "`max_rows_per_transaction` at least 1 ({} by default)",
+    ),
+    (
+        RELAY,
+        "DEFAULT_MAX_ROWS_PER_TRANSACTION",
+        count,
+        "become one clear of it ({}; at least 1)",
+    ),
+    (
+        DESIGN,
+        "DEFAULT_MAX_ROW_BYTES",
+        mib,
+        "`max_row_bytes` ({}) is",
+    ),
+    (DESIGN, "MIN_ROW_BYTES", kib, "`max_row_bytes` {} to 1 GiB"),
+    (DESIGN, "MAX_ROW_BYTES", gib, "`max_row_bytes` 1 KiB to {}"),
+    (
+        DESIGN,
+        "DEFAULT_MAX_ROW_BYTES",
+        mib,
+        "to 1 GiB ({} by default)",
+    ),
+    (
+        RELAY,
+        "DEFAULT_MAX_ROW_BYTES",
+        mib,
+        "as the server sends it ({};",
+    ),
+    (RELAY, "MIN_ROW_BYTES", kib, "(8 MiB; {} to 1 GiB)"),
+    (RELAY, "MAX_ROW_BYTES", gib, "(8 MiB; 1 KiB to {})"),
+    (
+        DESIGN,
+        "DEFAULT_LAG_INTERVAL",
+        secs,
+        "Every `lag_interval` ({})",
+    ),
+    (DESIGN, "MIN_LAG_INTERVAL", ms, "`lag_interval` {} to 1 h"),
+    (
+        DESIGN,
+        "MAX_LAG_INTERVAL",
+        hours,
+        "`lag_interval` 100 ms to {}",
+    ),
+    (
+        DESIGN,
+        "DEFAULT_LAG_INTERVAL",
+        secs,
+        "100 ms to 1 h ({} by default)",
+    ),
+    (RELAY, "DEFAULT_LAG_INTERVAL", secs, "lag is read ({};"),
+    (
+        RELAY,
+        "MIN_LAG_INTERVAL",
+        ms,
+        "lag is read (5 s; {} to 1 h)",
+    ),
+    (
+        RELAY,
+        "MAX_LAG_INTERVAL",
+        hours,
+        "lag is read (5 s; 100 ms to {})",
+    ),
+    (
+        DESIGN,
+        "DEFAULT_STANDBY_RETRY",
+        secs,
+        "every `standby_retry` ({})",
+    ),
+    (
+        DESIGN,
+        "MIN_STANDBY_RETRY",
+        ms,
+        "`standby_retry` {} to 1 min",
+    ),
+    (
+        DESIGN,
+        "MAX_STANDBY_RETRY",
+        mins,
+        "`standby_retry` 10 ms to {}",
+    ),
+    (
+        DESIGN,
+        "DEFAULT_STANDBY_RETRY",
+        secs,
+        "to 1 min ({} by default)",
+    ),
+    (
+        RELAY,
+        "DEFAULT_STANDBY_RETRY",
+        secs,
+        "the slot is free ({};",
+    ),
+    (RELAY, "MIN_STANDBY_RETRY", ms, "is free (1 s; {} to 1 min)"),
+    (
+        RELAY,
+        "MAX_STANDBY_RETRY",
+        mins,
+        "is free (1 s; 10 ms to {})",
+    ),
+    (
+        DESIGN,
+        "DEFAULT_LAG_WARNING_BYTES",
+        gib,
+        "`lag_warning_bytes` ({})",
+    ),
+    (
+        DESIGN,
+        "DEFAULT_LAG_WARNING_BYTES",
+        gib,
+        "`lag_warning_bytes` any ({} by default)",
+    ),
+    (
+        RELAY,
+        "DEFAULT_LAG_WARNING_BYTES",
+        gib,
+        "many bytes behind ({})",
+    ),
+    // What a CDC session holds.
+    (
+        DESIGN,
+        "MAX_BATCH_ROWS",
+        count,
+        "at most {} row changes, 16 MiB or 1,000 transactions",
+    ),
+    (
+        DESIGN,
+        "MAX_BATCH_BYTES",
+        mib,
+        "5,000 row changes, {} or 1,000 transactions",
+    ),
+    (
+        DESIGN,
+        "MAX_BATCH_TRANSACTIONS",
+        count,
+        "16 MiB or {} transactions",
+    ),
+    (
+        DESIGN,
+        "MAX_TRANSACTION_BYTES",
+        mib,
+        "at most {} of keys and values per cache",
+    ),
+    (
+        DESIGN,
+        "MAX_TRANSACTION_BYTES",
+        mib,
+        "or {} of keys and values, to one cache",
+    ),
+    (
+        DESIGN,
+        "READ_AHEAD",
+        plain,
+        "the replication client reads {} messages ahead",
+    ),
+    (
+        DESIGN,
+        "READ_AHEAD",
+        plain,
+        "at most {} messages ahead (at most {} × `max_row_bytes`)",
+    ),
+    (
+        RELAY,
+        "READ_AHEAD",
+        plain,
+        "reads up to {} messages ahead, so at most {} times this",
+    ),
+    (
+        DESIGN,
+        "MAX_COLUMNS",
+        count,
+        "columns in the CDC stream | {} (PostgreSQL's",
+    ),
+    (
+        DESIGN,
+        "SQL_TIMEOUT",
+        secs,
+        "| {} for the visibility check, a slot advance",
+    ),
+    // The auditor: design.md and `Audit`'s docs.
+    (
+        DESIGN,
+        "DEFAULT_AUDIT_RATE",
+        plain,
+        "`rate` at least 1 ({} keys a second by default)",
+    ),
+    (
+        DESIGN,
+        "MAX_AUDIT_BATCH",
+        count,
+        "`batch` 1 to {} (100 by default)",
+    ),
+    (
+        DESIGN,
+        "DEFAULT_AUDIT_BATCH",
+        plain,
+        "to 10,000 ({} by default)",
+    ),
+    (
+        DESIGN,
+        "MAX_TIMEOUT",
+        hours,
+        "`timeout` 1 ms to {} (5 s by default)",
+    ),
+    (
+        DESIGN,
+        "DEFAULT_AUDIT_TIMEOUT",
+        secs,
+        "`timeout` 1 ms to 1 h ({} by default)",
+    ),
+    (DESIGN, "MIN_AUDIT_WINDOW", mins, "`window` {} to 30 days"),
+    (DESIGN, "MAX_AUDIT_WINDOW", days, "`window` 1 min to {}"),
+    (
+        DESIGN,
+        "DEFAULT_AUDIT_WINDOW",
+        hours,
+        "to 30 days ({} by default)",
+    ),
+    (DESIGN, "WINDOW_BUCKETS", plain, "kept in {} buckets"),
+    (
+        DESIGN,
+        "AUDIT_MARGIN",
+        secs,
+        "reorder window + announce interval + {}",
+    ),
+    (
+        DESIGN,
+        "DEFAULT_AUDIT_GRACE",
+        secs,
+        "(reorder window + announce interval + 2 s: {})",
+    ),
+    (
+        AUDIT,
+        "DEFAULT_AUDIT_RATE",
+        plain,
+        "Default {}; at least 1.",
+    ),
+    (
+        AUDIT,
+        "DEFAULT_AUDIT_BATCH",
+        plain,
+        "asks for. Default {}; 1 to",
+    ),
+    (AUDIT, "MAX_AUDIT_BATCH", count, "1 to {}. A read starts"),
+    (
+        AUDIT,
+        "DEFAULT_AUDIT_TIMEOUT",
+        secs,
+        "counts as failed. Default {};",
+    ),
+    (AUDIT, "MAX_TIMEOUT", hours, "Default 5 s; 1 ms to {}."),
+    (
+        AUDIT,
+        "DEFAULT_AUDIT_WINDOW",
+        hours,
+        "taken over. Default {};",
+    ),
+    (
+        AUDIT,
+        "MIN_AUDIT_WINDOW",
+        mins,
+        "Default 1 h; {} to 30 days",
+    ),
+    (AUDIT, "MAX_AUDIT_WINDOW", days, "1 min to {}. It is kept"),
+    (AUDIT, "WINDOW_BUCKETS", plain, "It is kept in {} buckets"),
+    (
+        AUDIT,
+        "DEFAULT_ANNOUNCE_INTERVAL",
+        secs,
+        "the default announce interval ({}) + 2 s",
+    ),
+    (AUDIT, "AUDIT_MARGIN", secs, "announce interval (1 s) + {},"),
+    (
+        AUDIT,
+        "DEFAULT_AUDIT_GRACE",
+        secs,
+        "+ 2 s, {} with the defaults",
+    ),
     (
         TRANSPORTS,
         "ROUTE_WAIT_WARN",
@@ -336,6 +648,21 @@ const ROWS: &[Row] = &[
         "logs a\nwarning past {}",
     ),
 ];
+
+/// A source file's documentation: its `///` and `//!` lines, without the
+/// markers (its code and plain comments state nothing to a reader of the
+/// docs).
+fn doc_comments(source: &str) -> String {
+    source
+        .lines()
+        .filter_map(|line| {
+            let line = line.trim_start();
+            line.strip_prefix("///")
+                .or_else(|| line.strip_prefix("//!"))
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
 
 #[test]
 fn the_docs_state_the_limits_the_code_has() {
@@ -346,6 +673,11 @@ fn the_docs_state_the_limits_the_code_has() {
     let mut wrong = Vec::new();
     for &(doc, name, render, words) in ROWS {
         let text = fs::read_to_string(root.join(doc)).expect("the doc is readable");
+        let text = if doc.ends_with(".rs") {
+            doc_comments(&text)
+        } else {
+            text
+        };
         // Line breaks in the doc are spaces to a reader.
         let flat = text.split_whitespace().collect::<Vec<_>>().join(" ");
         let rhs = known
@@ -397,6 +729,16 @@ fn the_checker_reads_constants_and_renders_values() {
     assert_eq!(kib(262_144), "256 KiB");
     assert_eq!(minutes_in_words(300_000), "five minutes");
     assert_eq!(words(3), "three");
+    assert_eq!(gib(1 << 30), "1 GiB");
+    assert_eq!(mins(60_000), "1 min");
+    assert_eq!(days(30 * 86_400_000), "30 days");
+    known.insert("C".to_owned(), "Duration::from_secs(10)".to_owned());
+    assert_eq!(eval("C + B + Duration::from_secs(2)", &known, 0), 22_000);
+    // Only the docs of a source file count, never its code.
+    assert_eq!(
+        doc_comments("/// one\n    //! two\nconst X: u8 = 3; // three"),
+        " one\n two"
+    );
     // A value is matched whole, never as part of a longer number.
     assert!(states(
         "at most 1,024 pending (the oldest goes)",

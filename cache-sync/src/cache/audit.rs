@@ -51,6 +51,15 @@ pub(crate) const AUDIT_MARGIN: Duration = Duration::from_secs(2);
 /// sixtieth of itself.
 const WINDOW_BUCKETS: u32 = 60;
 
+// The defaults and ranges `Audit`'s docs and design.md state
+// (tests/doc_limits.rs checks them).
+const DEFAULT_AUDIT_RATE: u32 = 100;
+const DEFAULT_AUDIT_BATCH: usize = 100;
+const DEFAULT_AUDIT_TIMEOUT: Duration = Duration::from_secs(5);
+const DEFAULT_AUDIT_WINDOW: Duration = Duration::from_secs(3600);
+const MIN_AUDIT_WINDOW: Duration = Duration::from_secs(60);
+const MAX_AUDIT_WINDOW: Duration = Duration::from_secs(30 * 86_400);
+
 /// A consistency auditor for one cache: how to read the source of truth,
 /// and how fast. Give it to [`SyncedCacheBuilder::audit`](crate::SyncedCacheBuilder::audit).
 ///
@@ -186,11 +195,11 @@ where
         Self {
             read,
             values: None,
-            rate: 100,
-            batch: 100,
+            rate: DEFAULT_AUDIT_RATE,
+            batch: DEFAULT_AUDIT_BATCH,
             grace: None,
-            timeout: Duration::from_secs(5),
-            window: Duration::from_secs(3600),
+            timeout: DEFAULT_AUDIT_TIMEOUT,
+            window: DEFAULT_AUDIT_WINDOW,
         }
     }
 
@@ -229,7 +238,7 @@ where
     }
 
     /// How many keys one read of the source asks for. Default 100; 1 to
-    /// 10 000. A read starts at most every batch ÷ rate seconds.
+    /// 10,000. A read starts at most every batch ÷ rate seconds.
     pub fn batch(mut self, keys: usize) -> Self {
         self.batch = keys;
         self
@@ -263,7 +272,7 @@ where
     }
 
     /// The window the consistency nines are taken over. Default 1 h; 1 min
-    /// to 30 days. It slides by a sixtieth of itself.
+    /// to 30 days. It is kept in 60 buckets, and slides by one.
     pub fn window(mut self, window: Duration) -> Self {
         self.window = window;
         self
@@ -287,8 +296,8 @@ where
         check_duration(
             "audit window",
             self.window,
-            Duration::from_secs(60),
-            Duration::from_secs(30 * 86_400),
+            MIN_AUDIT_WINDOW,
+            MAX_AUDIT_WINDOW,
         )
     }
 

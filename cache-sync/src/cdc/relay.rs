@@ -18,7 +18,7 @@ use super::stream::{self, SQL_TIMEOUT};
 use super::{CdcTable, Mapping};
 use crate::error::{Error, Result};
 use crate::publish::Publisher;
-use crate::util::lock;
+use crate::util::{check_duration, lock};
 
 /// Row changes one transaction may make to one cache before the rest of
 /// it reaches nodes as one clear.
@@ -28,6 +28,14 @@ const DEFAULT_LAG_INTERVAL: Duration = Duration::from_secs(5);
 /// How often a standby relay asks whether the slot is free.
 const DEFAULT_STANDBY_RETRY: Duration = Duration::from_secs(1);
 const DEFAULT_MAX_ROW_BYTES: usize = 8 << 20;
+// The settings' ranges, as `CdcRelayBuilder`'s docs and design.md's limits
+// table state them (tests/doc_limits.rs checks both).
+const MIN_LAG_INTERVAL: Duration = Duration::from_millis(100);
+const MAX_LAG_INTERVAL: Duration = Duration::from_secs(3600);
+const MIN_STANDBY_RETRY: Duration = Duration::from_millis(10);
+const MAX_STANDBY_RETRY: Duration = Duration::from_secs(60);
+const MIN_ROW_BYTES: usize = 1 << 10;
+const MAX_ROW_BYTES: usize = 1 << 30;
 /// Messages the replication client reads ahead of the relay. With
 /// `max_row_bytes` this bounds what it holds: 128 × 8 MiB by default.
 const READ_AHEAD: usize = 128;
@@ -380,14 +388,14 @@ impl CdcRelayBuilder {
         self
     }
 
-    /// How often the slot's lag is read (5 s; 100 ms to 1 hour).
+    /// How often the slot's lag is read (5 s; 100 ms to 1 h).
     pub fn lag_interval(mut self, every: Duration) -> Self {
         self.lag_interval = every;
         self
     }
 
     /// How often a standby asks whether the slot is free (1 s; 10 ms to
-    /// 1 minute).
+    /// 1 min).
     pub fn standby_retry(mut self, every: Duration) -> Self {
         self.standby_retry = every;
         self
@@ -434,18 +442,25 @@ impl CdcRelayBuilder {
                 "max_rows_per_transaction must be at least 1".into(),
             ));
         }
-        if !(Duration::from_millis(100)..=Duration::from_secs(3600)).contains(&self.lag_interval) {
-            return Err(Error::Config(
-                "lag_interval must be 100 ms to 1 hour".into(),
-            ));
-        }
-        if !(Duration::from_millis(10)..=Duration::from_secs(60)).contains(&self.standby_retry) {
-            return Err(Error::Config(
-                "standby_retry must be 10 ms to 1 minute".into(),
-            ));
-        }
-        if !(1 << 10..=1 << 30).contains(&self.max_row_bytes) {
-            return Err(Error::Config("max_row_bytes must be 1 KiB to 1 GiB".into()));
+        check_duration(
+            "lag_interval",
+            self.lag_interval,
+            MIN_LAG_INTERVAL,
+            MAX_LAG_INTERVAL,
+        )?;
+        check_duration(
+            "standby_retry",
+            self.standby_retry,
+            MIN_STANDBY_RETRY,
+            MAX_STANDBY_RETRY,
+        )?;
+        if !(MIN_ROW_BYTES..=MAX_ROW_BYTES).contains(&self.max_row_bytes) {
+            return Err(Error::Config(format!(
+                "max_row_bytes must be {} KiB to {} GiB, not {}",
+                MIN_ROW_BYTES >> 10,
+                MAX_ROW_BYTES >> 30,
+                self.max_row_bytes
+            )));
         }
         let topic = self.publisher.topic().to_owned();
         for t in &self.tables {

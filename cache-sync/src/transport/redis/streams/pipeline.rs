@@ -26,7 +26,7 @@ const QUEUE: usize = 1024;
 const MAX_BATCH: usize = 256;
 /// Payload bytes in one pipeline, at most (a larger single payload goes
 /// alone): a pipeline's reply must come within the response timeout.
-const MAX_BATCH_BYTES: usize = 4 << 20;
+const MAX_PIPELINE_BYTES: usize = 4 << 20;
 
 /// One publish waiting in the queue.
 struct Job {
@@ -120,7 +120,7 @@ async fn write(mut conn: ConnectionManager, script: redis::Script, mut jobs: mps
     while let Some(first) = jobs.recv().await {
         let mut bytes = first.payload.len();
         batch.push(first);
-        while batch.len() < MAX_BATCH && bytes < MAX_BATCH_BYTES {
+        while batch.len() < MAX_BATCH && bytes < MAX_PIPELINE_BYTES {
             match jobs.try_recv() {
                 Ok(job) => {
                     bytes = bytes.saturating_add(job.payload.len());
