@@ -878,4 +878,117 @@ mod tests {
             assert_eq!(loss_index(reason), i, "{reason}");
         }
     }
+
+    /// Every family named in a scrape's `# TYPE` lines.
+    fn families(text: &str) -> std::collections::BTreeSet<String> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split(' ').next())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The families `Node::status_router`'s docs list: each full name in
+    /// code (`cache_sync_…`), and each abbreviated one (`_…`), which takes
+    /// the group of the full name before it (`cache_sync_cache_audit`,
+    /// `cache_sync_cache`, `cache_sync_node`, …).
+    fn documented() -> std::collections::BTreeSet<String> {
+        const GROUPS: [&str; 5] = [
+            "cache_sync_cache_audit",
+            "cache_sync_cache",
+            "cache_sync_node",
+            "cache_sync_cluster",
+            "cache_sync_runtime",
+        ];
+        let source = include_str!("mod.rs");
+        let start = source
+            .find("/// `GET /metrics` answers")
+            .expect("status_router's docs describe /metrics");
+        let end = start
+            + source[start..]
+                .find("/// Mounted in the application's server")
+                .expect("the metrics list ends");
+        let docs: String = source[start..end]
+            .lines()
+            .filter_map(|l| l.trim_start().strip_prefix("///"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        let name = |t: &str| {
+            t.len() > 1
+                && t.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        };
+        let mut group: Option<&str> = None;
+        let mut out = std::collections::BTreeSet::new();
+        // Code is every other piece between backticks.
+        for code in docs.split('`').skip(1).step_by(2) {
+            if !name(code) || code.ends_with('_') {
+                continue;
+            }
+            if code.starts_with("cache_sync_") {
+                group = GROUPS
+                    .iter()
+                    .copied()
+                    .find(|g| code.starts_with(&format!("{g}_")));
+                out.insert(code.to_owned());
+            } else if let (Some(g), true) = (group, code.starts_with('_')) {
+                out.insert(format!("{g}{code}"));
+            }
+        }
+        out
+    }
+
+    /// The list of families in `Node::status_router`'s docs is exactly what
+    /// `/metrics` serves, with every family that can be left out present
+    /// (a cache with a version, an audited cache that checked and repaired
+    /// an entry, a cluster view with a versioned cache): a family added,
+    /// renamed or dropped without its doc line fails here.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_documented_families_are_the_ones_served() {
+        let a: Cache = SyncedCache::builder("a", moka::future::Cache::new(10))
+            .audit(
+                crate::Audit::by_value(|keys: Vec<String>| async move {
+                    Ok::<_, String>(
+                        keys.into_iter()
+                            .map(|k| (k, Some("right".to_owned())))
+                            .collect(),
+                    )
+                })
+                .rate(1000)
+                .batch(10)
+                .grace(std::time::Duration::ZERO),
+            )
+            .build()
+            .unwrap();
+        let b = cache("b");
+        let transport = EmbeddedTransport::new();
+        let node = Node::builder("n1", transport.clone())
+            .reorder_window(std::time::Duration::ZERO)
+            .register(&a)
+            .register(&b)
+            .start()
+            .await
+            .unwrap();
+        a.insert("k".into(), "wrong".into()).await;
+        eventually("a repair", async || a.status().audit.unwrap().repairs == 1).await;
+        transport
+            .publish(DEFAULT_TOPIC, "b", raw_refresh("b", 7, 1, "x", "y"))
+            .await
+            .unwrap();
+        eventually("b's version", async || b.status().version.is_some()).await;
+        let text = scrape(&node).await;
+        let (served, documented) = (families(&text), documented());
+        assert!(served.len() > 50, "{served:?}");
+        assert_eq!(
+            served.difference(&documented).collect::<Vec<_>>(),
+            Vec::<&String>::new(),
+            "served but not in status_router's docs"
+        );
+        assert_eq!(
+            documented.difference(&served).collect::<Vec<_>>(),
+            Vec::<&String>::new(),
+            "in status_router's docs but not served"
+        );
+        node.shutdown().await.unwrap();
+    }
 }
