@@ -592,8 +592,13 @@ fn replication_config(
     {
         return Err(bad(format!("unknown sslmode {mode:?}")));
     }
+    // Decoded as sqlx decodes it for the pool (an escape that is not one
+    // stays as written), so both connections log in with the same password.
     let password = match parsed.password() {
-        Some(p) => percent_decode(p).ok_or_else(|| bad("the password's %-escapes".into()))?,
+        Some(p) => percent_encoding::percent_decode_str(p)
+            .decode_utf8()
+            .map_err(|_| bad("the password is not UTF-8 once %-decoded".into()))?
+            .into_owned(),
         None => std::env::var("PGPASSWORD").unwrap_or_default(),
     };
     let host = match options.get_socket() {
@@ -629,26 +634,6 @@ fn replication_config(
     )
 }
 
-/// `%XX` escapes decoded as a URL's user info has them (a `+` stays a
-/// `+`); `None` for a broken escape or a result that is not UTF-8.
-fn percent_decode(s: &str) -> Option<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while let Some(&b) = bytes.get(i) {
-        if b == b'%' {
-            let hex = bytes.get(i.checked_add(1)?..i.checked_add(3)?)?;
-            let hex = std::str::from_utf8(hex).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i = i.checked_add(3)?;
-        } else {
-            out.push(b);
-            i = i.checked_add(1)?;
-        }
-    }
-    String::from_utf8(out).ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -679,12 +664,30 @@ mod tests {
         assert_eq!(c.tls.mode, SslMode::Disable);
     }
 
+    /// The password as sqlx's pool reads it from the same address: `%XX`
+    /// decoded, a `+` kept, an escape that is not one kept as written, and
+    /// one that decodes to no UTF-8 refused.
     #[test]
-    fn percent_escapes_decode_and_broken_ones_are_refused() {
-        assert_eq!(percent_decode("a%20b+c").as_deref(), Some("a b+c"));
-        assert_eq!(percent_decode("%C3%A9").as_deref(), Some("\u{e9}"));
-        for broken in ["%", "%2", "%zz", "%ff"] {
-            assert_eq!(percent_decode(broken), None, "{broken}");
+    fn the_password_decodes_as_the_pools_does() {
+        let password = |p: &str| {
+            let url = format!("postgres://u:{p}@h/d");
+            let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+            replication_config(&url, &options, "s", "p").map(|c| c.password)
+        };
+        assert_eq!(password("a%20b+c").unwrap(), "a b+c");
+        assert_eq!(password("%C3%A9").unwrap(), "\u{e9}");
+        for kept in ["%", "%2", "%zz", "%+1", "a%-1"] {
+            assert_eq!(password(kept).unwrap(), kept);
         }
+        // sqlx refuses this address itself, before the relay reads it; the
+        // relay refuses it too rather than log in with other bytes.
+        assert!(
+            "postgres://u:%ff@h/d"
+                .parse::<sqlx::postgres::PgConnectOptions>()
+                .is_err()
+        );
+        let options: sqlx::postgres::PgConnectOptions = "postgres://u@h/d".parse().unwrap();
+        let e = replication_config("postgres://u:%ff@h/d", &options, "s", "p").unwrap_err();
+        assert!(e.is_config(), "{e}");
     }
 }
