@@ -91,12 +91,25 @@ pub enum Error {
     #[error("no version is newer than {0}, so no automatic version can follow it")]
     VersionExhausted(u64),
 
-    /// Reading or writing local state (the offset file) failed.
-    #[error("I/O error on {path}: {source}")]
+    /// Reading or writing a local file failed: the offsets file
+    /// ([`FileOffsetStore`](crate::FileOffsetStore)) or a RocketMQ offsets
+    /// table.
+    #[error("I/O error on {}: {source}", path.display())]
     Io {
-        /// The file involved.
-        path: String,
+        /// The file or directory involved.
+        path: std::path::PathBuf,
         /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The status server could not listen on its address (in use, not
+    /// permitted, not this machine's).
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address asked for, as given.
+        addr: String,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },
@@ -147,6 +160,31 @@ impl Error {
         matches!(self, Error::Config(_))
     }
 
+    /// The broker answered, but with an error (a refused command, a stream
+    /// or topic it does not have): not a dropped connection.
+    pub fn is_transport(&self) -> bool {
+        matches!(self, Error::Transport { .. })
+    }
+    /// A key or value could not be encoded (its `Serialize` failed).
+    pub fn is_encode(&self) -> bool {
+        matches!(self, Error::Encode { .. })
+    }
+    /// A cache of this name is already registered on this node.
+    pub fn is_duplicate_cache(&self) -> bool {
+        matches!(self, Error::DuplicateCache(_))
+    }
+    /// No automatic version can follow the last one (`u64::MAX`).
+    pub fn is_version_exhausted(&self) -> bool {
+        matches!(self, Error::VersionExhausted(_))
+    }
+    /// A local file could not be read or written.
+    pub fn is_io(&self) -> bool {
+        matches!(self, Error::Io { .. })
+    }
+    /// The status server could not listen on its address.
+    pub fn is_bind(&self) -> bool {
+        matches!(self, Error::Bind { .. })
+    }
     /// The node has shut down, so it takes no more work.
     pub fn is_shutdown(&self) -> bool {
         matches!(self, Error::Shutdown)
@@ -165,9 +203,9 @@ impl Error {
         }
     }
 
-    pub(crate) fn io(path: impl fmt::Display, source: std::io::Error) -> Self {
+    pub(crate) fn io(path: impl Into<std::path::PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
-            path: path.to_string(),
+            path: path.into(),
             source,
         }
     }
@@ -288,5 +326,112 @@ mod tests {
         let e = Error::Database("connection refused".into());
         assert!(e.is_database() && !e.is_disconnected());
         assert!(!Error::disconnected("embedded", "gone").is_database());
+    }
+
+    /// Each variant answers to its own predicate and to no other's (but
+    /// that a signature failure is also a decode failure, and an oversized
+    /// input decoded is also too large).
+    /// No wildcard: a new variant does not compile here until it is
+    /// given a predicate and a case below.
+    fn _every_variant_is_below(e: &Error) {
+        match e {
+            Error::Disconnected { .. }
+            | Error::Transport { .. }
+            | Error::Decode(_)
+            | Error::Encode { .. }
+            | Error::TooLarge { .. }
+            | Error::DuplicateCache(_)
+            | Error::Unsupported { .. }
+            | Error::Config(_)
+            | Error::VersionExhausted(_)
+            | Error::Io { .. }
+            | Error::Bind { .. }
+            | Error::Shutdown
+            | Error::Database(_) => {}
+        }
+    }
+
+    #[test]
+    fn every_variant_has_a_predicate_of_its_own() {
+        type Predicate = fn(&Error) -> bool;
+        let predicates: [(&str, Predicate); 14] = [
+            ("disconnected", Error::is_disconnected),
+            ("transport", Error::is_transport),
+            ("decode", Error::is_decode),
+            ("signature", Error::is_signature),
+            ("encode", Error::is_encode),
+            ("too_large", Error::is_too_large),
+            ("duplicate_cache", Error::is_duplicate_cache),
+            ("unsupported", Error::is_unsupported),
+            ("config", Error::is_config),
+            ("version_exhausted", Error::is_version_exhausted),
+            ("io", Error::is_io),
+            ("bind", Error::is_bind),
+            ("shutdown", Error::is_shutdown),
+            ("database", Error::is_database),
+        ];
+        let io = || std::io::Error::other("x");
+        let cases: Vec<(Error, &[&str])> = vec![
+            (Error::disconnected("embedded", "gone"), &["disconnected"]),
+            (
+                Error::Transport {
+                    transport: "nats",
+                    source: "no stream".into(),
+                },
+                &["transport"],
+            ),
+            (DecodeError::new(DecodeErrorKind::Empty).into(), &["decode"]),
+            (
+                DecodeError::new(DecodeErrorKind::BadSignature).into(),
+                &["decode", "signature"],
+            ),
+            (
+                DecodeError::new(DecodeErrorKind::TooLarge { size: 2, limit: 1 }).into(),
+                &["decode", "too_large"],
+            ),
+            (
+                Error::Encode {
+                    what: "key",
+                    message: "no".into(),
+                },
+                &["encode"],
+            ),
+            (
+                Error::TooLarge {
+                    what: "entry",
+                    size: 2,
+                    limit: 1,
+                },
+                &["too_large"],
+            ),
+            (Error::DuplicateCache("c".into()), &["duplicate_cache"]),
+            (
+                Error::Unsupported {
+                    transport: "redis-pubsub",
+                    what: "history",
+                },
+                &["unsupported"],
+            ),
+            (Error::Config("x".into()), &["config"]),
+            (Error::VersionExhausted(u64::MAX), &["version_exhausted"]),
+            (Error::io("/tmp/offsets.json", io()), &["io"]),
+            (
+                Error::Bind {
+                    addr: "127.0.0.1:1".into(),
+                    source: io(),
+                },
+                &["bind"],
+            ),
+            (Error::Shutdown, &["shutdown"]),
+            (Error::Database("down".into()), &["database"]),
+        ];
+        for (e, expected) in &cases {
+            let said: Vec<&str> = predicates
+                .iter()
+                .filter(|(_, p)| p(e))
+                .map(|(name, _)| *name)
+                .collect();
+            assert_eq!(&said, expected, "{e:?}");
+        }
     }
 }

@@ -393,8 +393,12 @@ impl Node {
     /// Serves [`status_router`](Self::status_router) on its own listener.
     /// Pass a loopback address (such as `127.0.0.1:9464`, the port the
     /// examples use) unless the endpoint is meant to be reachable from
-    /// other hosts.
-    pub async fn serve_status(&self, addr: impl tokio::net::ToSocketAddrs) -> Result<StatusServer> {
+    /// other hosts. Fails with [`Error::Bind`] (see
+    /// [`is_bind`](Error::is_bind)) when the address cannot be listened on.
+    pub async fn serve_status(
+        &self,
+        addr: impl tokio::net::ToSocketAddrs + fmt::Debug,
+    ) -> Result<StatusServer> {
         StatusServer::bind(self.clone(), addr).await
     }
 

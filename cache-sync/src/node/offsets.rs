@@ -100,11 +100,21 @@ impl FileOffsetStore {
         self.dir.join("offsets.json")
     }
 
+    /// A read or save that never ran to its end on the blocking pool: a
+    /// panic there is passed on, as if it had run here; the runtime
+    /// shutting down before it ran is an I/O error on the file.
+    fn not_run(&self, e: tokio::task::JoinError) -> Error {
+        match e.try_into_panic() {
+            Ok(panic) => std::panic::resume_unwind(panic),
+            Err(e) => Error::io(self.path(), std::io::Error::other(e)),
+        }
+    }
+
     fn read(path: &Path) -> Result<OffsetsFile> {
         match std::fs::read(path) {
             Ok(bytes) => parse(&bytes, path),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(OffsetsFile::default()),
-            Err(e) => Err(Error::io(path.display(), e)),
+            Err(e) => Err(Error::io(path, e)),
         }
     }
 
@@ -189,8 +199,8 @@ pub(super) fn fuzz(data: &[u8]) {
 }
 
 fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> Error + use<> {
-    let path = path.display().to_string();
-    move |e| Error::io(&path, e)
+    let path = path.to_owned();
+    move |e| Error::io(path, e)
 }
 
 #[async_trait]
@@ -200,7 +210,7 @@ impl OffsetStore for FileOffsetStore {
         let path = self.path();
         let file = tokio::task::spawn_blocking(move || Self::read(&path))
             .await
-            .map_err(|e| Error::io("offsets.json", std::io::Error::other(e)))??;
+            .map_err(|e| self.not_run(e))??;
         Ok(file.offset_table.get(topic).cloned())
     }
 
@@ -209,7 +219,7 @@ impl OffsetStore for FileOffsetStore {
         let (dir, topic, position) = (self.dir.clone(), topic.to_owned(), position.clone());
         tokio::task::spawn_blocking(move || Self::save_blocking(&dir, topic, position))
             .await
-            .map_err(|e| Error::io("offsets.json", std::io::Error::other(e)))?
+            .map_err(|e| self.not_run(e))?
     }
 }
 

@@ -1,6 +1,7 @@
 //! The status server: serving the router on a listener, with bounds on
 //! what any one client may hold (connections, time, a request's head).
 
+use std::fmt;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -67,13 +68,14 @@ pub struct StatusServer {
 }
 
 impl StatusServer {
-    pub(crate) async fn bind(node: Node, addr: impl ToSocketAddrs) -> Result<Self> {
-        let listener = TcpListener::bind(addr)
-            .await
-            .map_err(|e| Error::io("status listener", e))?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| Error::io("status listener", e))?;
+    pub(crate) async fn bind(node: Node, addr: impl ToSocketAddrs + fmt::Debug) -> Result<Self> {
+        let asked = format!("{addr:?}");
+        let bind_error = |source| Error::Bind {
+            addr: asked.clone(),
+            source,
+        };
+        let listener = TcpListener::bind(addr).await.map_err(bind_error)?;
+        let addr = listener.local_addr().map_err(bind_error)?;
         let (stop, stopped) = watch::channel(false);
         Ok(Self {
             addr,
@@ -99,8 +101,14 @@ impl StatusServer {
             stop.send_replace(true);
         }
         if let Some(task) = self.task.take() {
-            task.await
-                .map_err(|e| Error::io("status server", std::io::Error::other(e)))?;
+            // A panic in the server's task is passed on; a task the runtime
+            // cancelled (it is shutting down) has stopped serving all the
+            // same.
+            if let Err(e) = task.await
+                && let Ok(panic) = e.try_into_panic()
+            {
+                std::panic::resume_unwind(panic);
+            }
         }
         Ok(())
     }
@@ -456,6 +464,23 @@ mod tests {
     use super::*;
     use crate::node::http::router;
     use crate::node::http::tests::node_with_cache;
+
+    /// An address that cannot be listened on (taken, or not this
+    /// machine's) is a `Bind` error naming it: not an I/O error on a file,
+    /// and not a disconnected transport.
+    #[tokio::test]
+    async fn an_address_that_cannot_be_listened_on_is_a_bind_error() {
+        let (node, _cache) = node_with_cache().await;
+        let taken = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let taken = taken.local_addr().unwrap();
+        // 192.0.2.0/24 is TEST-NET-1: never an address of this machine.
+        for addr in [taken.to_string(), "192.0.2.1:0".to_owned()] {
+            let e = node.serve_status(addr.as_str()).await.unwrap_err();
+            assert!(e.is_bind(), "{addr}: {e:?}");
+            assert!(!e.is_io() && !e.is_disconnected(), "{addr}: {e:?}");
+            assert!(e.to_string().contains(&addr), "{addr}: {e}");
+        }
+    }
 
     /// Regression: a client that sent half a request blocked
     /// `StatusServer::shutdown` without bound, and its connection stayed

@@ -349,10 +349,7 @@ pub(super) fn seed_offsets(
 ) -> Result<()> {
     let io = |path: &Path| {
         let path = path.to_owned();
-        move |source| Error::Io {
-            path: path.display().to_string(),
-            source,
-        }
+        move |source| Error::Io { path, source }
     };
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let mut table = serde_json::Map::new();
