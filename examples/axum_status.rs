@@ -11,14 +11,15 @@
 //! ```
 #![allow(clippy::print_stdout)]
 
-use std::net::SocketAddr;
-
 use axum::Router;
 use axum::routing::get;
 use cache_sync::status::NodeStatus;
 use cache_sync::{EmbeddedTransport, Node, SyncedCache, Table};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
+
+#[path = "shared/http.rs"]
+mod http;
+use http::http_get;
 
 const COUNTRIES: Table<String, String> = Table::new("countries");
 
@@ -71,19 +72,4 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     server.await??;
     node.shutdown().await?;
     Ok(())
-}
-
-/// A minimal HTTP/1.1 GET: the status line and the body. `Connection: close`
-/// makes the server end the response by closing, so reading to the end works.
-async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(String, String)> {
-    let mut stream = TcpStream::connect(addr).await?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await?;
-    let (head, body) = response
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| std::io::Error::other("no end of headers in the response"))?;
-    let status_line = head.lines().next().unwrap_or_default();
-    Ok((status_line.to_owned(), body.to_owned()))
 }
