@@ -593,27 +593,28 @@ mod tests {
             .unwrap_or_else(|| panic!("no sample {series} in {samples:#?}"))
     }
 
+    /// A cache audited by value against a source whose every row is
+    /// "right", fast and with no grace: any other value is repaired at once.
+    fn audited(name: &str) -> Cache {
+        SyncedCache::builder(name, moka::future::Cache::new(10))
+            .audit(
+                crate::Audit::by_value(|keys: Vec<String>| async move {
+                    let rows = keys.into_iter().map(|k| (k, Some("right".to_owned())));
+                    Ok::<_, String>(rows.collect())
+                })
+                .rate(1000)
+                .batch(10)
+                .grace(std::time::Duration::ZERO),
+            )
+            .build()
+            .unwrap()
+    }
+
     /// An audited cache has the auditor's families, with the values its
     /// status reports; a cache that is not audited has no sample in them.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_audited_cache_reports_its_auditor() {
-        let source = std::sync::Arc::new(std::sync::Mutex::new(Some("right".to_owned())));
-        let read = source.clone();
-        let a: Cache =
-            SyncedCache::builder("a", moka::future::Cache::new(10))
-                .audit(
-                    crate::Audit::by_value(move |keys: Vec<String>| {
-                        let row = read.lock().unwrap().clone();
-                        async move {
-                            Ok::<_, String>(keys.into_iter().map(|k| (k, row.clone())).collect())
-                        }
-                    })
-                    .rate(1000)
-                    .batch(10)
-                    .grace(std::time::Duration::ZERO),
-                )
-                .build()
-                .unwrap();
+        let a = audited("a");
         let b = cache("b");
         let node = Node::builder("n1", EmbeddedTransport::new())
             .reorder_window(std::time::Duration::ZERO)
@@ -945,21 +946,7 @@ mod tests {
     /// renamed or dropped without its doc line fails here.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_documented_families_are_the_ones_served() {
-        let a: Cache = SyncedCache::builder("a", moka::future::Cache::new(10))
-            .audit(
-                crate::Audit::by_value(|keys: Vec<String>| async move {
-                    Ok::<_, String>(
-                        keys.into_iter()
-                            .map(|k| (k, Some("right".to_owned())))
-                            .collect(),
-                    )
-                })
-                .rate(1000)
-                .batch(10)
-                .grace(std::time::Duration::ZERO),
-            )
-            .build()
-            .unwrap();
+        let a = audited("a");
         let b = cache("b");
         let transport = EmbeddedTransport::new();
         let node = Node::builder("n1", transport.clone())
