@@ -590,10 +590,11 @@ impl<K: 'static, V: 'static> SyncedCache<K, V> {
         self.inner.clone()
     }
 
-    /// Whether a node holds the cache (tests of when a node lets go).
+    /// The token of the node that holds the cache, 0 for none (tests of
+    /// when a node lets go).
     #[cfg(test)]
-    pub(crate) fn is_claimed(&self) -> bool {
-        self.inner.owner.load(std::sync::atomic::Ordering::Acquire) != 0
+    pub(crate) fn owner(&self) -> u64 {
+        self.inner.owner.load(std::sync::atomic::Ordering::Acquire)
     }
 }
 
