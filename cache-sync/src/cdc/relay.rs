@@ -573,8 +573,8 @@ fn replication_config(
     // Host, port, user, database and TLS mode as sqlx read them (the
     // address, then PGHOST, PGPORT, PGUSER, PGDATABASE, PGSSLMODE), so
     // both connections go to the same place the same way. sqlx does not
-    // give the password back: it is read here, from the address or
-    // PGPASSWORD (not ~/.pgpass).
+    // give the password back: it is read here, from the address, its
+    // `password` parameter or PGPASSWORD (not ~/.pgpass).
     let parsed = url::Url::parse(url).map_err(|e| bad(e.to_string()))?;
     if !matches!(parsed.scheme(), "postgres" | "postgresql") {
         return Err(bad(format!(
@@ -592,15 +592,27 @@ fn replication_config(
     {
         return Err(bad(format!("unknown sslmode {mode:?}")));
     }
-    // Decoded as sqlx decodes it for the pool (an escape that is not one
-    // stays as written), so both connections log in with the same password.
-    let password = match parsed.password() {
-        Some(p) => percent_encoding::percent_decode_str(p)
-            .decode_utf8()
-            .map_err(|_| bad("the password is not UTF-8 once %-decoded".into()))?
-            .into_owned(),
-        None => std::env::var("PGPASSWORD").unwrap_or_default(),
+    // Read as sqlx reads it for the pool, so both connections log in with
+    // the same password: the address's, %-decoded (an escape that is not
+    // one stays as written), unless a `password` parameter follows (the
+    // last one), then PGPASSWORD.
+    let in_address = match parsed.password() {
+        Some(p) => Some(
+            percent_encoding::percent_decode_str(p)
+                .decode_utf8()
+                .map_err(|_| bad("the password is not UTF-8 once %-decoded".into()))?
+                .into_owned(),
+        ),
+        None => None,
     };
+    let in_query = parsed
+        .query_pairs()
+        .filter(|(k, _)| k == "password")
+        .last()
+        .map(|(_, v)| v.into_owned());
+    let password = in_query
+        .or(in_address)
+        .unwrap_or_else(|| std::env::var("PGPASSWORD").unwrap_or_default());
     let host = match options.get_socket() {
         Some(dir) => dir.to_string_lossy().into_owned(),
         None => options.get_host().to_owned(),
@@ -675,6 +687,11 @@ mod tests {
             replication_config(&url, &options, "s", "p").map(|c| c.password)
         };
         assert_eq!(password("a%20b+c").unwrap(), "a b+c");
+        // A `password` parameter wins over the address's, the last of them.
+        let url = "postgres://u:inaddress@h/d?password=first&password=la%73t";
+        let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+        let c = replication_config(url, &options, "s", "p").unwrap();
+        assert_eq!(c.password, "last");
         assert_eq!(password("%C3%A9").unwrap(), "\u{e9}");
         for kept in ["%", "%2", "%zz", "%+1", "a%-1"] {
             assert_eq!(password(kept).unwrap(), kept);
