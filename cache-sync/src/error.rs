@@ -37,10 +37,10 @@ pub enum Error {
     #[error("cannot decode event: {0}")]
     Decode(#[from] DecodeError),
 
-    /// A key or value could not be encoded.
+    /// A key, a value, an event or the offsets file could not be encoded.
     #[error("cannot encode {what}: {message}")]
     Encode {
-        /// `"key"`, `"value"` or `"event"`.
+        /// `"key"`, `"value"`, `"event"` or `"offsets"`.
         what: &'static str,
         /// The encoder's message.
         message: String,
@@ -107,7 +107,8 @@ pub enum Error {
     /// permitted, not this machine's).
     #[error("cannot listen on {addr}: {source}")]
     Bind {
-        /// The address asked for, as given.
+        /// The address asked for, in its `Debug` form (a `&str` is
+        /// quoted).
         addr: String,
         /// The operating system's error.
         #[source]
@@ -165,7 +166,7 @@ impl Error {
     pub fn is_transport(&self) -> bool {
         matches!(self, Error::Transport { .. })
     }
-    /// A key or value could not be encoded (its `Serialize` failed).
+    /// A key, a value, an event or the offsets file could not be encoded.
     pub fn is_encode(&self) -> bool {
         matches!(self, Error::Encode { .. })
     }
@@ -331,8 +332,9 @@ mod tests {
     /// Each variant answers to its own predicate and to no other's (but
     /// that a signature failure is also a decode failure, and an oversized
     /// input decoded is also too large).
-    /// No wildcard: a new variant does not compile here until it is
-    /// given a predicate and a case below.
+    /// No wildcard: a new variant does not compile until it has an arm
+    /// here, which is the reminder to give it a predicate and a case below
+    /// (the test itself cannot see a variant it is not given).
     fn _every_variant_is_below(e: &Error) {
         match e {
             Error::Disconnected { .. }

@@ -33,9 +33,11 @@ fn eval(expr: &str, known: &HashMap<String, String>, depth: u32) -> Value {
     if let Some(inner) = expr.strip_prefix('(').and_then(|e| e.strip_suffix(')')) {
         return eval(inner, known, depth + 1);
     }
+    // The loosest-binding operator first, as Rust binds them: `<<`, then
+    // `+` and `-`, then `*`.
     for (op, f) in [
-        (" + ", (|a, b| a + b) as fn(Value, Value) -> Value),
-        (" << ", |a, b| a << b),
+        (" << ", (|a, b| a << b) as fn(Value, Value) -> Value),
+        (" + ", |a, b| a + b),
         (" - ", |a, b| a - b),
         (" * ", |a, b| a * b),
     ] {
@@ -486,7 +488,7 @@ const ROWS: &[Row] = &[
         DESIGN,
         "MAX_BATCH_ROWS",
         count,
-        "at most {} row changes, 16 MiB or 1,000 transactions",
+        "once it reaches {} row changes, 16 MiB or 1,000 transactions",
     ),
     (
         DESIGN,
@@ -504,7 +506,7 @@ const ROWS: &[Row] = &[
         DESIGN,
         "MAX_TRANSACTION_BYTES",
         mib,
-        "at most {} of keys and values per cache",
+        "which holds at most {} of keys and values per cache",
     ),
     (
         DESIGN,
@@ -540,7 +542,7 @@ const ROWS: &[Row] = &[
         DESIGN,
         "SQL_TIMEOUT",
         secs,
-        "| {} for the visibility check, a slot advance",
+        "| {} for each query the relay waits on",
     ),
     // The auditor: design.md and `Audit`'s docs.
     (

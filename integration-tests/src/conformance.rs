@@ -1204,7 +1204,7 @@ pub async fn broker_killed_mid_window(fixture: &mut dyn Fixture) {
     // lost: a broker killed between storing an entry and answering it
     // (Redis with `appendfsync always` does this for every entry it read
     // before the kill) fails a publish that every node then receives. So
-    // the node must notice a loss exactly when some publish tried never
+    // the node must notice a loss whenever some publish tried never
     // arrived: each one tried is one event of the table.
     let s = node.node.status();
     let tried = oks.load(std::sync::atomic::Ordering::Relaxed)
