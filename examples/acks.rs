@@ -18,7 +18,7 @@
 use std::time::Duration;
 
 use cache_sync::cluster::Acks;
-use cache_sync::{Cluster, EmbeddedTransport, Node, Publisher, SyncedCache};
+use cache_sync::{Node, Publisher, SyncedCache, cluster::Cluster, transport::EmbeddedTransport};
 
 const CACHE: &str = "countries";
 

@@ -4,11 +4,11 @@
 //! applied it how soon (each running node answers once it has), and exits.
 //!
 //! ```text
-//! cargo run -p cache-sync-examples --features redis --example admin -- --transport redis-streams upsert de Deutschland
-//! cargo run -p cache-sync-examples --features redis --example admin -- --transport redis-streams delete fr
+//! cargo run -p cache-sync-examples --features redis --example admin -- --transport redis-streams insert de Deutschland
+//! cargo run -p cache-sync-examples --features redis --example admin -- --transport redis-streams invalidate fr
 //! cargo run -p cache-sync-examples --features redis --example admin -- --transport redis-streams replace-all de=Deutschland it=Italia
 //! cargo run -p cache-sync-examples --features redis --example admin -- --transport redis-streams demo
-//! cargo run -p cache-sync-examples --features nats --example admin -- --transport nats-jetstream upsert de Deutschland
+//! cargo run -p cache-sync-examples --features nats --example admin -- --transport nats-jetstream insert de Deutschland
 //! ```
 //!
 //! Give it the nodes' `--transport` (and `--url`, when the server is not on
@@ -22,7 +22,7 @@ use std::error::Error;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use cache_sync::{Cluster, DictionaryPublisher, Publisher};
+use cache_sync::{DictionaryPublisher, Publisher, cluster::Cluster};
 use clap::error::ErrorKind;
 use clap::{CommandFactory as _, Parser as _};
 use tracing_subscriber::EnvFilter;
@@ -51,7 +51,7 @@ type Table = DictionaryPublisher<String, Option<String>>;
     name = "admin",
     verbatim_doc_comment,
     after_help = "A CODE or NAME may start with `-`; one that is `-h` or `--help` goes after\n\
-                  `--`, e.g. admin --transport redis-streams delete -- -h"
+                  `--`, e.g. admin --transport redis-streams invalidate -- -h"
 )]
 struct Args {
     #[command(flatten)]
@@ -60,12 +60,13 @@ struct Args {
     command: Command,
 }
 
-/// The subcommands say what happened to a row of the admin's table; each
-/// goes out as the dictionary's write: `insert`, `invalidate`, `replace_all`.
+/// The subcommands are the dictionary's writes (`insert`, `invalidate`,
+/// `replace_all`), one vocabulary with the library's; each says what
+/// happened to a row of the admin's table.
 #[derive(Debug, clap::Subcommand)]
 enum Command {
     /// A row was inserted or updated: every node holds it
-    Upsert {
+    Insert {
         /// The row's key, e.g. de
         #[arg(value_parser = code, allow_hyphen_values = true)]
         code: String,
@@ -74,7 +75,7 @@ enum Command {
         name: String,
     },
     /// A row was deleted: every node drops it
-    Delete {
+    Invalidate {
         /// The row's key, e.g. fr
         #[arg(value_parser = code, allow_hyphen_values = true)]
         code: String,
@@ -92,7 +93,7 @@ enum Command {
         )]
         rows: Vec<(String, String)>,
     },
-    /// A short scripted sequence (upserts, then a delete), one change a second
+    /// A short scripted sequence (inserts, then an invalidation), one change a second
     Demo,
 }
 
@@ -195,11 +196,13 @@ struct Admin<'a> {
 async fn publish(admin: &Admin<'_>, change: &Command) -> Result<u64> {
     let table = admin.table;
     let (label, version) = match change {
-        Command::Upsert { code, name } => (
-            format!("upsert {code}={name}"),
+        Command::Insert { code, name } => (
+            format!("insert {code}={name}"),
             table.insert(code, &Some(name.clone())).await?,
         ),
-        Command::Delete { code } => (format!("delete {code}"), table.invalidate(code).await?),
+        Command::Invalidate { code } => {
+            (format!("invalidate {code}"), table.invalidate(code).await?)
+        }
         Command::ReplaceAll { rows } => {
             let rows: BTreeMap<String, Option<String>> = rows
                 .iter()
@@ -243,18 +246,19 @@ async fn publish(admin: &Admin<'_>, change: &Command) -> Result<u64> {
     Ok(version)
 }
 
-/// A few upserts and a delete, a second apart. `cz` is in no node's seed,
-/// so the nodes hold it as a missing row until its upsert replaces that.
+/// A few inserts and an invalidation, a second apart. `cz` is in no node's
+/// seed, so the nodes hold it as a missing row until its insert replaces
+/// that.
 async fn demo(admin: &Admin<'_>) -> Result<u64> {
-    let upsert = |code: &str, name: &str| Command::Upsert {
+    let insert = |code: &str, name: &str| Command::Insert {
         code: code.into(),
         name: name.into(),
     };
     let steps = [
-        upsert("de", "Deutschland"),
-        upsert("it", "Italia"),
-        upsert("cz", "Czechia"),
-        Command::Delete { code: "fr".into() },
+        insert("de", "Deutschland"),
+        insert("it", "Italia"),
+        insert("cz", "Czechia"),
+        Command::Invalidate { code: "fr".into() },
     ];
     let mut version = 0;
     for (i, step) in steps.iter().enumerate() {

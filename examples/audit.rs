@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cache_sync::{Audit, EmbeddedTransport, Node, Publisher, SyncedCache};
+use cache_sync::{Audit, Node, Publisher, SyncedCache, transport::EmbeddedTransport};
 
 /// code -> (name, version).
 type Database = Arc<Mutex<HashMap<String, (String, u64)>>>;

@@ -14,7 +14,7 @@
 use axum::Router;
 use axum::routing::get;
 use cache_sync::status::NodeStatus;
-use cache_sync::{EmbeddedTransport, Node, SyncedCache, Table};
+use cache_sync::{Node, SyncedCache, Table, transport::EmbeddedTransport};
 use tokio::net::TcpListener;
 
 #[path = "shared/http.rs"]

@@ -21,7 +21,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cache_sync::{DictionaryPublisher, EmbeddedTransport, Node, Publisher, SyncedCache, Table};
+use cache_sync::{
+    DictionaryPublisher, Node, Publisher, SyncedCache, Table, transport::EmbeddedTransport,
+};
 
 const COUNTRIES: Table<String, String> = Table::new("countries");
 

@@ -25,7 +25,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use cache_sync::{Cluster, EmbeddedTransport, Node, Publisher, SyncedCache, Table};
+use cache_sync::{
+    Node, Publisher, SyncedCache, Table, cluster::Cluster, transport::EmbeddedTransport,
+};
 use tracing_subscriber::EnvFilter;
 
 type Result<T, E = Box<dyn std::error::Error>> = std::result::Result<T, E>;

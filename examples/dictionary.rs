@@ -22,7 +22,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use cache_sync::{Cluster, EmbeddedTransport, Node, Publisher, SyncedCache, Table};
+use cache_sync::{
+    Node, Publisher, SyncedCache, Table, cluster::Cluster, transport::EmbeddedTransport,
+};
 
 const COUNTRIES: Table<String, String> = Table::new("countries");
 const SHOWN: [&str; 5] = ["de", "es", "fr", "it", "pt"];

@@ -16,7 +16,9 @@
 use std::time::Duration;
 
 use cache_sync::{
-    Cluster, EmbeddedTransport, FileOffsetStore, Node, Publisher, SyncedCache, Table,
+    Node, Publisher, SyncedCache, Table,
+    cluster::Cluster,
+    transport::{EmbeddedTransport, FileOffsetStore},
 };
 
 const COUNTRIES: Table<String, String> = Table::new("countries");

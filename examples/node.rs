@@ -5,7 +5,7 @@
 //! ```text
 //! cargo run -p cache-sync-examples --features redis --example node -- --transport redis-streams --http 127.0.0.1:9465 --node-id node-a
 //! cargo run -p cache-sync-examples --features redis --example node -- --transport redis-streams --http 127.0.0.1:9466 --node-id node-b
-//! cargo run -p cache-sync-examples --features redis --example admin -- --transport redis-streams upsert de Deutschland
+//! cargo run -p cache-sync-examples --features redis --example admin -- --transport redis-streams insert de Deutschland
 //! curl -s http://127.0.0.1:9465/cache-sync/caches/countries
 //! ```
 //!
@@ -27,7 +27,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use cache_sync::{FileOffsetStore, Node, SyncedCache};
+use cache_sync::{Node, SyncedCache, transport::FileOffsetStore};
 use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
 

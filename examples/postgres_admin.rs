@@ -9,8 +9,8 @@
 //! # once, and then in its own terminal: the relay (a sidecar, or in the admin service)
 //! cargo run -p cache-sync-examples --features redis,postgres --example postgres_admin -- relay --transport redis-streams
 //! # each change: one transaction, row and event together
-//! cargo run -p cache-sync-examples --features redis,postgres --example postgres_admin -- upsert de Deutschland
-//! cargo run -p cache-sync-examples --features redis,postgres --example postgres_admin -- delete fr
+//! cargo run -p cache-sync-examples --features redis,postgres --example postgres_admin -- insert de Deutschland
+//! cargo run -p cache-sync-examples --features redis,postgres --example postgres_admin -- invalidate fr
 //! ```
 //!
 //! The database is `--database URL` (default
@@ -23,7 +23,10 @@
 use std::error::Error;
 use std::process::ExitCode;
 
-use cache_sync::{Outbox, OutboxRelay, Publisher};
+use cache_sync::{
+    Publisher,
+    outbox::{Outbox, OutboxRelay},
+};
 use clap::Parser as _;
 use sqlx::PgPool;
 use tracing_subscriber::EnvFilter;
@@ -51,14 +54,14 @@ struct Args {
     command: Command,
 }
 
-/// As in the `admin` example, the subcommands say what happens to the row;
-/// its event is the outbox dictionary's `insert` or `invalidate`.
+/// As in the `admin` example, the subcommands are the outbox dictionary's
+/// writes, `insert` and `invalidate`; each writes the row too.
 #[derive(Debug, clap::Subcommand)]
 enum Command {
-    /// A row was inserted or updated: one transaction writes it and its event
-    Upsert { code: String, name: String },
-    /// A row was deleted: one transaction marks it deleted and writes its event
-    Delete { code: String },
+    /// A row is inserted or updated: one transaction writes it and its event
+    Insert { code: String, name: String },
+    /// A row is deleted: one transaction marks it deleted and writes its event
+    Invalidate { code: String },
     /// Publishes committed events until Ctrl-C (run one or more; one
     /// publishes at a time, the others stand by)
     Relay {
@@ -90,7 +93,7 @@ async fn run(args: Args) -> Result<()> {
     countries_db::create(&pool).await?;
     let table = outbox.dictionary(COUNTRIES);
     match args.command {
-        Command::Upsert { code, name } => {
+        Command::Insert { code, name } => {
             let mut tx = pool.begin().await?;
             // The event first: it takes the table's enqueue lock and the
             // version, so the row and its event carry the same version and
@@ -99,10 +102,10 @@ async fn run(args: Args) -> Result<()> {
             countries_db::write(&mut tx, &code, Some(&name), version).await?;
             tx.commit().await?;
             println!(
-                "postgres_admin: upsert {code}={name}  committed with its event at version {version}"
+                "postgres_admin: insert {code}={name}  committed with its event at version {version}"
             );
         }
-        Command::Delete { code } => {
+        Command::Invalidate { code } => {
             let mut tx = pool.begin().await?;
             let version = table.invalidate(&mut tx, &code).await?;
             // A deleted row stays, without a name, at its version: a node
@@ -110,7 +113,7 @@ async fn run(args: Args) -> Result<()> {
             countries_db::write(&mut tx, &code, None, version).await?;
             tx.commit().await?;
             println!(
-                "postgres_admin: delete {code}  committed with its event at version {version}"
+                "postgres_admin: invalidate {code}  committed with its event at version {version}"
             );
         }
         Command::Relay { transport } => {

@@ -22,7 +22,11 @@ use std::error::Error;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use cache_sync::{CdcRelay, CdcTable, EmbeddedTransport, Node, Publisher, SyncedCache};
+use cache_sync::{
+    Node, Publisher, SyncedCache,
+    cdc::{CdcRelay, CdcTable},
+    transport::EmbeddedTransport,
+};
 use clap::Parser as _;
 use sqlx::PgPool;
 use tracing_subscriber::EnvFilter;

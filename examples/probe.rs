@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cache_sync::status::TraceEvent;
-use cache_sync::{Cluster, EmbeddedTransport, Node, Publisher, SyncedCache};
+use cache_sync::{Node, Publisher, SyncedCache, cluster::Cluster, transport::EmbeddedTransport};
 use tokio::net::TcpListener;
 
 #[path = "shared/http.rs"]

@@ -19,7 +19,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use cache_sync::{Cluster, EmbeddedTransport, Node, Publisher, SyncedCache, Table};
+use cache_sync::{
+    Node, Publisher, SyncedCache, Table, cluster::Cluster, transport::EmbeddedTransport,
+};
 
 const COUNTRIES: Table<String, String> = Table::new("countries");
 

@@ -17,7 +17,8 @@
 use std::time::Duration;
 
 use cache_sync::{
-    Cluster, DictionaryPublisher, EmbeddedTransport, Keyring, Node, Publisher, SyncedCache, Table,
+    DictionaryPublisher, Keyring, Node, Publisher, SyncedCache, Table, cluster::Cluster,
+    transport::EmbeddedTransport,
 };
 
 const COUNTRIES: Table<String, String> = Table::new("countries");

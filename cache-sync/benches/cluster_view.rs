@@ -48,7 +48,7 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use bytes::Bytes;
 use cache_sync::transport::Transport;
-use cache_sync::{EmbeddedTransport, Node};
+use cache_sync::{Node, transport::EmbeddedTransport};
 use http_body_util::BodyExt;
 use stats_alloc::{INSTRUMENTED_SYSTEM, StatsAlloc};
 use tower::ServiceExt;

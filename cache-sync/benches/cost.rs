@@ -95,7 +95,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use cache_sync::transport::{Delivery, StartFrom, SubscribeOptions, Transport};
-use cache_sync::{EmbeddedTransport, Node, Publisher, SyncedCache};
+use cache_sync::{Node, Publisher, SyncedCache, transport::EmbeddedTransport};
 use moka::future::Cache;
 use stats_alloc::{INSTRUMENTED_SYSTEM, Stats, StatsAlloc};
 use tokio::runtime::Runtime;

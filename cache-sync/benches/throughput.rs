@@ -37,7 +37,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use cache_sync::transport::StartFrom;
-use cache_sync::{EmbeddedTransport, Node, NodeBuilder, Publisher, SyncedCache};
+use cache_sync::{Node, NodeBuilder, Publisher, SyncedCache, transport::EmbeddedTransport};
 use moka::future::Cache;
 use moka::ops::compute::Op;
 use tokio::sync::broadcast;

@@ -1,3 +1,5 @@
+//! The crate's one error type, and why a payload was rejected.
+
 use std::fmt;
 
 /// A `Result` whose error is [`Error`].
@@ -92,7 +94,7 @@ pub enum Error {
     VersionExhausted(u64),
 
     /// Reading or writing a local file failed: the offsets file
-    /// ([`FileOffsetStore`](crate::FileOffsetStore)) or a RocketMQ offsets
+    /// ([`FileOffsetStore`](crate::transport::FileOffsetStore)) or a RocketMQ offsets
     /// table.
     #[error("I/O error on {}: {source}", path.display())]
     Io {

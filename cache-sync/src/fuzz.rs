@@ -107,7 +107,7 @@ pub fn signed(data: &[u8]) {
 /// `offsets.json` parsing. What parses writes back to a file that parses to
 /// the same positions.
 pub fn offsets(data: &[u8]) {
-    crate::node::fuzz_offsets(data);
+    crate::transport::fuzz_offsets(data);
 }
 
 /// The outbox's row decoder (what a relay reads from the database). What
@@ -354,10 +354,11 @@ pub fn records(data: &[u8]) {
                 .build()
                 .expect("1 to 8 tracked keys are valid");
             let b: SyncedCache<u64, Vec<u8>> = SyncedCache::new("b", moka_b);
-            let mut builder = crate::Node::builder("fuzz", crate::EmbeddedTransport::new())
-                .max_event_bytes(64 << ((mode >> 4) & 3))
-                .register(&a)
-                .register(&b);
+            let mut builder =
+                crate::Node::builder("fuzz", crate::transport::EmbeddedTransport::new())
+                    .max_event_bytes(64 << ((mode >> 4) & 3))
+                    .register(&a)
+                    .register(&b);
             if verify {
                 builder = builder.verify_signatures(ring.clone());
             }

@@ -7,11 +7,12 @@
 //!
 //! The path of an event, module by module: [`Publisher`] (and
 //! [`DictionaryPublisher`]) encode it → a [`Transport`](transport::Transport) carries it
-//! ([`EmbeddedTransport`] in-process by default) → the [`Node`]'s consumer decodes
+//! ([`EmbeddedTransport`](transport::EmbeddedTransport) in-process by default) → the [`Node`]'s consumer decodes
 //! and applies it → [`SyncedCache`] → [`Node::status_router`].
 //!
 //! ```no_run
-//! use cache_sync::{EmbeddedTransport, Node, Publisher, SyncedCache, Table};
+//! use cache_sync::transport::EmbeddedTransport;
+//! use cache_sync::{Node, Publisher, SyncedCache, Table};
 //!
 //! // Shared by both sides: the cache's name and its key and value types.
 //! const COUNTRIES: Table<String, String> = Table::new("countries");
@@ -280,12 +281,12 @@
 //!   lost; the next one says it all again.
 //! - They are signed when the node verifies signatures, and a verifying party
 //!   takes in only signed ones; refused ones are counted and change nothing.
-//! - [`Node::cluster`] (and a [`Cluster`] watcher, for parties that are not
+//! - [`Node::cluster`] (and a [`Cluster`](cluster::Cluster) watcher, for parties that are not
 //!   nodes) holds every live node's last heartbeat: a node is live until three
 //!   of its own intervals pass without one, then listed as gone for five
 //!   minutes. `GET /cache-sync/cluster` serves the [`ClusterView`](cluster::ClusterView) as JSON,
 //!   `GET /cache-sync/` as a page for people, a page at a time. A view is
-//!   bounded (10,000 nodes, 256 KiB each, 128 MiB in all: see [`Cluster`]);
+//!   bounded (10,000 nodes, 256 KiB each, 128 MiB in all: see [`Cluster`](cluster::Cluster));
 //!   a heartbeat past a bound is dropped and counted. How long a node has
 //!   been behind ([`NodeCacheView::behind_ms`](cluster::NodeCacheView::behind_ms)) is a lower bound timed on the
 //!   observer's own clock, from when heartbeats arrive and how long ago each
@@ -294,7 +295,7 @@
 //! - [`Published::applied_by`] waits until every live node holding the cache
 //!   answers that it applied the publish, or a timeout, and says which did,
 //!   how long after the publish each answer arrived, and why not all if not
-//!   ([`Acks::incomplete`](cluster::Acks::incomplete)); [`Cluster::applied_version`] does the same for a
+//!   ([`Acks::incomplete`](cluster::Acks::incomplete)); [`Cluster::applied_version`](cluster::Cluster::applied_version) does the same for a
 //!   version (an outbox's). Each node answers as soon as it has applied the
 //!   event, with a message of a few dozen bytes that only the asking party
 //!   reads, so it completes about one transport round trip after the
@@ -351,7 +352,7 @@
 //!
 //! ## Redelivery
 //! Positions are saved periodically and on shutdown through an
-//! [`OffsetStore`]; after a crash some events are applied again, in order,
+//! [`OffsetStore`](transport::OffsetStore); after a crash some events are applied again, in order,
 //! to caches emptied at registration, as they were the first time. On
 //! a running node an event delivered twice is late the second time, and
 //! installs nothing: a versioned refresh then changes nothing, while an
@@ -387,15 +388,17 @@
 
 mod cache;
 #[cfg(feature = "postgres-cdc")]
-mod cdc;
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres-cdc")))]
+pub mod cdc;
 pub mod cluster;
-mod error;
+pub mod error;
 #[cfg(any(test, feature = "_fuzz"))]
 #[doc(hidden)]
 pub mod fuzz;
 mod node;
-#[cfg(feature = "postgres")]
-mod outbox;
+#[cfg(feature = "postgres-outbox")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres-outbox")))]
+pub mod outbox;
 mod publish;
 pub mod status;
 mod table;
@@ -405,39 +408,14 @@ mod wire;
 
 #[doc(inline)]
 pub use cache::{Audit, SyncedCache, SyncedCacheBuilder};
-#[cfg(feature = "postgres-cdc")]
 #[doc(inline)]
-pub use cdc::{CdcRelay, CdcRelayBuilder, CdcRelayStats, CdcTable, Row};
+pub use error::{Error, Result};
 #[doc(inline)]
-pub use cluster::{Cluster, ClusterBuilder};
-#[doc(inline)]
-pub use error::{DecodeError, DecodeErrorKind, Error, Result};
-#[doc(inline)]
-pub use node::{FileOffsetStore, MemoryOffsetStore, Node, NodeBuilder, OffsetStore, StatusServer};
-#[cfg(feature = "postgres")]
-#[doc(inline)]
-pub use outbox::{
-    Outbox, OutboxBuilder, OutboxDictionary, OutboxRelay, OutboxRelayBuilder, OutboxRelayStats,
-};
+pub use node::{Node, NodeBuilder, StatusServer};
 #[doc(inline)]
 pub use publish::{DictionaryPublisher, Published, Publisher, PublisherBuilder};
 #[doc(inline)]
 pub use table::Table;
-#[doc(inline)]
-pub use transport::StartFrom;
-#[doc(inline)]
-pub use transport::embedded::{EmbeddedBuilder, EmbeddedTransport};
-#[cfg(feature = "nats")]
-#[doc(inline)]
-pub use transport::nats::{NatsJetStreamBuilder, NatsJetStreamTransport};
-#[cfg(feature = "redis")]
-#[doc(inline)]
-pub use transport::redis::{
-    RedisPubSubBuilder, RedisPubSubTransport, RedisStreamsBuilder, RedisStreamsTransport,
-};
-#[cfg(feature = "rocketmq")]
-#[doc(inline)]
-pub use transport::rocketmq::{RocketMqBuilder, RocketMqTransport};
 #[doc(inline)]
 pub use wire::Keyring;
 

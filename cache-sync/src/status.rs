@@ -83,7 +83,7 @@ pub struct NodeStatus {
     pub heartbeats_rejected: u64,
     /// Heartbeats this node's cluster view took in but had no room for
     /// (past its node cap or byte budget; see
-    /// [`Cluster`](crate::Cluster)): their nodes may be missing from the
+    /// [`Cluster`](crate::cluster::Cluster)): their nodes may be missing from the
     /// view. Absent in JSON from nodes older than this field.
     #[serde(default)]
     pub heartbeats_dropped: u64,
@@ -329,7 +329,7 @@ pub struct TraceRecord {
 }
 
 /// What one node holds for one key, as a key probe
-/// ([`Cluster::probe`](crate::Cluster::probe)) reports it.
+/// ([`Cluster::probe`](crate::cluster::Cluster::probe)) reports it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct KeyState {

@@ -9,7 +9,8 @@ use std::marker::PhantomData;
 /// in a crate both depend on).
 ///
 /// ```
-/// use cache_sync::{EmbeddedTransport, Publisher, SyncedCache, Table};
+/// use cache_sync::transport::EmbeddedTransport;
+/// use cache_sync::{Publisher, SyncedCache, Table};
 ///
 /// const COUNTRIES: Table<String, String> = Table::new("countries");
 ///
@@ -149,7 +150,7 @@ impl<K, V> From<&Table<K, V>> for Table<K, V> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{EmbeddedTransport, Node, Publisher, SyncedCache};
+    use crate::{Node, Publisher, SyncedCache, transport::EmbeddedTransport};
 
     const COUNTRIES: Table<String, String> = Table::new("countries");
     const PINNED: Table<String, String> = Table::with_topic("countries", "dictionaries");

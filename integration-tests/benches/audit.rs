@@ -40,7 +40,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cache_sync::{Audit, EmbeddedTransport, Node, Publisher, SyncedCache};
+use cache_sync::{Audit, Node, Publisher, SyncedCache, transport::EmbeddedTransport};
 
 type Cache = SyncedCache<u64, u64>;
 

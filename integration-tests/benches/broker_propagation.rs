@@ -61,7 +61,7 @@ use async_nats::jetstream::{self, consumer, stream};
 use async_trait::async_trait;
 use bytes::Bytes;
 use cache_sync::transport::Transport;
-use cache_sync::{NatsJetStreamTransport, RocketMqTransport};
+use cache_sync::transport::{NatsJetStreamTransport, RocketMqTransport};
 use common::{
     CACHE, RawFloor, STALL, Sizes, Slot, System, cache_sync_system, latency_header, latency_intro,
     latency_row, new_slots, now_us, run_footer, run_header, stamp_of,

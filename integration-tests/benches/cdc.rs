@@ -88,7 +88,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use cache_sync::{
-    CdcRelay, CdcTable, EmbeddedTransport, Node, Outbox, OutboxRelay, Publisher, SyncedCache, Table,
+    Node, Publisher, SyncedCache, Table,
+    cdc::{CdcRelay, CdcTable},
+    outbox::{Outbox, OutboxRelay},
+    transport::EmbeddedTransport,
 };
 use common::{STALL, loadavg, p, ratio};
 use hdrhistogram::Histogram;

@@ -65,7 +65,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cache_sync::transport::Transport;
-use cache_sync::{Cluster, Node, Publisher, RedisStreamsTransport, SyncedCache};
+use cache_sync::{
+    Node, Publisher, SyncedCache, cluster::Cluster, transport::RedisStreamsTransport,
+};
 use common::{BenchNode, CACHE, STALL, now_us, p, ratio, run_footer, run_header, stop_nodes};
 use hdrhistogram::Histogram;
 use integration_tests::redis_server::RedisServer;

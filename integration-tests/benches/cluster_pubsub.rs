@@ -42,7 +42,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use cache_sync::RedisPubSubTransport;
+use cache_sync::transport::RedisPubSubTransport;
 use cache_sync::transport::Transport;
 use common::{
     RawFloor, Sizes, System, cache_sync_system, measure, new_slots, now_us, p, ratio, run_footer,

@@ -47,8 +47,10 @@ use std::time::{Duration, Instant};
 
 use cache_sync::transport::Transport;
 use cache_sync::{
-    NatsJetStreamTransport, Publisher, RedisPubSubTransport, RedisStreamsTransport,
-    RocketMqTransport,
+    Publisher,
+    transport::{
+        NatsJetStreamTransport, RedisPubSubTransport, RedisStreamsTransport, RocketMqTransport,
+    },
 };
 use common::{BenchNode, CACHE, now_us, run_footer, run_header, start_nodes};
 use integration_tests::nats_cluster::NatsCluster;

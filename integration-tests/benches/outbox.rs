@@ -43,7 +43,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cache_sync::transport::Transport;
-use cache_sync::{Outbox, OutboxRelay, Publisher, RedisStreamsTransport, SyncedCache, Table};
+use cache_sync::{
+    Publisher, SyncedCache, Table,
+    outbox::{Outbox, OutboxRelay},
+    transport::RedisStreamsTransport,
+};
 use common::{BenchNode, CACHE, p, ratio, run_footer, run_header, start_nodes, stop_nodes};
 use hdrhistogram::Histogram;
 use integration_tests::redis_server::RedisServer;

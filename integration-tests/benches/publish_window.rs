@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use cache_sync::{Publisher, RedisStreamsTransport};
+use cache_sync::{Publisher, transport::RedisStreamsTransport};
 use integration_tests::redis_server::RedisServer;
 
 /// Tasks sharing the publisher.

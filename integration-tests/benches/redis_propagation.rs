@@ -69,7 +69,10 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use cache_sync::transport::Transport;
-use cache_sync::{Publisher, RedisPubSubTransport, RedisStreamsTransport};
+use cache_sync::{
+    Publisher,
+    transport::{RedisPubSubTransport, RedisStreamsTransport},
+};
 use common::{
     CACHE, Latency, RawFloor, STALL, System, cache_sync_system, latency_header, latency_intro,
     latency_row, measure, new_slots, now_us, p, ratio, run_footer, run_header, stamp_of,

@@ -114,7 +114,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use cache_sync::status::NodeStatus;
-use cache_sync::{Node, Publisher, RedisStreamsTransport, SyncedCache};
+use cache_sync::{Node, Publisher, SyncedCache, transport::RedisStreamsTransport};
 use hdrhistogram::Histogram;
 use integration_tests::redis_server::RedisServer;
 use redis::Client;

@@ -37,7 +37,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use cache_sync::transport::FaultyTransport;
-use cache_sync::{EmbeddedTransport, Node, Publisher, SyncedCache};
+use cache_sync::{Node, Publisher, SyncedCache, transport::EmbeddedTransport};
 use tokio::runtime::Runtime;
 
 const TICK: Duration = Duration::from_millis(10);

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use cache_sync::{Cluster, Node, Publisher, SyncedCache};
+use cache_sync::{Node, Publisher, SyncedCache, cluster::Cluster};
 use tokio::time::Instant;
 
 use crate::conformance::Fixture;

@@ -15,7 +15,7 @@ use cache_sync::transport::{
     Delivery, FaultyTransport, HeartbeatSubscription, StartFrom, SubscribeOptions, Subscription,
     Transport,
 };
-use cache_sync::{DictionaryPublisher, FileOffsetStore, NodeBuilder, Publisher};
+use cache_sync::{DictionaryPublisher, NodeBuilder, Publisher, transport::FileOffsetStore};
 
 use crate::{Db, Row, TABLE, TestNode, assert_no_stale_entries, holds_no_stale_entries};
 

@@ -9,6 +9,7 @@ use std::time::Duration;
 use cache_sync::transport::Transport;
 use cache_sync::{Audit, Node, NodeBuilder, Publisher, SyncedCache};
 
+pub mod built;
 #[cfg(feature = "postgres-cdc")]
 pub mod cdc;
 pub mod cluster_view;

@@ -13,7 +13,11 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use cache_sync::{CdcRelay, CdcTable, EmbeddedTransport, Node, Publisher, SyncedCache, Table};
+use cache_sync::{
+    Node, Publisher, SyncedCache, Table,
+    cdc::{CdcRelay, CdcTable},
+    transport::EmbeddedTransport,
+};
 use integration_tests::cdc::*;
 use integration_tests::eventually;
 use integration_tests::postgres_server::PostgresServer;
@@ -1159,7 +1163,7 @@ async fn settings_out_of_range_are_refused() {
 #[cfg(feature = "redis")]
 mod processes {
     use super::*;
-    use cache_sync::RedisStreamsTransport;
+    use cache_sync::transport::RedisStreamsTransport;
     use integration_tests::redis_server::RedisServer;
     use std::process::{Child, Command, Stdio};
 

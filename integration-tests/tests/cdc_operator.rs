@@ -15,7 +15,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use cache_sync::{
-    CdcRelay, CdcRelayBuilder, CdcTable, EmbeddedTransport, Node, Publisher, SyncedCache, Table,
+    Node, Publisher, SyncedCache, Table,
+    cdc::{CdcRelay, CdcRelayBuilder, CdcTable},
+    transport::EmbeddedTransport,
 };
 use integration_tests::cdc::*;
 use integration_tests::eventually;

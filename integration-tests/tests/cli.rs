@@ -13,57 +13,24 @@ use std::time::Duration;
 
 use cache_sync::cluster::ClusterView;
 use cache_sync::transport::Transport;
-use cache_sync::{Node, Publisher, RedisStreamsTransport, SyncedCache};
-use integration_tests::eventually;
+use cache_sync::{Node, Publisher, SyncedCache, transport::RedisStreamsTransport};
+use integration_tests::{built, eventually};
 use integration_tests::redis_server::RedisServer;
 
 const EVERY: Duration = Duration::from_millis(100);
 
 /// The binary: the one `CACHE_SYNC_BIN` names, which must be built with at
 /// least the features `cli`, `redis` and `nats` (`scripts/test` passes the
-/// one its test build just made with every feature: a build of its own
-/// here took another 75 s on a fresh 2-core machine, for a dependency
-/// graph with other features). Otherwise built with `cargo build`, as
-/// trybuild builds its cases: the cargo that runs this test (`CARGO`), the
-/// same target directory, so a second run rebuilds nothing. Once per test
-/// process.
+/// one its test build just made with every feature), or one built here.
 fn binary() -> &'static PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        if let Some(bin) = std::env::var_os("CACHE_SYNC_BIN") {
-            let bin = PathBuf::from(bin);
-            assert!(bin.is_file(), "CACHE_SYNC_BIN names no file: {bin:?}");
-            return bin;
-        }
-        // This test runs as <target>/<profile>/deps/cli-<hash>.
-        let exe = std::env::current_exe().expect("the test's own path");
-        let profile_dir = exe
-            .parent()
-            .and_then(|deps| deps.parent())
-            .expect("the test binary sits in <target>/<profile>/deps");
-        let target = profile_dir.parent().expect("<target>/<profile>");
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let status = Command::new(cargo)
-            .args([
-                "build",
-                "-p",
-                "cache-sync",
-                "--bin",
-                "cache-sync",
-                "--features",
-                // nats for the NATS status test; the rest needs redis only.
-                "cli,redis,nats",
-            ])
-            .env("CARGO_TARGET_DIR", target)
-            .status()
-            .expect("run cargo build");
-        assert!(
-            status.success(),
-            "cargo build of the cache-sync binary failed"
-        );
-        // Tests run in the dev profile's directory (`debug`) unless cargo
-        // was told otherwise; the build above used the dev profile too.
-        target.join("debug").join("cache-sync")
+        built::binary(
+            "CACHE_SYNC_BIN",
+            // nats for the NATS status test; the rest needs redis only.
+            &["-p", "cache-sync", "--bin", "cache-sync", "--features", "cli,redis,nats"],
+            "cache-sync",
+        )
     })
 }
 
@@ -213,7 +180,7 @@ async fn status_publish_and_lag_on_redis_streams() {
 
     // The key probe finds n3 behind on the key: it still knows version 7
     // (the key was invalidated, then the cache cleared, since).
-    let out = run(&["probe", "--cache", "countries", "--key", "de"]).await;
+    let out = run(&["probe", "countries", "de"]).await;
     let (stdout, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
     assert!(stdout.contains("n1: holds, version 9\n"), "{stdout}");
@@ -222,28 +189,57 @@ async fn status_publish_and_lag_on_redis_streams() {
         "{stdout}"
     );
     assert!(stdout.contains("the nodes disagree"), "{stdout}");
-    let out = run(&["probe", "--cache", "countries", "--key", "de", "--json"]).await;
+    let out = run(&["probe", "countries", "de", "--json"]).await;
     let probe: cache_sync::cluster::KeyProbe =
         serde_json::from_slice(&out.stdout).expect("a KeyProbe");
     assert_eq!(probe.behind().collect::<Vec<_>>(), ["n3"]);
 
     stalled.stall(false);
     eventually("n3 caught up", async || c3.status().version == Some(9)).await;
-    let out = run(&["probe", "--cache", "countries", "--key", "de"]).await;
+    let out = run(&["probe", "countries", "de"]).await;
     let (stdout, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
     assert!(stdout.contains("all 3 nodes agree"), "{stdout}");
+    let out = run(&["probe", "countries", "x", "--key-type", "u64"]).await;
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+
+    // A versioned invalidation leaves a tombstone that an older insert,
+    // arriving after it, cannot pass.
     let out = run(&[
-        "probe",
-        "--cache",
+        "publish",
+        "invalidate",
         "countries",
-        "--key",
-        "x",
-        "--key-type",
-        "u64",
+        "de",
+        "--version",
+        "20",
+        "--ack",
+        "5s",
     ])
     .await;
-    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    let out = run(&[
+        "publish",
+        "insert",
+        "countries",
+        "de",
+        "Deutschland",
+        "--version",
+        "15",
+        "--ack",
+        "5s",
+    ])
+    .await;
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    for c in caches {
+        assert_eq!(
+            c.peek("de").await,
+            None,
+            "an older insert passed a tombstone"
+        );
+        assert_eq!(c.status().version, Some(20));
+    }
 
     // A topic no node is on: a probe must not pass.
     let out = run(&["--topic", "nobody-here", "status"]).await;
@@ -284,9 +280,7 @@ async fn a_probe_of_a_key_no_node_can_read_exits_2() {
             "--heartbeat-interval",
             "100ms",
             "probe",
-            "--cache",
             "ids",
-            "--key",
             "7",
             "--key-type",
             key_type,
@@ -344,7 +338,7 @@ async fn status_on_redis_pubsub() {
     let server = RedisServer::start();
     let url = server.url();
     status_lists_every_node("redis-pubsub", &url, async || {
-        cache_sync::RedisPubSubTransport::connect(url.clone())
+        cache_sync::transport::RedisPubSubTransport::connect(url.clone())
             .await
             .expect("connect")
     })
@@ -357,7 +351,7 @@ async fn status_on_nats() {
     let server = integration_tests::nats_server::NatsServer::start();
     let url = server.url();
     status_lists_every_node("nats-jetstream", &url, async || {
-        cache_sync::NatsJetStreamTransport::connect(url.clone())
+        cache_sync::transport::NatsJetStreamTransport::connect(url.clone())
             .await
             .expect("connect")
     })

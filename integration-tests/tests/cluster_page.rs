@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use cache_sync::{EmbeddedTransport, Node, Publisher, SyncedCache};
+use cache_sync::{Node, Publisher, SyncedCache, transport::EmbeddedTransport};
 use fantoccini::ClientBuilder;
 use hyper_util::client::legacy::connect::HttpConnector;
 use serde_json::{Value, json};

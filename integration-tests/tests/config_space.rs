@@ -17,8 +17,11 @@ use std::time::Duration;
 
 use cache_sync::transport::Transport;
 use cache_sync::{
-    EmbeddedTransport, NatsJetStreamTransport, Node, Publisher, RedisPubSubTransport,
-    RedisStreamsTransport, RocketMqTransport, SyncedCache,
+    Node, Publisher, SyncedCache,
+    transport::{
+        EmbeddedTransport, NatsJetStreamTransport, RedisPubSubTransport, RedisStreamsTransport,
+        RocketMqTransport,
+    },
 };
 use integration_tests::nats_server::NatsServer;
 use integration_tests::redis_server::RedisServer;

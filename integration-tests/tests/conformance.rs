@@ -11,12 +11,12 @@ use cache_sync::transport::Transport;
 // transport's scenarios run without building the others (`--no-default-features
 // --features redis`).
 #[cfg(feature = "nats")]
-use cache_sync::NatsJetStreamTransport;
+use cache_sync::transport::NatsJetStreamTransport;
 #[cfg(feature = "rocketmq")]
-use cache_sync::RocketMqTransport;
-use cache_sync::{EmbeddedTransport, Publisher};
+use cache_sync::transport::RocketMqTransport;
 #[cfg(feature = "redis")]
-use cache_sync::{RedisPubSubTransport, RedisStreamsTransport};
+use cache_sync::transport::{RedisPubSubTransport, RedisStreamsTransport};
+use cache_sync::{Publisher, transport::EmbeddedTransport};
 use integration_tests::cluster_view;
 use integration_tests::conformance::broker_killed_mid_window;
 use integration_tests::conformance::{

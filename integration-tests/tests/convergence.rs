@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cache_sync::{EmbeddedTransport, Publisher};
+use cache_sync::{Publisher, transport::EmbeddedTransport};
 use integration_tests::{Db, TABLE, TestNode, assert_no_stale_entries, fence};
 use proptest::prelude::*;
 

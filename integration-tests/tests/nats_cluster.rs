@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use cache_sync::NatsJetStreamTransport;
+use cache_sync::transport::NatsJetStreamTransport;
 use cache_sync::transport::{Delivery, StartFrom, SubscribeOptions, Subscription, Transport};
 use integration_tests::nats_cluster::NatsCluster;
 

@@ -2,7 +2,7 @@
 #![cfg(feature = "nats")]
 
 use bytes::Bytes;
-use cache_sync::NatsJetStreamTransport;
+use cache_sync::transport::NatsJetStreamTransport;
 use cache_sync::transport::{Delivery, StartFrom, SubscribeOptions, Transport};
 use integration_tests::nats_server::NatsServer;
 

@@ -10,7 +10,7 @@
 //!
 //! Events are recognised by a marker, `~NNNNNNN~`, in the key or value each
 //! enqueue carries: one marker per event, read straight out of the payload.
-#![cfg(feature = "postgres")]
+#![cfg(feature = "postgres-outbox")]
 // Test code throughout, helpers included: a failed step fails the test
 // with its error.
 #![allow(clippy::unwrap_used)]
@@ -22,8 +22,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use cache_sync::transport::FaultyTransport;
 use cache_sync::{
-    EmbeddedTransport, Error, Node, Outbox, OutboxRelay, OutboxRelayStats, Publisher, SyncedCache,
-    Table,
+    Error, Node, Publisher, SyncedCache, Table,
+    outbox::{Outbox, OutboxRelay, OutboxRelayStats},
+    transport::EmbeddedTransport,
 };
 use futures_util::future::BoxFuture;
 use integration_tests::eventually;
@@ -78,7 +79,7 @@ impl TestDb {
         self.builder().build().expect("outbox")
     }
 
-    fn builder(&self) -> cache_sync::OutboxBuilder {
+    fn builder(&self) -> cache_sync::outbox::OutboxBuilder {
         Outbox::builder().schema(self.schema.clone())
     }
 
@@ -948,7 +949,7 @@ async fn a_relay_whose_session_dies_before_its_commit_loses_nothing() {
 #[cfg(feature = "redis")]
 mod redis {
     use super::*;
-    use cache_sync::RedisStreamsTransport;
+    use cache_sync::transport::RedisStreamsTransport;
     use cache_sync::transport::{Delivery, StartFrom, SubscribeOptions, Transport};
     use integration_tests::redis_server::RedisServer;
     use std::process::{Child, Command};

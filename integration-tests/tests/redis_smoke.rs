@@ -4,7 +4,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use cache_sync::transport::{Delivery, LossReason, Offset, StartFrom, SubscribeOptions, Transport};
-use cache_sync::{Node, Publisher, RedisPubSubTransport, RedisStreamsTransport, SyncedCache};
+use cache_sync::{
+    Node, Publisher, SyncedCache,
+    transport::{RedisPubSubTransport, RedisStreamsTransport},
+};
 use integration_tests::eventually;
 use integration_tests::redis_server::RedisServer;
 

@@ -6,7 +6,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cache_sync::{EmbeddedTransport, Node, Publisher, SyncedCache};
+use cache_sync::{Node, Publisher, SyncedCache, transport::EmbeddedTransport};
 use tokio::time::Instant;
 
 const LAG: Duration = Duration::from_millis(300);

@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use bytes::Bytes;
-use cache_sync::RocketMqTransport;
+use cache_sync::transport::RocketMqTransport;
 use cache_sync::transport::{
     Delivery, Position, StartFrom, SubscribeOptions, Subscription, Transport,
 };

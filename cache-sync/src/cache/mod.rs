@@ -330,7 +330,7 @@ where
     /// versioned change.
     ///
     /// A loader for [`get_with_versioned`](Self::get_with_versioned) on a
-    /// cache a [`CdcRelay`](crate::CdcRelay) feeds returns it, read
+    /// cache a [`CdcRelay`](crate::cdc::CdcRelay) feeds returns it, read
     /// *before* it reads the row: see the relay's section on loads.
     pub fn version(&self) -> Option<u64> {
         let v = self.inner.stats.version.load(Relaxed);

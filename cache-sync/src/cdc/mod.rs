@@ -1,6 +1,6 @@
 //! Invalidation from PostgreSQL's own log (feature `postgres-cdc`).
 //!
-//! The [`Outbox`](crate::Outbox) covers writers that use it. A migration, a
+//! The [`Outbox`](crate::outbox::Outbox) covers writers that use it. A migration, a
 //! `psql` session or a job in another language writes the table directly
 //! and leaves every node stale. The [`CdcRelay`] reads the database's
 //! logical replication stream instead (the built-in `pgoutput` plugin), so
@@ -42,7 +42,8 @@ use pgoutput::{Datum, Relation, Tuple};
 /// [`CdcRelayBuilder::table`].
 ///
 /// ```
-/// use cache_sync::{CdcTable, Table};
+/// use cache_sync::Table;
+/// use cache_sync::cdc::CdcTable;
 ///
 /// const COUNTRIES: Table<String, String> = Table::new("countries");
 /// const FLAGS: Table<i64, bool> = Table::new("flags");

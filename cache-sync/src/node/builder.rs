@@ -16,11 +16,12 @@ use super::consume::{Subscribed, consume_loop};
 use super::heartbeat::{heartbeat_loop, take};
 use super::maintenance::maintenance_loop;
 use super::stats::NodeStats;
-use super::{Config, Handle, Node, OffsetStore, Shared};
+use super::{Config, Handle, Node, Shared};
 use crate::cache::{CacheHandle, SyncedCache};
 use crate::cluster::{Cluster, check_interval};
 use crate::error::{Error, Result};
 use crate::table::check_topic;
+use crate::transport::OffsetStore;
 use crate::transport::{StartFrom, Transport};
 use crate::util::{lock, now_us};
 use crate::wire::{Codec, Keyring, check_max_event_bytes};
@@ -68,7 +69,7 @@ impl NodeBuilder {
         self
     }
 
-    /// Where the position is kept. Default: a [`MemoryOffsetStore`](crate::MemoryOffsetStore).
+    /// Where the position is kept. Default: a [`MemoryOffsetStore`](crate::transport::MemoryOffsetStore).
     pub fn offset_store(mut self, store: impl OffsetStore) -> Self {
         self.offsets = Arc::new(store);
         self

@@ -183,7 +183,7 @@ pub(super) mod tests {
     use tower::ServiceExt;
 
     use super::*;
-    use crate::{EmbeddedTransport, SyncedCache};
+    use crate::{SyncedCache, transport::EmbeddedTransport};
 
     pub(in crate::node) async fn node_with_cache() -> (Node, SyncedCache<String, String>) {
         let cache = SyncedCache::new("countries", moka::future::Cache::new(100));

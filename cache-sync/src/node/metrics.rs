@@ -524,7 +524,7 @@ mod tests {
     use crate::util::now_us;
     use crate::util::promtool_check;
     use crate::wire::{Change, EntryVersion, Header, Origin, encode, encode_part};
-    use crate::{EmbeddedTransport, Node, SyncedCache};
+    use crate::{Node, SyncedCache, transport::EmbeddedTransport};
 
     type Cache = SyncedCache<String, String>;
 

@@ -24,7 +24,7 @@ use crate::cluster::{Cluster, DEFAULT_HEARTBEAT_INTERVAL};
 use crate::error::{Error, Result};
 use crate::publish::{DEFAULT_ANNOUNCE_INTERVAL, DEFAULT_WINDOW, Publisher};
 use crate::status::NodeStatus;
-use crate::transport::{DEFAULT_TOPIC, StartFrom, Transport};
+use crate::transport::{DEFAULT_TOPIC, MemoryOffsetStore, StartFrom, Transport};
 use crate::wire::DEFAULT_MAX_EVENT_BYTES;
 use shared::{Config, Shared};
 
@@ -38,7 +38,6 @@ mod http;
 mod lateness;
 mod maintenance;
 mod metrics;
-mod offsets;
 mod registry;
 mod route;
 mod seqs;
@@ -47,16 +46,9 @@ mod shared;
 mod stats;
 
 pub use builder::NodeBuilder;
-pub use offsets::{FileOffsetStore, MemoryOffsetStore, OffsetStore};
 #[cfg(any(test, feature = "_fuzz"))]
 pub(crate) use route::RawNode;
 pub use server::StatusServer;
-
-/// The `offsets` fuzz target: `offsets.json` parsing.
-#[cfg(any(test, feature = "_fuzz"))]
-pub(crate) fn fuzz_offsets(data: &[u8]) {
-    offsets::fuzz(data);
-}
 
 /// See [`NodeBuilder::reorder_window`].
 pub(crate) const DEFAULT_REORDER_WINDOW: Duration = Duration::from_secs(10);

@@ -446,7 +446,7 @@ mod tests {
     use tower::ServiceExt;
 
     use super::*;
-    use crate::{EmbeddedTransport, SyncedCache};
+    use crate::{SyncedCache, transport::EmbeddedTransport};
 
     async fn get(node: &Node, uri: &str) -> (StatusCode, String, String) {
         let response = node
@@ -656,8 +656,8 @@ mod tests {
         }
     }
 
-    fn watcher() -> crate::Cluster {
-        crate::Cluster::new(
+    fn watcher() -> crate::cluster::Cluster {
+        crate::cluster::Cluster::new(
             "watcher".into(),
             "cache-sync".into(),
             std::sync::Arc::new(EmbeddedTransport::new()),

@@ -12,11 +12,12 @@ use std::time::Duration;
 
 use tokio::sync::{Notify, watch};
 
+use super::acks;
 use super::registry::CacheMap;
 use super::stats::NodeStats;
-use super::{OffsetStore, acks};
 use crate::cluster::Cluster;
 use crate::error::Result;
+use crate::transport::OffsetStore;
 use crate::transport::{
     LossReason, Position, StartFrom, SubscribeOptions, Subscription, Transport,
 };

@@ -6,10 +6,10 @@ use bytes::Bytes;
 use super::seqs::PublisherSeqs;
 use super::*;
 use crate::transport::FaultyTransport;
-use crate::transport::Position;
+use crate::transport::{FileOffsetStore, OffsetStore, Position};
 use crate::util::now_us;
 use crate::wire::{Change, Codec, EntryVersion, Header, encode_part};
-use crate::{EmbeddedTransport, Keyring};
+use crate::{Keyring, transport::EmbeddedTransport};
 
 mod acks;
 mod audit;

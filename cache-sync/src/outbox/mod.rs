@@ -1,4 +1,4 @@
-//! The transactional outbox on PostgreSQL (feature `postgres`).
+//! The transactional outbox on PostgreSQL (feature `postgres-outbox`).
 //!
 //! Publishing after a commit is two writes: a crash or a broker outage
 //! between them leaves the change unpublished, and nodes serve the old row
@@ -74,8 +74,9 @@ pub(crate) const CHANNEL: &str = "cache_sync_outbox";
 /// Cheap to clone.
 ///
 /// ```no_run
-/// use cache_sync::{Outbox, OutboxRelay, Publisher, Table};
-/// # use cache_sync::EmbeddedTransport;
+/// use cache_sync::outbox::{Outbox, OutboxRelay};
+/// use cache_sync::{Publisher, Table};
+/// # use cache_sync::transport::EmbeddedTransport;
 ///
 /// const COUNTRIES: Table<String, String> = Table::new("countries");
 ///

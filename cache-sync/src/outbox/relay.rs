@@ -175,7 +175,7 @@ impl OutboxRelayBuilder {
     /// Checks the settings, reads the outbox's fencing scope, connects the
     /// listener and starts the relay's task on the current tokio runtime.
     /// [`Error::Config`] for a setting out of range or a publisher on
-    /// another topic than the outbox's [`topic`](crate::OutboxBuilder::topic),
+    /// another topic than the outbox's [`topic`](crate::outbox::OutboxBuilder::topic),
     /// [`Error::Database`]
     /// when the database cannot be reached or the outbox's schema lacks its
     /// second migration ([`Outbox::migrate`] adds it).

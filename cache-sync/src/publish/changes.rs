@@ -60,7 +60,7 @@ pub(crate) fn replacement<'a, K: Serialize + 'a, V: Serialize + 'a>(
 /// Splits an already built change (the outbox relay's, stored before the
 /// publisher's limit was known) as `budget` needs. An entry that can never
 /// fit is [`Error::TooLarge`].
-#[cfg(feature = "postgres")]
+#[cfg(feature = "_sql")]
 pub(crate) fn resplit(change: Change, budget: usize) -> Result<Vec<Change>> {
     match change {
         Change::Invalidate { keys } => split_invalidations(keys, budget),

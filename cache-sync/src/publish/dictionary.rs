@@ -247,8 +247,8 @@ impl<K: Serialize, V: Serialize> DictionaryPublisher<K, V> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::EmbeddedTransport;
     use crate::publish::tests::drain;
+    use crate::transport::EmbeddedTransport;
     use crate::wire::Change;
 
     #[tokio::test]

@@ -13,7 +13,7 @@ use crate::error::Result;
 use crate::table::Table;
 use crate::transport::{DEFAULT_TOPIC, PendingPublish, Position, Transport};
 use crate::util::{Hasher, lock, now_us};
-#[cfg(feature = "postgres")]
+#[cfg(feature = "_sql")]
 use crate::wire::Change;
 use crate::wire::{Codec, DEFAULT_MAX_EVENT_BYTES, Fence, Header, HeaderExt, Origin, Outgoing};
 
@@ -375,7 +375,7 @@ impl Publisher {
 
     /// Splits an already built change (the outbox relay's) as this
     /// publisher's limit needs.
-    #[cfg(feature = "postgres")]
+    #[cfg(feature = "_sql")]
     pub(crate) fn resplit(&self, change: Change) -> Result<Vec<Change>> {
         changes::resplit(change, self.budget())
     }
@@ -387,7 +387,7 @@ impl Publisher {
     }
 
     /// [`send`](Self::send) under an outbox relay's fencing token.
-    #[cfg(feature = "postgres")]
+    #[cfg(feature = "_sql")]
     pub(crate) async fn send_fenced(
         &self,
         cache: &str,
@@ -579,12 +579,12 @@ impl Publisher {
 mod again;
 mod announce;
 mod builder;
-#[cfg(feature = "postgres")]
+#[cfg(feature = "_sql")]
 mod changes;
 mod dictionary;
 mod published;
 
-#[cfg(feature = "postgres")]
+#[cfg(feature = "_sql")]
 pub(crate) use changes::{invalidations, refreshes, replacement};
 
 use again::AgainQueue;
@@ -597,7 +597,7 @@ use published::Sent;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::EmbeddedTransport;
+    use crate::transport::EmbeddedTransport;
     use crate::transport::{Delivery, StartFrom, SubscribeOptions};
     use crate::wire::{Change, KeyVersion, MAX_EVENT_BYTES_CEILING, decode, encode_part};
 

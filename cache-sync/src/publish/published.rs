@@ -53,7 +53,7 @@ impl Published {
     /// so. An empty publish (no event) resolves at once, with no node.
     ///
     /// ```no_run
-    /// # async fn run(publisher: cache_sync::Publisher, cluster: cache_sync::Cluster) -> cache_sync::Result<()> {
+    /// # async fn run(publisher: cache_sync::Publisher, cluster: cache_sync::cluster::Cluster) -> cache_sync::Result<()> {
     /// use std::time::Duration;
     /// let published = publisher.invalidate("countries", ["de"]).await?;
     /// let acks = published.applied_by(&cluster, Duration::from_secs(5)).await;

@@ -28,9 +28,26 @@ pub(crate) mod redis;
 #[cfg(feature = "rocketmq")]
 pub(crate) mod rocketmq;
 
+mod offsets;
+
+pub use embedded::{EmbeddedBuilder, EmbeddedTransport};
 #[cfg(any(test, feature = "test-util"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub use faulty::FaultyTransport;
+#[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+pub use nats::{NatsJetStreamBuilder, NatsJetStreamTransport};
+#[cfg(any(test, feature = "_fuzz"))]
+pub(crate) use offsets::fuzz as fuzz_offsets;
+pub use offsets::{FileOffsetStore, MemoryOffsetStore, OffsetStore};
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use redis::{
+    RedisPubSubBuilder, RedisPubSubTransport, RedisStreamsBuilder, RedisStreamsTransport,
+};
+#[cfg(feature = "rocketmq")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rocketmq")))]
+pub use rocketmq::{RocketMqBuilder, RocketMqTransport};
 
 /// Where a subscriber stands in a topic: one offset per partition.
 ///

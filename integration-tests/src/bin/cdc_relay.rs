@@ -5,7 +5,11 @@
 
 use std::time::Duration;
 
-use cache_sync::{CdcRelay, CdcTable, Publisher, RedisStreamsTransport, Table};
+use cache_sync::{
+    Publisher, Table,
+    cdc::{CdcRelay, CdcTable},
+    transport::RedisStreamsTransport,
+};
 
 const ITEMS: Table<i64, String> = Table::new("items");
 

@@ -4,7 +4,11 @@
 
 use std::time::Duration;
 
-use cache_sync::{Outbox, OutboxRelay, Publisher, RedisStreamsTransport};
+use cache_sync::{
+    Publisher,
+    outbox::{Outbox, OutboxRelay},
+    transport::RedisStreamsTransport,
+};
 use sqlx::postgres::PgPoolOptions;
 
 #[tokio::main(flavor = "current_thread")]

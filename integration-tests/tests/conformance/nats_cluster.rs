@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use cache_sync::NatsJetStreamTransport;
+use cache_sync::transport::NatsJetStreamTransport;
 use cache_sync::transport::Transport;
 use integration_tests::conformance::{Expect, Fault, Fixture, retry};
 use integration_tests::nats_cluster::NatsCluster;

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use cache_sync::transport::Transport;
-use cache_sync::{RedisPubSubTransport, RedisStreamsTransport};
+use cache_sync::transport::{RedisPubSubTransport, RedisStreamsTransport};
 use integration_tests::conformance::{Expect, Fault, Fixture, retry};
 use integration_tests::redis_cluster::RedisCluster;
 

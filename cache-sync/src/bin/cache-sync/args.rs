@@ -76,12 +76,12 @@ pub(crate) enum Command {
     /// disagree, some node did not answer or some could not read the key,
     /// 2 on errors (a key that no node could read: see --key-type)
     #[command(verbatim_doc_comment)]
+    // Positional, as a publish's are: the cache, then the key.
     Probe {
         /// The cache's name, e.g. countries
-        #[arg(long)]
         cache: String,
         /// The key, of --key-type
-        #[arg(long, allow_hyphen_values = true)]
+        #[arg(allow_hyphen_values = true)]
         key: String,
         /// The cache's key type
         #[arg(long, value_name = "TYPE", default_value = "string")]
@@ -119,6 +119,11 @@ pub(crate) enum Publish {
         // another key starting with `-` goes after `--`.
         #[arg(required = true, allow_negative_numbers = true)]
         keys: Vec<String>,
+        /// Each key's version: a node keeps a tombstone at it, so an
+        /// insert older than it arriving later is ignored. Without it,
+        /// applied in delivery order
+        #[arg(long)]
+        version: Option<u64>,
         #[command(flatten)]
         common: PublishArgs,
     },

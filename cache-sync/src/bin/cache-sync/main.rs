@@ -5,7 +5,7 @@
 //! cache-sync --transport redis-streams status --max-lag 5s
 //! cache-sync --transport nats-jetstream --url nats://10.0.0.5:4222 watch
 //! cache-sync --transport redis-streams publish insert countries de Deutschland --version 7 --ack 5s
-//! cache-sync --transport redis-streams probe --cache countries --key de
+//! cache-sync --transport redis-streams probe countries de
 //! ```
 //!
 //! Exit codes: 0 all good, 1 a node diverged, no node answered, a publish
@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cache_sync::transport::Transport;
-use cache_sync::{Cluster, Keyring};
+use cache_sync::{Keyring, cluster::Cluster};
 use clap::Parser as _;
 
 use args::{Args, Command, KeyType};

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use cache_sync::{Cluster, Published, Publisher};
+use cache_sync::{Published, Publisher, cluster::Cluster};
 use serde::Serialize;
 
 use crate::Context;
@@ -68,10 +68,11 @@ pub(crate) async fn run(ctx: &Context, command: Publish) -> Result<ExitCode, Str
     };
     // Parse everything before connecting: a typo costs no broker round trip.
     let change = match &command {
-        Publish::Invalidate { keys, .. } => Change::Invalidate(
+        Publish::Invalidate { keys, version, .. } => Change::Invalidate(
             keys.iter()
                 .map(|k| key(k, common.key_type))
                 .collect::<Result<_, _>>()?,
+            *version,
         ),
         Publish::Insert {
             key: k,
@@ -98,7 +99,10 @@ pub(crate) async fn run(ctx: &Context, command: Publish) -> Result<ExitCode, Str
         None => None,
     };
     let published: Published = match change {
-        Change::Invalidate(keys) => publisher.invalidate(&cache, keys).await,
+        Change::Invalidate(keys, version) => {
+            let keys = keys.into_iter().map(|k| (k, version));
+            publisher.invalidate_versioned(&cache, keys).await
+        }
         Change::Refresh(k, v, version) => {
             publisher.insert_versioned(&cache, [(k, v, version)]).await
         }
@@ -121,7 +125,7 @@ pub(crate) async fn run(ctx: &Context, command: Publish) -> Result<ExitCode, Str
 }
 
 enum Change {
-    Invalidate(Vec<Typed>),
+    Invalidate(Vec<Typed>, Option<u64>),
     Refresh(Typed, Typed, Option<u64>),
     Clear(Option<u64>),
 }

@@ -92,13 +92,21 @@ impl Kind {
         #[allow(unreachable_patterns, unreachable_code)]
         Ok(match self {
             #[cfg(feature = "redis")]
-            Kind::RedisStreams => Arc::new(cache_sync::RedisStreamsTransport::connect(url).await?),
+            Kind::RedisStreams => {
+                Arc::new(cache_sync::transport::RedisStreamsTransport::connect(url).await?)
+            }
             #[cfg(feature = "redis")]
-            Kind::RedisPubSub => Arc::new(cache_sync::RedisPubSubTransport::connect(url).await?),
+            Kind::RedisPubSub => {
+                Arc::new(cache_sync::transport::RedisPubSubTransport::connect(url).await?)
+            }
             #[cfg(feature = "nats")]
-            Kind::Nats => Arc::new(cache_sync::NatsJetStreamTransport::connect(url).await?),
+            Kind::Nats => {
+                Arc::new(cache_sync::transport::NatsJetStreamTransport::connect(url).await?)
+            }
             #[cfg(feature = "rocketmq")]
-            Kind::RocketMq => Arc::new(cache_sync::RocketMqTransport::connect(url).await?),
+            Kind::RocketMq => {
+                Arc::new(cache_sync::transport::RocketMqTransport::connect(url).await?)
+            }
             _ => {
                 let _ = url;
                 return Err(cache_sync::Error::Config(format!(

@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::*;
-use crate::{EmbeddedTransport, Node};
+use crate::{Node, transport::EmbeddedTransport};
 
 /// A cache whose loads pin their key at the first retry (a write during the
 /// first attempt sends the second under the pin), with `wait` as the bound.

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use super::*;
-use crate::Cluster;
+use crate::cluster::Cluster;
 use crate::cluster::{Ack, Incomplete, Message, Request, Target};
 
 const EVERY: Duration = Duration::from_millis(100);

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::*;
-use crate::Cluster;
+use crate::cluster::Cluster;
 use crate::cluster::Heartbeat;
 use crate::cluster::{Incomplete, Message, Request};
 

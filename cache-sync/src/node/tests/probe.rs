@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use super::*;
-use crate::Cluster;
+use crate::cluster::Cluster;
 use crate::status::TraceEvent;
 
 use super::cluster::{EVERY, start};

@@ -28,7 +28,7 @@ use inject::Holding;
 ///
 /// ```
 /// # async fn demo() -> cache_sync::Result<()> {
-/// use cache_sync::EmbeddedTransport;
+/// use cache_sync::transport::EmbeddedTransport;
 /// use cache_sync::transport::FaultyTransport;
 ///
 /// let faulty = FaultyTransport::new(EmbeddedTransport::new());

@@ -185,10 +185,10 @@ fn parse(bytes: &[u8], path: &Path) -> Result<OffsetsFile> {
     })
 }
 
-/// See `node::fuzz_offsets`: what parses is written back (as the store
-/// writes it) and parses to the same positions.
+/// The `offsets` fuzz target, `offsets.json` parsing: what parses is
+/// written back (as the store writes it) and parses to the same positions.
 #[cfg(any(test, feature = "_fuzz"))]
-pub(super) fn fuzz(data: &[u8]) {
+pub(crate) fn fuzz(data: &[u8]) {
     let path = Path::new("offsets.json");
     let Ok(file) = parse(data, path) else {
         return;
