@@ -24,7 +24,9 @@ use serde::Serialize;
 use crate::table::Table;
 use crate::wire::encode_part;
 
+mod address;
 mod batch;
+mod builder;
 mod metrics;
 pub(crate) mod pgoutput;
 mod publication;
@@ -32,6 +34,7 @@ mod publishing;
 mod relay;
 mod slot;
 mod state;
+mod stats;
 mod stream;
 
 pub use relay::{CdcRelay, CdcRelayBuilder, CdcRelayStats};
