@@ -14,8 +14,8 @@ use super::publication::{self, Mode};
 use super::relay::{CdcRelay, Inner};
 use super::slot::{self, SlotState, db};
 use super::stats::Shared;
-use super::stream::{self, SQL_TIMEOUT};
-use super::{CdcTable, Mapping};
+use super::stream::SQL_TIMEOUT;
+use super::{CdcTable, Mapping, session, upkeep};
 use crate::error::{Error, Result};
 use crate::publish::Publisher;
 use crate::util::check_duration;
@@ -277,14 +277,14 @@ impl CdcRelayBuilder {
             standby_retry: self.standby_retry,
         });
         let (stop, stopped) = watch::channel(false);
-        let lag = tokio::spawn(stream::lag_loop(
+        let lag = tokio::spawn(upkeep::lag_loop(
             Arc::clone(&inner),
             stopped.clone(),
             self.lag_interval,
             self.lag_warning_bytes,
         ));
         let task = tokio::spawn(async move {
-            stream::run(inner, stopped).await;
+            session::run(inner, stopped).await;
             let _ = lag.await;
         });
         Ok(CdcRelay {
