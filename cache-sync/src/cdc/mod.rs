@@ -24,15 +24,22 @@ use serde::Serialize;
 use crate::table::Table;
 use crate::wire::encode_part;
 
+mod address;
 mod batch;
+mod builder;
+mod changes;
+mod handoff;
 mod metrics;
 pub(crate) mod pgoutput;
 mod publication;
 mod publishing;
 mod relay;
+mod session;
 mod slot;
 mod state;
+mod stats;
 mod stream;
+mod upkeep;
 
 pub use relay::{CdcRelay, CdcRelayBuilder, CdcRelayStats};
 

@@ -1,299 +1,70 @@
-//! The relay's task: replication sessions, one after another, each
-//! streaming the slot, mapping its changes and publishing them.
+//! A session's stream: what it holds, and the loop that reads the
+//! replication events, gathers committed transactions and hands them on
+//! (or skips one too large to read).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures_util::FutureExt as _;
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 use tokio::sync::{mpsc, watch};
 
-use super::Row;
 use super::batch::Batch;
-use super::pgoutput::{self, Message, Relation};
-use super::publication::{self, Mode};
-use super::publishing::{self, Job, Progress};
+use super::pgoutput::Relation;
+use super::publishing::{Job, Progress};
 use super::relay::Inner;
-use super::slot::{self, RESYNC_PREFIX, SlotState, db};
+use super::session::Ended;
+use super::slot::{self, RESYNC_PREFIX, db};
 use super::state::{self, Scope};
+use super::upkeep::drop_slot;
 use crate::error::Result;
-use crate::util::Backoff;
 
-/// Row changes, bytes of keys and values, and transactions gathered into
-/// one publish at most (more wait for the next).
-const MAX_BATCH_ROWS: u64 = 5_000;
-const MAX_BATCH_BYTES: usize = 16 << 20;
-const MAX_BATCH_TRANSACTIONS: u64 = 1_000;
 /// The longest the database may take to answer the visibility check
 /// before the session is given up and started again.
 pub(super) const SQL_TIMEOUT: Duration = Duration::from_secs(10);
-const BACKOFF_MIN: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
-
-/// How a session ended without an error.
-enum Ended {
-    /// Another relay streams the slot (or, `foreign`, another client).
-    Standby { pid: i32, foreign: Option<String> },
-    /// The server ended the stream.
-    Closed,
-    /// The relay was told to stop, and closed the stream.
-    Stopped,
-    /// The publication was dropped under the stream (see `run`).
-    PublicationGone(String),
-    /// The publishing task ended: its error says why.
-    Publishing,
-}
-
-/// How long a stopping session waits for the client to report its last
-/// confirmed position to the server (it does so every 200 ms), so the
-/// next relay does not publish it again.
-const FEEDBACK_GRACE: Duration = Duration::from_secs(1);
-
-/// How long a stopping relay waits for its session to close the stream
-/// (a publish under way finishes first) before dropping it.
-const STOP_GRACE: Duration = Duration::from_secs(5);
-
-pub(super) async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
-    let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
-    let mut standby_of: Option<i32> = None;
-    // A client that is not a relay held the slot: what it confirmed never
-    // reached nodes, so a resync is owed once the slot is free again.
-    let after_foreign = AtomicBool::new(false);
-    loop {
-        if *stop.borrow() {
-            break;
-        }
-        let mut session = std::pin::pin!(session(
-            Arc::clone(&inner),
-            standby_of.is_some(),
-            &after_foreign,
-            stop.clone()
-        ));
-        let ended = tokio::select! {
-            ended = &mut session => ended,
-            _ = stop.changed() => {
-                // The session sees the stop too, at its next read, and
-                // closes the stream, so the slot is free for the next relay
-                // when `shutdown` returns.
-                let _ = tokio::time::timeout(STOP_GRACE, &mut session).await;
-                break;
-            }
-        };
-        inner.shared.active.store(false, Ordering::Relaxed);
-        let wait = match ended {
-            Ok(Ended::Standby { pid, foreign }) => {
-                if let Some(client) = foreign {
-                    if !after_foreign.load(Ordering::Relaxed) || standby_of != Some(pid) {
-                        tracing::error!(slot = %inner.shared.slot, pid, client, "cdc relay: the slot is read by a client that is not a cache-sync relay: the changes it confirms never reach nodes; every mapped cache is resynced once the relay has the slot back");
-                    }
-                    after_foreign.store(true, Ordering::Relaxed);
-                } else if standby_of.is_none() {
-                    tracing::info!(slot = %inner.shared.slot, pid, "cdc relay: standby, another session streams the slot");
-                }
-                standby_of = Some(pid);
-                backoff.reset();
-                inner.standby_retry
-            }
-            Ok(Ended::Closed) => {
-                standby_of = None;
-                backoff.fail()
-            }
-            Ok(Ended::Stopped) => break,
-            Ok(Ended::Publishing) => unreachable!("a session returns the publishing task's error"),
-            Ok(Ended::PublicationGone(why)) => {
-                // pgoutput reads the publication as the catalog was at each
-                // change: past the drop, this slot's stream fails for ever,
-                // whatever is created since. Only a new slot goes on, and
-                // what the old one could not stream is resynced.
-                standby_of = None;
-                inner.shared.failures.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(slot = %inner.shared.slot, error = %why, "cdc relay: the publication was dropped under the stream, which cannot go past the drop; creating the publication again, and the slot anew with a resync");
-                check_publication(&inner).await;
-                drop_slot(&inner).await;
-                backoff.fail()
-            }
-            Err(e) => {
-                standby_of = None;
-                inner.shared.failures.fetch_add(1, Ordering::Relaxed);
-                let wait = backoff.fail();
-                tracing::warn!(slot = %inner.shared.slot, error = %e, retry_in = ?wait, "cdc relay: session failed; starting again from the confirmed position");
-                wait
-            }
-        };
-        tokio::select! {
-            () = tokio::time::sleep(wait) => {}
-            _ = stop.changed() => break,
-        }
-    }
-}
-
-/// One replication session: from taking the slot to losing it.
-async fn session(
-    owned: Arc<Inner>,
-    was_standby: bool,
-    after_foreign: &AtomicBool,
-    mut stop: watch::Receiver<bool>,
-) -> Result<Ended> {
-    let inner = &*owned;
-    let slot = &inner.shared.slot;
-    match slot::slot_state(&inner.pool, slot).await? {
-        SlotState::Active { pid, foreign } => return Ok(Ended::Standby { pid, foreign }),
-        SlotState::Missing => {
-            tracing::warn!(slot = %slot, "cdc relay: the slot is gone (dropped?); creating it again and clearing every mapped cache");
-            // A slot streams through the publication: put it back first
-            // if it went too.
-            check_publication(inner).await;
-            slot::create_slot(&inner.pool, &inner.publication, slot, false).await?;
-        }
-        SlotState::Lost => {
-            tracing::warn!(slot = %slot, "cdc relay: the server invalidated the slot (max_slot_wal_keep_size); creating it again and clearing every mapped cache");
-            check_publication(inner).await;
-            slot::create_slot(&inner.pool, &inner.publication, slot, true).await?;
-        }
-        SlotState::Idle => {
-            if after_foreign.load(Ordering::Relaxed) {
-                // Owed now the other client let go: the message lands after
-                // whatever it confirmed.
-                state::owe(&inner.pool, &inner.publication, slot, None).await?;
-                after_foreign.store(false, Ordering::Relaxed);
-            }
-        }
-    }
-    // A debt a relay left when it died (after creating the slot, say).
-    state::settle(&inner.pool, &inner.publication, slot).await?;
-    // Resyncs this slot already applied: streamed again after a server
-    // crash forgot the slot's confirmed position, they are not applied
-    // twice.
-    let done = state::done(&inner.pool, &inner.publication, slot).await?;
-    let mut client = ReplicationClient::connect(inner.config.clone())
-        .await
-        .map_err(db)?;
-    if let Err(e) = client.wait_started().await {
-        // Most often another relay took the slot between the check and
-        // the start: that is standing by, not a failure.
-        if let Ok(SlotState::Active { pid, foreign }) = slot::slot_state(&inner.pool, slot).await {
-            return Ok(Ended::Standby { pid, foreign });
-        }
-        return Err(db(e));
-    }
-    inner.shared.active.store(true, Ordering::Relaxed);
-    if was_standby {
-        inner.shared.takeovers.fetch_add(1, Ordering::Relaxed);
-        tracing::info!(slot = %slot, "cdc relay: took over the slot");
-    } else {
-        tracing::info!(slot = %slot, "cdc relay: streaming the slot");
-    }
-    let publishing::Handle {
-        jobs,
-        progress,
-        mut task,
-    } = publishing::start(Arc::clone(&owned), done);
-    let mut stream = Stream {
-        inner,
-        relations: HashMap::new(),
-        mapped: HashMap::new(),
-        batch: Batch::default(),
-        open: None,
-        last_commit: 0,
-        pending_end: None,
-        committed: false,
-        open_batch: Batch::default(),
-        resync_at: None,
-        done,
-        last_confirmed: None,
-        jobs: Some(jobs),
-        progress,
-        handed: 0,
-        in_flight: VecDeque::new(),
-        batch_oldest: 0,
-    };
-    let mut result = stream.pump(&mut client, &mut stop).await;
-    // What was handed over is published (or the task fails), and
-    // confirmed: a stop hands its last position over to the next relay,
-    // and a session that fails for another reason does not leave a
-    // publish half done for the next one to race with.
-    stream.jobs = None;
-    let finished = task.finish().await;
-    if let Err(e) = finished {
-        if matches!(result, Ok(Ended::Publishing | Ended::Stopped)) {
-            result = Err(e);
-        } else {
-            tracing::debug!(slot = %slot, error = %e, "cdc relay: the publishing task failed too");
-        }
-    } else if matches!(result, Ok(Ended::Publishing)) {
-        result = Err(db("the relay's publishing task ended"));
-    }
-    stream.progressed(&client);
-    let last_confirmed = stream.last_confirmed;
-    // What it held is given up: the next session receives it again.
-    inner
-        .shared
-        .oldest_pending_commit
-        .store(0, Ordering::Relaxed);
-    if matches!(result, Ok(Ended::Stopped)) {
-        // The client reports the confirmed position every 200 ms, and not
-        // on its way out: wait for the last one to be sent, or the next
-        // relay would publish it all again (and apply a resync twice).
-        if let Some(lsn) = last_confirmed {
-            let metrics = client.metrics();
-            let _ = tokio::time::timeout(FEEDBACK_GRACE, async {
-                while metrics.last_applied_lsn() < lsn {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-            })
-            .await;
-        }
-        // CopyDone, and the worker's end: the connection is closed when
-        // this returns.
-        let _ = tokio::time::timeout(STOP_GRACE, client.shutdown()).await;
-    } else {
-        client.stop();
-    }
-    result
-}
 
 /// The open transaction.
-struct Open {
-    version: u64,
-    xid: u32,
+pub(super) struct Open {
+    pub(super) version: u64,
+    pub(super) xid: u32,
     /// Its commit time on the server's clock, in µs.
-    commit_time: i64,
+    pub(super) commit_time: i64,
 }
 
-struct Stream<'a> {
-    inner: &'a Inner,
-    relations: HashMap<u32, Arc<Relation>>,
+pub(super) struct Stream<'a> {
+    pub(super) inner: &'a Inner,
+    pub(super) relations: HashMap<u32, Arc<Relation>>,
     /// Relation id → the mappings (indices into `inner.tables`) it feeds.
-    mapped: HashMap<u32, Arc<[usize]>>,
-    batch: Batch,
-    open: Option<Open>,
+    pub(super) mapped: HashMap<u32, Arc<[usize]>>,
+    pub(super) batch: Batch,
+    pub(super) open: Option<Open>,
     /// The version of the last commit seen, for a change outside any.
-    last_commit: u64,
+    pub(super) last_commit: u64,
     /// The end of the last commit in the batch: confirmed once it is published.
-    pending_end: Option<Lsn>,
+    pub(super) pending_end: Option<Lsn>,
     /// The batch holds committed work.
-    committed: bool,
+    pub(super) committed: bool,
     /// The open transaction's changes, joining `batch` at its commit.
-    open_batch: Batch,
+    pub(super) open_batch: Batch,
     /// The LSN of the newest resync message in the batch: see
     /// `slot::wait_committed_visible`, and `done`.
-    resync_at: Option<u64>,
+    pub(super) resync_at: Option<u64>,
     /// Resync messages at or below this LSN were applied already.
-    done: u64,
+    pub(super) done: u64,
     /// The last position this session confirmed.
-    last_confirmed: Option<Lsn>,
+    pub(super) last_confirmed: Option<Lsn>,
     /// The publishing task's channel (`None` once the session ends).
-    jobs: Option<mpsc::Sender<Job>>,
-    progress: watch::Receiver<Progress>,
+    pub(super) jobs: Option<mpsc::Sender<Job>>,
+    pub(super) progress: watch::Receiver<Progress>,
     /// Jobs handed over.
-    handed: u64,
+    pub(super) handed: u64,
     /// The oldest commit time of each job handed over and not yet
     /// published, in order (for the lag in seconds).
-    in_flight: VecDeque<i64>,
+    pub(super) in_flight: VecDeque<i64>,
     /// The oldest commit time of the batch and the open transaction.
-    batch_oldest: i64,
+    pub(super) batch_oldest: i64,
 }
 
 /// What the stream waits for.
@@ -306,7 +77,7 @@ enum Next {
 }
 
 impl Stream<'_> {
-    async fn pump(
+    pub(super) async fn pump(
         &mut self,
         client: &mut ReplicationClient,
         stop: &mut watch::Receiver<bool>,
@@ -521,289 +292,6 @@ impl Stream<'_> {
             .map_err(|_| db("advancing the slot past a skipped transaction timed out"))?;
         Ok(Ended::Closed)
     }
-
-    fn mark_committed(&mut self) {
-        self.committed = true;
-    }
-
-    /// The batch is as large as one publish may be.
-    fn full(&self) -> bool {
-        self.batch.rows >= MAX_BATCH_ROWS
-            || self.batch.bytes >= MAX_BATCH_BYTES
-            || self.batch.transactions >= MAX_BATCH_TRANSACTIONS
-    }
-
-    /// Hands the committed batch over to the publishing task if it has
-    /// room: `Some(false)` if it has none, `None` if it ended.
-    fn hand_off(&mut self) -> Option<bool> {
-        let permit = match self.jobs.as_ref()?.try_reserve() {
-            Ok(permit) => permit,
-            Err(mpsc::error::TrySendError::Full(())) => return Some(false),
-            Err(mpsc::error::TrySendError::Closed(())) => return None,
-        };
-        let transactions = self.batch.transactions;
-        let rows = self.batch.rows;
-        let xids = std::mem::take(&mut self.batch.xids);
-        permit.send(Job {
-            publishes: self.batch.take(),
-            xids,
-            resync: self.resync_at.take(),
-            end: self.pending_end.take(),
-            transactions,
-            rows,
-        });
-        self.committed = false;
-        self.handed = self.handed.saturating_add(1);
-        self.in_flight.push_back(self.batch_oldest);
-        self.batch_oldest = self.open.as_ref().map_or(0, |o| o.commit_time);
-        self.show_oldest();
-        Some(true)
-    }
-
-    /// Confirms what the publishing task published.
-    fn progressed(&mut self, client: &ReplicationClient) {
-        let p = *self.progress.borrow_and_update();
-        let waiting = self.handed.saturating_sub(p.jobs);
-        while u64::try_from(self.in_flight.len()).unwrap_or(u64::MAX) > waiting {
-            self.in_flight.pop_front();
-        }
-        if let Some(end) = p.end {
-            self.confirm(client, end);
-        }
-        self.done = self.done.max(p.done);
-        self.show_oldest();
-    }
-
-    /// Hands the committed batch over and waits until everything handed
-    /// over is published and confirmed: `false` if the task ended first.
-    async fn drain(&mut self, client: &ReplicationClient) -> bool {
-        loop {
-            if self.committed && self.hand_off().is_none() {
-                return false;
-            }
-            if !self.committed && self.in_flight.is_empty() {
-                return true;
-            }
-            if self.progress.changed().await.is_err() {
-                return false;
-            }
-            self.progressed(client);
-        }
-    }
-
-    /// The commit time of the oldest change not yet published, for the
-    /// relay's lag in seconds (0: none).
-    fn show_oldest(&self) {
-        let oldest = self
-            .in_flight
-            .iter()
-            .copied()
-            .find(|&t| t != 0)
-            .unwrap_or(self.batch_oldest);
-        self.inner
-            .shared
-            .oldest_pending_commit
-            .store(oldest, Ordering::Relaxed);
-    }
-
-    /// Where a change goes: the open transaction's batch, or, outside one
-    /// (a resync message), the committed batch.
-    fn gather(&mut self) -> &mut Batch {
-        if self.open.is_some() {
-            &mut self.open_batch
-        } else {
-            &mut self.batch
-        }
-    }
-
-    fn version(&self) -> u64 {
-        self.open.as_ref().map_or(self.last_commit, |o| o.version)
-    }
-
-    fn clear_all(&mut self, version: u64) {
-        self.clear_scope(&Scope::All, version);
-    }
-
-    /// Clears the caches of the mapped tables `scope` covers.
-    fn clear_scope(&mut self, scope: &Scope, version: u64) {
-        let inner = self.inner;
-        for t in &inner.tables {
-            let covered = match scope {
-                Scope::All => true,
-                Scope::Tables(tables) => tables.iter().any(|(s, n)| *s == t.schema && *n == t.name),
-            };
-            if covered {
-                self.gather().clear(&t.cache, version);
-            }
-        }
-    }
-
-    async fn message(&mut self, data: &[u8]) -> Result<()> {
-        let version = self.version();
-        let message = match pgoutput::decode(data) {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::error!(slot = %self.inner.shared.slot, error = %e, "cdc relay: a change did not decode; clearing every mapped cache");
-                self.clear_all(version);
-                return Ok(());
-            }
-        };
-        let cap = self.inner.max_rows_per_transaction;
-        match message {
-            Message::Relation(relation) => self.relation(relation, version).await?,
-            Message::Insert { relation, new } => {
-                let Some((rel, maps)) = self.lookup(relation) else {
-                    return Ok(());
-                };
-                for &i in maps.iter() {
-                    let m = &self.inner.tables[i];
-                    let key = m.mapper.key(&Row::new(&rel, &new, false));
-                    let value = m.mapper.value(&Row::new(&rel, &new, false));
-                    self.key_change(i, key, value, version, cap);
-                }
-            }
-            Message::Update { relation, old, new } => {
-                let Some((rel, maps)) = self.lookup(relation) else {
-                    return Ok(());
-                };
-                for &i in maps.iter() {
-                    let m = &self.inner.tables[i];
-                    // Without an old row the identity did not change: the
-                    // key, read from the identity columns only, is the old
-                    // one too.
-                    let new_key = m.mapper.key(&Row::new(
-                        &rel,
-                        &new,
-                        old.is_none() && rel.replica_identity != b'f',
-                    ));
-                    if let Some(old) = &old {
-                        let old_key = m.mapper.key(&Row::new(&rel, old, false));
-                        match (&old_key, &new_key) {
-                            (Some(o), Some(n)) if o != n => {
-                                self.key_change(i, old_key.clone(), None, version, cap);
-                            }
-                            (None, _) => {
-                                self.key_change(i, None, None, version, cap);
-                                continue;
-                            }
-                            _ => {}
-                        }
-                    }
-                    let value = m
-                        .mapper
-                        .value(&Row::new(&rel, &new, false).with_before(old.as_ref()));
-                    self.key_change(i, new_key, value, version, cap);
-                }
-            }
-            Message::Delete { relation, old } => {
-                let Some((rel, maps)) = self.lookup(relation) else {
-                    return Ok(());
-                };
-                for &i in maps.iter() {
-                    let key = self.inner.tables[i]
-                        .mapper
-                        .key(&Row::new(&rel, &old, false));
-                    self.key_change(i, key, None, version, cap);
-                }
-            }
-            Message::Truncate { relations } => {
-                for id in relations {
-                    for &i in self.mapped.get(&id).cloned().as_deref().unwrap_or_default() {
-                        let cache = self.inner.tables[i].cache.clone();
-                        self.gather().clear(&cache, version);
-                    }
-                }
-            }
-            Message::Other(_) => {}
-        }
-        Ok(())
-    }
-
-    /// The relation's shape and mappings: shared, not copied, per change.
-    fn lookup(&self, relation: u32) -> Option<(Arc<Relation>, Arc<[usize]>)> {
-        let maps = self.mapped.get(&relation)?;
-        if maps.is_empty() {
-            return None;
-        }
-        Some((Arc::clone(self.relations.get(&relation)?), Arc::clone(maps)))
-    }
-
-    fn key_change(
-        &mut self,
-        mapping: usize,
-        key: Option<bytes::Bytes>,
-        value: Option<bytes::Bytes>,
-        version: u64,
-        cap: usize,
-    ) {
-        let inner = self.inner;
-        let m = &inner.tables[mapping];
-        match key {
-            Some(key) => {
-                if self.gather().key(&m.cache, key, value, version, cap) {
-                    tracing::info!(cache = %m.cache, version, cap, "cdc relay: a transaction changed more rows of the table than the cap; clearing the cache instead");
-                }
-            }
-            None => {
-                tracing::warn!(cache = %m.cache, table = %m.relation(), version, "cdc relay: a change's key could not be read from its row (a key outside the replica identity?); clearing the cache");
-                self.gather().clear(&m.cache, version);
-            }
-        }
-    }
-
-    /// A table's (new) shape. It feeds the mappings of its own name, and
-    /// those of the partitioned tables it is a partition of: with
-    /// `publish_via_partition_root` off, a partition's changes come under
-    /// its own name. Its ancestors are read from the catalog as it is now
-    /// (the stream does not carry them): a change of a partition since
-    /// detached is then not mapped, and the detach's resync, later in the
-    /// stream, covers it.
-    async fn relation(&mut self, relation: Relation, version: u64) -> Result<()> {
-        let ancestors =
-            tokio::time::timeout(SQL_TIMEOUT, slot::ancestors(&self.inner.pool, relation.id))
-                .await
-                .map_err(|_| db("reading a table's partition ancestors timed out"))??;
-        let maps: Vec<usize> = self
-            .inner
-            .tables
-            .iter()
-            .enumerate()
-            .filter(|(_, t)| {
-                (t.schema == relation.schema && t.name == relation.name)
-                    || ancestors
-                        .iter()
-                        .any(|(s, n)| *s == t.schema && *n == t.name)
-            })
-            .map(|(i, _)| i)
-            .collect();
-        if let Some(before) = self.mapped.get(&relation.id) {
-            for &i in before.iter() {
-                if !maps.contains(&i) {
-                    let t = &self.inner.tables[i];
-                    tracing::warn!(cache = %t.cache, table = %t.relation(), now = %format_args!("{}.{}", relation.schema, relation.name), "cdc relay: a mapped table (or a partition of one) was renamed or detached; clearing its cache and no longer following it");
-                    let cache = t.cache.clone();
-                    self.batch.clear(&cache, version);
-                }
-            }
-        }
-        if maps.is_empty() && !self.mapped.contains_key(&relation.id) {
-            // In the publication (another relay of the group maps it, or it
-            // was renamed), not mapped here.
-            tracing::info!(table = %format_args!("{}.{}", relation.schema, relation.name), "cdc relay: changes of a table this relay does not map are ignored");
-        }
-        self.mapped.insert(relation.id, maps.into());
-        self.relations.insert(relation.id, Arc::new(relation));
-        Ok(())
-    }
-
-    fn confirm(&mut self, client: &ReplicationClient, lsn: Lsn) {
-        client.update_applied_lsn(lsn);
-        self.last_confirmed = Some(self.last_confirmed.map_or(lsn, |l| l.max(lsn)));
-        self.inner
-            .shared
-            .confirmed
-            .fetch_max(lsn.as_u64(), Ordering::Relaxed);
-    }
 }
 
 /// Whether a session's error is PostgreSQL failing the stream because the
@@ -815,90 +303,5 @@ fn publication_gone(e: &pgwire_replication::PgWireError) -> bool {
             msg.contains("SQLSTATE 42704") && msg.contains("publication")
         }
         _ => false,
-    }
-}
-
-/// Drops the slot (if it is still there), for the next session to create
-/// it anew with a resync; retried while a failed session's walsender still
-/// holds it. `false`: it could not be dropped within the SQL timeout.
-async fn drop_slot(inner: &Inner) -> bool {
-    let params = [inner.shared.slot.as_str()];
-    let dropped = slot::until_done(
-        &inner.pool,
-        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
-        &params,
-    );
-    tokio::time::timeout(SQL_TIMEOUT, dropped).await.is_ok()
-}
-
-pub(super) async fn lag_loop(
-    inner: Arc<Inner>,
-    mut stop: watch::Receiver<bool>,
-    every: Duration,
-    warn_over: u64,
-) {
-    let mut warned = false;
-    loop {
-        match tokio::time::timeout(SQL_TIMEOUT, slot::lag(&inner.pool, &inner.shared.slot)).await {
-            Ok(Ok(Some(lag))) => {
-                let bytes = lag.bytes;
-                inner.shared.lag_bytes.store(bytes, Ordering::Relaxed);
-                // The server's clock, like the commit times it is
-                // compared with: the lag in seconds grows while the relay
-                // is stuck, whatever the stream says.
-                inner
-                    .shared
-                    .server_time
-                    .fetch_max(lag.server_now_us, Ordering::Relaxed);
-                if bytes > warn_over {
-                    if !warned {
-                        tracing::warn!(slot = %inner.shared.slot, lag_bytes = bytes, safe_wal_size = ?lag.safe_wal_size, "cdc relay: the slot is far behind and pins the server's WAL");
-                    }
-                    warned = true;
-                } else {
-                    warned = false;
-                }
-            }
-            Ok(Ok(None)) => {}
-            Ok(Err(e)) => tracing::debug!(error = %e, "cdc relay: reading the slot's lag failed"),
-            Err(_) => tracing::debug!("cdc relay: reading the slot's lag timed out"),
-        }
-        check_publication(&inner).await;
-        tokio::select! {
-            () = tokio::time::sleep(every) => {}
-            _ = stop.changed() => return,
-        }
-    }
-}
-
-/// The periodic check of the publication and the mapped tables (see
-/// `publication`): what an operator changed is put back, with the resync
-/// it calls for owed; then any resync owed is settled.
-async fn check_publication(inner: &Inner) {
-    let slot = &inner.shared.slot;
-    let checked = tokio::time::timeout(SQL_TIMEOUT, async {
-        let changed = publication::check(
-            &inner.pool,
-            &inner.publication,
-            slot,
-            &inner.relations,
-            Mode::Running,
-        )
-        .await?;
-        if !changed.is_empty() {
-            tracing::warn!(slot = %slot, publication = %inner.publication, ?changed, "cdc relay: the publication or a mapped table changed under the relay; resyncing what it may have hidden");
-        }
-        state::settle(&inner.pool, &inner.publication, slot).await
-    })
-    .await;
-    match checked {
-        Ok(Ok(_)) => {}
-        // An operator action goes unanswered until the check passes: say so.
-        Ok(Err(e)) => {
-            tracing::warn!(slot = %slot, error = %e, "cdc relay: checking the publication and the mapped tables failed")
-        }
-        Err(_) => {
-            tracing::warn!(slot = %slot, "cdc relay: checking the publication and the mapped tables timed out")
-        }
     }
 }

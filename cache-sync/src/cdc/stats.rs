@@ -1,0 +1,57 @@
+//! The relay's counters and gauges: the snapshot it hands out, and the
+//! atomics its tasks keep them in.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64};
+
+/// The relay's counters and gauges, since it started.
+#[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
+pub struct CdcRelayStats {
+    /// This relay streams the slot now (not a standby, not reconnecting).
+    pub active: bool,
+    /// Transactions published.
+    pub transactions: u64,
+    /// Row changes taken from them.
+    pub rows: u64,
+    /// Resyncs published: clears of the mapped caches for a new or lost
+    /// slot, or of a table's caches after an operator changed it (see
+    /// [`CdcRelay`](crate::CdcRelay)).
+    pub resyncs: u64,
+    /// Times this relay started streaming after another relay held the slot.
+    pub takeovers: u64,
+    /// Sessions that ended in an error (the database or a publish failed).
+    pub failures: u64,
+    /// Transactions skipped, with a clear of every mapped cache in their
+    /// place, because a row change was over
+    /// [`max_row_bytes`](crate::CdcRelayBuilder::max_row_bytes).
+    pub skipped: u64,
+    /// The slot's confirmed position (an LSN), as this relay last set it.
+    pub confirmed_lsn: u64,
+    /// How far the slot's confirmed position is behind the end of the
+    /// log, in bytes, when last asked (`None` before the first answer).
+    pub lag_bytes: Option<u64>,
+    /// While this relay streams: how long ago, on the database server's
+    /// clock, the oldest change it received but has not yet confirmed was
+    /// committed (a resync: received); zero when it has none. It grows
+    /// while a publish is stuck. What the relay has not received (it is
+    /// down, or a standby, or the server is slow to send) shows in
+    /// `lag_bytes` only.
+    pub lag_seconds: f64,
+}
+
+pub(super) struct Shared {
+    pub(super) slot: String,
+    pub(super) active: AtomicBool,
+    pub(super) transactions: AtomicU64,
+    pub(super) rows: AtomicU64,
+    pub(super) resyncs: AtomicU64,
+    pub(super) takeovers: AtomicU64,
+    pub(super) failures: AtomicU64,
+    pub(super) skipped: AtomicU64,
+    pub(super) confirmed: AtomicU64,
+    /// `u64::MAX`: not known yet.
+    pub(super) lag_bytes: AtomicU64,
+    /// Microseconds since 2000-01-01 on the server's clock; 0: none.
+    pub(super) oldest_pending_commit: AtomicI64,
+    pub(super) server_time: AtomicI64,
+}
