@@ -31,6 +31,7 @@ use shared::{Config, Shared};
 mod acks;
 mod audit;
 mod builder;
+mod cluster_metrics;
 mod consume;
 mod fences;
 mod heartbeat;
