@@ -29,8 +29,10 @@ use crate::wire::DEFAULT_MAX_EVENT_BYTES;
 use shared::{Config, Shared};
 
 mod acks;
+mod announcements;
 mod audit;
 mod builder;
+mod cluster_metrics;
 mod consume;
 mod fences;
 mod heartbeat;

@@ -36,6 +36,7 @@ mod builder;
 mod dictionary;
 mod migrate;
 mod relay;
+mod relay_pass;
 
 pub use builder::OutboxBuilder;
 pub use dictionary::OutboxDictionary;

@@ -6,16 +6,15 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
 use serde::Serialize;
 
 use crate::error::Result;
 use crate::table::Table;
-use crate::transport::{DEFAULT_TOPIC, PendingPublish, Position, Transport};
-use crate::util::{Hasher, lock, now_us};
+use crate::transport::{DEFAULT_TOPIC, Transport};
+use crate::util::Hasher;
 #[cfg(feature = "_sql")]
 use crate::wire::Change;
-use crate::wire::{Codec, DEFAULT_MAX_EVENT_BYTES, Fence, Header, HeaderExt, Origin, Outgoing};
+use crate::wire::{Codec, DEFAULT_MAX_EVENT_BYTES, Outgoing};
 
 /// Publishes change events for named caches.
 ///
@@ -96,129 +95,6 @@ struct PublisherInner {
 /// fill a round trip of a few milliseconds at tens of thousands of events a
 /// second, and a bounded amount of memory.
 pub(crate) const DEFAULT_WINDOW: usize = 64;
-
-/// An event handed over, waiting for its acknowledgement, holding its
-/// place in the window until then.
-struct InFlight<'a> {
-    ack: PendingPublish,
-    sent: Sent,
-    /// `None` where the transport does not pipeline.
-    _permit: Option<tokio::sync::SemaphorePermit<'a>>,
-}
-
-/// The events of one publish handed over so far, and how it went.
-struct HandedOver<'a> {
-    /// The oldest in flight, where a publish of one event (the usual one)
-    /// keeps it without allocating; the others follow in `rest`.
-    first: Option<InFlight<'a>>,
-    rest: std::collections::VecDeque<InFlight<'a>>,
-    published: Published,
-    /// The first failure seen (a hand-over that stopped the publish, or an
-    /// acknowledgement): what the caller gets, whichever event it was.
-    error: Option<crate::Error>,
-}
-
-impl<'a> HandedOver<'a> {
-    fn push(&mut self, event: InFlight<'a>) {
-        if self.first.is_none() && self.rest.is_empty() {
-            self.first = Some(event);
-        } else {
-            self.rest.push_back(event);
-        }
-    }
-
-    fn is_empty(&self) -> bool {
-        self.first.is_none() && self.rest.is_empty()
-    }
-
-    /// Awaits the oldest acknowledgement; false if none is left.
-    async fn settle_one(&mut self) -> bool {
-        let Some(event) = self.first.take().or_else(|| self.rest.pop_front()) else {
-            return false;
-        };
-        let result = event.ack.await;
-        self.record(result, event.sent);
-        true
-    }
-
-    /// Counts an acknowledged event, or keeps its error if it is the first.
-    fn record(&mut self, result: Result<Option<Position>>, sent: Sent) {
-        match result {
-            Ok(position) if self.error.is_none() => {
-                let published = &mut self.published;
-                published.events = published.events.saturating_add(1);
-                published.position = position.or(published.position.take());
-                published.last = Some(sent);
-            }
-            Ok(_) => {}
-            Err(e) => {
-                self.error.get_or_insert(e);
-            }
-        }
-    }
-
-    /// Nothing handed over yet.
-    fn new() -> Self {
-        Self {
-            first: None,
-            rest: std::collections::VecDeque::new(),
-            published: Published {
-                events: 0,
-                position: None,
-                last: None,
-            },
-            error: None,
-        }
-    }
-
-    /// Awaits every acknowledgement (each frees its place in the window as
-    /// it completes), then says how the publish went: its first failure.
-    /// By reference, as `hand_over_locked` fills it: moving it in and out
-    /// of the futures would copy it each time.
-    async fn settle(&mut self) -> Result<Published> {
-        if !self.is_empty() {
-            while self.settle_one().await {}
-        }
-        match self.error.take() {
-            Some(e) => Err(e),
-            None => Ok(std::mem::replace(
-                &mut self.published,
-                Published {
-                    events: 0,
-                    position: None,
-                    last: None,
-                },
-            )),
-        }
-    }
-}
-
-/// A cache's numbering at this publisher, behind the cache's publish lock.
-#[derive(Debug, Default)]
-struct SeqState {
-    /// The last number used; 0 before the first event.
-    seq: u64,
-    /// When the event numbered `seq` was handed to the transport, on this
-    /// process's monotonic clock: every later message for the cache says
-    /// how long ago that was (`HeaderExt::since_prev_us`), so a node that
-    /// never heard of this publisher can tell a lost event from one sent
-    /// before it listened, without comparing clocks.
-    sent_at: Option<tokio::time::Instant>,
-}
-
-impl SeqState {
-    /// Microseconds since the event numbered `seq` was sent, if one was.
-    fn since_prev_us(&self) -> Option<u64> {
-        self.since_prev_us_at(tokio::time::Instant::now())
-    }
-
-    /// Microseconds from the event numbered `seq` being sent to `now`.
-    fn since_prev_us_at(&self, now: tokio::time::Instant) -> Option<u64> {
-        self.sent_at.map(|at| {
-            u64::try_from(now.saturating_duration_since(at).as_micros()).unwrap_or(u64::MAX)
-        })
-    }
-}
 
 impl fmt::Debug for Publisher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -379,201 +255,6 @@ impl Publisher {
     pub(crate) fn resplit(&self, change: Change) -> Result<Vec<Change>> {
         changes::resplit(change, self.budget())
     }
-
-    pub(crate) async fn send(&self, cache: &str, changes: Outgoing) -> Result<Published> {
-        self.send_with(cache, None, || Ok((changes, ())))
-            .await
-            .map(|(p, ())| p)
-    }
-
-    /// [`send`](Self::send) under an outbox relay's fencing token.
-    #[cfg(feature = "_sql")]
-    pub(crate) async fn send_fenced(
-        &self,
-        cache: &str,
-        changes: Vec<Change>,
-        fence: Fence,
-    ) -> Result<Published> {
-        let changes = Outgoing::from_changes(changes);
-        self.send_with(cache, Some(fence), || Ok((changes, ())))
-            .await
-            .map(|(p, ())| p)
-    }
-
-    /// Builds the changes while holding the cache's publish lock, so that
-    /// versions assigned in `build` reach the transport in version order.
-    async fn send_with<T>(
-        &self,
-        cache: &str,
-        fence: Option<Fence>,
-        build: impl FnOnce() -> Result<(Outgoing, T)>,
-    ) -> Result<(Published, T)> {
-        let (cache, seq) = self.seq(cache)?;
-        // Held across the hand-over so numbers reach the transport in
-        // order, and released before the acknowledgements are awaited, so
-        // the next publish to the cache is handed over meanwhile. Free, the
-        // usual case, it is taken at once without building the waiting
-        // future; a lock with waiters queued is never free (tokio hands a
-        // released lock to the first waiter), so this jumps no queue.
-        let mut seq = match seq.try_lock() {
-            Ok(seq) => seq,
-            Err(_) => seq.lock().await,
-        };
-        let (changes, out) = build()?;
-        let mut handed = HandedOver::new();
-        self.hand_over_locked(&cache, &mut seq, fence, &changes, &mut handed)
-            .await;
-        drop(seq);
-        // After the number was used, failed publish or not: an announcing
-        // task that ends from now on finds it due (see `announce_loop`).
-        self.announce_later();
-        let published = handed.settle().await?;
-        // Scheduled only once the first send went through: a failed one
-        // returns its error, and the caller retries the whole change.
-        match self.inner.again_after {
-            Some(delay) => self.send_again(cache, delay, changes),
-            None => changes.recycle(),
-        }
-        Ok((published, out))
-    }
-
-    /// The cache's interned name and numbering.
-    fn seq(&self, cache: &str) -> Result<(Arc<str>, Arc<tokio::sync::Mutex<SeqState>>)> {
-        let mut seqs = lock(&self.inner.seqs);
-        if let Some((name, seq)) = seqs.get_key_value(cache) {
-            return Ok((name.clone(), seq.clone()));
-        }
-        // The first publish to this cache: the only time its name is
-        // checked (the transport carries it as a tag, and a name's verdict
-        // does not change) and copied. A name refused is never kept.
-        (*self.inner.transport).check_tag(cache)?;
-        let name: Arc<str> = Arc::from(cache);
-        let seq = Arc::<tokio::sync::Mutex<SeqState>>::default();
-        seqs.insert(name.clone(), seq.clone());
-        Ok((name, seq))
-    }
-
-    /// Seals and publishes `changes` in order, each under the next number,
-    /// and awaits their acknowledgements, all under the caller's lock.
-    async fn publish_locked(
-        &self,
-        cache: &Arc<str>,
-        state: &mut SeqState,
-        fence: Option<Fence>,
-        changes: &Outgoing,
-    ) -> Result<Published> {
-        let mut handed = HandedOver::new();
-        self.hand_over_locked(cache, state, fence, changes, &mut handed)
-            .await;
-        handed.settle().await
-    }
-
-    /// Seals `changes` and hands them to the transport in order, each under
-    /// the next number and with a place in the window, into `handed`; the
-    /// caller awaits their acknowledgements ([`HandedOver::settle`]), once
-    /// it has let the cache's lock go. Stops at the first failure.
-    async fn hand_over_locked<'a>(
-        &'a self,
-        cache: &Arc<str>,
-        state: &mut SeqState,
-        fence: Option<Fence>,
-        changes: &Outgoing,
-        handed: &mut HandedOver<'a>,
-    ) {
-        for change in changes.events() {
-            // Waits for a place in the window only while holding none: this
-            // publish's own events in flight are awaited first, else two
-            // publishes of many events each could wait for the other's. A
-            // transport that does not pipeline has its call done by the
-            // end of the hand-over, so nothing is ever in flight after it:
-            // no place to take (and no semaphore to touch).
-            let permit = loop {
-                if !self.inner.pipelines {
-                    break None;
-                }
-                if let Ok(permit) = self.inner.window.try_acquire() {
-                    break Some(permit);
-                }
-                if handed.is_empty() {
-                    match self.inner.window.acquire().await {
-                        Ok(permit) => break Some(permit),
-                        Err(_) => unreachable!("the publish window is never closed"),
-                    }
-                }
-                handed.settle_one().await;
-                if handed.error.is_some() {
-                    return;
-                }
-            };
-            // 2^64 publishes to one cache from one publisher will not happen;
-            // saturating keeps the numbers from ever going back regardless.
-            state.seq = state.seq.saturating_add(1);
-            let header = Header {
-                cache,
-                origin: Origin(self.inner.origin.as_bytes()),
-                publisher: self.inner.id,
-                seq: state.seq,
-                published_at_us: now_us(),
-            };
-            // One read of the clock for both: the time since the previous
-            // event, and this one's send time (the next event's "previous").
-            // Both are taken at the same point of a publish, before sealing,
-            // so what the next event says it measures alike.
-            let now = tokio::time::Instant::now();
-            let ext = HeaderExt {
-                since_prev_us: state.since_prev_us_at(now),
-                fence,
-            };
-            let payload = match self.inner.codec.seal_body(&header, &ext, change) {
-                Ok(payload) => payload,
-                Err(e) => {
-                    handed.error = Some(e);
-                    return;
-                }
-            };
-            // Before the call: whether or not it fails, the number is used
-            // and the event may have reached some nodes.
-            state.sent_at = Some(now);
-            // Through the trait object itself: `Arc<dyn Transport>` is a
-            // `Transport` too, and calling that one would box a second future.
-            // The payload's buffer is exactly full, so the `Bytes` takes it
-            // over without allocating.
-            let payload = Bytes::from(payload);
-            let transport = &*self.inner.transport;
-            let sent = Sent {
-                cache: cache.clone(),
-                publisher: header.publisher,
-                seq: header.seq,
-                at: now,
-            };
-            if !self.inner.pipelines {
-                // The whole call, answered now: nothing to hold in flight,
-                // and one boxed future, not the two the default
-                // `start_publish` would make.
-                let published = transport.publish(&self.inner.topic, cache, payload).await;
-                let failed = published.is_err();
-                handed.record(published, sent);
-                if failed {
-                    return;
-                }
-                continue;
-            }
-            match transport
-                .start_publish(&self.inner.topic, cache, payload)
-                .await
-            {
-                Ok(ack) => handed.push(InFlight {
-                    ack,
-                    sent,
-                    _permit: permit,
-                }),
-                Err(e) => {
-                    handed.error = Some(e);
-                    return;
-                }
-            }
-        }
-    }
 }
 
 mod again;
@@ -582,15 +263,19 @@ mod builder;
 #[cfg(feature = "_sql")]
 mod changes;
 mod dictionary;
+mod in_flight;
+mod numbering;
 mod published;
+mod send;
 
-#[cfg(feature = "_sql")]
+#[cfg(feature = "postgres-outbox")]
 pub(crate) use changes::{invalidations, refreshes, replacement};
 
 use again::AgainQueue;
 pub(crate) use announce::DEFAULT_ANNOUNCE_INTERVAL;
 pub use builder::PublisherBuilder;
 pub use dictionary::DictionaryPublisher;
+use numbering::SeqState;
 pub use published::Published;
 use published::Sent;
 

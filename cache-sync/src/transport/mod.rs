@@ -1,15 +1,9 @@
 //! The transport: a topic that every node reads in full (broadcast).
 
-use std::collections::BTreeMap;
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::Arc;
-use std::time::SystemTime;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
 
@@ -17,19 +11,24 @@ use crate::error::Result;
 /// transport accepts.
 pub(crate) const DEFAULT_TOPIC: &str = "cache-sync";
 
+mod delivery;
 pub(crate) mod embedded;
 #[cfg(any(test, feature = "test-util"))]
 mod faulty;
 pub(crate) mod names;
 #[cfg(feature = "nats")]
 pub(crate) mod nats;
+mod offsets;
+mod pending;
+mod position;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 #[cfg(feature = "rocketmq")]
 pub(crate) mod rocketmq;
 
-mod offsets;
-
+#[cfg(any(feature = "redis", feature = "nats", feature = "rocketmq"))]
+pub(crate) use delivery::Tags;
+pub use delivery::{Delivery, Loss, LossReason, Record, StartFrom, SubscribeOptions};
 pub use embedded::{EmbeddedBuilder, EmbeddedTransport};
 #[cfg(any(test, feature = "test-util"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
@@ -40,6 +39,8 @@ pub use nats::{NatsJetStreamBuilder, NatsJetStreamTransport};
 #[cfg(any(test, feature = "_fuzz"))]
 pub(crate) use offsets::fuzz as fuzz_offsets;
 pub use offsets::{FileOffsetStore, MemoryOffsetStore, OffsetStore};
+pub use pending::PendingPublish;
+pub use position::{Offset, Position};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::{
@@ -48,325 +49,6 @@ pub use redis::{
 #[cfg(feature = "rocketmq")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rocketmq")))]
 pub use rocketmq::{RocketMqBuilder, RocketMqTransport};
-
-/// Where a subscriber stands in a topic: one offset per partition.
-///
-/// Opaque to applications; meaningful only to the transport that produced it.
-/// It serializes to JSON as a map from key to offset, like RocketMQ's
-/// `offsets.json`:
-///
-/// ```json
-/// {"broker-a:0": 1042, "broker-a:1": 977}
-/// ```
-///
-/// The keys are the transport's own, and each names the history it belongs
-/// to as well as a place in it, so a position from a lost history is caught
-/// rather than resumed into: the embedded transport keeps one entry, named
-/// after the transport instance (`embedded-<id>`); a Redis
-/// stream the last entry id read, its ordinal and the stream's epoch (`id`,
-/// `n`, `e`); a NATS stream the last sequence read and the stream's creation
-/// time (`seq`, `created`); RocketMQ, per message queue, the *next* offset
-/// to read (as in its consumer offsets) and an anchor naming the message
-/// before it (`<broker>:<queue>@`).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct Position(BTreeMap<String, Offset>);
-
-/// One partition's offset: a sequence number, or a transport-specific id such
-/// as a Redis stream entry id.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(untagged)]
-#[non_exhaustive]
-pub enum Offset {
-    /// A numeric offset or sequence (embedded transport, NATS, RocketMQ).
-    Seq(u64),
-    /// An opaque id (a Redis stream entry id).
-    Id(String),
-}
-
-impl Position {
-    /// A position in a transport with a single partition.
-    pub fn single(partition: impl Into<String>, offset: Offset) -> Self {
-        let mut p = Self::default();
-        p.set(partition, offset);
-        p
-    }
-
-    /// Sets one partition's offset.
-    pub fn set(&mut self, partition: impl Into<String>, offset: Offset) {
-        self.0.insert(partition.into(), offset);
-    }
-
-    /// One partition's offset.
-    pub fn get(&self, partition: &str) -> Option<&Offset> {
-        self.0.get(partition)
-    }
-
-    /// Partitions and their offsets, in partition order.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &Offset)> {
-        self.0.iter().map(|(k, v)| (k.as_str(), v))
-    }
-
-    /// Has no partition at all (nothing consumed yet).
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// Takes every partition that `later` names from `later`.
-    pub fn advance(&mut self, later: &Position) {
-        // In place where the partition exists: this runs for every batch.
-        for (k, v) in &later.0 {
-            match self.0.get_mut(k) {
-                Some(offset) => offset.clone_from(v),
-                None => {
-                    self.0.insert(k.clone(), v.clone());
-                }
-            }
-        }
-    }
-}
-
-impl fmt::Display for Position {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("{")?;
-        for (i, (k, v)) in self.0.iter().enumerate() {
-            if i > 0 {
-                f.write_str(", ")?;
-            }
-            match v {
-                Offset::Seq(n) => write!(f, "{k}: {n}")?,
-                Offset::Id(s) => write!(f, "{k}: {s}")?,
-            }
-        }
-        f.write_str("}")
-    }
-}
-
-/// Where a new subscription begins, like RocketMQ's consume-from-where.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum StartFrom {
-    /// Only events published after the subscription is established. The right
-    /// choice for a cache that starts empty.
-    Latest,
-    /// The oldest event the transport still holds.
-    Earliest,
-    /// Right after a stored position. If the transport no longer holds it, the
-    /// subscription first yields [`Delivery::Lost`].
-    Position(Position),
-    /// The first event published at or after this time, where the transport
-    /// keeps timestamps; otherwise [`Error::Unsupported`](crate::Error).
-    Timestamp(SystemTime),
-}
-
-/// What a subscription is asked for.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct SubscribeOptions {
-    /// Where to begin.
-    pub from: StartFrom,
-    /// Only events with one of these tags (cache names). `None` means all.
-    /// A transport may deliver more than asked; the consumer filters again.
-    pub tags: Option<Vec<String>>,
-}
-
-impl SubscribeOptions {
-    /// All tags, from `from`.
-    pub fn new(from: StartFrom) -> Self {
-        Self { from, tags: None }
-    }
-
-    /// Only these tags.
-    pub fn with_tags(mut self, tags: impl IntoIterator<Item = impl Into<String>>) -> Self {
-        self.tags = Some(tags.into_iter().map(Into::into).collect());
-        self
-    }
-}
-
-/// One event as the transport carries it.
-///
-/// Built once per event per node, so nothing in it should cost an
-/// allocation that the transport did not make anyway: the tag is shared,
-/// and the offset is a number or an id the transport already holds.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct Record {
-    /// The tag it was published with: the cache name.
-    pub tag: Option<Arc<str>>,
-    /// The encoded event. Untrusted.
-    pub payload: Bytes,
-    /// The record's own offset in its partition, for logs, where the
-    /// transport has it at hand. Progress is tracked by the batch's
-    /// [`Position`], never by this.
-    pub offset: Option<Offset>,
-}
-
-impl Record {
-    /// A record.
-    pub fn new(tag: Option<Arc<str>>, payload: Bytes) -> Self {
-        Self {
-            tag,
-            payload,
-            offset: None,
-        }
-    }
-
-    /// With its offset in its partition.
-    #[must_use]
-    pub fn at(mut self, offset: Offset) -> Self {
-        self.offset = Some(offset);
-        self
-    }
-}
-
-/// The last tag a subscription handed out, reused while the next ones are
-/// the same (a topic is usually one or a few caches' events in runs), so
-/// a record's tag costs no allocation in the common case.
-#[cfg(any(feature = "redis", feature = "nats", feature = "rocketmq"))]
-#[derive(Debug, Default)]
-pub(crate) struct Tags(Option<Arc<str>>);
-
-#[cfg(any(feature = "redis", feature = "nats", feature = "rocketmq"))]
-impl Tags {
-    pub(crate) fn get(&mut self, tag: &str) -> Arc<str> {
-        match &self.0 {
-            Some(last) if **last == *tag => last.clone(),
-            _ => self.0.insert(Arc::from(tag)).clone(),
-        }
-    }
-}
-
-/// What a subscription yields.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub enum Delivery {
-    /// Consecutive records, oldest first.
-    Batch {
-        /// The records, possibly none when everything read was filtered out.
-        records: Vec<Record>,
-        /// The position after the whole batch, filtered records included.
-        position: Position,
-    },
-    /// The transport knows that events may have been lost between the last
-    /// batch and the next one. The consumer invalidates everything.
-    Lost(Loss),
-}
-
-/// What a transport knows about a loss.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Loss {
-    /// Why.
-    pub reason: LossReason,
-    /// How many events were lost, when the transport can tell.
-    pub missed: Option<u64>,
-    /// Where the subscription continues.
-    pub resume_at: Option<Position>,
-}
-
-impl Loss {
-    /// A loss.
-    pub fn new(reason: LossReason, missed: Option<u64>, resume_at: Option<Position>) -> Self {
-        Self {
-            reason,
-            missed,
-            resume_at,
-        }
-    }
-}
-
-/// Why events may have been lost.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum LossReason {
-    /// History was trimmed past the subscriber's position (it fell behind, or
-    /// the stored position is too old).
-    Trimmed,
-    /// A reconnect on a transport that does not replay (Pub/Sub).
-    Reconnected,
-    /// The stored position belongs to a history that no longer exists (the
-    /// stream was deleted or the broker lost its data).
-    HistoryReset,
-    /// The consumer saw a gap in a publisher's sequence numbers.
-    PublisherGap,
-    /// A local buffer between the transport and the consumer overflowed.
-    Overflow,
-    /// An event arrived that could not be read (too large, an unknown format,
-    /// garbled) and named no cache: neither its transport tag nor its header
-    /// said which cache it was for.
-    Unreadable,
-}
-
-impl LossReason {
-    /// A short, stable label for logs and status.
-    pub fn label(self) -> &'static str {
-        match self {
-            LossReason::Trimmed => "trimmed",
-            LossReason::Reconnected => "reconnected",
-            LossReason::HistoryReset => "history_reset",
-            LossReason::PublisherGap => "publisher_gap",
-            LossReason::Overflow => "overflow",
-            LossReason::Unreadable => "unreadable",
-        }
-    }
-}
-
-impl fmt::Display for LossReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.label())
-    }
-}
-
-/// A publish already handed over to the transport (see
-/// [`Transport::start_publish`]): a future that completes with the
-/// broker's answer, the record's position where the transport knows it.
-pub struct PendingPublish(Pending);
-
-enum Pending {
-    /// Answered already: no future to box (`None` once taken).
-    Ready(Option<Result<Option<Position>>>),
-    Waiting(Pin<Box<dyn Future<Output = Result<Option<Position>>> + Send + 'static>>),
-}
-
-impl PendingPublish {
-    /// An acknowledgement still to come, from `ack`.
-    pub fn new(ack: impl Future<Output = Result<Option<Position>>> + Send + 'static) -> Self {
-        Self(Pending::Waiting(Box::pin(ack)))
-    }
-
-    /// An acknowledgement already in: what a transport that cannot
-    /// pipeline returns once its whole publish is done.
-    pub fn ready(published: Result<Option<Position>>) -> Self {
-        Self(Pending::Ready(Some(published)))
-    }
-}
-
-impl Future for PendingPublish {
-    type Output = Result<Option<Position>>;
-
-    fn poll(
-        self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Self::Output> {
-        match &mut self.get_mut().0 {
-            Pending::Ready(published) => std::task::Poll::Ready(
-                published
-                    .take()
-                    .expect("a PendingPublish polled after it completed"),
-            ),
-            Pending::Waiting(ack) => ack.as_mut().poll(cx),
-        }
-    }
-}
-
-impl fmt::Debug for PendingPublish {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self.0 {
-            Pending::Ready(_) => "PendingPublish(ready)",
-            Pending::Waiting(_) => "PendingPublish(waiting)",
-        })
-    }
-}
 
 /// A transport that carries change events from publishers to every node.
 ///
@@ -632,29 +314,5 @@ impl<T: Transport + ?Sized> Transport for std::sync::Arc<T> {
         to: u64,
     ) -> Result<Box<dyn HeartbeatSubscription>> {
         (**self).subscribe_replies(topic, to).await
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn position_json_is_a_partition_map() {
-        let mut p = Position::single("broker-a:0", Offset::Seq(1042));
-        p.set("stream", Offset::Id("1700-0".into()));
-        let json = serde_json::to_string(&p).unwrap();
-        assert_eq!(json, r#"{"broker-a:0":1042,"stream":"1700-0"}"#);
-        assert_eq!(serde_json::from_str::<Position>(&json).unwrap(), p);
-        assert_eq!(p.to_string(), "{broker-a:0: 1042, stream: 1700-0}");
-    }
-
-    #[test]
-    fn advance_takes_only_named_partitions() {
-        let mut p = Position::single("q0", Offset::Seq(5));
-        p.set("q1", Offset::Seq(9));
-        p.advance(&Position::single("q1", Offset::Seq(10)));
-        assert_eq!(p.get("q0"), Some(&Offset::Seq(5)));
-        assert_eq!(p.get("q1"), Some(&Offset::Seq(10)));
     }
 }

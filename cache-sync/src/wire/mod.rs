@@ -41,6 +41,7 @@ mod reader;
 #[cfg(any(test, feature = "_sql", feature = "_fuzz"))]
 mod row;
 mod view;
+mod writer;
 
 pub(crate) use codec::{Channel, Codec, Refused};
 pub(crate) use outgoing::{Body, Outgoing};

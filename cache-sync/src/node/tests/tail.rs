@@ -6,8 +6,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
+use super::super::announcements::MAX_PENDING_CHECKS;
 use super::super::consume::apply_loss;
-use super::super::seqs::{MAX_PENDING_CHECKS, Missing, PublisherSeqs};
+use super::super::seqs::{Missing, PublisherSeqs};
 use super::*;
 use crate::transport::Loss;
 use crate::wire::{ChangeView, decode_change, decode_header};

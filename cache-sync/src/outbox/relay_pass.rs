@@ -1,0 +1,266 @@
+//! The outbox relay's task: passes that each take the leader lock and a
+//! fencing term, publish a batch of due rows in id order and delete them,
+//! and the waits between passes.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use sqlx::postgres::PgListener;
+use tokio::sync::watch;
+
+use super::relay::Shared;
+use super::{db, decode_row};
+use crate::error::{Error, Result};
+use crate::util::Backoff;
+use crate::wire::Fence;
+
+/// Backoff after a failed pass (broker or database down): doubling from
+/// the first to the second, then staying there.
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// How long the relay waits for the database to confirm, before each
+/// publish, that its pass (and so its leader lock) is still alive. A
+/// database that does not answer in time ends the pass, as an error would.
+const LEADER_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How a pass ended.
+enum Pass {
+    /// Fewer rows than a batch were due: wait for a wake-up.
+    Drained,
+    /// A full batch: there may be more at once.
+    More,
+    /// Another relay holds the leader lock.
+    NotLeader,
+}
+
+pub(super) async fn run(
+    shared: Arc<Shared>,
+    mut listener: PgListener,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
+    loop {
+        if *stopped.borrow() {
+            return;
+        }
+        let pause = match shared.pass().await {
+            Ok(Pass::More) => {
+                backoff.reset();
+                continue;
+            }
+            Ok(Pass::Drained | Pass::NotLeader) => {
+                backoff.reset();
+                None
+            }
+            Err(e) => {
+                shared
+                    .counters
+                    .publish_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                let pause = backoff.fail();
+                tracing::warn!(
+                    schema = shared.outbox.schema(),
+                    error = %e,
+                    retry_in = ?pause,
+                    "outbox relay: pass failed; retrying the same rows"
+                );
+                Some(pause)
+            }
+        };
+        tokio::select! {
+            _ = stopped.changed() => return,
+            () = wait(&shared, &mut listener, pause) => {}
+        }
+    }
+}
+
+/// Until a notification for this schema, or the poll interval (or, after a
+/// failure, the backoff) passes.
+async fn wait(shared: &Shared, listener: &mut PgListener, pause: Option<Duration>) {
+    if let Some(pause) = pause {
+        tokio::time::sleep(pause).await;
+        return;
+    }
+    let deadline = tokio::time::Instant::now()
+        .checked_add(shared.poll_interval)
+        .unwrap_or_else(tokio::time::Instant::now);
+    loop {
+        // `recv` reconnects a dropped listener by itself (notifications sent
+        // meanwhile are lost: the poll finds their rows).
+        match tokio::time::timeout_at(deadline, listener.recv()).await {
+            Err(_) => return,
+            Ok(Ok(n)) if n.payload() == shared.outbox.schema() => return,
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "outbox relay: listener error");
+                tokio::time::sleep_until(deadline).await;
+                return;
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// One transaction: the leader lock and a fencing term, a batch of due
+    /// rows in id order, each published while the pass is confirmed alive,
+    /// and the published ones deleted.
+    async fn pass(&self) -> Result<Pass> {
+        let schema = self.outbox.schema();
+        let mut tx = self.pool.begin().await.map_err(db)?;
+        // The term only when the lock was taken (CASE evaluates in order):
+        // a relay that is not the leader draws none.
+        let term: Option<i64> = sqlx::query_scalar(&format!(
+            "SELECT CASE WHEN pg_try_advisory_xact_lock(hashtextextended($1, 0)) \
+             THEN nextval('{schema}.relay_term_seq') END"
+        ))
+        .bind(format!("cache-sync relay\n{schema}"))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db)?;
+        let Some(term) = term else {
+            tx.rollback().await.map_err(db)?;
+            return Ok(Pass::NotLeader);
+        };
+        let fence = Fence {
+            scope: self.scope,
+            term: term.cast_unsigned(),
+        };
+        let rows: Vec<(i64, String, Vec<u8>)> = sqlx::query_as(&format!(
+            "SELECT id, cache, change FROM {schema}.outbox \
+             WHERE not_before IS NULL OR not_before <= clock_timestamp() \
+             ORDER BY id LIMIT $1"
+        ))
+        .bind(self.batch_size)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db)?;
+        let full = i64::try_from(rows.len()).unwrap_or(i64::MAX) >= self.batch_size;
+        let mut done = Vec::with_capacity(rows.len());
+        let mut failure = None;
+        for (id, cache, change) in rows {
+            // The pass is the lock: a session that died since the last
+            // statement took the lock with it, and another relay may be
+            // publishing these rows now. Only a pass the database just
+            // answered for may publish; the fence covers the one publish
+            // that can be in flight when the session dies.
+            let alive = tokio::time::timeout(
+                LEADER_CHECK_TIMEOUT,
+                sqlx::query("SELECT 1").execute(&mut *tx),
+            )
+            .await;
+            match alive {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    failure = Some(db(e));
+                    break;
+                }
+                Err(_) => {
+                    failure = Some(Error::Database(
+                        format!(
+                            "the database did not confirm the relay's pass within {LEADER_CHECK_TIMEOUT:?}; \
+                             stopped publishing, as another relay may have taken over"
+                        )
+                        .into(),
+                    ));
+                    break;
+                }
+            }
+            match self.publish_row(id, &cache, &change, fence).await {
+                Ok(()) => done.push(id),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        if !done.is_empty() {
+            sqlx::query(&format!("DELETE FROM {schema}.outbox WHERE id = ANY($1)"))
+                .bind(&done)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+        }
+        tx.commit().await.map_err(db)?;
+        let published = u64::try_from(done.len()).unwrap_or(u64::MAX);
+        self.counters
+            .published
+            .fetch_add(published, Ordering::Relaxed);
+        let waiting: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {schema}.outbox"))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db)?;
+        self.counters
+            .waiting
+            .store(u64::try_from(waiting).unwrap_or(0), Ordering::Relaxed);
+        match failure {
+            Some(e) => Err(e),
+            None if full => Ok(Pass::More),
+            None => Ok(Pass::Drained),
+        }
+    }
+
+    /// Publishes one row; `Ok` when it may be deleted.
+    async fn publish_row(&self, id: i64, cache: &str, row: &[u8], fence: Fence) -> Result<()> {
+        let why = match decode_row(row, self.outbox.max_event_bytes()) {
+            Ok(change) => {
+                let sent = match self.publisher.resplit(change) {
+                    Ok(changes) => self
+                        .publisher
+                        .send_fenced(cache, changes, fence)
+                        .await
+                        .map(|_| ()),
+                    Err(e) => Err(e),
+                };
+                match sent {
+                    Ok(()) => return Ok(()),
+                    Err(e) if never_publishable(&e) => e,
+                    Err(e) => return Err(e),
+                }
+            }
+            Err(e) => Error::Decode(e),
+        };
+        self.replace_by_clear(id, cache, &why, fence).await
+    }
+
+    async fn replace_by_clear(
+        &self,
+        id: i64,
+        cache: &str,
+        why: &Error,
+        fence: Fence,
+    ) -> Result<()> {
+        let clear = vec![crate::wire::Change::Clear { version: None }];
+        match self.publisher.send_fenced(cache, clear, fence).await {
+            Ok(_) => tracing::error!(
+                schema = self.outbox.schema(),
+                id,
+                cache,
+                error = %why,
+                "outbox relay: a row can never be published; published a clear of its cache instead"
+            ),
+            Err(e) if e.is_config() => tracing::error!(
+                schema = self.outbox.schema(),
+                id,
+                cache,
+                error = %why,
+                clear_error = %e,
+                "outbox relay: a row can never be published, nor a clear of its cache; row deleted"
+            ),
+            Err(e) => return Err(e),
+        }
+        self.counters
+            .replaced_by_clear
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Errors that retrying the same row cannot cure.
+fn never_publishable(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::TooLarge { .. } | Error::Encode { .. } | Error::Config(_)
+    )
+}
