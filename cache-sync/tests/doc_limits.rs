@@ -183,7 +183,7 @@ const DESIGN: &str = "docs/design.md";
 const TRANSPORTS: &str = "docs/transports.md";
 // API docs: the `///` and `//!` lines of a source file.
 const RELAY: &str = "cache-sync/src/cdc/builder.rs";
-const AUDIT: &str = "cache-sync/src/cache/audit.rs";
+const AUDIT: &str = "cache-sync/src/cache/audit/settings.rs";
 
 /// (doc, constant, how the doc writes it, the words around it: `{}` is the
 /// value).
