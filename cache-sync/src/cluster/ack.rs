@@ -18,8 +18,9 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 use super::handle::Inner;
+use super::requests::{FirstSend, MAX_ANSWERS, Registered, Requests, Wait};
 use super::{Ack, Cluster, Message, Request, Target};
-use crate::util::{Backoff, HashMap, deadline_after, lock};
+use crate::util::{Backoff, HashMap, lock};
 
 /// Which nodes applied a publish, as they answered.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -156,22 +157,19 @@ pub(crate) struct Goal {
     pub(crate) since: Option<Instant>,
 }
 
-/// Answers a node gives to one request, at most this many kept: more live
-/// nodes than a view keeps members cannot be waited for anyway.
-const MAX_ANSWERS: usize = super::members::MAX_MEMBERS;
 /// A node id longer than this in an answer is no node a view keeps.
 const MAX_NODE_ID_BYTES: usize = 4096;
 
 /// The requests a party waits on, and the answers in: by request id, each
-/// answering node with when its answer arrived. An entry lives while its
-/// wait does (`Registered` takes it out). Beside them, what the nodes told
-/// of the things this party follows (see `node/acks.rs`): per (cache,
-/// publisher or version), each node's last value and when it arrived. Only
-/// things a wait of this party asked for are kept, and each goes once no
-/// wait has asked for it for a while, so forged answers cannot grow it.
+/// answering node with when its answer arrived (see `requests.rs`). Beside
+/// them, what the nodes told of the things this party follows (see
+/// `node/acks.rs`): per (cache, publisher or version), each node's last
+/// value and when it arrived. Only things a wait of this party asked for
+/// are kept, and each goes once no wait has asked for it for a while, so
+/// forged answers cannot grow it.
 #[derive(Default)]
 pub(crate) struct Waiters {
-    requests: Mutex<HashMap<u64, HashMap<String, Instant>>>,
+    requests: Requests<Instant>,
     followed: Mutex<HashMap<(String, Option<u64>), Followed>>,
 }
 
@@ -196,19 +194,9 @@ impl Waiters {
             return false;
         }
         let now = Instant::now();
-        let mut changed = false;
-        {
-            let mut requests = lock(&self.requests);
-            for id in &ack.ids {
-                if let Some(answers) = requests.get_mut(id)
-                    && answers.len() < MAX_ANSWERS
-                    && !answers.contains_key(&ack.node_id)
-                {
-                    answers.insert(ack.node_id.clone(), now);
-                    changed = true;
-                }
-            }
-        }
+        let mut changed =
+            self.requests
+                .answered(&ack.node_id, ack.ids.iter().map(|&id| (id, now)), |at| at);
         if !ack.progress.is_empty() {
             let mut followed = lock(&self.followed);
             for p in &ack.progress {
@@ -233,7 +221,7 @@ impl Waiters {
         changed
     }
 
-    fn register(&self, cache: &str, target: Target) -> Registered<'_> {
+    fn register(&self, cache: &str, target: Target) -> Registered<'_, Instant> {
         let now = Instant::now();
         {
             let mut followed = lock(&self.followed);
@@ -247,22 +235,14 @@ impl Waiters {
                 })
                 .asked = now;
         }
-        let mut requests = lock(&self.requests);
-        // Random, so another party's answers never match by chance, and
-        // a forger cannot guess which requests are out.
-        let mut id = crate::util::random_u64();
-        while id == 0 || requests.contains_key(&id) {
-            id = id.wrapping_add(1);
-        }
-        requests.insert(id, HashMap::default());
-        Registered { waiters: self, id }
+        self.requests.register()
     }
 
     /// When each node that applied `target` told so: by answering the
     /// request `id`, or by telling a value at or past it of what this party
     /// follows (the earlier of the two).
     fn applied(&self, id: u64, cache: &str, target: Target) -> HashMap<String, Instant> {
-        let mut out = lock(&self.requests).get(&id).cloned().unwrap_or_default();
+        let mut out = self.requests.answers(id);
         let (publisher, wanted) = target.followed();
         if let Some(f) = lock(&self.followed).get(&(cache.to_owned(), publisher)) {
             for (node, (value, at)) in &f.nodes {
@@ -277,29 +257,15 @@ impl Waiters {
     }
 }
 
-/// A request waited on; its answers go with it.
-struct Registered<'a> {
-    waiters: &'a Waiters,
-    id: u64,
-}
-
-impl Drop for Registered<'_> {
-    fn drop(&mut self) {
-        lock(&self.waiters.requests).remove(&self.id);
-    }
-}
-
 /// Asks the nodes that hold `cache` to answer once they have applied the
 /// goal, then waits until every live one did, or `timeout`.
 pub(crate) async fn wait(cluster: &Cluster, cache: &str, goal: Goal, timeout: Duration) -> Acks {
-    let started = Instant::now();
-    let since = goal.since.unwrap_or(started);
-    let deadline = deadline_after(timeout);
-    let mut updates = cluster.updates();
+    let wait = Wait::start(cluster, timeout);
+    let since = goal.since.unwrap_or(wait.started);
     let waiters = cluster.waiters();
     let registered = waiters.register(cache, goal.target);
     let within_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-    let mut request = Message::Request(Request {
+    let request = Message::Request(Request {
         topic: cluster.topic().to_owned(),
         cache: Some(cache.to_owned()),
         target: Some(goal.target),
@@ -311,81 +277,25 @@ pub(crate) async fn wait(cluster: &Cluster, cache: &str, goal: Goal, timeout: Du
     // Not waited for: what the nodes follow for this party may already say
     // the publish is applied (see `node/acks.rs`), and the request's round
     // trip would only delay the answer.
-    {
-        let (cluster, request) = (cluster.clone(), request.clone());
-        tokio::spawn(async move { cluster.send(&request).await });
-    }
-    // The channel may lose the request (a lossy transport, a node that was
-    // subscribing as it went out), and a node may join during the wait:
-    // sent again after 100 ms, then at doubling gaps up to one heartbeat
-    // interval. Nodes answer every copy, so a lost answer is made good too.
-    let mut resend_gap = RESEND_FIRST;
-    let mut resend_at = started.checked_add(resend_gap).unwrap_or(started);
-    loop {
-        if Instant::now() >= resend_at {
-            // Where answers should go may have changed meanwhile (the reply
-            // channel broke, or came up).
-            if let Message::Request(r) = &mut request {
-                r.reply = cluster.reads_replies();
-            }
-            cluster.send(&request).await;
-            resend_gap = resend_gap
-                .saturating_mul(2)
-                .min(cluster.interval().max(RESEND_FIRST));
-            resend_at = Instant::now().checked_add(resend_gap).unwrap_or(resend_at);
-        }
-        let now = Instant::now();
-        let answers = waiters.applied(registered.id, cache, goal.target);
-        let mut nodes: Vec<NodeAck> = cluster
-            .holders(cache)
+    let first = FirstSend::Spawned;
+    let gathered = wait
+        .gather(cluster, cache, request, first, || {
+            waiters.applied(registered.id, cache, goal.target)
+        })
+        .await;
+    Acks {
+        cache: cache.to_owned(),
+        nodes: gathered
+            .nodes
             .into_iter()
-            .map(|node_id| {
-                let at = answers.get(&node_id);
-                NodeAck {
-                    applied: at.is_some(),
-                    latency: at.map(|at| at.saturating_duration_since(since)),
-                    node_id,
-                }
+            .map(|(node_id, at)| NodeAck {
+                applied: at.is_some(),
+                latency: at.map(|at| at.saturating_duration_since(since)),
+                node_id,
             })
-            .collect();
-        nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
-        // Whether the view may be missing a live node, first: then no
-        // tally of the nodes it knows can be complete.
-        let incomplete = cluster.unsettled().or(if nodes.is_empty() {
-            Some(Incomplete::NoNode)
-        } else if nodes.iter().any(|n| !n.applied) {
-            Some(Incomplete::Pending)
-        } else {
-            None
-        });
-        if incomplete.is_none() || now >= deadline {
-            return Acks {
-                cache: cache.to_owned(),
-                nodes,
-                elapsed: started.elapsed(),
-                incomplete,
-            };
-        }
-        // Woken by every heartbeat and answer taken in, and at least every
-        // few milliseconds besides: a view settles with nothing arriving.
-        let wake = now
-            .checked_add(RECHECK)
-            .unwrap_or(now)
-            .min(deadline)
-            .min(resend_at);
-        tokio::select! {
-            changed = updates.changed() => {
-                if changed.is_err() {
-                    return Acks {
-                        cache: cache.to_owned(),
-                        nodes,
-                        elapsed: started.elapsed(),
-                        incomplete,
-                    };
-                }
-            }
-            () = tokio::time::sleep_until(wake) => {}
-        }
+            .collect(),
+        elapsed: gathered.elapsed,
+        incomplete: gathered.incomplete,
     }
 }
 
@@ -459,11 +369,6 @@ fn set_replies(cluster: &Weak<Inner>, on: bool) {
         inner.replies.store(on, Relaxed);
     }
 }
-
-/// How often a wait looks again without a heartbeat to wake it.
-pub(super) const RECHECK: Duration = Duration::from_millis(10);
-/// When a wait first sends its request again, if still incomplete.
-pub(super) const RESEND_FIRST: Duration = Duration::from_millis(100);
 
 impl Cluster {
     /// Waits until every live node that holds `cache` reports its version

@@ -17,7 +17,8 @@
 // `membership` and `members` (taking heartbeats in, and what is kept of
 // them), `channel` (sending and reading, as the node uses it), `watcher`
 // (a watcher's task), `ack` (acknowledged publishes), `probe` (key
-// probes) and `view` (the view as served).
+// probes), `requests` (the requests both wait on, and the wait) and
+// `view` (the view as served).
 
 mod ack;
 mod channel;
@@ -27,6 +28,7 @@ mod members;
 mod membership;
 mod message;
 mod probe;
+mod requests;
 #[cfg(test)]
 mod tests;
 mod view;

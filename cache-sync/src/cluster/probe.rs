@@ -8,18 +8,16 @@
 //! is at, not the one the others reached.
 
 use std::fmt;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tokio::time::Instant;
 
 use super::ack::Incomplete;
 use super::message::Probe;
+use super::requests::{FirstSend, Requests, Wait};
 use super::{Ack, Cluster, Message};
 use crate::error::{Error, Result};
 use crate::status::KeyState;
-use crate::util::{HashMap, deadline_after, lock};
 
 /// What every live node that holds a cache holds for one key, as
 /// [`Cluster::probe`] found it.
@@ -169,15 +167,12 @@ impl fmt::Display for KeyProbe {
 
 /// The longest key a probe carries, as JSON.
 pub(crate) const MAX_PROBE_KEY_BYTES: usize = 4096;
-/// Answers kept per probe: more live nodes than a view keeps members
-/// cannot be waited for anyway.
-const MAX_ANSWERS: usize = super::members::MAX_MEMBERS;
 
-/// The probes a party waits on, and the answers in, by probe id. An entry
-/// lives while its probe does.
+/// The probes a party waits on, and the answers in, by probe id (see
+/// `requests.rs`). An entry lives while its probe does.
 #[derive(Default)]
 pub(crate) struct Probes {
-    waiting: Mutex<HashMap<u64, HashMap<String, KeyState>>>,
+    waiting: Requests<KeyState>,
 }
 
 impl Probes {
@@ -186,30 +181,9 @@ impl Probes {
         if ack.probed.is_empty() {
             return false;
         }
-        let mut changed = false;
-        let mut waiting = lock(&self.waiting);
-        for p in &ack.probed {
-            if let Some(answers) = waiting.get_mut(&p.id)
-                && answers.len() < MAX_ANSWERS
-                && !answers.contains_key(&ack.node_id)
-            {
-                answers.insert(ack.node_id.clone(), p.state.clone());
-                changed = true;
-            }
-        }
-        changed
-    }
-}
-
-/// A probe waited on; its answers go with it.
-struct Registered<'a> {
-    probes: &'a Probes,
-    id: u64,
-}
-
-impl Drop for Registered<'_> {
-    fn drop(&mut self) {
-        lock(&self.probes.waiting).remove(&self.id);
+        let answers = ack.probed.iter().map(|p| (p.id, &p.state));
+        self.waiting
+            .answered(&ack.node_id, answers, KeyState::clone)
     }
 }
 
@@ -239,21 +213,10 @@ impl Cluster {
                 key.len()
             )));
         }
-        let started = Instant::now();
-        let deadline = deadline_after(timeout);
-        let mut updates = self.updates();
+        let wait = Wait::start(self, timeout);
         let probes = &self.inner.probes;
-        let registered = {
-            let mut waiting = lock(&probes.waiting);
-            // Random, so that another party's answers never match by chance.
-            let mut id = crate::util::random_u64();
-            while id == 0 || waiting.contains_key(&id) {
-                id = id.wrapping_add(1);
-            }
-            waiting.insert(id, HashMap::default());
-            Registered { probes, id }
-        };
-        let mut probe = Probe {
+        let registered = probes.waiting.register();
+        let probe = Probe {
             topic: self.topic().to_owned(),
             cache: cache.to_owned(),
             key: key.clone(),
@@ -261,65 +224,27 @@ impl Cluster {
             id: registered.id,
             reply: self.reads_replies(),
         };
-        // Sent again, as an acknowledgement request is, while nodes are
-        // missing: the channel may lose it, or a node may join meanwhile.
-        let mut resend_gap = Duration::ZERO;
-        let mut resend_at = started;
-        loop {
-            let now = Instant::now();
-            if now >= resend_at {
-                probe.reply = self.reads_replies();
-                self.send(&Message::Probe(probe.clone())).await;
-                resend_gap = (resend_gap.saturating_mul(2))
-                    .max(super::ack::RESEND_FIRST)
-                    .min(self.interval().max(super::ack::RESEND_FIRST));
-                resend_at = Instant::now().checked_add(resend_gap).unwrap_or(resend_at);
-            }
-            let answers = lock(&probes.waiting)
-                .get(&registered.id)
-                .cloned()
-                .unwrap_or_default();
-            let mut nodes: Vec<NodeKey> = self
-                .holders(cache)
+        // Sent at once and waited for, as no node can answer before it is
+        // out; then again, as an acknowledgement request is, while nodes
+        // are missing: the channel may lose it, or a node may join
+        // meanwhile.
+        let first = FirstSend::Awaited;
+        let gathered = wait
+            .gather(self, cache, Message::Probe(probe), first, || {
+                probes.waiting.answers(registered.id)
+            })
+            .await;
+        Ok(KeyProbe {
+            cache: cache.to_owned(),
+            key,
+            nodes: gathered
+                .nodes
                 .into_iter()
-                .map(|node_id| NodeKey {
-                    state: answers.get(&node_id).cloned(),
-                    node_id,
-                })
-                .collect();
-            nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
-            let incomplete = self.unsettled().or(if nodes.is_empty() {
-                Some(Incomplete::NoNode)
-            } else if nodes.iter().any(|n| n.state.is_none()) {
-                Some(Incomplete::Pending)
-            } else {
-                None
-            });
-            let report = |nodes, incomplete| KeyProbe {
-                cache: cache.to_owned(),
-                key: key.clone(),
-                nodes,
-                elapsed: started.elapsed(),
-                incomplete,
-            };
-            let now = Instant::now();
-            if incomplete.is_none() || now >= deadline {
-                return Ok(report(nodes, incomplete));
-            }
-            let wake = now
-                .checked_add(super::ack::RECHECK)
-                .unwrap_or(now)
-                .min(deadline)
-                .min(resend_at);
-            tokio::select! {
-                changed = updates.changed() => {
-                    if changed.is_err() {
-                        return Ok(report(nodes, incomplete));
-                    }
-                }
-                () = tokio::time::sleep_until(wake) => {}
-            }
-        }
+                .map(|(node_id, state)| NodeKey { state, node_id })
+                .collect(),
+            elapsed: gathered.elapsed,
+            incomplete: gathered.incomplete,
+        })
     }
 }
 

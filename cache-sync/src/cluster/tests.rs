@@ -20,7 +20,7 @@ use crate::wire::Codec;
 /// 100 ms intervals expire only when a test moves it on.
 const EVERY: Duration = Duration::from_millis(100);
 
-fn cache(name: &str, version: Option<u64>) -> CacheHeartbeat {
+pub(super) fn cache(name: &str, version: Option<u64>) -> CacheHeartbeat {
     CacheHeartbeat {
         name: name.into(),
         version,
@@ -34,7 +34,7 @@ fn cache(name: &str, version: Option<u64>) -> CacheHeartbeat {
     }
 }
 
-fn heartbeat(id: &str, caches: Vec<CacheHeartbeat>) -> Heartbeat {
+pub(super) fn heartbeat(id: &str, caches: Vec<CacheHeartbeat>) -> Heartbeat {
     Heartbeat {
         node_id: id.into(),
         topic: DEFAULT_TOPIC.into(),
@@ -52,7 +52,7 @@ fn heartbeat(id: &str, caches: Vec<CacheHeartbeat>) -> Heartbeat {
 }
 
 /// A watcher; with `local`, the view of a node "me".
-fn watcher(local: Option<LocalHeartbeat>) -> Cluster {
+pub(super) fn watcher(local: Option<LocalHeartbeat>) -> Cluster {
     Cluster::new(
         if local.is_some() { "me" } else { "watcher" }.into(),
         DEFAULT_TOPIC.into(),
