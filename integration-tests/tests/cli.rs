@@ -14,8 +14,8 @@ use std::time::Duration;
 use cache_sync::cluster::ClusterView;
 use cache_sync::transport::Transport;
 use cache_sync::{Node, Publisher, SyncedCache, transport::RedisStreamsTransport};
-use integration_tests::{built, eventually};
 use integration_tests::redis_server::RedisServer;
+use integration_tests::{built, eventually};
 
 const EVERY: Duration = Duration::from_millis(100);
 
@@ -28,7 +28,14 @@ fn binary() -> &'static PathBuf {
         built::binary(
             "CACHE_SYNC_BIN",
             // nats for the NATS status test; the rest needs redis only.
-            &["-p", "cache-sync", "--bin", "cache-sync", "--features", "cli,redis,nats"],
+            &[
+                "-p",
+                "cache-sync",
+                "--bin",
+                "cache-sync",
+                "--features",
+                "cli,redis,nats",
+            ],
             "cache-sync",
         )
     })

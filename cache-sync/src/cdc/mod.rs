@@ -41,7 +41,9 @@ mod stats;
 mod stream;
 mod upkeep;
 
-pub use relay::{CdcRelay, CdcRelayBuilder, CdcRelayStats};
+pub use builder::CdcRelayBuilder;
+pub use relay::CdcRelay;
+pub use stats::CdcRelayStats;
 
 use pgoutput::{Datum, Relation, Tuple};
 

@@ -16,9 +16,9 @@ use super::stats::Shared;
 use crate::publish::Publisher;
 use crate::util::lock;
 
-// Re-exported beside `CdcRelay`, where `cdc`'s `pub use relay::…` names them.
-pub use super::builder::CdcRelayBuilder;
-pub use super::stats::CdcRelayStats;
+#[cfg(doc)]
+use super::builder::CdcRelayBuilder;
+use super::stats::CdcRelayStats;
 
 /// Streams committed row changes of the mapped tables out of PostgreSQL's
 /// logical replication and publishes them as versioned cache events.

@@ -9,7 +9,7 @@ use super::in_flight::{HandedOver, InFlight};
 use super::{Published, Publisher, Sent, SeqState};
 use crate::error::Result;
 use crate::util::now_us;
-#[cfg(feature = "_sql")]
+#[cfg(feature = "postgres-outbox")]
 use crate::wire::Change;
 use crate::wire::{Fence, Header, HeaderExt, Origin, Outgoing};
 
