@@ -1,0 +1,144 @@
+//! A classic change subscription: the client's queue drained into a backlog
+//! bounded in bytes (an overflow is a loss), and a quiet link PINGed.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::pin::Pin;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use redis::Value;
+
+use super::RECORD_OVERHEAD;
+use crate::error::{Error, Result};
+use crate::transport::redis::{PUBSUB, map_err};
+use crate::transport::{Delivery, Loss, LossReason, Position, Record, Subscription};
+use crate::util::deadline_after;
+
+pub(super) struct PubSubSubscription {
+    pub(super) sink: redis::aio::PubSubSink,
+    pub(super) stream: redis::aio::PubSubStream,
+    /// Messages taken off the client's queue, not yet delivered.
+    pub(super) backlog: VecDeque<Record>,
+    pub(super) backlog_bytes: usize,
+    pub(super) max_backlog_bytes: usize,
+    pub(super) pending: Option<Loss>,
+    /// Fires at the earliest when the link has been quiet for `ping_interval`.
+    /// Only moved when it fires (to `heard_at + ping_interval`), not on every
+    /// message: re-arming a tokio timer per event takes the timer driver's lock.
+    pub(super) ping: Pin<Box<tokio::time::Sleep>>,
+    /// When a message last arrived.
+    pub(super) heard_at: tokio::time::Instant,
+    pub(super) ping_interval: Duration,
+    pub(super) ping_timeout: Duration,
+}
+
+impl fmt::Debug for PubSubSubscription {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PubSubSubscription").finish_non_exhaustive()
+    }
+}
+
+impl PubSubSubscription {
+    /// Moves everything the client has queued into the backlog; false if
+    /// the connection closed.
+    fn drain(&mut self) -> bool {
+        while self.backlog_bytes <= self.max_backlog_bytes {
+            match futures_util::FutureExt::now_or_never(self.stream.next()) {
+                Some(Some(msg)) => self.push(&msg),
+                Some(None) => return false,
+                None => break,
+            }
+        }
+        true
+    }
+
+    fn push(&mut self, msg: &redis::Msg) {
+        let record = record(msg);
+        self.backlog_bytes = self
+            .backlog_bytes
+            .saturating_add(record.payload.len().saturating_add(RECORD_OVERHEAD));
+        self.backlog.push_back(record);
+    }
+
+    fn take(&mut self, max: usize) -> Result<Delivery> {
+        if self.backlog_bytes > self.max_backlog_bytes {
+            let missed = self.backlog.len() as u64;
+            tracing::warn!(
+                messages = missed,
+                bytes = self.backlog_bytes,
+                limit = self.max_backlog_bytes,
+                "Pub/Sub backlog over its limit; dropping it"
+            );
+            self.backlog.clear();
+            self.backlog_bytes = 0;
+            return Ok(Delivery::Lost(Loss::new(
+                LossReason::Overflow,
+                Some(missed),
+                None,
+            )));
+        }
+        let n = max.max(1).min(self.backlog.len());
+        let records: Vec<Record> = self.backlog.drain(..n).collect();
+        let taken = records.iter().fold(0usize, |sum, r| {
+            sum.saturating_add(r.payload.len().saturating_add(RECORD_OVERHEAD))
+        });
+        self.backlog_bytes = self.backlog_bytes.saturating_sub(taken);
+        Ok(Delivery::Batch {
+            records,
+            position: Position::default(),
+        })
+    }
+}
+
+#[async_trait]
+impl Subscription for PubSubSubscription {
+    async fn next(&mut self, max: usize) -> Result<Delivery> {
+        if let Some(loss) = self.pending.take() {
+            return Ok(Delivery::Lost(loss));
+        }
+        loop {
+            // Everything queued, not just one batch: the size of the client's
+            // queue is only known by emptying it.
+            let open = self.drain();
+            if !self.backlog.is_empty() {
+                self.heard_at = tokio::time::Instant::now();
+                return self.take(max);
+            }
+            if !open {
+                return Err(Error::disconnected(
+                    PUBSUB,
+                    "the subscription connection closed",
+                ));
+            }
+            tokio::select! {
+                msg = self.stream.next() => {
+                    let Some(msg) = msg else {
+                        return Err(Error::disconnected(PUBSUB, "the subscription connection closed"));
+                    };
+                    self.push(&msg);
+                }
+                () = self.ping.as_mut() => {
+                    let due = self.heard_at.checked_add(self.ping_interval);
+                    let now = tokio::time::Instant::now();
+                    if let Some(due) = due.filter(|&due| now < due) {
+                        self.ping.as_mut().reset(due);
+                        continue;
+                    }
+                    self.ping.as_mut().reset(deadline_after(self.ping_interval));
+                    match tokio::time::timeout(self.ping_timeout, self.sink.ping::<Value>()).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => return Err(map_err(PUBSUB, e)),
+                        Err(_) => return Err(Error::disconnected(PUBSUB, "PING went unanswered")),
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn record(msg: &redis::Msg) -> Record {
+    Record::new(None, Bytes::copy_from_slice(msg.get_payload_bytes()))
+}
