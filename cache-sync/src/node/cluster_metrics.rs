@@ -12,8 +12,7 @@ use crate::cluster::{ClusterView, NodeView};
 use crate::util::HashSet;
 
 /// The gauges that need the other nodes' heartbeats, built at scrape time
-/// from this node's cluster view like
-/// [`NodeCollector`](super::metrics::NodeCollector).
+/// from this node's cluster view like `NodeCollector` (in `metrics.rs`).
 pub(super) fn register_cluster_metrics(registry: &mut Registry, node: &Node) {
     registry.register_collector(Box::new(ClusterCollector {
         view: node.cluster().view(),
