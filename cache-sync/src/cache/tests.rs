@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use super::*;
 use crate::cache::Event;
-use crate::util::now_us;
+use crate::util::{lock, now_us};
 use crate::wire::{Change, EntryVersion, Header, KeyVersion, encode, encode_part};
 
 mod coalescing;

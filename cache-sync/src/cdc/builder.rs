@@ -156,7 +156,7 @@ impl CdcRelayBuilder {
     /// ahead, so at most 128 times this is held. A larger one cannot be read, nor the stream go on
     /// past it: its transaction is skipped, every mapped cache is cleared
     /// at its commit in its place, logged at `error` and counted in
-    /// [`CdcRelayStats::skipped`](crate::CdcRelayStats::skipped).
+    /// [`CdcRelayStats::skipped`](crate::cdc::CdcRelayStats::skipped).
     pub fn max_row_bytes(mut self, bytes: usize) -> Self {
         self.max_row_bytes = bytes;
         self

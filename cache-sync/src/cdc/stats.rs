@@ -15,7 +15,7 @@ pub struct CdcRelayStats {
     pub rows: u64,
     /// Resyncs published: clears of the mapped caches for a new or lost
     /// slot, or of a table's caches after an operator changed it (see
-    /// [`CdcRelay`](crate::CdcRelay)).
+    /// [`CdcRelay`](crate::cdc::CdcRelay)).
     pub resyncs: u64,
     /// Times this relay started streaming after another relay held the slot.
     pub takeovers: u64,
@@ -23,7 +23,7 @@ pub struct CdcRelayStats {
     pub failures: u64,
     /// Transactions skipped, with a clear of every mapped cache in their
     /// place, because a row change was over
-    /// [`max_row_bytes`](crate::CdcRelayBuilder::max_row_bytes).
+    /// [`max_row_bytes`](crate::cdc::CdcRelayBuilder::max_row_bytes).
     pub skipped: u64,
     /// The slot's confirmed position (an LSN), as this relay last set it.
     pub confirmed_lsn: u64,
