@@ -45,7 +45,7 @@ const MAX_AUDIT_WINDOW: Duration = Duration::from_secs(30 * 86_400);
 /// entry (no write, event or clear touched the key meanwhile) and the
 /// source still differs, it is an *inconsistency*: counted, logged with
 /// the key's trace, and repaired by removing the entry, so the next read
-/// loads it. See [`AuditStatus`](crate::AuditStatus) for what is reported.
+/// loads it. See [`AuditStatus`](crate::status::AuditStatus) for what is reported.
 ///
 /// The auditor's reads of the node's entries count no access in moka (for
 /// its eviction policy and its time-to-idle, so audited entries idle out
