@@ -1180,10 +1180,13 @@ pub async fn broker_killed_mid_window(fixture: &mut dyn Fixture) {
     for task in tasks {
         sent.push(task.await.expect("publishing task"));
     }
-    assert!(
-        errors.load(std::sync::atomic::Ordering::Relaxed) > 0,
-        "{name}: the kill failed no publish in flight"
-    );
+    // Most kills fail some publishes in flight, but not all need to: a
+    // client that holds its publishes across a short outage (NATS
+    // reconnects, and a JetStream publish waits out its request timeout)
+    // may see every one succeed (seen under load in a full run). Then no
+    // publish's outcome is unknown, and the checks below require each
+    // acknowledged value held and, with no loss noticed, each one tried
+    // arrived.
     // Everything sent has arrived, or its gap was answered, once a fence
     // published after it has, plus a reorder window and an announcement.
     retry(|| publisher.insert("fence", [("fence", 1u64)])).await;
