@@ -132,8 +132,16 @@ impl Fixture for TwoBrokers {
     }
 
     fn settle(&self) -> Duration {
-        // The fence and the table hash to different brokers' queues.
-        Duration::from_secs(5)
+        // The fence and the table hash to different brokers' queues, so
+        // the fence says nothing of the table's events. And an event of
+        // the table stranded on the killed broker, the last its publisher
+        // sent for a while, shows only by the publisher's announcement of
+        // its number, which lands on the other broker within an announce
+        // interval (1 s) and resyncs the cache a reorder window (10 s, the
+        // node's default) after it arrived, if the event did not come
+        // first: `publish_cut_at_the_tail`'s bound, with 2 s for the
+        // fence's own way and a busy machine.
+        Duration::from_secs(1 + 10 + 2)
     }
 }
 
