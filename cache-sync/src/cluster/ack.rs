@@ -8,19 +8,15 @@
 //! node, and nobody decodes what is not theirs.
 
 use std::fmt;
-use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Mutex, Weak};
+use std::sync::Mutex;
 use std::time::Duration;
-
-use tokio::sync::watch;
 
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use super::handle::Inner;
-use super::requests::{FirstSend, MAX_ANSWERS, Registered, Requests, Wait};
+use super::requests::{FirstSend, MAX_ANSWERS, MAX_NODE_ID_BYTES, Registered, Requests, Wait};
 use super::{Ack, Cluster, Message, Request, Target};
-use crate::util::{Backoff, HashMap, lock};
+use crate::util::{HashMap, lock};
 
 /// Which nodes applied a publish, as they answered.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -156,9 +152,6 @@ pub(crate) struct Goal {
     /// from it (from the start of the wait when `None`).
     pub(crate) since: Option<Instant>,
 }
-
-/// A node id longer than this in an answer is no node a view keeps.
-const MAX_NODE_ID_BYTES: usize = 4096;
 
 /// The requests a party waits on, and the answers in: by request id, each
 /// answering node with when its answer arrived (see `requests.rs`). Beside
@@ -299,82 +292,11 @@ pub(crate) async fn wait(cluster: &Cluster, cache: &str, goal: Goal, timeout: Du
     }
 }
 
-/// Reads this party's reply channel, where nodes send the answers to its
-/// acknowledgement requests (see `Transport::publish_reply`), for as long
-/// as the party lives: subscribes again after an error, with a backoff,
-/// and says meanwhile that it does not read it, so requests ask for the
-/// heartbeat channel instead. Ends at once on a transport without reply
-/// channels.
-pub(crate) async fn reply_loop(cluster: Weak<Inner>, mut stop: watch::Receiver<bool>) {
-    let mut backoff = Backoff::new(super::CHANNEL_BACKOFF_MIN, super::CHANNEL_BACKOFF_MAX);
-    loop {
-        let Some(inner) = cluster.upgrade() else {
-            return;
-        };
-        let (transport, topic, asker) = (inner.transport.clone(), inner.topic.clone(), inner.asker);
-        drop(inner);
-        // A broker that is down can take its timeout to answer: the stop
-        // must not wait for that.
-        let subscribed = tokio::select! {
-            _ = stop.wait_for(|s| *s) => return,
-            subscribed = transport.subscribe_replies(&topic, asker) => subscribed,
-        };
-        let mut sub = match subscribed {
-            Ok(sub) => sub,
-            Err(e) if e.is_unsupported() => return,
-            Err(e) => {
-                backoff.fail();
-                tracing::debug!(error = %e, retry_in = ?backoff.wait(), "reply channel: subscribe failed");
-                tokio::select! {
-                    _ = stop.wait_for(|s| *s) => return,
-                    () = tokio::time::sleep(backoff.wait()) => continue,
-                }
-            }
-        };
-        backoff.reset();
-        set_replies(&cluster, true);
-        loop {
-            let next = tokio::select! {
-                _ = stop.wait_for(|s| *s) => {
-                    set_replies(&cluster, false);
-                    return;
-                }
-                next = sub.next() => next,
-            };
-            let Some(inner) = cluster.upgrade() else {
-                return;
-            };
-            match next {
-                Ok(payload) => {
-                    let _ = Cluster { inner }.receive(&payload);
-                }
-                Err(e) => {
-                    inner.replies.store(false, Relaxed);
-                    backoff.fail();
-                    tracing::debug!(error = %e, retry_in = ?backoff.wait(),
-                        "reply channel: subscription failed; subscribing again");
-                    break;
-                }
-            }
-        }
-        tokio::select! {
-            _ = stop.wait_for(|s| *s) => return,
-            () = tokio::time::sleep(backoff.wait()) => {}
-        }
-    }
-}
-
-fn set_replies(cluster: &Weak<Inner>, on: bool) {
-    if let Some(inner) = cluster.upgrade() {
-        inner.replies.store(on, Relaxed);
-    }
-}
-
 impl Cluster {
     /// Waits until every live node that holds `cache` reports its version
     /// at `version` or newer, or `timeout` passes: the acknowledged form of
     /// a versioned change published by someone else, such as an
-    /// `OutboxRelay` (feature `postgres`) for a version an outbox enqueue
+    /// `OutboxRelay` (feature `postgres-outbox`) for a version an outbox enqueue
     /// returned.
     ///
     /// A cache's version is the highest it took in, so this means the

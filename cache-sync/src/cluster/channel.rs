@@ -3,8 +3,8 @@
 //! counted), the reply channel, and whether the view can be trusted to
 //! know every live node yet.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,9 +12,10 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::handle::Inner;
 use super::message::{self, Opened};
 use super::{Ack, Cluster, Incomplete, Message, Probe, Request, ack};
-use crate::util::lock;
+use crate::util::{Backoff, lock};
 use crate::wire::Codec;
 
 /// What a node does something about, read off the heartbeat channel.
@@ -99,7 +100,7 @@ impl Cluster {
     /// Starts reading this party's reply channel, until `stop` (a node's
     /// view; a watcher starts its own).
     pub(crate) fn read_replies(&self, stop: watch::Receiver<bool>) -> JoinHandle<()> {
-        tokio::spawn(ack::reply_loop(Arc::downgrade(&self.inner), stop))
+        tokio::spawn(reply_loop(Arc::downgrade(&self.inner), stop))
     }
 
     pub(crate) fn waiters(&self) -> &ack::Waiters {
@@ -246,5 +247,77 @@ impl Cluster {
             Some(_) if self.missing_nodes() => Some(Incomplete::Settling),
             Some(_) => None,
         }
+    }
+}
+
+/// Reads this party's reply channel, where nodes send the answers to its
+/// acknowledgement requests and key probes (see
+/// `Transport::publish_reply`), for as long
+/// as the party lives: subscribes again after an error, with a backoff,
+/// and says meanwhile that it does not read it, so requests ask for the
+/// heartbeat channel instead. Ends at once on a transport without reply
+/// channels.
+async fn reply_loop(cluster: Weak<Inner>, mut stop: watch::Receiver<bool>) {
+    let mut backoff = Backoff::new(super::CHANNEL_BACKOFF_MIN, super::CHANNEL_BACKOFF_MAX);
+    loop {
+        let Some(inner) = cluster.upgrade() else {
+            return;
+        };
+        let (transport, topic, asker) = (inner.transport.clone(), inner.topic.clone(), inner.asker);
+        drop(inner);
+        // A broker that is down can take its timeout to answer: the stop
+        // must not wait for that.
+        let subscribed = tokio::select! {
+            _ = stop.wait_for(|s| *s) => return,
+            subscribed = transport.subscribe_replies(&topic, asker) => subscribed,
+        };
+        let mut sub = match subscribed {
+            Ok(sub) => sub,
+            Err(e) if e.is_unsupported() => return,
+            Err(e) => {
+                backoff.fail();
+                tracing::debug!(error = %e, retry_in = ?backoff.wait(), "reply channel: subscribe failed");
+                tokio::select! {
+                    _ = stop.wait_for(|s| *s) => return,
+                    () = tokio::time::sleep(backoff.wait()) => continue,
+                }
+            }
+        };
+        backoff.reset();
+        set_replies(&cluster, true);
+        loop {
+            let next = tokio::select! {
+                _ = stop.wait_for(|s| *s) => {
+                    set_replies(&cluster, false);
+                    return;
+                }
+                next = sub.next() => next,
+            };
+            let Some(inner) = cluster.upgrade() else {
+                return;
+            };
+            match next {
+                Ok(payload) => {
+                    let _ = Cluster { inner }.receive(&payload);
+                }
+                Err(e) => {
+                    inner.replies.store(false, Relaxed);
+                    backoff.fail();
+                    tracing::debug!(error = %e, retry_in = ?backoff.wait(),
+                        "reply channel: subscription failed; subscribing again");
+                    break;
+                }
+            }
+        }
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => return,
+            () = tokio::time::sleep(backoff.wait()) => {}
+        }
+    }
+}
+
+fn set_replies(cluster: &Weak<Inner>, on: bool) {
+    if let Some(inner) = cluster.upgrade() {
+        inner.replies.store(on, Relaxed);
     }
 }

@@ -96,7 +96,7 @@ pub(crate) struct Inner {
     pub(super) probes: probe::Probes,
     /// A watcher's task, stopped with the view.
     task: Mutex<Option<WatcherTasks>>,
-    /// Whether this party reads its reply channel now (`ack::reply_loop`).
+    /// Whether this party reads its reply channel now (`channel::reply_loop`).
     pub(crate) replies: AtomicBool,
     pub(crate) stats: ClusterStats,
 }
@@ -201,7 +201,7 @@ impl ClusterBuilder {
             subscription,
             stopped.clone(),
         ));
-        let replies = tokio::spawn(ack::reply_loop(Arc::downgrade(&cluster.inner), stopped));
+        let replies = cluster.read_replies(stopped);
         *lock(&cluster.inner.task) = Some((stop, vec![task, replies]));
         // Ask every node for a heartbeat now, rather than wait an interval.
         let sent = cluster

@@ -16,6 +16,11 @@ use crate::util::{HashMap, deadline_after, lock};
 /// more live nodes than a view keeps members cannot be waited for anyway.
 pub(super) const MAX_ANSWERS: usize = super::members::MAX_MEMBERS;
 
+/// A node id longer than this in an answer is no node a view keeps: the
+/// answer is not taken, so a request's answers stay bounded in bytes
+/// (`MAX_ANSWERS` ids of at most this), not only in count.
+pub(super) const MAX_NODE_ID_BYTES: usize = 4096;
+
 /// How often a wait looks again without a heartbeat to wake it.
 const RECHECK: Duration = Duration::from_millis(10);
 /// When a wait first sends its request again, if still incomplete.
@@ -54,13 +59,17 @@ impl<V: Clone> Requests<V> {
     /// Takes in what the node `node_id` answered to each request id in
     /// `answers`: for each request still waited on, with room, and no
     /// answer from that node yet (its first one stands), `value` makes what
-    /// is kept. Whether anything was.
+    /// is kept. Whether anything was. An id longer than
+    /// `MAX_NODE_ID_BYTES` names no node: nothing of it is kept.
     pub(super) fn answered<A>(
         &self,
         node_id: &str,
         answers: impl IntoIterator<Item = (u64, A)>,
         value: impl Fn(A) -> V,
     ) -> bool {
+        if node_id.len() > MAX_NODE_ID_BYTES {
+            return false;
+        }
         let mut changed = false;
         let mut waiting = lock(&self.waiting);
         for (id, answer) in answers {
@@ -293,6 +302,21 @@ mod tests {
     }
 
     /// A request keeps no more answers than a view keeps members.
+    /// An answer whose node id no view would keep is not taken, whichever
+    /// kind of request it answers: forged answers cost a request at most
+    /// `MAX_ANSWERS` ids of `MAX_NODE_ID_BYTES`.
+    #[test]
+    fn an_answer_from_an_overlong_node_id_is_not_taken() {
+        let requests = Requests::<u32>::default();
+        let a = requests.register();
+        let longest = "n".repeat(MAX_NODE_ID_BYTES);
+        let over = "n".repeat(MAX_NODE_ID_BYTES + 1);
+        assert!(!requests.answered(&over, [(a.id, 1)], |v| v));
+        assert!(requests.answers(a.id).is_empty());
+        assert!(requests.answered(&longest, [(a.id, 2)], |v| v));
+        assert_eq!(requests.answers(a.id)[&longest], 2);
+    }
+
     #[test]
     fn a_request_keeps_at_most_as_many_answers_as_a_view_keeps_members() {
         let requests = Requests::<()>::default();
