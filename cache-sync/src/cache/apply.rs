@@ -107,7 +107,7 @@ pub(crate) trait CacheHandle: Send + Sync {
     fn latency(&self) -> LatencyHistogram;
     /// If the cache is audited, how long to wait before its first round.
     fn audit_first_wait(&self) -> Option<Duration>;
-    /// One round of the cache's auditor (see `audit.rs`), with the grace
+    /// One round of the cache's auditor (see `audit/`), with the grace
     /// window the node gives by default, the last time the node was not
     /// ready, a check that it is ready now, and the node's round trip on
     /// the cache's route; returns how long to wait before the next, or

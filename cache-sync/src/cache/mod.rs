@@ -179,7 +179,7 @@ pub(crate) struct Inner<K, V> {
     stats: Stats,
     /// What happened to keys, if the builder turned it on (`trace.rs`).
     trace: Option<Trace<K>>,
-    /// The consistency auditor, if the builder set one (`audit.rs`).
+    /// The consistency auditor, if the builder set one (`audit/`).
     audit: Option<Auditor<K, V>>,
 }
 

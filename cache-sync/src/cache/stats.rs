@@ -125,7 +125,7 @@ where
         let version_at = s.version_at_us.load(Relaxed);
         // Its own statement: a guard in the literal below would live until
         // its end, across the auditor's lock, which is taken before the
-        // table's (`audit.rs`).
+        // table's (`audit/`).
         let tracked_keys = lock(&self.table).len() as u64;
         let audit = self.audit.as_ref().map(|a| a.status());
         CacheStatus {

@@ -16,7 +16,7 @@ pub(super) const MAX_PENDING_CHECKS: usize = 10_000;
 /// A publisher announced `seq` for `cache` while the node's last was below
 /// it: unless the events up to `seq` arrive by `deadline`, they were lost.
 /// Later announcements raise the check's highest number (in `checking`),
-/// not this one: see [`PublisherSeqs::announced`].
+/// not this one: see [`PublisherSeqs::announced_after`].
 pub(super) struct Check {
     publisher: u64,
     pub(super) cache: String,
@@ -64,7 +64,7 @@ impl PublisherSeqs {
         self.announced_after(publisher, cache, seq, deadline, || None)
     }
 
-    /// [`announced`](Self::announced), told when the announced event was
+    /// The check of an announcement, told when the announced event was
     /// sent (see [`Prior`]; asked only for a publisher the node does not
     /// know): an unknown publisher whose announced event was
     /// sent while this node was holding every event of the cache lost it on

@@ -10,7 +10,7 @@ use crate::util::{deadline_after, lock};
 use crate::wire::Outgoing;
 
 impl Publisher {
-    /// The second send of [`PublisherBuilder::again_after`]: queues, for
+    /// The second send of [`PublisherBuilder::again_after`](crate::PublisherBuilder::again_after): queues, for
     /// `delay` from now, an invalidation of what `changes` changed. One
     /// task per publisher sends them in order (every entry waits the same
     /// delay, so the queue is in due order); it holds the publisher's

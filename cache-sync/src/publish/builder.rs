@@ -114,7 +114,7 @@ impl PublisherBuilder {
 
     /// How many events the publisher may have handed to the transport and
     /// not yet seen acknowledged, across all caches: the pipelining window
-    /// (see [`Transport::start_publish`](crate::transport::Transport::start_publish)).
+    /// (see [`start_publish`](crate::transport::Transport::start_publish)).
     /// A publish that finds it full waits for a place before it takes its
     /// sequence number. Each publish still returns only once its own events
     /// are acknowledged, so the window matters only to concurrent

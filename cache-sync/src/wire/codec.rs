@@ -134,7 +134,7 @@ impl Codec {
         Ok(payload)
     }
 
-    /// [`seal_ext`](Self::seal_ext) for a publisher's change in its wire
+    /// `seal_ext` for a publisher's change in its wire
     /// form: the same bytes, written into a buffer of exactly their size.
     pub(crate) fn seal_body(
         &self,
