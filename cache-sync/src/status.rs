@@ -95,6 +95,18 @@ pub struct NodeStatus {
     /// older than this field.
     #[serde(default)]
     pub runtime_lateness_us: u64,
+    /// The age of the node's freshness bound, in milliseconds: every
+    /// publish on its topic acknowledged more than this long ago has been
+    /// applied (measured on this node's monotonic clock, from when it asked
+    /// the broker for the topic's tail; see
+    /// [`NodeBuilder::freshness_interval`](crate::NodeBuilder::freshness_interval)).
+    /// It stays within about two intervals while the node keeps up, and
+    /// grows while the node cannot reach its broker or falls behind.
+    /// `None` before the first bound, with the bound turned off, or on a
+    /// transport that cannot tell its tail. Absent in JSON from nodes older
+    /// than this field.
+    #[serde(default)]
+    pub freshness_age_ms: Option<u64>,
     /// Each registered cache, by name.
     pub caches: Vec<CacheStatus>,
 }

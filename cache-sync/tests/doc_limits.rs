@@ -277,6 +277,18 @@ const ROWS: &[Row] = &[
         "| {} to 1 h, or `Duration::MAX` for none",
     ),
     (DESIGN, "MAX_TIMEOUT", hours, "(NATS 100 ms) to {}"),
+    (
+        DESIGN,
+        "DEFAULT_FRESHNESS_INTERVAL",
+        secs,
+        "or `Duration::MAX` for none ({} by default); at most",
+    ),
+    (
+        DESIGN,
+        "MAX_TAILS_PENDING",
+        plain,
+        "at most {} tails asked for and not reached yet",
+    ),
     (DESIGN, "MIN_TIMEOUT", ms, "| {} (NATS 100 ms) to"),
     (DESIGN, "MIN_INTERVAL", ms, "(NATS {}) to 1 h"),
     (

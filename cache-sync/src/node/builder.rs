@@ -161,6 +161,25 @@ impl NodeBuilder {
         self
     }
 
+    /// How often the node proves its freshness bound: it asks the broker
+    /// for the topic's tail (one request, the transport's
+    /// [`tail`](crate::transport::Transport::tail)) and notes, on its own
+    /// monotonic clock, when it asked; once it has applied everything up
+    /// to that tail, every publish acknowledged before that moment is
+    /// applied. `freshness_age_ms` in [`NodeStatus`](crate::status::NodeStatus)
+    /// and `cache_sync_node_freshness_age_seconds` in `/metrics` are that
+    /// moment's age: how stale the node may be, within one interval. A
+    /// node cut off from its broker, or falling behind, shows an age that
+    /// grows. Default 1 s; 10 ms to 1 h, or `Duration::MAX` for none.
+    ///
+    /// A transport that cannot tell its tail proves nothing: the age stays
+    /// unknown (`None`), and the node asks once. The embedded transport
+    /// tells; the broker transports do not yet.
+    pub fn freshness_interval(mut self, every: Duration) -> Self {
+        self.config.freshness_interval = every;
+        self
+    }
+
     /// Accepts only events signed with a key in `keyring`. Unsigned, forged
     /// or tampered events, and events signed with an unknown key, are
     /// rejected, counted and logged, and change nothing: unlike unreadable
@@ -205,6 +224,7 @@ impl NodeBuilder {
             )));
         }
         check_interval("heartbeat_interval", c.heartbeat_interval)?;
+        check_interval("freshness_interval", c.freshness_interval)?;
         self.transport.check_topic(&self.topic)?;
         for cache in &self.caches {
             self.transport.check_tag(cache.name())?;
@@ -282,6 +302,11 @@ impl NodeBuilder {
         let maintenance = tokio::spawn(maintenance_loop(shared.clone(), stop_rx.clone()));
         let heartbeats = tokio::spawn(heartbeat_loop(shared.clone(), stop_rx.clone()));
         let auditors = tokio::spawn(super::audit::audit_loop(shared.clone(), stop_rx.clone()));
+        let freshness = tokio::spawn(super::freshness::freshness_loop(
+            shared.clone(),
+            shared.config.freshness_interval,
+            stop_rx.clone(),
+        ));
         let lateness = tokio::spawn(super::lateness::lateness_loop(shared.clone(), stop_rx));
         Ok(Node {
             handle: Arc::new(Handle {
@@ -293,6 +318,7 @@ impl NodeBuilder {
                     heartbeats,
                     auditors,
                     lateness,
+                    freshness,
                 ])),
             }),
         })
@@ -346,6 +372,7 @@ impl NodeBuilder {
             stats: NodeStats::default(),
             housekeeper,
             lateness: super::lateness::Lateness::default(),
+            freshness: super::freshness::Freshness::default(),
         });
         (shared, self.caches)
     }

@@ -204,6 +204,7 @@ pub(super) async fn consume_loop(
                     .get_or_insert_with(Position::default)
                     .advance(&position);
                 lock(&shared.position).advance(&position);
+                shared.freshness.applied.notify_one();
                 shared.dirty.store(true, Relaxed);
             }
             Ok(Delivery::Lost(loss)) => {
@@ -240,5 +241,6 @@ pub(super) async fn apply_loss(shared: &Shared, seqs: &mut PublisherSeqs, loss: 
     if let Some(p) = loss.resume_at {
         lock(&shared.position).advance(&p);
     }
+    shared.freshness.applied.notify_one();
     shared.dirty.store(true, Relaxed);
 }

@@ -420,6 +420,14 @@ impl Collector for NodeCollector {
             None,
             MetricType::Gauge,
         )?)?;
+        if let Some(ms) = node.freshness_age_ms {
+            ConstGauge::new(ms as f64 / 1e3).encode(encoder.encode_descriptor(
+                "node_freshness_age",
+                "Age of the node's freshness bound: every publish acknowledged longer ago than this has been applied (absent while unknown).",
+                Some(&Unit::Seconds),
+                MetricType::Gauge,
+            )?)?;
+        }
         Ok(())
     }
 }
@@ -879,6 +887,10 @@ mod tests {
             .await
             .unwrap();
         eventually("b's version", async || b.status().version.is_some()).await;
+        eventually("a freshness bound", async || {
+            node.status().freshness_age_ms.is_some()
+        })
+        .await;
         let text = scrape(&node).await;
         let (served, documented) = (families(&text), documented());
         assert!(served.len() > 50, "{served:?}");

@@ -35,6 +35,7 @@ mod builder;
 mod cluster_metrics;
 mod consume;
 mod fences;
+mod freshness;
 mod heartbeat;
 mod http;
 mod lateness;
@@ -54,6 +55,8 @@ pub use server::StatusServer;
 
 /// See [`NodeBuilder::reorder_window`].
 pub(crate) const DEFAULT_REORDER_WINDOW: Duration = Duration::from_secs(10);
+/// How often a node proves its freshness bound by default.
+pub(crate) const DEFAULT_FRESHNESS_INTERVAL: Duration = Duration::from_secs(1);
 
 /// One application node: a broadcasting consumer plus the caches it keeps in
 /// step, and the source of its status.
@@ -85,9 +88,9 @@ struct Handle {
 }
 
 /// The node's tasks: the consumer, the maintenance task, the heartbeat
-/// task, the auditors' (`audit.rs`), and the runtime's lateness monitor
-/// (`lateness.rs`).
-type Tasks = [JoinHandle<()>; 5];
+/// task, the auditors' (`audit.rs`), the runtime's lateness monitor
+/// (`lateness.rs`) and the freshness bound's (`freshness.rs`).
+type Tasks = [JoinHandle<()>; 6];
 
 impl Drop for Handle {
     fn drop(&mut self) {
@@ -113,6 +116,7 @@ impl Node {
                 max_backoff: Duration::from_secs(5),
                 reorder_window: DEFAULT_REORDER_WINDOW,
                 heartbeat_interval: DEFAULT_HEARTBEAT_INTERVAL,
+                freshness_interval: DEFAULT_FRESHNESS_INTERVAL,
             },
             caches: Vec::new(),
         }
@@ -343,7 +347,9 @@ impl Node {
     /// but past the cluster view's bounds); gauges
     /// `cache_sync_node_consuming`, 1 while
     /// [`is_consuming`](Self::is_consuming), else 0, and
-    /// `cache_sync_node_ready`, 1 while [`is_ready`](Self::is_ready); and
+    /// `cache_sync_node_ready`, 1 while [`is_ready`](Self::is_ready), and
+    /// `cache_sync_node_freshness_age_seconds` while known
+    /// ([`NodeStatus::freshness_age_ms`] in seconds); and
     /// the histogram `cache_sync_runtime_lateness_seconds` (buckets 100 µs
     /// to 10 s): how late the runtime the node runs on ran the node's 10 ms
     /// timer, that is how long a task (the node's or the application's)

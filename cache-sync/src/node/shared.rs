@@ -77,6 +77,8 @@ pub(super) struct Shared {
     pub(super) housekeeper: Arc<crate::cache::Housekeeper>,
     /// How late the runtime runs the node's timer (see `lateness.rs`).
     pub(super) lateness: super::lateness::Lateness,
+    /// The freshness bound the node has proved (see `freshness.rs`).
+    pub(super) freshness: super::freshness::Freshness,
 }
 
 #[derive(Debug, Clone)]
@@ -90,6 +92,8 @@ pub(super) struct Config {
     pub(super) reorder_window: Duration,
     /// `Duration::MAX`: no heartbeats.
     pub(super) heartbeat_interval: Duration,
+    /// `Duration::MAX`: no freshness bound.
+    pub(super) freshness_interval: Duration,
 }
 
 impl Shared {

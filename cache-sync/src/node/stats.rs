@@ -85,6 +85,10 @@ impl Shared {
             heartbeats_rejected: s.cluster.stats().rejected.load(Relaxed),
             heartbeats_dropped: s.cluster.stats().dropped.load(Relaxed),
             runtime_lateness_us: s.lateness.recent_max_us(tokio::time::Instant::now()),
+            freshness_age_ms: s
+                .freshness
+                .age()
+                .map(|age| u64::try_from(age.as_millis()).unwrap_or(u64::MAX)),
             caches,
         }
     }

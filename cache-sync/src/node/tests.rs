@@ -15,6 +15,7 @@ mod acks;
 mod audit;
 mod cluster;
 mod fence;
+mod freshness;
 mod gaps;
 mod hostile;
 mod late;

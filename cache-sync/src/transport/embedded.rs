@@ -225,6 +225,14 @@ impl Transport for EmbeddedTransport {
         Ok(Some(self.position(end)))
     }
 
+    /// The log's end: the offset the next record will take. In-process,
+    /// so every publish that returned is before it.
+    async fn tail(&self, topic: &str) -> Result<Option<Position>> {
+        let topic = self.topic(topic);
+        let end = lock(&topic.log).end();
+        Ok(Some(self.position(end)))
+    }
+
     async fn subscribe(
         &self,
         topic: &str,

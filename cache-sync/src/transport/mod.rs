@@ -160,6 +160,34 @@ pub trait Transport: Send + Sync + 'static {
         options: SubscribeOptions,
     ) -> Result<Box<dyn Subscription>>;
 
+    /// The topic's tail, asked of the broker now: a position such that a
+    /// subscription whose position [covers](Self::covers) it has delivered
+    /// every record whose publish was acknowledged before this call began.
+    /// What a node's freshness bound is proved with (see
+    /// `NodeBuilder::freshness_interval`): one request per node per check,
+    /// never a message every node must receive.
+    ///
+    /// `Ok(None)`, the default: this transport cannot tell, and a node on
+    /// it proves no freshness (its `freshness_age_ms` stays unknown).
+    async fn tail(&self, topic: &str) -> Result<Option<Position>> {
+        let _ = topic;
+        Ok(None)
+    }
+
+    /// Whether a subscription at `position` has delivered everything up to
+    /// `tail` (an answer of [`tail`](Self::tail)). The default: every
+    /// partition `tail` names is in `position`, at a sequence number at or
+    /// past the tail's (an [`Offset::Id`] must be equal: it names a
+    /// history, not a place in it).
+    fn covers(&self, position: &Position, tail: &Position) -> bool {
+        tail.iter()
+            .all(|(partition, end)| match (position.get(partition), end) {
+                (Some(Offset::Seq(at)), Offset::Seq(end)) => at >= end,
+                (Some(Offset::Id(at)), Offset::Id(end)) => at == end,
+                _ => false,
+            })
+    }
+
     /// Publishes one encoded heartbeat message (a node's heartbeat, or a
     /// request for early heartbeats) on the topic's heartbeat channel.
     ///
@@ -294,6 +322,14 @@ impl<T: Transport + ?Sized> Transport for std::sync::Arc<T> {
         options: SubscribeOptions,
     ) -> Result<Box<dyn Subscription>> {
         (**self).subscribe(topic, options).await
+    }
+
+    async fn tail(&self, topic: &str) -> Result<Option<Position>> {
+        (**self).tail(topic).await
+    }
+
+    fn covers(&self, position: &Position, tail: &Position) -> bool {
+        (**self).covers(position, tail)
     }
 
     async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {

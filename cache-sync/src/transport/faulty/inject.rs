@@ -128,6 +128,20 @@ impl Transport for FaultyTransport {
         }))
     }
 
+    async fn tail(&self, topic: &str) -> Result<Option<Position>> {
+        while self.faults.hang_tails.load(SeqCst) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        if self.faults.hide_tails.load(SeqCst) {
+            return Ok(None);
+        }
+        self.inner.tail(topic).await
+    }
+
+    fn covers(&self, position: &Position, tail: &Position) -> bool {
+        self.inner.covers(position, tail)
+    }
+
     async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
         while self.faults.hang_heartbeats.load(SeqCst) {
             tokio::time::sleep(Duration::from_millis(1)).await;

@@ -125,6 +125,8 @@ struct Faults {
     holding: AtomicUsize,
     drop_heartbeats: Switch<HeartbeatFilter>,
     hang_heartbeats: AtomicBool,
+    hang_tails: AtomicBool,
+    hide_tails: AtomicBool,
     hang_heartbeat_subscriptions: AtomicBool,
 }
 
@@ -357,6 +359,18 @@ impl FaultyTransport {
     /// turned off: a party that never hears the channel.
     pub fn hang_heartbeat_subscriptions(&self, on: bool) {
         self.faults.hang_heartbeat_subscriptions.store(on, SeqCst);
+    }
+
+    /// While on, asking for the topic's tail waits until it is turned off:
+    /// a broker the node cannot reach, its requests unanswered.
+    pub fn hang_tails(&self, on: bool) {
+        self.faults.hang_tails.store(on, SeqCst);
+    }
+
+    /// While on, the topic's tail is unknown (`Ok(None)`), as on a
+    /// transport that cannot tell it.
+    pub fn hide_tails(&self, on: bool) {
+        self.faults.hide_tails.store(on, SeqCst);
     }
 }
 
