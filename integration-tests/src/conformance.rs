@@ -21,10 +21,12 @@ use crate::{Db, Row, TABLE, TestNode, assert_no_stale_entries, holds_no_stale_en
 
 mod channels;
 mod faults;
+mod freshness;
 mod publishes;
 
 pub use channels::*;
 pub use faults::*;
+pub use freshness::*;
 pub use publishes::*;
 
 /// Faults a transport may be asked to survive.

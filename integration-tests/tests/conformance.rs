@@ -552,6 +552,9 @@ macro_rules! case {
     ($f:expr, a_stopped_node_leaves_the_cluster_view) => {
         cluster_view::a_stopped_node_is_gone_after_three_intervals(&mut $f).await
     };
+    ($f:expr, freshness_follows_a_paused_broker) => {
+        integration_tests::conformance::freshness_follows_a_paused_broker(&mut $f).await
+    };
     ($f:expr, readiness_follows_a_paused_broker) => {
         cluster_view::readiness_follows_a_paused_broker(&mut $f).await
     };
@@ -597,6 +600,7 @@ const SCENARIOS: &[&str] = &[
     "cluster_view_converges_and_publishes_are_acknowledged",
     "a_stopped_node_leaves_the_cluster_view",
     "readiness_follows_a_paused_broker",
+    "freshness_follows_a_paused_broker",
     "leader_killed_while_events_flow",
     "leader_paused_past_failover_then_resumed_stale",
     "slot_moved_while_events_flow",
@@ -670,6 +674,7 @@ conformance!(embedded, Embedded::new(), {
     cluster_view_converges_and_publishes_are_acknowledged,
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker = ignore "in-process: no broker to pause",
+    freshness_follows_a_paused_broker = ignore "in-process: no broker to pause (node::tests::freshness hangs the tail instead)",
     leader_killed_while_events_flow = ignore "in-process: no servers",
     leader_paused_past_failover_then_resumed_stale = ignore "in-process: no servers",
     slot_moved_while_events_flow = ignore "in-process: no servers",
@@ -702,6 +707,7 @@ conformance!(redis_streams, Streams { server: RedisServer::start() }, {
     cluster_view_converges_and_publishes_are_acknowledged,
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker,
+    freshness_follows_a_paused_broker,
     leader_killed_while_events_flow = ignore "one server: no replica to take over",
     leader_paused_past_failover_then_resumed_stale = ignore "one server: no replica to take over",
     slot_moved_while_events_flow = ignore "one server: no slot to move",
@@ -734,6 +740,7 @@ conformance!(redis_pubsub, PubSub { server: RedisServer::start() }, {
     cluster_view_converges_and_publishes_are_acknowledged,
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker,
+    freshness_follows_a_paused_broker = ignore "Pub/Sub keeps no history, so it has no tail to tell: no freshness bound yet (docs/design.md, The freshness bound)",
     leader_killed_while_events_flow = ignore "one server: no replica to take over",
     leader_paused_past_failover_then_resumed_stale = ignore "one server: no replica to take over",
     slot_moved_while_events_flow = ignore "one server: no slot to move",
@@ -767,6 +774,7 @@ conformance!(nats_jetstream, Nats { server: NatsServer::start() }, {
     cluster_view_converges_and_publishes_are_acknowledged,
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker,
+    freshness_follows_a_paused_broker,
     leader_killed_while_events_flow = ignore "one server: no replica to take over",
     leader_paused_past_failover_then_resumed_stale = ignore "one server: no replica to take over",
     slot_moved_while_events_flow = ignore "one server: no slot to move",
@@ -802,6 +810,7 @@ conformance!(rocketmq, RocketMq { server: RocketMqServer::start() }, {
     cluster_view_converges_and_publishes_are_acknowledged,
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker = ignore "the client notices a hung (SIGSTOPped) broker only when a connection closes: nodes stay ready through a pause (docs/transports.md)",
+    freshness_follows_a_paused_broker = ignore "the RocketMQ transport does not tell its tail yet: no freshness bound (docs/design.md, The freshness bound)",
     leader_killed_while_events_flow = ignore "one server: no replica to take over",
     leader_paused_past_failover_then_resumed_stale = ignore "one server: no replica to take over",
     slot_moved_while_events_flow = ignore "one server: no slot to move",

@@ -173,8 +173,9 @@ impl NodeBuilder {
     /// grows. Default 1 s; 10 ms to 1 h, or `Duration::MAX` for none.
     ///
     /// A transport that cannot tell its tail proves nothing: the age stays
-    /// unknown (`None`), and the node asks once. The embedded transport
-    /// tells; the broker transports do not yet.
+    /// unknown (`None`), and the node asks once. The embedded transport,
+    /// Redis Streams and NATS JetStream tell; Redis Pub/Sub (no history)
+    /// and RocketMQ do not yet.
     pub fn freshness_interval(mut self, every: Duration) -> Self {
         self.config.freshness_interval = every;
         self

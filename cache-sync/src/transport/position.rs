@@ -82,6 +82,25 @@ impl Position {
     }
 }
 
+/// Whether `position` has read up to `tail` within one history: its
+/// sequence under `seq` at or past the tail's, and the history named under
+/// `history` the same (a sequence of another history says nothing of this
+/// one). For transports whose positions carry both (Redis Streams' ordinal
+/// and epoch, NATS's sequence and creation time).
+#[cfg(any(test, feature = "redis", feature = "nats"))]
+pub(crate) fn reached_in_history(
+    position: &Position,
+    tail: &Position,
+    seq: &str,
+    history: &str,
+) -> bool {
+    let read = match (position.get(seq), tail.get(seq)) {
+        (Some(Offset::Seq(at)), Some(Offset::Seq(end))) => at >= end,
+        _ => false,
+    };
+    read && tail.get(history).is_some() && position.get(history) == tail.get(history)
+}
+
 impl fmt::Display for Position {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("{")?;
@@ -110,6 +129,30 @@ mod tests {
         assert_eq!(json, r#"{"broker-a:0":1042,"stream":"1700-0"}"#);
         assert_eq!(serde_json::from_str::<Position>(&json).unwrap(), p);
         assert_eq!(p.to_string(), "{broker-a:0: 1042, stream: 1700-0}");
+    }
+
+    #[test]
+    fn a_tail_is_reached_only_in_its_own_history() {
+        let at = |n: u64, e: u64| {
+            let mut p = Position::single("n", Offset::Seq(n));
+            p.set("e", Offset::Seq(e));
+            p
+        };
+        let reached = |p: &Position, t: &Position| reached_in_history(p, t, "n", "e");
+        assert!(reached(&at(5, 1), &at(5, 1)));
+        assert!(reached(&at(u64::MAX, 1), &at(0, 1)));
+        assert!(!reached(&at(4, 1), &at(5, 1)));
+        assert!(
+            !reached(&at(9, 2), &at(5, 1)),
+            "another history, however far"
+        );
+        assert!(!reached(&at(9, 0), &at(5, 1)));
+        assert!(!reached(&Position::single("n", Offset::Seq(9)), &at(5, 1)));
+        assert!(
+            !reached(&at(9, 1), &Position::single("n", Offset::Seq(5))),
+            "a tail that names no history proves nothing"
+        );
+        assert!(!reached(&Position::default(), &at(0, 1)));
     }
 
     #[test]

@@ -177,4 +177,5 @@ conformance!(nats_jetstream_cluster, NatsOnCluster { cluster: NatsCluster::start
     cluster_view_converges_and_publishes_are_acknowledged,
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker = ignore "not on the cluster fixture, which fails one server at a time: the whole broker killed, paused or wiped is the one-server fixture's scenario",
+    freshness_follows_a_paused_broker = ignore "not on the cluster fixture, which fails one server at a time: the whole broker paused is the one-server fixture's scenario",
 });

@@ -272,6 +272,7 @@ conformance!(redis_streams_cluster, OnCluster::new(Kind::Streams), {
     cluster_view_converges_and_publishes_are_acknowledged,
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker = ignore "not on the cluster fixture, which fails one server at a time: the whole broker killed, paused or wiped is the one-server fixture's scenario",
+    freshness_follows_a_paused_broker = ignore "not on the cluster fixture, which fails one server at a time: the whole broker paused is the one-server fixture's scenario",
 });
 
 conformance!(redis_pubsub_cluster, OnCluster::new(Kind::ShardedPubSub), {
@@ -305,4 +306,5 @@ conformance!(redis_pubsub_cluster, OnCluster::new(Kind::ShardedPubSub), {
     cluster_view_converges_and_publishes_are_acknowledged,
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker = ignore "not on the cluster fixture, which fails one server at a time: the whole broker killed, paused or wiped is the one-server fixture's scenario",
+    freshness_follows_a_paused_broker = ignore "not on the cluster fixture, which fails one server at a time: the whole broker paused is the one-server fixture's scenario",
 });

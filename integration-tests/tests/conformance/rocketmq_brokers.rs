@@ -174,6 +174,7 @@ conformance!(rocketmq_brokers, TwoBrokers::start(), {
     cluster_view_converges_and_publishes_are_acknowledged = ignore "the one-broker fixture's scenario",
     a_stopped_node_leaves_the_cluster_view = ignore "the one-broker fixture's scenario",
     readiness_follows_a_paused_broker = ignore "the client notices a hung (SIGSTOPped) broker only when a connection closes: nodes stay ready through a pause (docs/transports.md)",
+    freshness_follows_a_paused_broker = ignore "the RocketMQ transport does not tell its tail yet: no freshness bound (docs/design.md, The freshness bound)",
     leader_paused_past_failover_then_resumed_stale = ignore "no replica: a paused broker's queue is read again once it resumes, as on one broker",
     slot_moved_while_events_flow = ignore "RocketMQ has no slots: a cache's queue moves only when its broker fails",
     connected_server_killed = ignore "a node connects to every broker of the topic: the broker killed is that scenario's",

@@ -240,6 +240,26 @@ impl Transport for NatsJetStreamTransport {
             .await
     }
 
+    /// The stream's last sequence and creation time, from one stream-info
+    /// request (answered by the stream's leader on a cluster, which
+    /// acknowledges a publish only once it is stored).
+    async fn tail(&self, topic: &str) -> Result<Option<Position>> {
+        self.check_topic(topic)?;
+        let stream = self
+            .js
+            .get_stream(self.stream_name(topic))
+            .await
+            .map_err(|e| self.err(e))?;
+        let info = stream.cached_info();
+        Ok(Some(seq_position(info.state.last_sequence, created(info))))
+    }
+
+    /// The sequence read at or past the tail's, in the same stream: a
+    /// stream made again is another history.
+    fn covers(&self, position: &Position, tail: &Position) -> bool {
+        crate::transport::position::reached_in_history(position, tail, SEQ, CREATED)
+    }
+
     async fn subscribe_heartbeats(&self, topic: &str) -> Result<Box<dyn HeartbeatSubscription>> {
         self.check_topic(topic)?;
         self.subscribe_beats(self.heartbeat_subject(topic)).await

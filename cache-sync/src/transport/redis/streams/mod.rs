@@ -343,6 +343,25 @@ impl Transport for RedisStreamsTransport {
         }))
     }
 
+    /// The stream's ordinal counter and epoch, read in one step by the
+    /// state script on the publishing connection: every entry whose
+    /// `XADD` returned is counted in it.
+    async fn tail(&self, topic: &str) -> Result<Option<Position>> {
+        self.check_topic(topic)?;
+        let keys = self.keys(topic);
+        let mut conn = self.publisher.clone();
+        let state = stream_state(&mut conn, &keys).await?;
+        let mut tail = Position::single(ORDINAL, Offset::Seq(state.entries_added));
+        tail.set(EPOCH, Offset::Seq(state.epoch));
+        Ok(Some(tail))
+    }
+
+    /// The ordinal read at or past the tail's, in the same epoch: an
+    /// ordinal of another history says nothing of this one.
+    fn covers(&self, position: &Position, tail: &Position) -> bool {
+        crate::transport::position::reached_in_history(position, tail, ORDINAL, EPOCH)
+    }
+
     async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
         self.check_topic(topic)?;
         self.publish_beat(self.heartbeat_key(topic), &payload).await

@@ -5,8 +5,6 @@
 
 use std::sync::LazyLock;
 
-use redis::aio::MultiplexedConnection;
-
 use super::StreamKeys;
 use crate::error::Result;
 use crate::transport::redis::{EPOCH, ID, ORDINAL, STREAMS, map_err};
@@ -95,7 +93,7 @@ static STATE: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(STAT
 type StateReply = (u64, u64, String, String);
 
 pub(super) async fn stream_state(
-    conn: &mut MultiplexedConnection,
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
     keys: &StreamKeys,
 ) -> Result<StreamState> {
     let reply: StateReply = STATE

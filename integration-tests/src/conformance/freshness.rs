@@ -1,0 +1,83 @@
+//! The freshness bound against a real broker: proved while the node keeps
+//! up, growing for as long as the broker answers nothing, proved again
+//! once it does.
+
+use std::time::Duration;
+
+use cache_sync::{Node, Publisher, SyncedCache};
+use tokio::time::Instant;
+
+use super::{Fixture, cannot_run, retry};
+
+/// How often the scenario's node proves its bound.
+const EVERY: Duration = Duration::from_millis(50);
+/// A bound this young is fresh: twenty intervals, for a loaded machine.
+const FRESH_MS: u64 = 1000;
+/// An age past this was proved by nothing for seconds.
+const STALE_MS: u64 = 3000;
+
+/// A node proves a young bound while it keeps up; while its broker is
+/// paused (it resets nothing: a partition looks the same to the node) the
+/// bound's age grows past the pause so far; once the broker answers again,
+/// the node proves a young bound again.
+pub async fn freshness_follows_a_paused_broker(fixture: &mut dyn Fixture) {
+    let name = fixture.name();
+    let topic = format!("fresh-{name}-{}", std::process::id());
+    let cache: SyncedCache<String, String> =
+        SyncedCache::new("fresh", moka::future::Cache::new(100));
+    let node = fixture
+        .configure(Node::builder("fresh", fixture.transport().await))
+        .topic(&topic)
+        .freshness_interval(EVERY)
+        .register(&cache)
+        .start()
+        .await
+        .unwrap_or_else(|e| panic!("{name}: node: {e}"));
+    let age = || node.status().freshness_age_ms;
+    let asked = Instant::now();
+    while age().is_none() {
+        if asked.elapsed() > Duration::from_secs(5) {
+            cannot_run(
+                name,
+                "a freshness bound (its transport does not tell its tail)",
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let fresh = async || age().is_some_and(|a| a <= FRESH_MS);
+    crate::eventually(&format!("{name}: a young bound"), fresh).await;
+
+    let publisher = Publisher::builder(fixture.transport().await)
+        .topic(&topic)
+        .build()
+        .expect("publisher");
+    retry(|| publisher.insert("fresh", [("k", "v1")])).await;
+    crate::eventually(&format!("{name}: v1 applied"), async || {
+        cache.peek("k").await == Some("v1".to_owned())
+    })
+    .await;
+    crate::eventually(&format!("{name}: a young bound after a publish"), fresh).await;
+
+    if !fixture.pause() {
+        cannot_run(name, "a paused broker");
+    }
+    let paused = Instant::now();
+    while age().is_none_or(|a| a < STALE_MS) {
+        if paused.elapsed() > Duration::from_secs(30) {
+            fixture.resume();
+            panic!(
+                "{name}: the bound's age is {:?} ms 30 s into a broker pause",
+                age()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    fixture.resume();
+    let resumed = Instant::now();
+    crate::eventually(&format!("{name}: a young bound after the pause"), fresh).await;
+    eprintln!(
+        "{name}: the bound was young again {:?} after the broker resumed",
+        resumed.elapsed()
+    );
+    node.shutdown().await.expect("shutdown");
+}
