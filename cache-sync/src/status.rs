@@ -150,6 +150,17 @@ pub struct CacheStatus {
     /// each of which ran the loader whatever the cache held.
     #[serde(default)]
     pub fresh_reads: u64,
+    /// Reads past the cache's staleness bound
+    /// ([`max_staleness`](crate::SyncedCacheBuilder::max_staleness)) that
+    /// went to the source rather than memory: the node could not prove the
+    /// cache fresh enough. Absent in JSON from nodes older than this field.
+    #[serde(default)]
+    pub stale_bypasses: u64,
+    /// Reads past the bound served from memory all the same
+    /// ([`max_staleness_serving`](crate::SyncedCacheBuilder::max_staleness_serving)).
+    /// Absent in JSON from nodes older than this field.
+    #[serde(default)]
+    pub stale_served: u64,
     /// Events applied.
     pub events_applied: u64,
     /// Keys removed by events.

@@ -283,6 +283,26 @@ pub(crate) fn promtool_check(text: &str) {
 mod tests {
     use super::*;
 
+    /// None until set; then only forward; its age the time since.
+    #[tokio::test(start_paused = true)]
+    async fn a_moment_only_moves_forward() {
+        let m = Moment::default();
+        assert_eq!(m.age(), None);
+        let first = tokio::time::Instant::now();
+        tokio::time::advance(Duration::from_secs(5)).await;
+        let later = tokio::time::Instant::now();
+        m.advance(later);
+        assert_eq!(m.age(), Some(Duration::ZERO));
+        m.advance(first);
+        assert_eq!(
+            m.age(),
+            Some(Duration::ZERO),
+            "an earlier moment is no news"
+        );
+        tokio::time::advance(Duration::from_millis(250)).await;
+        assert_eq!(m.age(), Some(Duration::from_millis(250)));
+    }
+
     #[test]
     fn backoff_doubles_within_its_bounds_and_starts_over_after_a_success() {
         let ms = Duration::from_millis;
@@ -366,5 +386,44 @@ mod tests {
         assert_eq!(Readable(Duration::from_secs(300)).to_string(), "5min");
         assert_eq!(Readable(Duration::from_secs(2)).to_string(), "2s");
         assert_eq!(Readable(Duration::from_millis(100)).to_string(), "100ms");
+    }
+}
+
+/// The start of the clock [`Moment`]s count from: taken when the first is
+/// made, before any moment they hold.
+static CLOCK_BASE: std::sync::LazyLock<tokio::time::Instant> =
+    std::sync::LazyLock::new(tokio::time::Instant::now);
+
+/// A moment on the process's monotonic clock (tokio's), shared between
+/// tasks without a lock, or none: nanoseconds since [`CLOCK_BASE`], plus
+/// one (0 is none). It only moves forward.
+#[derive(Debug)]
+pub(crate) struct Moment(std::sync::atomic::AtomicU64);
+
+impl Default for Moment {
+    fn default() -> Self {
+        // The base before any moment: one taken earlier would count from a
+        // later base, and look younger than it is.
+        std::sync::LazyLock::force(&CLOCK_BASE);
+        Moment(std::sync::atomic::AtomicU64::new(0))
+    }
+}
+
+impl Moment {
+    /// Moves the moment forward to `at`, if it is later.
+    pub(crate) fn advance(&self, at: tokio::time::Instant) {
+        let nanos = at.saturating_duration_since(*CLOCK_BASE).as_nanos();
+        let n = u64::try_from(nanos)
+            .unwrap_or(u64::MAX - 1)
+            .saturating_add(1);
+        self.0.fetch_max(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// How long ago the moment was, if there is one.
+    pub(crate) fn age(&self) -> Option<Duration> {
+        let n = self.0.load(std::sync::atomic::Ordering::Relaxed);
+        let since_base = Duration::from_nanos(n.checked_sub(1)?);
+        let now = tokio::time::Instant::now().saturating_duration_since(*CLOCK_BASE);
+        Some(now.saturating_sub(since_base))
     }
 }

@@ -57,7 +57,15 @@ pub(crate) trait CacheHandle: Send + Sync {
     /// Claims the cache for the node with token `owner` (never 0), whose
     /// reorder window sets how long each quarantine lasts. False if another
     /// node holds it.
-    fn claim(&self, owner: u64, reorder_window: Duration, housekeeper: Arc<Housekeeper>) -> bool;
+    /// Claims the cache for the node `owner`, whose freshness `proof`
+    /// the cache's staleness bound, if any, holds its reads to.
+    fn claim(
+        &self,
+        owner: u64,
+        reorder_window: Duration,
+        housekeeper: Arc<Housekeeper>,
+        proof: Arc<crate::util::Moment>,
+    ) -> bool;
     /// Gives the cache up, if `owner` holds it, so another node may claim it.
     fn release(&self, owner: u64);
     /// Applies events, in order. Undecodable keys or values are answered
@@ -135,7 +143,13 @@ where
         self.topic
     }
 
-    fn claim(&self, owner: u64, reorder_window: Duration, housekeeper: Arc<Housekeeper>) -> bool {
+    fn claim(
+        &self,
+        owner: u64,
+        reorder_window: Duration,
+        housekeeper: Arc<Housekeeper>,
+        proof: Arc<crate::util::Moment>,
+    ) -> bool {
         if self
             .owner
             .compare_exchange(0, owner, AcqRel, Acquire)
@@ -145,6 +159,7 @@ where
         }
         *lock(&self.quarantine) = reorder_window;
         *lock(&self.housekeeper) = Some(housekeeper);
+        self.prove_with(Some(proof));
         true
     }
 
@@ -157,6 +172,7 @@ where
             .is_ok()
         {
             *lock(&self.housekeeper) = None;
+            self.prove_with(None);
         }
     }
 

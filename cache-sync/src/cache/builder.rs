@@ -28,6 +28,8 @@ pub struct SyncedCacheBuilder<K, V> {
     /// key's bytes.
     pub(super) trace: Option<Trace<K>>,
     pub(super) audit: Option<Audit<K, V>>,
+    /// The staleness bound on reads, and whether to serve past it.
+    pub(super) max_staleness: Option<(Duration, bool)>,
 }
 
 impl<K, V> fmt::Debug for SyncedCacheBuilder<K, V> {
@@ -86,6 +88,32 @@ where
     /// runs, so its key's events wait for the database.
     pub fn max_pin_wait(mut self, wait: Duration) -> Self {
         self.max_pin_wait = wait;
+        self
+    }
+
+    /// Serves from memory only what the node proves fresh within `max`:
+    /// while the node's freshness bound (see
+    /// [`NodeBuilder::freshness_interval`](crate::NodeBuilder::freshness_interval))
+    /// is older than `max`, or unknown (no node holds the cache, or its
+    /// transport cannot tell its tail), [`get`](SyncedCache::get) answers
+    /// a miss and the `get_with` methods run their loader and return what
+    /// it read without caching it: a value installed while the node hears
+    /// nothing could be overwritten later by an older event it missed.
+    /// Counted in `stale_bypasses`; each episode is logged once as it
+    /// starts and once as it ends. A read thus returns nothing older than
+    /// `max` plus one freshness interval. `peek` and `iter` show what the
+    /// cache holds, bound or not. Off by default.
+    pub fn max_staleness(mut self, max: Duration) -> Self {
+        self.max_staleness = Some((max, false));
+        self
+    }
+
+    /// [`max_staleness`](Self::max_staleness), but past the bound reads
+    /// are served from memory all the same and counted in `stale_served`:
+    /// for a cache that must answer whatever happens, and an alert on the
+    /// count.
+    pub fn max_staleness_serving(mut self, max: Duration) -> Self {
+        self.max_staleness = Some((max, true));
         self
     }
 
@@ -169,6 +197,9 @@ where
                 stats: Stats::default(),
                 trace: self.trace,
                 audit: self.audit.map(Auditor::new),
+                bound: self
+                    .max_staleness
+                    .map(|(max, serve)| super::bound::Bound::new(max, serve)),
             }),
         }
     }

@@ -13,6 +13,7 @@ use crate::util::{HashMap, Hasher};
 
 mod apply;
 mod audit;
+mod bound;
 mod builder;
 mod coalesce;
 mod housekeeping;
@@ -156,6 +157,8 @@ pub(crate) struct Inner<K, V> {
     max_pin_wait: Duration,
     flights: Mutex<HashMap<K, Arc<Flight<V>>>>,
     max_load_retries: u32,
+    /// The staleness bound on reads, if the builder set one (`bound.rs`).
+    bound: Option<bound::Bound>,
     /// The node that holds the cache, by its token; 0 when none does.
     owner: AtomicU64,
     /// Until then, versioned refreshes are applied as invalidations; see
@@ -211,6 +214,7 @@ where
             max_pin_wait: DEFAULT_MAX_PIN_WAIT,
             trace: None,
             audit: None,
+            max_staleness: None,
         }
     }
 
@@ -222,6 +226,21 @@ where
     /// The cached value, if any. Counts a hit or a miss. Takes any borrowed
     /// form of the key, as moka does (`&str` for a `String` key).
     pub async fn get<Q>(&self, key: &Q) -> Option<V>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        if self.inner.past_bound() {
+            // Nothing the cache holds is proved fresh enough: a miss, and
+            // the caller reads the source.
+            self.inner.stats.misses.add_one();
+            return None;
+        }
+        self.lookup(key).await
+    }
+
+    /// [`get`](Self::get) short of the staleness bound.
+    async fn lookup<Q>(&self, key: &Q) -> Option<V>
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,

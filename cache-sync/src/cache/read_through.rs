@@ -204,7 +204,20 @@ where
         Fut: Future<Output = Result<(V, Option<u64>), E>>,
         E: Send + Sync + 'static,
     {
-        if let Some(v) = self.get(&key).await {
+        if self.inner.past_bound() {
+            // The source, not memory, and nothing cached: a value installed
+            // while the node cannot prove it hears every event could be
+            // overwritten later by an older one it missed.
+            self.inner.stats.loads.fetch_add(1, Relaxed);
+            return match loader().await {
+                Ok((v, _)) => Ok(v),
+                Err(e) => {
+                    self.inner.stats.load_failures.fetch_add(1, Relaxed);
+                    Err(Arc::new(e))
+                }
+            };
+        }
+        if let Some(v) = self.lookup(&key).await {
             return Ok(v);
         }
         loop {

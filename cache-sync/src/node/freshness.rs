@@ -30,7 +30,7 @@ use tokio::time::Instant;
 use super::shared::Shared;
 use crate::error::Result;
 use crate::transport::Position;
-use crate::util::lock;
+use crate::util::{Moment, lock};
 
 /// Tails asked for and not reached yet, kept at most: a node this far
 /// behind proves the oldest of them first, then the rest.
@@ -39,9 +39,10 @@ const MAX_TAILS_PENDING: usize = 64;
 /// What the freshness task found, and how it is woken.
 #[derive(Default)]
 pub(super) struct Freshness {
-    /// When the node asked for the newest tail it has reached; `None`
-    /// before the first, or on a transport that cannot tell.
-    fresh_as_of: std::sync::Mutex<Option<Instant>>,
+    /// When the node asked for the newest tail it has reached; none
+    /// before the first, or on a transport that cannot tell. Shared with
+    /// the caches the node holds, whose reads a staleness bound holds to it.
+    pub(super) proof: Arc<Moment>,
     /// Notified after every applied batch (and loss), so a pending tail is
     /// checked as soon as it may be reached.
     pub(super) applied: Notify,
@@ -54,15 +55,12 @@ impl Freshness {
     /// every publish acknowledged before then is applied. `None` until the
     /// first is reached, or on a transport that cannot tell.
     pub(super) fn age(&self) -> Option<Duration> {
-        lock(&self.fresh_as_of).map(|at| at.elapsed())
+        self.proof.age()
     }
 
+    /// Never back: an older tail reached late proves less.
     fn reached(&self, asked: Instant) {
-        let mut at = lock(&self.fresh_as_of);
-        // Never back: an older tail reached late proves less.
-        if at.is_none_or(|t| asked > t) {
-            *at = Some(asked);
-        }
+        self.proof.advance(asked);
     }
 }
 

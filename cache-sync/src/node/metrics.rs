@@ -67,7 +67,7 @@ struct NodeCollector {
 /// help, and the field it reads.
 type CacheCounter = (&'static str, &'static str, fn(&CacheStatus) -> u64);
 
-const CACHE_COUNTERS: [CacheCounter; 18] = [
+const CACHE_COUNTERS: [CacheCounter; 20] = [
     (
         "cache_events_applied",
         "Events applied to the cache.",
@@ -139,6 +139,16 @@ const CACHE_COUNTERS: [CacheCounter; 18] = [
         "cache_fresh_reads",
         "Forced-fresh reads, each of which ran the loader whatever the cache held.",
         |c| c.fresh_reads,
+    ),
+    (
+        "cache_stale_bypasses",
+        "Reads past the cache's staleness bound that went to the source rather than memory.",
+        |c| c.stale_bypasses,
+    ),
+    (
+        "cache_stale_served",
+        "Reads past the cache's staleness bound served from memory all the same.",
+        |c| c.stale_served,
     ),
 ];
 

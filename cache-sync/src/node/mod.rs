@@ -312,7 +312,8 @@ impl Node {
     ///   `_writes_parked_total`,
     ///   `_loss_resyncs_total`, `_hits_total`, `_misses_total`,
     ///   `_loads_total`, `_load_failures_total`, `_loads_superseded_total`,
-    ///   `_loads_stale_total`, `_fresh_reads_total`: the [`CacheStatus`](crate::status::CacheStatus)
+    ///   `_loads_stale_total`, `_fresh_reads_total`, `_stale_bypasses_total`,
+    ///   `_stale_served_total`: the [`CacheStatus`](crate::status::CacheStatus)
     ///   fields of those names (`events_rejected` is `rejected_events`);
     /// - gauges `cache_sync_cache_entries`, `cache_sync_cache_tracked_keys`,
     ///   `cache_sync_cache_version` (only caches with a version have a

@@ -23,6 +23,7 @@ mod lifecycle;
 mod positions;
 mod probe;
 mod reorder;
+mod staleness;
 mod stalls;
 mod tail;
 

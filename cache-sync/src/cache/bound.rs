@@ -1,0 +1,96 @@
+//! A staleness bound on reads: a cache built with
+//! [`max_staleness`](crate::SyncedCacheBuilder::max_staleness) serves from
+//! memory only while its node proves it fresh within the bound (see the
+//! node's `freshness.rs`). Past it, a read goes to the source, or, where
+//! the builder said so, is served and counted.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use crate::util::{Moment, lock};
+
+/// The bound, and what the cache knows of its node's proof.
+#[derive(Debug)]
+pub(super) struct Bound {
+    pub(super) max: Duration,
+    /// Serve past the bound (and count it) rather than read the source.
+    pub(super) serve: bool,
+    /// The node's proof while a node holds the cache: none before, and
+    /// none after it let the cache go (nothing proves it fresh then).
+    pub(super) proof: std::sync::Mutex<Option<Arc<Moment>>>,
+    /// Past the bound now: logged once as it starts and once as it ends.
+    past: AtomicBool,
+}
+
+impl Bound {
+    pub(super) fn new(max: Duration, serve: bool) -> Self {
+        Bound {
+            max,
+            serve,
+            proof: std::sync::Mutex::new(None),
+            past: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether a read now is past the bound: the node's proof older than
+    /// `max`, or no proof at all. Logs the start and end of each episode.
+    pub(super) fn past(&self, cache: &str) -> bool {
+        let age = lock(&self.proof).as_ref().and_then(|p| p.age());
+        let past = age.is_none_or(|a| a > self.max);
+        if self.past.swap(past, Relaxed) != past {
+            let age_ms = age.map(|a| a.as_millis());
+            if past && self.serve {
+                tracing::warn!(
+                    cache,
+                    max_ms = self.max.as_millis(),
+                    age_ms,
+                    "the node cannot prove this cache fresh within its bound; its reads are served, and counted, until it can"
+                );
+            } else if past {
+                tracing::warn!(
+                    cache,
+                    max_ms = self.max.as_millis(),
+                    age_ms,
+                    "the node cannot prove this cache fresh within its bound; its reads go to the source until it can"
+                );
+            } else {
+                tracing::info!(
+                    cache,
+                    "the node proves this cache fresh within its bound again"
+                );
+            }
+        }
+        past
+    }
+}
+
+impl<K, V> super::Inner<K, V> {
+    /// Whether a read now must not be served from memory: past the bound
+    /// and not serving past it (counted in `stale_bypasses`). Past a
+    /// serving bound, counted in `stale_served` and served.
+    pub(super) fn past_bound(&self) -> bool {
+        let Some(bound) = &self.bound else {
+            return false;
+        };
+        if !bound.past(&self.name) {
+            return false;
+        }
+        if bound.serve {
+            self.stats.stale_served.fetch_add(1, Relaxed);
+            false
+        } else {
+            self.stats.stale_bypasses.fetch_add(1, Relaxed);
+            true
+        }
+    }
+
+    /// Holds the cache's reads to `proof`, the proof of the node that
+    /// claimed it; `None` when it lets the cache go.
+    pub(super) fn prove_with(&self, proof: Option<Arc<Moment>>) {
+        if let Some(bound) = &self.bound {
+            *lock(&bound.proof) = proof;
+        }
+    }
+}
