@@ -104,6 +104,10 @@ pub(crate) trait CacheHandle: Send + Sync {
     /// Whether versioned refreshes are quarantined now (the status's
     /// `quarantined`, without the rest of the snapshot).
     fn is_quarantined(&self) -> bool;
+    /// Whether the cache's staleness bound is past now, so that its reads
+    /// go to the source (false without a bound, and for one that serves
+    /// past it).
+    fn is_past_bound(&self) -> bool;
     /// The trace of the key `key` names (JSON for the key, or else the
     /// text itself as a JSON string would give it), for the trace route;
     /// `None` while tracing is off, and an error for a key that is neither.
@@ -308,6 +312,10 @@ where
             state.trace = trace.last_of(&key, PROBE_TRACE, PROBE_ORIGIN_BYTES);
         }
         state
+    }
+
+    fn is_past_bound(&self) -> bool {
+        self.bound.as_ref().is_some_and(|b| !b.serve && b.age().1)
     }
 
     fn is_quarantined(&self) -> bool {

@@ -34,11 +34,17 @@ impl Bound {
         }
     }
 
-    /// Whether a read now is past the bound: the node's proof older than
-    /// `max`, or no proof at all. Logs the start and end of each episode.
-    pub(super) fn past(&self, cache: &str) -> bool {
+    /// The node's proof's age, if there is one, and whether it is past
+    /// the bound (older than `max`, or none at all).
+    pub(super) fn age(&self) -> (Option<Duration>, bool) {
         let age = lock(&self.proof).as_ref().and_then(|p| p.age());
-        let past = age.is_none_or(|a| a > self.max);
+        (age, age.is_none_or(|a| a > self.max))
+    }
+
+    /// Whether a read now is past the bound (see [`age`](Self::age)). Logs
+    /// the start and end of each episode.
+    pub(super) fn past(&self, cache: &str) -> bool {
+        let (age, past) = self.age();
         if self.past.swap(past, Relaxed) != past {
             let age_ms = age.map(|a| a.as_millis());
             if past && self.serve {

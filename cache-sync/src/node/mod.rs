@@ -215,8 +215,13 @@ impl Node {
     /// Whether the node is ready to serve (the readiness probe,
     /// `GET /readyz`): it is consuming, it is caught up with the start
     /// replay (the transport had nothing more to hand over at once: a
-    /// batch shorter than `max_batch`, or 200 ms without one), and no
-    /// cache is quarantined after a loss or a late registration.
+    /// batch shorter than `max_batch`, or 200 ms without one), no cache
+    /// is quarantined after a loss or a late registration, and no cache
+    /// with a [staleness bound](crate::SyncedCacheBuilder::max_staleness)
+    /// is past it (its reads would go to the source: a node cut off from
+    /// its broker leaves the load balancer rather than load the database;
+    /// a [serving](crate::SyncedCacheBuilder::max_staleness_serving) bound
+    /// leaves the node ready).
     ///
     /// A quarantine lasts one [reorder window](NodeBuilder::reorder_window)
     /// (10 s by default), so after a loss the node is not ready for that
@@ -254,6 +259,19 @@ impl Node {
             .collect();
         quarantined.sort();
         reasons.extend(quarantined);
+        let mut past: Vec<String> = s
+            .caches()
+            .values()
+            .filter(|c| c.is_past_bound())
+            .map(|c| {
+                format!(
+                    "cache {:?} not proved fresh within its max_staleness: its reads go to the source",
+                    c.name()
+                )
+            })
+            .collect();
+        past.sort();
+        reasons.extend(past);
         reasons
     }
 

@@ -77,7 +77,10 @@ impl Shared {
         use std::sync::atomic::Ordering::Relaxed;
         self.consuming.load(Relaxed)
             && self.caught_up.load(Relaxed)
-            && !self.caches().values().any(|c| c.is_quarantined())
+            && !self
+                .caches()
+                .values()
+                .any(|c| c.is_quarantined() || c.is_past_bound())
     }
 
     pub(super) fn release_caches(&self) {

@@ -111,6 +111,9 @@ async fn a_serving_bound_serves_and_counts() {
     })
     .await;
     assert_eq!(c.status().stale_bypasses, 0);
+    // Caught up, and ready though past the bound.
+    eventually("ready past a serving bound", async || node.is_ready()).await;
+    assert!(c.get("k").await.is_some() && c.status().stale_served > 0);
 }
 
 /// No node, or a node that let the cache go: nothing proves it fresh,
@@ -138,4 +141,26 @@ async fn without_a_node_every_read_is_past_the_bound() {
     plain.insert("k".into(), "v".into()).await;
     assert_eq!(plain.get("k").await.as_deref(), Some("v"));
     assert_eq!(plain.status().stale_bypasses, 0);
+}
+
+/// Past a cache's bound the node is not ready, and says why; within it
+/// again, ready.
+#[tokio::test]
+async fn past_the_bound_the_node_is_not_ready_and_says_why() {
+    let transport = FaultyTransport::new(EmbeddedTransport::new());
+    let c = bounded("t", false);
+    let node = node_on(&transport, &c).await;
+    eventually("ready", async || node.is_ready()).await;
+    transport.hang_tails(true);
+    eventually("not ready past the bound", async || !node.is_ready()).await;
+    let reasons = node.not_ready();
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("\"t\"") && r.contains("max_staleness")),
+        "{reasons:?}"
+    );
+    transport.hang_tails(false);
+    eventually("ready again", async || node.is_ready()).await;
+    assert!(node.not_ready().is_empty());
 }
