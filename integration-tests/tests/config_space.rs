@@ -115,6 +115,8 @@ struct Settings {
     min_backoff: Duration,
     max_backoff: Duration,
     publisher_max_event_bytes: usize,
+    freshness_interval: Duration,
+    max_staleness: Duration,
     /// Transport settings: two durations and a capacity, used as each
     /// transport's builder takes them.
     t1: Duration,
@@ -136,6 +138,8 @@ fn sane() -> Settings {
         min_backoff: Duration::from_millis(1),
         max_backoff: Duration::from_millis(100),
         publisher_max_event_bytes: 1 << 20,
+        freshness_interval: Duration::from_millis(100),
+        max_staleness: Duration::from_secs(1),
         // In every transport's range: NATS takes nothing under 100 ms, and a
         // 1 s Redis response timeout does not run out on a loaded machine.
         t1: Duration::from_millis(100),
@@ -148,7 +152,7 @@ fn sane() -> Settings {
 /// (any of them), the rest ordinary, so that each edge is also tried alone
 /// and most combinations get past validation.
 fn settings() -> impl Strategy<Value = Settings> {
-    (random_settings(), any::<bool>(), 0usize..13).prop_map(|(random, one_edge, which)| {
+    (random_settings(), any::<bool>(), 0usize..15).prop_map(|(random, one_edge, which)| {
         if !one_edge {
             return random;
         }
@@ -166,6 +170,8 @@ fn settings() -> impl Strategy<Value = Settings> {
             9 => s.publisher_max_event_bytes = random.publisher_max_event_bytes,
             10 => s.t1 = random.t1,
             11 => s.t2 = random.t2,
+            12 => s.freshness_interval = random.freshness_interval,
+            13 => s.max_staleness = random.max_staleness,
             _ => s.capacity = random.capacity,
         }
         s
@@ -188,7 +194,7 @@ fn random_settings() -> impl Strategy<Value = Settings> {
     (
         (name(), name(), batch, bytes.clone(), 0usize..=8, 0u32..=8),
         (duration(), duration(), backoff, bytes),
-        (duration(), duration(), 0usize..=8),
+        (duration(), duration(), 0usize..=8, duration(), duration()),
     )
         .prop_map(
             |(
@@ -199,7 +205,7 @@ fn random_settings() -> impl Strategy<Value = Settings> {
                     (min_backoff, max_backoff),
                     publisher_max_event_bytes,
                 ),
-                (t1, t2, capacity),
+                (t1, t2, capacity, freshness_interval, max_staleness),
             )| Settings {
                 topic,
                 cache,
@@ -212,6 +218,8 @@ fn random_settings() -> impl Strategy<Value = Settings> {
                 min_backoff,
                 max_backoff,
                 publisher_max_event_bytes,
+                freshness_interval,
+                max_staleness,
                 t1,
                 t2,
                 capacity,
@@ -233,6 +241,8 @@ fn node_settings_valid(s: &Settings) -> bool {
         && !s.persist_interval.is_zero()
         && MS <= s.min_backoff
         && s.min_backoff <= s.max_backoff
+        && (s.freshness_interval == Duration::MAX
+            || (Duration::from_millis(10)..=HOUR).contains(&s.freshness_interval))
 }
 
 /// What every transport refuses, whatever its own rules add.
@@ -287,6 +297,7 @@ async fn one(
     let built = SyncedCache::builder(settings.cache.clone(), moka::future::Cache::new(16))
         .max_tracked_keys(settings.max_tracked_keys)
         .max_load_retries(settings.max_load_retries)
+        .max_staleness(settings.max_staleness)
         .build();
     let cache: SyncedCache<String, String> = match built {
         Ok(_) if settings.max_tracked_keys == 0 => {
@@ -305,6 +316,7 @@ async fn one(
         .reorder_window(settings.reorder_window)
         .persist_interval(settings.persist_interval)
         .reconnect_backoff(settings.min_backoff, settings.max_backoff)
+        .freshness_interval(settings.freshness_interval)
         .register(&cache)
         .start()
         .await;
@@ -377,6 +389,8 @@ async fn one(
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
+    // A read under any bound answers, from memory or as a miss.
+    let _ = cache.get("k").await;
     let s = node.status();
     if !s.consuming && s.transport_errors == 0 {
         return Err(format!(
@@ -413,6 +427,14 @@ fn valid_edges() -> Vec<(&'static str, Settings)> {
         edge("transport capacity at its smallest valid", |s| {
             s.capacity = 2
         }),
+        edge("freshness_interval 10 ms", |s| {
+            s.freshness_interval = Duration::from_millis(10)
+        }),
+        edge("freshness_interval MAX (none)", |s| {
+            s.freshness_interval = Duration::MAX
+        }),
+        edge("max_staleness 0", |s| s.max_staleness = Duration::ZERO),
+        edge("max_staleness MAX", |s| s.max_staleness = Duration::MAX),
         edge("max_event_bytes at the ceiling", |s| {
             s.max_event_bytes = MAX_EVENT_BYTES_CEILING;
             s.publisher_max_event_bytes = MAX_EVENT_BYTES_CEILING;
@@ -451,6 +473,12 @@ fn invalid_edges() -> Vec<(&'static str, Settings)> {
             s.persist_interval = Duration::ZERO
         }),
         edge("transport capacity 0", |s| s.capacity = 0),
+        edge("freshness_interval 0", |s| {
+            s.freshness_interval = Duration::ZERO
+        }),
+        edge("freshness_interval 1 h + 1 ns", |s| {
+            s.freshness_interval = HOUR + Duration::from_nanos(1)
+        }),
     ]
 }
 
