@@ -705,6 +705,7 @@ mod replay {
             ),
             losses: 2,
             live_nodes: Some(3),
+            freshness_age_ms: Some(42),
             caches: vec![crate::cluster::CacheHeartbeat {
                 name: "countries".into(),
                 version: Some(12),

@@ -58,6 +58,13 @@ pub struct Heartbeat {
     /// Absent from older nodes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub live_nodes: Option<u64>,
+    /// The age of the node's freshness bound when it sent this, in
+    /// milliseconds (see
+    /// [`NodeStatus::freshness_age_ms`](crate::status::NodeStatus::freshness_age_ms)):
+    /// a duration on the node's own clock, never a timestamp. Absent while
+    /// unknown, and from older nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub freshness_age_ms: Option<u64>,
     /// Each cache the node holds, by name.
     #[serde(default)]
     pub caches: Vec<CacheHeartbeat>,

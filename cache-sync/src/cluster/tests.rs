@@ -47,6 +47,7 @@ pub(super) fn heartbeat(id: &str, caches: Vec<CacheHeartbeat>) -> Heartbeat {
         position: Position::default(),
         losses: 0,
         live_nodes: None,
+        freshness_age_ms: None,
         caches,
     }
 }

@@ -56,6 +56,12 @@ pub struct NodeView {
     pub position: Position,
     /// Losses it answered by a resync.
     pub losses: u64,
+    /// Its freshness bound's age as it last reported it, when it sent the
+    /// heartbeat `age_ms` ago (see
+    /// [`NodeStatus::freshness_age_ms`](crate::status::NodeStatus::freshness_age_ms)).
+    /// `None` while unknown, and from older nodes.
+    #[serde(default)]
+    pub freshness_age_ms: Option<u64>,
     /// Not ready, or some cache behind the newest version: shown highlighted.
     pub lagging: bool,
     /// Its caches, by name.
@@ -401,6 +407,7 @@ pub(super) fn build(
             ready: m.ready,
             position: m.position(),
             losses: m.losses,
+            freshness_age_ms: m.freshness_age_ms,
             lagging,
             caches,
         });

@@ -186,9 +186,9 @@ impl Shared {
     /// This node's heartbeat, as of now.
     pub(super) fn heartbeat(&self) -> Heartbeat {
         let status = self.status();
-        let ready = status.consuming
-            && self.caught_up.load(Relaxed)
-            && status.caches.iter().all(|c| !c.quarantined);
+        // As `Node::is_ready` says, short of the stop its handle knows of
+        // (a stopped node sends no heartbeat).
+        let ready = self.ready();
         let interval = self.config.heartbeat_interval;
         let now = now_us();
         Heartbeat {
@@ -203,6 +203,7 @@ impl Shared {
             position: status.position,
             losses: status.losses,
             live_nodes: Some(self.cluster.live_nodes()),
+            freshness_age_ms: status.freshness_age_ms,
             caches: status
                 .caches
                 .into_iter()

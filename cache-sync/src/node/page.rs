@@ -584,6 +584,7 @@ mod tests {
             ready,
             position: Position::default(),
             losses: 0,
+            freshness_age_ms: Some(5),
             lagging: !ready || c.lag.unwrap_or(0) > 0,
             caches: vec![c],
         };
@@ -640,6 +641,7 @@ mod tests {
             position: crate::transport::Position::default(),
             losses: 0,
             live_nodes: None,
+            freshness_age_ms: None,
             caches: (0..caches)
                 .map(|i| crate::cluster::CacheHeartbeat {
                     name: format!("c{i:03}"),

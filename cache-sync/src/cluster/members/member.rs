@@ -27,6 +27,8 @@ pub(in crate::cluster) struct Member {
     pub(in crate::cluster) losses: u64,
     /// The live nodes its own view held (see [`Heartbeat::live_nodes`]).
     pub(in crate::cluster) live_nodes: Option<u64>,
+    /// Its freshness bound's age when it sent the heartbeat.
+    pub(in crate::cluster) freshness_age_ms: Option<u64>,
     /// By name, each name once.
     pub(in crate::cluster) caches: Box<[StoredCache]>,
     /// When its heartbeat arrived, on this party's monotonic clock.
@@ -101,6 +103,7 @@ impl Member {
                 .collect(),
             losses: h.losses,
             live_nodes: h.live_nodes,
+            freshness_age_ms: h.freshness_age_ms,
             caches,
             seen: seen.0,
             seen_at_us: seen.1,
@@ -147,6 +150,7 @@ impl Member {
             position: self.position(),
             losses: self.losses,
             live_nodes: self.live_nodes,
+            freshness_age_ms: self.freshness_age_ms,
             caches: self
                 .caches
                 .iter()

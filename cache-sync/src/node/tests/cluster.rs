@@ -724,6 +724,7 @@ fn skewed(id: &str, skew_us: i64, version: u64, age_ms: u64) -> Heartbeat {
         position: Position::default(),
         losses: 0,
         live_nodes: None,
+        freshness_age_ms: None,
         caches: vec![crate::cluster::CacheHeartbeat {
             name: "countries".into(),
             version: Some(version),

@@ -206,3 +206,38 @@ fn a_position_covers_a_tail_partition_by_partition() {
         "an empty tail"
     );
 }
+
+/// The age travels in heartbeats: another party's view shows it, young
+/// while the node keeps up, growing while it cannot reach the tail.
+#[tokio::test]
+async fn the_age_travels_in_heartbeats() {
+    const BEATS: Duration = Duration::from_millis(20);
+    let transport = FaultyTransport::new(EmbeddedTransport::new());
+    let c = cache("t");
+    let _node = Node::builder("n", transport.clone())
+        .freshness_interval(EVERY)
+        .heartbeat_interval(BEATS)
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    let watcher = crate::cluster::Cluster::builder(transport.clone())
+        .heartbeat_interval(BEATS)
+        .observer("w")
+        .start()
+        .await
+        .unwrap();
+    let reported = |pred: fn(u64) -> bool| {
+        watcher
+            .view()
+            .nodes
+            .iter()
+            .any(|n| n.node_id == "n" && n.freshness_age_ms.is_some_and(pred))
+    };
+    eventually("a young age in the view", async || reported(|a| a <= FRESH)).await;
+    transport.hang_tails(true);
+    eventually("a growing age in the view", async || {
+        reported(|a| a > STALE)
+    })
+    .await;
+}
