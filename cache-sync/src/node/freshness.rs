@@ -21,7 +21,6 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use tokio::sync::{Notify, watch};
@@ -46,8 +45,6 @@ pub(super) struct Freshness {
     /// Notified after every applied batch (and loss), so a pending tail is
     /// checked as soon as it may be reached.
     pub(super) applied: Notify,
-    /// Tail requests that failed or timed out.
-    pub(super) failures: std::sync::atomic::AtomicU64,
 }
 
 impl Freshness {
@@ -118,7 +115,6 @@ pub(super) async fn freshness_loop(
             () = tokio::time::sleep_until(next_ask), if asking.is_none() => {}
             () = sleep_until_some(gives_up) => {
                 asking = None;
-                shared.freshness.failures.fetch_add(1, Relaxed);
                 tracing::debug!(node = %shared.id, topic = %shared.topic,
                     "the topic's tail was not answered within the freshness interval");
             }
@@ -134,7 +130,6 @@ pub(super) async fn freshness_loop(
                     // The transport cannot tell: no bound, and no more asking.
                     (Ok(None), _) => return,
                     (Err(e), _) => {
-                        shared.freshness.failures.fetch_add(1, Relaxed);
                         tracing::debug!(node = %shared.id, topic = %shared.topic, error = %e,
                             "asking for the topic's tail failed");
                     }

@@ -12,7 +12,8 @@ const FRESH: u64 = 60;
 /// Past this, the node proved nothing for many intervals.
 const STALE: u64 = 400;
 
-async fn node_on(transport: &FaultyTransport, c: &Cache) -> Node {
+/// A node holding only `c`, proving its bound every `EVERY`.
+pub(super) async fn node_on(transport: &FaultyTransport, c: &Cache) -> Node {
     Node::builder("n", transport.clone())
         .freshness_interval(EVERY)
         .register(c)

@@ -5,9 +5,9 @@
 
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 
+use super::freshness::node_on;
 use super::*;
 
-const EVERY: Duration = Duration::from_millis(20);
 const MAX: Duration = Duration::from_millis(200);
 
 fn bounded(name: &str, serving: bool) -> Cache {
@@ -18,15 +18,6 @@ fn bounded(name: &str, serving: bool) -> Cache {
         b.max_staleness(MAX)
     };
     b.build().unwrap()
-}
-
-async fn node_on(transport: &FaultyTransport, c: &Cache) -> Node {
-    Node::builder("n", transport.clone())
-        .freshness_interval(EVERY)
-        .register(c)
-        .start()
-        .await
-        .unwrap()
 }
 
 /// Within the bound, memory; past it (the tail unanswered, as across a
