@@ -419,6 +419,12 @@ impl Moment {
         self.0.fetch_max(n, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Takes `other`'s moment, or none, whatever it held.
+    pub(crate) fn set_from(&self, other: Option<&Moment>) {
+        let n = other.map_or(0, |o| o.0.load(std::sync::atomic::Ordering::Relaxed));
+        self.0.store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// How long ago the moment was, if there is one.
     pub(crate) fn age(&self) -> Option<Duration> {
         let n = self.0.load(std::sync::atomic::Ordering::Relaxed);

@@ -64,8 +64,12 @@ pub(crate) trait CacheHandle: Send + Sync {
         owner: u64,
         reorder_window: Duration,
         housekeeper: Arc<Housekeeper>,
-        proof: Arc<crate::util::Moment>,
+        proof: &crate::util::Moment,
     ) -> bool;
+    /// The node `owner` proved everything acknowledged before `at`
+    /// applied (see the node's `freshness.rs`): a staleness bound's proof
+    /// moves forward, if that node holds the cache.
+    fn proved(&self, owner: u64, at: tokio::time::Instant);
     /// Gives the cache up, if `owner` holds it, so another node may claim it.
     fn release(&self, owner: u64);
     /// Applies events, in order. Undecodable keys or values are answered
@@ -152,7 +156,7 @@ where
         owner: u64,
         reorder_window: Duration,
         housekeeper: Arc<Housekeeper>,
-        proof: Arc<crate::util::Moment>,
+        proof: &crate::util::Moment,
     ) -> bool {
         if self
             .owner
@@ -165,6 +169,10 @@ where
         *lock(&self.housekeeper) = Some(housekeeper);
         self.prove_with(Some(proof));
         true
+    }
+
+    fn proved(&self, owner: u64, at: tokio::time::Instant) {
+        Inner::proved(self, owner, at);
     }
 
     fn release(&self, owner: u64) {

@@ -4,12 +4,11 @@
 //! node's `freshness.rs`). Past it, a read goes to the source, or, where
 //! the builder said so, is served and counted.
 
-use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
-use crate::util::{Moment, lock};
+use crate::util::Moment;
 
 /// The bound, and what the cache knows of its node's proof.
 #[derive(Debug)]
@@ -17,9 +16,11 @@ pub(super) struct Bound {
     pub(super) max: Duration,
     /// Serve past the bound (and count it) rather than read the source.
     pub(super) serve: bool,
-    /// The node's proof while a node holds the cache: none before, and
-    /// none after it let the cache go (nothing proves it fresh then).
-    pub(super) proof: std::sync::Mutex<Option<Arc<Moment>>>,
+    /// The proof of the node that holds the cache, kept here (one atomic
+    /// load on a read, no lock shared by every reader): set when a node
+    /// claims the cache, moved forward by that node's proofs, and none
+    /// before or after (nothing proves the cache fresh then).
+    proof: Moment,
     /// Past the bound now: logged once as it starts and once as it ends.
     past: AtomicBool,
 }
@@ -29,7 +30,7 @@ impl Bound {
         Bound {
             max,
             serve,
-            proof: std::sync::Mutex::new(None),
+            proof: Moment::default(),
             past: AtomicBool::new(false),
         }
     }
@@ -37,7 +38,7 @@ impl Bound {
     /// The node's proof's age, if there is one, and whether it is past
     /// the bound (older than `max`, or none at all).
     pub(super) fn age(&self) -> (Option<Duration>, bool) {
-        let age = lock(&self.proof).as_ref().and_then(|p| p.age());
+        let age = self.proof.age();
         (age, age.is_none_or(|a| a > self.max))
     }
 
@@ -45,7 +46,9 @@ impl Bound {
     /// the start and end of each episode.
     pub(super) fn past(&self, cache: &str) -> bool {
         let (age, past) = self.age();
-        if self.past.swap(past, Relaxed) != past {
+        // A load first: every read of the cache passes here, and a store
+        // on each would bounce the flag's cache line between cores.
+        if self.past.load(Relaxed) != past && self.past.swap(past, Relaxed) != past {
             let age_ms = age.map(|a| a.as_millis());
             if past && self.serve {
                 tracing::warn!(
@@ -93,10 +96,20 @@ impl<K, V> super::Inner<K, V> {
     }
 
     /// Holds the cache's reads to `proof`, the proof of the node that
-    /// claimed it; `None` when it lets the cache go.
-    pub(super) fn prove_with(&self, proof: Option<Arc<Moment>>) {
+    /// claimed it so far; `None` when it lets the cache go.
+    pub(super) fn prove_with(&self, proof: Option<&Moment>) {
         if let Some(bound) = &self.bound {
-            *lock(&bound.proof) = proof;
+            bound.proof.set_from(proof);
+        }
+    }
+
+    /// The node `owner` proved everything acknowledged before `at`
+    /// applied: the cache's proof moves forward, if that node holds it.
+    pub(super) fn proved(&self, owner: u64, at: tokio::time::Instant) {
+        if let Some(bound) = &self.bound
+            && self.owner.load(std::sync::atomic::Ordering::Acquire) == owner
+        {
+            bound.proof.advance(at);
         }
     }
 }

@@ -472,7 +472,7 @@ async fn after_a_resync_versioned_refreshes_are_quarantined() {
         1,
         Duration::from_secs(10),
         std::sync::Arc::new(crate::cache::Housekeeper::start()),
-        std::sync::Arc::default(),
+        &crate::util::Moment::default(),
     ));
     c.inner.resync().await;
     refresh(&c, "k", "maybe older than what was lost", Some(10)).await;

@@ -39,9 +39,9 @@ const MAX_TAILS_PENDING: usize = 64;
 #[derive(Default)]
 pub(super) struct Freshness {
     /// When the node asked for the newest tail it has reached; none
-    /// before the first, or on a transport that cannot tell. Shared with
-    /// the caches the node holds, whose reads a staleness bound holds to it.
-    pub(super) proof: Arc<Moment>,
+    /// before the first, or on a transport that cannot tell. The caches it
+    /// holds keep a copy for their staleness bounds (see `reached`).
+    pub(super) proof: Moment,
     /// Notified after every applied batch (and loss), so a pending tail is
     /// checked as soon as it may be reached.
     pub(super) applied: Notify,
@@ -98,14 +98,23 @@ pub(super) async fn freshness_loop(
         }
         // The newest tail reached proves its moment, and makes the older
         // ones moot (one from a history since replaced is never reached).
-        if !pending.is_empty() {
-            let position = lock(&shared.position);
-            if let Some(i) = pending
-                .iter()
-                .rposition(|(_, tail)| shared.transport.covers(&position, tail))
-            {
-                shared.freshness.reached(pending[i].0);
-                pending.drain(..=i);
+        let reached = (!pending.is_empty())
+            .then(|| {
+                let position = lock(&shared.position);
+                pending
+                    .iter()
+                    .rposition(|(_, tail)| shared.transport.covers(&position, tail))
+            })
+            .flatten();
+        if let Some(i) = reached {
+            let asked = pending[i].0;
+            pending.drain(..=i);
+            shared.freshness.reached(asked);
+            // Each cache keeps its own copy, so its readers load one
+            // atomic and share no lock. After the position's lock: no
+            // other lock is taken under it.
+            for cache in shared.caches().values() {
+                cache.proved(shared.token, asked);
             }
         }
         let gives_up = asking.as_ref().map(|a| a.gives_up);

@@ -37,7 +37,7 @@ impl Shared {
                 self.token,
                 self.config.reorder_window,
                 self.housekeeper.clone(),
-                self.freshness.proof.clone(),
+                &self.freshness.proof,
             ) {
                 return Err(Error::Config(format!(
                     "cache {name:?} is already registered on a node"

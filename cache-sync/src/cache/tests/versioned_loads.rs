@@ -293,7 +293,7 @@ async fn a_versioned_load_during_the_quarantine_is_cached_with_its_version() {
         1,
         Duration::from_secs(10),
         std::sync::Arc::new(crate::cache::Housekeeper::start()),
-        std::sync::Arc::default(),
+        &crate::util::Moment::default(),
     ));
     c.inner.resync().await;
     assert_eq!(load_at(&c, "k", "v12", 12).await, "v12");
