@@ -18,6 +18,7 @@ pub mod nats_cluster;
 pub mod nats_server;
 pub mod postgres_server;
 mod process;
+pub mod proxy;
 pub mod redis_cluster;
 pub mod redis_server;
 pub mod rocketmq_server;
@@ -112,6 +113,9 @@ pub struct TestNode {
     pub fence: SyncedCache<String, u64>,
 }
 
+/// The builder of the table under test.
+pub type TableBuilder = cache_sync::SyncedCacheBuilder<String, Row>;
+
 /// Name of the cache under test.
 pub const TABLE: &str = "table";
 const FENCE: &str = "fence";
@@ -123,7 +127,18 @@ impl TestNode {
         transport: impl Transport,
         configure: impl FnOnce(NodeBuilder) -> NodeBuilder,
     ) -> cache_sync::Result<Self> {
-        Self::start_with(id, transport, configure, None).await
+        Self::start_with(id, transport, configure, None, |b| b).await
+    }
+
+    /// [`TestNode::start`], with the table's builder shaped by `table`
+    /// (a staleness bound, for one).
+    pub async fn start_shaped(
+        id: &str,
+        transport: impl Transport,
+        configure: impl FnOnce(NodeBuilder) -> NodeBuilder,
+        table: impl FnOnce(TableBuilder) -> TableBuilder,
+    ) -> cache_sync::Result<Self> {
+        Self::start_with(id, transport, configure, None, table).await
     }
 
     /// [`TestNode::start`], with the table audited against `db` (see
@@ -134,7 +149,7 @@ impl TestNode {
         configure: impl FnOnce(NodeBuilder) -> NodeBuilder,
         db: &Arc<Db>,
     ) -> cache_sync::Result<Self> {
-        Self::start_with(id, transport, configure, Some(db)).await
+        Self::start_with(id, transport, configure, Some(db), |b| b).await
     }
 
     async fn start_with(
@@ -142,12 +157,13 @@ impl TestNode {
         transport: impl Transport,
         configure: impl FnOnce(NodeBuilder) -> NodeBuilder,
         db: Option<&Arc<Db>>,
+        shape: impl FnOnce(TableBuilder) -> TableBuilder,
     ) -> cache_sync::Result<Self> {
         let mut table = SyncedCache::builder(TABLE, moka::future::Cache::new(10_000));
         if let Some(db) = db {
             table = table.audit(db.audit());
         }
-        let table = table.build()?;
+        let table = shape(table).build()?;
         let fence = SyncedCache::new(FENCE, moka::future::Cache::new(10));
         let builder = configure(Node::builder(id, transport))
             .register(&table)

@@ -140,6 +140,11 @@ impl NatsServer {
         std::fs::read_to_string(self.dir.path().join("nats.log")).unwrap_or_default()
     }
 
+    /// Its loopback address, for a proxy in front of it.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
     /// `nats://127.0.0.1:PORT`.
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)

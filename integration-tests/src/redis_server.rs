@@ -163,6 +163,11 @@ impl RedisServer {
         self.process.pid().is_some() && self.process.exited().is_none()
     }
 
+    /// Its loopback address, for a proxy in front of it.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
     /// `redis://127.0.0.1:PORT/`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
