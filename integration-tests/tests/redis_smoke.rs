@@ -297,6 +297,91 @@ async fn pubsub_backlog_past_its_limit_is_an_overflow_loss() {
     }
 }
 
+/// Classic Pub/Sub's freshness tail: a request is reached only once every
+/// message acknowledged before it was asked has been delivered, never with
+/// an earlier batch; a position of another client (a process before a
+/// restart) reaches none of this client's requests; on a sharded
+/// subscription there is no tail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pubsub_tail_is_reached_after_what_was_acknowledged_before_it() {
+    let server = RedisServer::start();
+    // The subscriber reads through a slow link, so that the messages are
+    // still on their way when the request is answered: its PING travels
+    // behind them.
+    let proxy = integration_tests::proxy::Proxy::start(server.addr()).await;
+    let transport = RedisPubSubTransport::connect(format!("redis://{}", proxy.addr()))
+        .await
+        .unwrap();
+    let publisher = RedisPubSubTransport::connect(server.url()).await.unwrap();
+    let mut sub = transport
+        .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
+        .await
+        .unwrap();
+    proxy.latency(Duration::from_millis(300));
+    let sent = 2000usize;
+    for i in 0..sent {
+        publisher
+            .publish("t", "c", Bytes::from(i.to_string()))
+            .await
+            .unwrap();
+    }
+    let tail = transport.tail("t").await.unwrap().expect("a tail");
+    // Small batches: the request must wait for the last of them.
+    let mut got = 0usize;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the tail was never reached"
+        );
+        let next = tokio::time::timeout(Duration::from_secs(5), sub.next(7)).await;
+        match next.expect("the subscription stalled").unwrap() {
+            Delivery::Batch { records, position } => {
+                for r in &records {
+                    assert_eq!(r.payload, got.to_string(), "in order");
+                    got += 1;
+                }
+                if transport.covers(&position, &tail) {
+                    assert_eq!(
+                        got, sent,
+                        "the tail was reached with messages before it undelivered"
+                    );
+                    break;
+                }
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    // A later request is not reached by the earlier answer.
+    let later = transport.tail("t").await.unwrap().expect("a tail");
+    let mut reached_at = None;
+    while reached_at.is_none() {
+        match tokio::time::timeout(Duration::from_secs(5), sub.next(7))
+            .await
+            .expect("the later request was never answered")
+            .unwrap()
+        {
+            Delivery::Batch { position, .. } if transport.covers(&position, &later) => {
+                reached_at = Some(position);
+            }
+            Delivery::Batch { position, .. } => {
+                assert!(position.is_empty() || transport.covers(&position, &tail));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let reached = reached_at.expect("reached");
+    assert!(
+        transport.covers(&reached, &tail),
+        "a later answer reaches the earlier request too"
+    );
+    // Another client's answer reaches nothing of this one's.
+    let other = RedisPubSubTransport::connect(server.url()).await.unwrap();
+    let theirs = other.tail("t").await.unwrap().expect("a tail");
+    assert!(!transport.covers(&reached, &theirs));
+    assert!(!other.covers(&reached, &theirs));
+}
+
 /// Reads `n` records (no loss) from `sub`; returns its position after them.
 async fn read(
     sub: &mut Box<dyn cache_sync::transport::Subscription>,

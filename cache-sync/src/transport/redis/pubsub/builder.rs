@@ -113,6 +113,7 @@ impl RedisPubSubBuilder {
             sharded,
             publisher,
             config: self.config,
+            tails: Arc::new(super::Tails::new()),
         })
     }
 

@@ -13,8 +13,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use super::super::{
-    HeartbeatSubscription, Loss, LossReason, Position, StartFrom, SubscribeOptions, Subscription,
-    Transport,
+    HeartbeatSubscription, Loss, LossReason, Offset, Position, StartFrom, SubscribeOptions,
+    Subscription, Transport,
 };
 use super::servers::{Commands, Servers};
 use super::{PUBSUB, key_part, map_err};
@@ -69,7 +69,47 @@ pub struct RedisPubSubTransport {
     sharded: Option<Arc<Servers>>,
     publisher: Commands,
     config: PubSubConfig,
+    /// Freshness requests, numbered per client (see `tail`).
+    tails: Arc<Tails>,
 }
+
+/// Freshness requests of classic Pub/Sub on one server. Redis handles one
+/// command at a time and writes a message into each subscriber's
+/// connection when it takes the `PUBLISH`: a PING sent on the subscription's
+/// own connection after a publish was acknowledged is answered after that
+/// message. So a tail is a request number, and a subscription answers it by
+/// a PING: once the PONG is back and the messages queued before it are
+/// delivered, the request is reached. Nothing is kept on the server.
+#[derive(Debug)]
+pub(super) struct Tails {
+    /// This client, so that a position saved by another (a process before a
+    /// restart) reaches none of its requests.
+    client: u64,
+    /// The last request's number; subscriptions watch it.
+    asked: tokio::sync::watch::Sender<u64>,
+}
+
+impl Tails {
+    pub(super) fn new() -> Self {
+        use std::hash::{BuildHasher, RandomState};
+        Self {
+            // Random per client: a process's requests start at 1 again.
+            client: RandomState::new().hash_one(std::time::SystemTime::now()),
+            asked: tokio::sync::watch::channel(0).0,
+        }
+    }
+
+    /// The position that says request `n` of this client is reached.
+    pub(super) fn position(&self, n: u64) -> Position {
+        let mut p = Position::single(ASKED, Offset::Seq(n));
+        p.set(CLIENT, Offset::Seq(self.client));
+        p
+    }
+}
+
+/// The partitions of a Pub/Sub freshness position (see [`Tails`]).
+const ASKED: &str = "asked";
+const CLIENT: &str = "client";
 
 impl fmt::Debug for RedisPubSubTransport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -77,6 +117,14 @@ impl fmt::Debug for RedisPubSubTransport {
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
+}
+
+/// A watch on `tails` that counts the request already asked as new: a
+/// subscription made after it (a re-subscription) answers it too.
+fn asked_from_now(tails: &Tails) -> tokio::sync::watch::Receiver<u64> {
+    let mut asked = tails.asked.subscribe();
+    asked.mark_changed();
+    asked
 }
 
 /// What a queued record is taken to cost, beyond its payload: in the
@@ -180,7 +228,34 @@ impl Transport for RedisPubSubTransport {
             heard_at: tokio::time::Instant::now(),
             ping_interval: self.config.ping_interval,
             ping_timeout: self.config.ping_timeout,
+            tails: self.tails.clone(),
+            asked: asked_from_now(&self.tails),
+            asking: true,
+            proving: None,
         }))
+    }
+
+    /// On classic Pub/Sub on one server, a request number that the topic's
+    /// subscriptions of this client answer by a PING (see [`Tails`]). `None`
+    /// on a cluster: a classic `PUBLISH` reaches other servers' subscribers
+    /// over the cluster bus, after its answer, and a sharded subscriber may
+    /// be held by a replica that passes messages on late.
+    async fn tail(&self, topic: &str) -> Result<Option<Position>> {
+        self.check_topic(topic)?;
+        if self.sharded.is_some() || self.servers.is_cluster() {
+            return Ok(None);
+        }
+        let mut n = 0;
+        self.tails.asked.send_modify(|asked| {
+            *asked = asked.saturating_add(1);
+            n = *asked;
+        });
+        Ok(Some(self.tails.position(n)))
+    }
+
+    /// A request of this client answered at or past the tail's.
+    fn covers(&self, position: &Position, tail: &Position) -> bool {
+        crate::transport::position::reached_in_history(position, tail, ASKED, CLIENT)
     }
 
     async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {

@@ -4,6 +4,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -11,7 +12,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use redis::Value;
 
-use super::RECORD_OVERHEAD;
+use super::{RECORD_OVERHEAD, Tails};
 use crate::error::{Error, Result};
 use crate::transport::redis::{PUBSUB, map_err};
 use crate::transport::{Delivery, Loss, LossReason, Position, Record, Subscription};
@@ -33,6 +34,15 @@ pub(super) struct PubSubSubscription {
     pub(super) heard_at: tokio::time::Instant,
     pub(super) ping_interval: Duration,
     pub(super) ping_timeout: Duration,
+    /// This client's freshness requests (see `Tails`).
+    pub(super) tails: Arc<Tails>,
+    pub(super) asked: tokio::sync::watch::Receiver<u64>,
+    /// False once the transport is gone: no more requests come.
+    pub(super) asking: bool,
+    /// A request answered by a PONG: its number, and how many messages,
+    /// queued before the PONG, are still to be delivered before it is
+    /// reached.
+    pub(super) proving: Option<(u64, usize)>,
 }
 
 impl fmt::Debug for PubSubSubscription {
@@ -46,7 +56,12 @@ impl PubSubSubscription {
     /// the connection closed.
     fn drain(&mut self) -> bool {
         while self.backlog_bytes <= self.max_backlog_bytes {
-            match futures_util::FutureExt::now_or_never(self.stream.next()) {
+            // Unconstrained: tokio's cooperative budget would answer
+            // `Pending` with messages still queued once the task had polled
+            // 128 things, and a request answered then would count too few
+            // messages before its PONG.
+            let next = tokio::task::unconstrained(self.stream.next());
+            match futures_util::FutureExt::now_or_never(next) {
                 Some(Some(msg)) => self.push(&msg),
                 Some(None) => return false,
                 None => break,
@@ -74,6 +89,11 @@ impl PubSubSubscription {
             );
             self.backlog.clear();
             self.backlog_bytes = 0;
+            // What the request waited for is answered by this loss: the
+            // next delivery reaches it.
+            if let Some((_, left)) = &mut self.proving {
+                *left = 0;
+            }
             return Ok(Delivery::Lost(Loss::new(
                 LossReason::Overflow,
                 Some(missed),
@@ -88,8 +108,42 @@ impl PubSubSubscription {
         self.backlog_bytes = self.backlog_bytes.saturating_sub(taken);
         Ok(Delivery::Batch {
             records,
-            position: Position::default(),
+            position: self.reached(n),
         })
+    }
+
+    /// The position of a delivery of `n` messages: a request's, once every
+    /// message queued before its PONG is delivered; else none.
+    fn reached(&mut self, n: usize) -> Position {
+        match &mut self.proving {
+            Some((asked, left)) => {
+                *left = left.saturating_sub(n);
+                if *left > 0 {
+                    return Position::default();
+                }
+                let p = self.tails.position(*asked);
+                self.proving = None;
+                p
+            }
+            None => Position::default(),
+        }
+    }
+
+    /// Answers the latest freshness request: a PING on this connection,
+    /// then everything queued before its PONG.
+    async fn answer(&mut self) -> Result<()> {
+        let asked = *self.asked.borrow_and_update();
+        match tokio::time::timeout(self.ping_timeout, self.sink.ping::<Value>()).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(map_err(PUBSUB, e)),
+            Err(_) => return Err(Error::disconnected(PUBSUB, "PING went unanswered")),
+        }
+        self.heard_at = tokio::time::Instant::now();
+        // The client queued every message read before the PONG before it
+        // answered the PING.
+        self.drain();
+        self.proving = Some((asked, self.backlog.len()));
+        Ok(())
     }
 }
 
@@ -107,6 +161,13 @@ impl Subscription for PubSubSubscription {
                 self.heard_at = tokio::time::Instant::now();
                 return self.take(max);
             }
+            if self.proving.is_some() {
+                // Nothing queued before the PONG: reached at once.
+                return Ok(Delivery::Batch {
+                    records: Vec::new(),
+                    position: self.reached(0),
+                });
+            }
             if !open {
                 return Err(Error::disconnected(
                     PUBSUB,
@@ -119,6 +180,12 @@ impl Subscription for PubSubSubscription {
                         return Err(Error::disconnected(PUBSUB, "the subscription connection closed"));
                     };
                     self.push(&msg);
+                }
+                changed = self.asked.changed(), if self.asking => {
+                    match changed {
+                        Ok(()) => self.answer().await?,
+                        Err(_) => self.asking = false,
+                    }
                 }
                 () = self.ping.as_mut() => {
                     let due = self.heard_at.checked_add(self.ping_interval);
