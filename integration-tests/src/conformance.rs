@@ -22,11 +22,13 @@ use crate::{Db, Row, TABLE, TestNode, assert_no_stale_entries, holds_no_stale_en
 mod channels;
 mod faults;
 mod freshness;
+mod partitions;
 mod publishes;
 
 pub use channels::*;
 pub use faults::*;
 pub use freshness::*;
+pub use partitions::*;
 pub use publishes::*;
 
 /// Faults a transport may be asked to survive.
@@ -69,6 +71,9 @@ pub enum Fault {
     /// On a cluster, the server a node is connected to is killed (and
     /// started again) while events flow; others serve the topic on.
     ConnectedServerKilled,
+    /// A node's link to its broker is cut (both ways without a reset, one
+    /// way, slowed, flapping) by a proxy, then healed ([`partitioned`]).
+    Partition,
 }
 
 impl Fault {
@@ -134,6 +139,18 @@ pub trait Fixture: Send + Sync {
     fn stored(&self, topic: &str) -> Option<Stored> {
         let _ = topic;
         None
+    }
+    /// The broker's one address, where the suite can put a fault proxy in
+    /// front of it, or `None` (no broker, or clients that learn other
+    /// addresses from it).
+    fn address(&self) -> Option<std::net::SocketAddr> {
+        None
+    }
+    /// A new client that reaches the broker at `addr`: a proxy in front of
+    /// [`Fixture::address`].
+    async fn transport_at(&self, addr: std::net::SocketAddr) -> Arc<dyn Transport> {
+        let _ = addr;
+        cannot_run(self.name(), "a client through a proxy")
     }
     /// Kills the broker (`kill -9`) and leaves it down.
     fn kill(&mut self) {}

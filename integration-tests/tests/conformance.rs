@@ -2,6 +2,7 @@
 //! against a `redis-server` of the test's own; a missing binary fails the
 //! test with instructions instead of skipping it.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,7 +21,7 @@ use cache_sync::{Publisher, transport::EmbeddedTransport};
 use integration_tests::cluster_view;
 use integration_tests::conformance::broker_killed_mid_window;
 use integration_tests::conformance::{
-    Expect, Fault, Fixture, a_refusal_is_no_disconnect, health_follows_the_broker,
+    Cut, Expect, Fault, Fixture, a_refusal_is_no_disconnect, health_follows_the_broker,
     heartbeat_channel, heartbeats_take_no_room_in_the_history, names_map_one_to_one, normal_path,
     publish_cut_at_the_tail, publish_cut_mid_flight, regrow, reply_channel, retry, survives,
 };
@@ -93,8 +94,16 @@ impl Fixture for Streams {
     }
 
     async fn transport(&self) -> Arc<dyn Transport> {
+        self.transport_at(self.server.addr()).await
+    }
+
+    fn address(&self) -> Option<SocketAddr> {
+        Some(self.server.addr())
+    }
+
+    async fn transport_at(&self, addr: SocketAddr) -> Arc<dyn Transport> {
         let transport = retry(|| {
-            RedisStreamsTransport::builder(self.server.url())
+            RedisStreamsTransport::builder(format!("redis://{addr}"))
                 .block(Duration::from_millis(100))
                 .response_timeout(Duration::from_millis(500))
                 .connect()
@@ -110,7 +119,8 @@ impl Fixture for Streams {
             Fault::BrokerRestart
             | Fault::BrokerPause
             | Fault::ConnectionKill
-            | Fault::NodeRestart => Some(Expect::NoLoss),
+            | Fault::NodeRestart
+            | Fault::Partition => Some(Expect::NoLoss),
             // A reader that falls behind stays in the stream; only trimming loses.
             _ => None,
         }
@@ -198,8 +208,16 @@ impl Fixture for PubSub {
     }
 
     async fn transport(&self) -> Arc<dyn Transport> {
+        self.transport_at(self.server.addr()).await
+    }
+
+    fn address(&self) -> Option<SocketAddr> {
+        Some(self.server.addr())
+    }
+
+    async fn transport_at(&self, addr: SocketAddr) -> Arc<dyn Transport> {
         let transport = retry(|| {
-            RedisPubSubTransport::builder(self.server.url())
+            RedisPubSubTransport::builder(format!("redis://{addr}"))
                 .ping_interval(Duration::from_millis(100))
                 .ping_timeout(Duration::from_millis(300))
                 .response_timeout(Duration::from_millis(500))
@@ -304,8 +322,16 @@ impl Fixture for Nats {
     }
 
     async fn transport(&self) -> Arc<dyn Transport> {
+        self.transport_at(self.server.addr()).await
+    }
+
+    fn address(&self) -> Option<SocketAddr> {
+        Some(self.server.addr())
+    }
+
+    async fn transport_at(&self, addr: SocketAddr) -> Arc<dyn Transport> {
         let transport = retry(|| {
-            NatsJetStreamTransport::builder(self.server.url())
+            NatsJetStreamTransport::builder(format!("nats://{addr}"))
                 .max_messages(2000)
                 .connect()
         })
@@ -317,7 +343,9 @@ impl Fixture for Nats {
         match fault {
             Fault::TrimPastReader | Fault::WipeWhilePaused => Some(Expect::Loss),
             // File storage and per-node sequence tracking: these resume losslessly.
-            Fault::BrokerRestart | Fault::BrokerPause | Fault::NodeRestart => Some(Expect::NoLoss),
+            Fault::BrokerRestart | Fault::BrokerPause | Fault::NodeRestart | Fault::Partition => {
+                Some(Expect::NoLoss)
+            }
             // The server has no command to cut one client off (no CLIENT KILL),
             // and a reader that falls behind stays in the stream.
             Fault::ConnectionKill | Fault::BufferLimitDisconnect => None,
@@ -555,6 +583,24 @@ macro_rules! case {
     ($f:expr, freshness_follows_a_paused_broker) => {
         integration_tests::conformance::freshness_follows_a_paused_broker(&mut $f).await
     };
+    ($f:expr, partition_blackholes_a_node) => {
+        integration_tests::conformance::partitioned(&mut $f, Cut::Blackhole).await
+    };
+    ($f:expr, partition_loses_the_answers) => {
+        integration_tests::conformance::partitioned(&mut $f, Cut::AnswersLost).await
+    };
+    ($f:expr, partition_loses_the_requests) => {
+        integration_tests::conformance::partitioned(&mut $f, Cut::RequestsLost).await
+    };
+    ($f:expr, partition_cuts_the_publisher) => {
+        integration_tests::conformance::partitioned(&mut $f, Cut::Publisher).await
+    };
+    ($f:expr, latency_spikes_on_a_node_link) => {
+        integration_tests::conformance::partitioned(&mut $f, Cut::LatencySpikes).await
+    };
+    ($f:expr, a_link_flapping_for_a_minute) => {
+        integration_tests::conformance::partitioned(&mut $f, Cut::Flapping).await
+    };
     ($f:expr, readiness_follows_a_paused_broker) => {
         cluster_view::readiness_follows_a_paused_broker(&mut $f).await
     };
@@ -601,6 +647,12 @@ const SCENARIOS: &[&str] = &[
     "a_stopped_node_leaves_the_cluster_view",
     "readiness_follows_a_paused_broker",
     "freshness_follows_a_paused_broker",
+    "partition_blackholes_a_node",
+    "partition_loses_the_answers",
+    "partition_loses_the_requests",
+    "partition_cuts_the_publisher",
+    "latency_spikes_on_a_node_link",
+    "a_link_flapping_for_a_minute",
     "leader_killed_while_events_flow",
     "leader_paused_past_failover_then_resumed_stale",
     "slot_moved_while_events_flow",
@@ -675,6 +727,12 @@ conformance!(embedded, Embedded::new(), {
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker = ignore "in-process: no broker to pause",
     freshness_follows_a_paused_broker = ignore "in-process: no broker to pause (node::tests::freshness hangs the tail instead)",
+    partition_blackholes_a_node = ignore "in-process: no network link to cut",
+    partition_loses_the_answers = ignore "in-process: no network link to cut",
+    partition_loses_the_requests = ignore "in-process: no network link to cut",
+    partition_cuts_the_publisher = ignore "in-process: no network link to cut",
+    latency_spikes_on_a_node_link = ignore "in-process: no network link to cut",
+    a_link_flapping_for_a_minute = ignore "in-process: no network link to cut",
     leader_killed_while_events_flow = ignore "in-process: no servers",
     leader_paused_past_failover_then_resumed_stale = ignore "in-process: no servers",
     slot_moved_while_events_flow = ignore "in-process: no servers",
@@ -708,6 +766,12 @@ conformance!(redis_streams, Streams { server: RedisServer::start() }, {
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker,
     freshness_follows_a_paused_broker,
+    partition_blackholes_a_node,
+    partition_loses_the_answers,
+    partition_loses_the_requests,
+    partition_cuts_the_publisher,
+    latency_spikes_on_a_node_link,
+    a_link_flapping_for_a_minute,
     leader_killed_while_events_flow = ignore "one server: no replica to take over",
     leader_paused_past_failover_then_resumed_stale = ignore "one server: no replica to take over",
     slot_moved_while_events_flow = ignore "one server: no slot to move",
@@ -740,7 +804,13 @@ conformance!(redis_pubsub, PubSub { server: RedisServer::start() }, {
     cluster_view_converges_and_publishes_are_acknowledged,
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker,
-    freshness_follows_a_paused_broker = ignore "Pub/Sub keeps no history, so it has no tail to tell: no freshness bound yet (docs/design.md, The freshness bound)",
+    freshness_follows_a_paused_broker,
+    partition_blackholes_a_node,
+    partition_loses_the_answers,
+    partition_loses_the_requests,
+    partition_cuts_the_publisher,
+    latency_spikes_on_a_node_link,
+    a_link_flapping_for_a_minute,
     leader_killed_while_events_flow = ignore "one server: no replica to take over",
     leader_paused_past_failover_then_resumed_stale = ignore "one server: no replica to take over",
     slot_moved_while_events_flow = ignore "one server: no slot to move",
@@ -775,6 +845,12 @@ conformance!(nats_jetstream, Nats { server: NatsServer::start() }, {
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker,
     freshness_follows_a_paused_broker,
+    partition_blackholes_a_node,
+    partition_loses_the_answers,
+    partition_loses_the_requests,
+    partition_cuts_the_publisher,
+    latency_spikes_on_a_node_link,
+    a_link_flapping_for_a_minute,
     leader_killed_while_events_flow = ignore "one server: no replica to take over",
     leader_paused_past_failover_then_resumed_stale = ignore "one server: no replica to take over",
     slot_moved_while_events_flow = ignore "one server: no slot to move",
@@ -811,6 +887,12 @@ conformance!(rocketmq, RocketMq { server: RocketMqServer::start() }, {
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker = ignore "the client notices a hung (SIGSTOPped) broker only when a connection closes: nodes stay ready through a pause (docs/transports.md)",
     freshness_follows_a_paused_broker = ignore "the RocketMQ transport does not tell its tail yet: no freshness bound (docs/design.md, The freshness bound)",
+    partition_blackholes_a_node = ignore "clients learn the broker's address from the name server, so a proxy in front of one address cuts only the name server: no partition of the broker link yet",
+    partition_loses_the_answers = ignore "clients learn the broker's address from the name server, so a proxy in front of one address cuts only the name server: no partition of the broker link yet",
+    partition_loses_the_requests = ignore "clients learn the broker's address from the name server, so a proxy in front of one address cuts only the name server: no partition of the broker link yet",
+    partition_cuts_the_publisher = ignore "clients learn the broker's address from the name server, so a proxy in front of one address cuts only the name server: no partition of the broker link yet",
+    latency_spikes_on_a_node_link = ignore "clients learn the broker's address from the name server, so a proxy in front of one address cuts only the name server: no partition of the broker link yet",
+    a_link_flapping_for_a_minute = ignore "clients learn the broker's address from the name server, so a proxy in front of one address cuts only the name server: no partition of the broker link yet",
     leader_killed_while_events_flow = ignore "one server: no replica to take over",
     leader_paused_past_failover_then_resumed_stale = ignore "one server: no replica to take over",
     slot_moved_while_events_flow = ignore "one server: no slot to move",
