@@ -54,7 +54,8 @@ use subscription::PubSubSubscription;
 /// Redis client-side caching does when its invalidation link drops.
 ///
 /// Start positions: only [`StartFrom::Latest`]; resuming from a position
-/// always reports a loss first.
+/// reports a loss first, unless another client saved it (a process before a
+/// restart, whose caches are gone): that starts as with no position.
 ///
 /// Heartbeats ([`Transport::publish_heartbeat`]) go to a channel of their
 /// own, `<channel>:hb`, which no change subscription listens on; like every
@@ -97,6 +98,11 @@ impl Tails {
             client: RandomState::new().hash_one(std::time::SystemTime::now()),
             asked: tokio::sync::watch::channel(0).0,
         }
+    }
+
+    /// Whether `position` holds another client's answer.
+    fn is_foreign(&self, position: &Position) -> bool {
+        matches!(position.get(CLIENT), Some(c) if *c != Offset::Seq(self.client))
     }
 
     /// The position that says request `n` of this client is reached.
@@ -195,6 +201,10 @@ impl Transport for RedisPubSubTransport {
     ) -> Result<Box<dyn Subscription>> {
         let pending = match options.from {
             StartFrom::Latest => None,
+            // Saved by another client (a process before a restart): its
+            // caches were that process's, and this one's start empty, as
+            // after a start with no position.
+            StartFrom::Position(p) if self.tails.is_foreign(&p) => None,
             StartFrom::Position(_) => Some(Loss::new(LossReason::Reconnected, None, None)),
             StartFrom::Earliest => {
                 return Err(Error::Unsupported {
