@@ -1,5 +1,5 @@
 //! The `/metrics` gauges drawn from this node's cluster view: the live
-//! nodes, their heartbeats' age, readiness and per-cache lag.
+//! nodes, their heartbeats' age, readiness, freshness and per-cache lag.
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -89,6 +89,20 @@ impl Collector for ClusterCollector {
         for n in &view_nodes {
             ConstGauge::new(i64::from(n.ready))
                 .encode(family.encode_family(&[("node", n.node_id.as_str())])?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "cluster_node_freshness_age",
+            "Per live node that proves one: the age of its freshness bound, as its last heartbeat said.",
+            Some(&Unit::Seconds),
+            MetricType::Gauge,
+        )?;
+        for n in &view_nodes {
+            // Unknown (no tail, nothing proved yet) is no sample, as the
+            // node's own gauge does: a number would claim a proof.
+            if let Some(ms) = n.freshness_age_ms {
+                ConstGauge::new(ms as f64 / 1e3)
+                    .encode(family.encode_family(&[("node", n.node_id.as_str())])?)?;
+            }
         }
         Ok(())
     }

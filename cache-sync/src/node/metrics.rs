@@ -901,6 +901,15 @@ mod tests {
             node.status().freshness_age_ms.is_some()
         })
         .await;
+        // And in a heartbeat of its own, for the cluster view's gauge.
+        eventually("a freshness bound in the cluster view", async || {
+            node.cluster()
+                .view()
+                .nodes
+                .iter()
+                .any(|n| n.freshness_age_ms.is_some())
+        })
+        .await;
         let text = scrape(&node).await;
         let (served, documented) = (families(&text), documented());
         assert!(served.len() > 50, "{served:?}");

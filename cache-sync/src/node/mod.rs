@@ -378,7 +378,9 @@ impl Node {
     /// From the cluster view: gauge `cache_sync_cluster_nodes` (live nodes,
     /// this one included), and per live node (label `node`)
     /// `cache_sync_cluster_heartbeat_age_seconds`, `cache_sync_cluster_node_ready`,
-    /// and per node and cache `cache_sync_cluster_cache_lag_versions`
+    /// `cache_sync_cluster_node_freshness_age_seconds` (for nodes that prove
+    /// a bound: [`NodeView::freshness_age_ms`](crate::cluster::NodeView::freshness_age_ms)
+    /// in seconds), and per node and cache `cache_sync_cluster_cache_lag_versions`
     /// (versions behind the newest any live node reports; caches with a
     /// version only).
     ///

@@ -59,22 +59,23 @@ pub(crate) fn verdict(view: &ClusterView, max_lag: Duration) -> Verdict {
     )
 }
 
-const HEADER: [&str; 9] = [
+const HEADER: [&str; 10] = [
     "NODE",
     "CACHE",
     "VERSION",
     "LAG",
     "BEHIND",
     "READY",
+    "FRESH",
     "LOSSES",
     "HEARTBEAT",
     "AUDIT",
 ];
 
-/// The table: one row per node and cache (a node without caches gets one
+/// The table (FRESH: the age of each node's freshness proof): one row per node and cache (a node without caches gets one
 /// row), the lagging ones marked with `*`, then the nodes gone lately.
 pub(crate) fn render(view: &ClusterView) -> String {
-    let mut rows: Vec<[String; 9]> = Vec::new();
+    let mut rows: Vec<[String; 10]> = Vec::new();
     for node in &view.nodes {
         let mark = if node.lagging { "* " } else { "  " };
         let ready = match (node.ready, node.consuming) {
@@ -83,6 +84,11 @@ pub(crate) fn render(view: &ClusterView) -> String {
             (false, false) => "no (not consuming)",
         };
         let age = show(Duration::from_millis(node.age_ms));
+        // How old the node's freshness proof was when it sent the heartbeat
+        // ("?": its transport tells no tail, or it proved nothing yet).
+        let fresh = node
+            .freshness_age_ms
+            .map_or_else(|| "?".into(), |ms| show(Duration::from_millis(ms)));
         let node_cells = |cache: String, version, lag, behind, audit| {
             [
                 format!("{mark}{}", node.node_id),
@@ -91,6 +97,7 @@ pub(crate) fn render(view: &ClusterView) -> String {
                 lag,
                 behind,
                 ready.to_owned(),
+                fresh.clone(),
                 node.losses.to_string(),
                 age.clone(),
                 audit,
@@ -153,7 +160,7 @@ pub(crate) fn render(view: &ClusterView) -> String {
         let header = HEADER.map(String::from);
         // Widths in characters, not bytes, so that names in any script
         // line up as well as a monospace terminal allows.
-        let mut widths = [0usize; 9];
+        let mut widths = [0usize; 10];
         for row in std::iter::once(&header).chain(&rows) {
             for (w, cell) in widths.iter_mut().zip(row) {
                 *w = (*w).max(cell.chars().count());
@@ -299,6 +306,25 @@ mod tests {
         let table = render(&v);
         let row = table.lines().find(|l| l.contains("* n")).unwrap();
         assert!(row.contains(" ? "), "{table}");
+    }
+
+    #[test]
+    fn freshness_shows_per_node_and_unknown_as_a_question_mark() {
+        let mut proved = serde_json::to_value(node("proved", vec![])).unwrap();
+        proved["freshness_age_ms"] = serde_json::json!(2_500);
+        let proved: NodeView = serde_json::from_value(proved).unwrap();
+        let table = render(&view(vec![proved, node("unproved", vec![])], vec![]));
+        let column = |row: &str| {
+            let header = table.lines().nth(1).unwrap();
+            let at = header.chars().take(header.find("FRESH").unwrap()).count();
+            row.chars()
+                .skip(at)
+                .take_while(|c| *c != ' ')
+                .collect::<String>()
+        };
+        let row = |id: &str| table.lines().find(|l| l.contains(id)).unwrap().to_owned();
+        assert_eq!(column(&row("unproved")), "?", "{table}");
+        assert_eq!(column(&row("  proved")), "2.5", "{table}");
     }
 
     #[test]
