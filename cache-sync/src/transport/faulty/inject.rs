@@ -129,6 +129,7 @@ impl Transport for FaultyTransport {
     }
 
     async fn tail(&self, topic: &str) -> Result<Option<Position>> {
+        self.faults.tails.fetch_add(1, SeqCst);
         while self.faults.hang_tails.load(SeqCst) {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }

@@ -127,6 +127,8 @@ struct Faults {
     hang_heartbeats: AtomicBool,
     hang_tails: AtomicBool,
     hide_tails: AtomicBool,
+    /// Tails asked so far.
+    tails: AtomicUsize,
     hang_heartbeat_subscriptions: AtomicBool,
 }
 
@@ -371,6 +373,12 @@ impl FaultyTransport {
     /// transport that cannot tell it.
     pub fn hide_tails(&self, on: bool) {
         self.faults.hide_tails.store(on, SeqCst);
+    }
+
+    /// How many times the topic's tail was asked (what a node's freshness
+    /// proof costs its broker).
+    pub fn tails_asked(&self) -> usize {
+        self.faults.tails.load(SeqCst)
     }
 }
 
