@@ -246,7 +246,7 @@ impl Transport for RedisPubSubTransport {
     }
 
     /// On classic Pub/Sub on one server, a request number that the topic's
-    /// subscriptions of this client answer by a PING (see [`Tails`]). `None`
+    /// subscriptions of this client answer by a PING (see `Tails`). `None`
     /// on a cluster: a classic `PUBLISH` reaches other servers' subscribers
     /// over the cluster bus, after its answer, and a sharded subscriber may
     /// be held by a replica that passes messages on late.
