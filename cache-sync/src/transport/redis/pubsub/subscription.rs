@@ -18,6 +18,9 @@ use crate::transport::redis::{PUBSUB, map_err};
 use crate::transport::{Delivery, Loss, LossReason, Position, Record, Subscription};
 use crate::util::deadline_after;
 
+/// Messages a drain moves at most per call.
+const DRAIN_AT_ONCE: usize = 4096;
+
 pub(super) struct PubSubSubscription {
     pub(super) sink: redis::aio::PubSubSink,
     pub(super) stream: redis::aio::PubSubStream,
@@ -55,7 +58,11 @@ impl PubSubSubscription {
     /// Moves everything the client has queued into the backlog; false if
     /// the connection closed.
     fn drain(&mut self) -> bool {
-        while self.backlog_bytes <= self.max_backlog_bytes {
+        // At most this many per call: a burst of small messages moved in
+        // one poll would hold the application's worker for milliseconds.
+        let mut left = DRAIN_AT_ONCE;
+        while self.backlog_bytes <= self.max_backlog_bytes && left > 0 {
+            left = left.saturating_sub(1);
             // Unconstrained: tokio's cooperative budget would answer
             // `Pending` with messages still queued once the task had polled
             // 128 things, and a request answered then would count too few
@@ -140,8 +147,19 @@ impl PubSubSubscription {
         }
         self.heard_at = tokio::time::Instant::now();
         // The client queued every message read before the PONG before it
-        // answered the PING.
-        self.drain();
+        // answered the PING: all of them are counted, a batch at a time
+        // with a yield between (a full backlog stops it: the overflow
+        // loss answers the request).
+        loop {
+            let before = self.backlog.len();
+            if !self.drain() {
+                break;
+            }
+            if self.backlog.len().saturating_sub(before) < DRAIN_AT_ONCE {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
         self.proving = Some((asked, self.backlog.len()));
         Ok(())
     }
