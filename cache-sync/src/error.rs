@@ -121,6 +121,21 @@ pub enum Error {
     #[error("the node has shut down")]
     Shutdown,
 
+    /// A read that may not go to the source
+    /// ([`SyncedCache::try_get`](crate::SyncedCache::try_get)) found its
+    /// cache past its [staleness bound](crate::SyncedCacheBuilder::max_staleness):
+    /// its node cannot prove what the cache holds fresh within it.
+    #[error("cache {cache:?} is not proved fresh within {max:?} (its proof is {})", age.map_or_else(|| "missing".to_owned(), |a| format!("{a:?} old")))]
+    Stale {
+        /// The cache's name.
+        cache: String,
+        /// Its bound.
+        max: std::time::Duration,
+        /// How old its node's proof is; `None` when there is none (no node
+        /// holds the cache, or its transport cannot tell its tail).
+        age: Option<std::time::Duration>,
+    },
+
     /// The database of the outbox or of a CDC relay failed: it could not be
     /// reached, the connection (or the replication session) dropped, or a
     /// statement failed. Not a transport error: nothing was published, and
@@ -191,6 +206,13 @@ impl Error {
     /// The node has shut down, so it takes no more work.
     pub fn is_shutdown(&self) -> bool {
         matches!(self, Error::Shutdown)
+    }
+
+    /// A read found its cache past its staleness bound: what it holds
+    /// may be older than the bound. Read the source, or retry once the
+    /// node proves it fresh again.
+    pub fn is_stale(&self) -> bool {
+        matches!(self, Error::Stale { .. })
     }
 
     /// The database of the outbox or of a CDC relay failed (unreachable,
@@ -351,6 +373,7 @@ mod tests {
             | Error::Io { .. }
             | Error::Bind { .. }
             | Error::Shutdown
+            | Error::Stale { .. }
             | Error::Database(_) => {}
         }
     }
@@ -358,7 +381,7 @@ mod tests {
     #[test]
     fn every_variant_has_a_predicate_of_its_own() {
         type Predicate = fn(&Error) -> bool;
-        let predicates: [(&str, Predicate); 14] = [
+        let predicates: [(&str, Predicate); 15] = [
             ("disconnected", Error::is_disconnected),
             ("transport", Error::is_transport),
             ("decode", Error::is_decode),
@@ -372,6 +395,7 @@ mod tests {
             ("io", Error::is_io),
             ("bind", Error::is_bind),
             ("shutdown", Error::is_shutdown),
+            ("stale", Error::is_stale),
             ("database", Error::is_database),
         ];
         let io = || std::io::Error::other("x");
@@ -427,6 +451,14 @@ mod tests {
                 &["bind"],
             ),
             (Error::Shutdown, &["shutdown"]),
+            (
+                Error::Stale {
+                    cache: "c".into(),
+                    max: std::time::Duration::from_secs(1),
+                    age: None,
+                },
+                &["stale"],
+            ),
             (Error::Database("down".into()), &["database"]),
         ];
         for (e, expected) in &cases {

@@ -309,22 +309,37 @@ async fn pubsub_tail_is_reached_after_what_was_acknowledged_before_it() {
     // still on their way when the request is answered: its PING travels
     // behind them.
     let proxy = integration_tests::proxy::Proxy::start(server.addr()).await;
-    let transport = RedisPubSubTransport::connect(format!("redis://{}", proxy.addr()))
+    // A PONG behind 10,000 messages on a link of 300 ms each way takes
+    // longer than the default PING timeout (1 s).
+    let transport = RedisPubSubTransport::builder(format!("redis://{}", proxy.addr()))
+        .ping_timeout(Duration::from_secs(10))
+        .connect()
         .await
         .unwrap();
-    let publisher = RedisPubSubTransport::connect(server.url()).await.unwrap();
     let mut sub = transport
         .subscribe("t", SubscribeOptions::new(StartFrom::Latest))
         .await
         .unwrap();
     proxy.latency(Duration::from_millis(300));
-    let sent = 2000usize;
+    // More than one drain moves at once (4096), all queued before the
+    // PONG: so the answer's count takes several rounds. Published in one
+    // pipeline, so that the request is answered (its PING sent) while
+    // every message is still on its way through the slow link: the
+    // subscription answers a request only once its backlog is empty.
+    let sent = 10_000usize;
+    let mut raw = redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let mut pipe = redis::pipe();
     for i in 0..sent {
-        publisher
-            .publish("t", "c", Bytes::from(i.to_string()))
-            .await
-            .unwrap();
+        pipe.cmd("PUBLISH")
+            .arg("cache-sync:{t}")
+            .arg(i.to_string())
+            .ignore();
     }
+    pipe.query_async::<()>(&mut raw).await.unwrap();
     let tail = transport.tail("t").await.unwrap().expect("a tail");
     // Small batches: the request must wait for the last of them.
     let mut got = 0usize;
@@ -396,7 +411,7 @@ async fn pubsub_tail_is_reached_after_what_was_acknowledged_before_it() {
         .subscribe("t", SubscribeOptions::new(StartFrom::Position(reached)))
         .await
         .unwrap();
-    publisher
+    other
         .publish("t", "c", Bytes::from_static(b"after"))
         .await
         .unwrap();

@@ -95,6 +95,19 @@ impl<K, V> super::Inner<K, V> {
         }
     }
 
+    /// The error of a read refused past the bound.
+    pub(super) fn stale_error(&self) -> crate::Error {
+        let (max, age) = self
+            .bound
+            .as_ref()
+            .map_or((std::time::Duration::ZERO, None), |b| (b.max, b.age().0));
+        crate::Error::Stale {
+            cache: self.name.clone(),
+            max,
+            age,
+        }
+    }
+
     /// Holds the cache's reads to `proof`, the proof of the node that
     /// claimed it so far; `None` when it lets the cache go.
     pub(super) fn prove_with(&self, proof: Option<&Moment>) {

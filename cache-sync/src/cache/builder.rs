@@ -98,8 +98,11 @@ where
     /// transport cannot tell its tail), [`get`](SyncedCache::get) answers
     /// a miss and the `get_with` methods run their loader and return what
     /// it read without caching it: a value installed while the node hears
-    /// nothing could be overwritten later by an older event it missed.
-    /// Counted in `stale_bypasses`; each episode is logged once as it
+    /// nothing could be overwritten later by an older event it missed;
+    /// [`try_get`](SyncedCache::try_get) returns
+    /// [`Error::Stale`](crate::Error::Stale), for a caller that must not
+    /// send its reads to the source then. Each is counted in
+    /// `stale_bypasses`; each episode is logged once as it
     /// starts and once as it ends. A read thus returns nothing older than
     /// `max` plus one freshness interval. `peek` and `iter` show what the
     /// cache holds, bound or not. Off by default.

@@ -239,6 +239,29 @@ where
         self.lookup(key).await
     }
 
+    /// [`get`](Self::get), but past a [staleness
+    /// bound](crate::SyncedCacheBuilder::max_staleness) an error rather than a
+    /// miss: `Ok(None)` is then always a key the cache does not hold,
+    /// never a read it refused. For a caller that must not send its reads
+    /// to the source when the node cannot prove its cache fresh (the
+    /// source is the thing under strain), and says so to its own caller.
+    ///
+    /// Past a bound, [`Error::Stale`](crate::Error::Stale), counted in
+    /// `stale_bypasses`; past a
+    /// [serving](crate::SyncedCacheBuilder::max_staleness_serving) one, the value
+    /// (counted in `stale_served`), as `get` answers. Without a bound,
+    /// never an error.
+    pub async fn try_get<Q>(&self, key: &Q) -> Result<Option<V>, crate::Error>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        if self.inner.past_bound() {
+            return Err(self.inner.stale_error());
+        }
+        Ok(self.lookup(key).await)
+    }
+
     /// [`get`](Self::get) short of the staleness bound.
     async fn lookup<Q>(&self, key: &Q) -> Option<V>
     where

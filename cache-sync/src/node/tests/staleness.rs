@@ -72,6 +72,68 @@ async fn past_the_bound_reads_go_to_the_source_and_cache_nothing() {
     assert_eq!(loads.load(SeqCst), before, "memory again");
 }
 
+/// `try_get` past the bound: an error that says so, never a miss (a miss
+/// is a key the cache does not hold); within it, memory; past a serving
+/// bound, the value; with no bound, never an error.
+#[tokio::test]
+async fn try_get_past_the_bound_is_a_stale_error() {
+    let transport = FaultyTransport::new(EmbeddedTransport::new());
+    let c = bounded("t", false);
+    let node = node_on(&transport, &c).await;
+    c.insert("k".into(), "v".into()).await;
+    eventually("within the bound", async || {
+        c.try_get("k")
+            .await
+            .is_ok_and(|v| v.as_deref() == Some("v"))
+    })
+    .await;
+    assert_eq!(c.try_get("absent").await.unwrap(), None, "a plain miss");
+    let before = c.status().stale_bypasses;
+
+    transport.hang_tails(true);
+    let err = loop {
+        match c.try_get("k").await {
+            Ok(v) => assert_eq!(v.as_deref(), Some("v")),
+            Err(e) => break e,
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert!(err.is_stale() && !err.is_disconnected(), "{err:?}");
+    let crate::Error::Stale {
+        cache: name,
+        max,
+        age,
+    } = &err
+    else {
+        unreachable!()
+    };
+    assert_eq!((name.as_str(), *max), ("t", MAX));
+    assert!(age.is_some_and(|a| a > MAX), "{age:?}");
+    assert!(err.to_string().contains("\"t\""), "{err}");
+    assert!(c.try_get("absent").await.unwrap_err().is_stale());
+    assert!(c.status().stale_bypasses >= before + 2);
+
+    transport.hang_tails(false);
+    eventually("within the bound again", async || {
+        c.try_get("k").await.is_ok_and(|v| v.is_some())
+    })
+    .await;
+    node.shutdown().await.unwrap();
+    let gone = c.try_get("k").await.unwrap_err();
+    assert!(
+        matches!(gone, crate::Error::Stale { age: None, .. }),
+        "no node, no proof: {gone:?}"
+    );
+
+    let serving = bounded("s", true);
+    serving.insert("k".into(), "v".into()).await;
+    assert_eq!(serving.try_get("k").await.unwrap().as_deref(), Some("v"));
+    assert_eq!(serving.status().stale_served, 1);
+    let plain = cache("p");
+    plain.insert("k".into(), "v".into()).await;
+    assert_eq!(plain.try_get("k").await.unwrap().as_deref(), Some("v"));
+}
+
 /// A fallible loader's error past the bound is the caller's, counted.
 #[tokio::test]
 async fn past_the_bound_a_failed_load_is_returned() {
