@@ -414,6 +414,11 @@ mod replay {
                     scope: 9,
                     term: seq,
                 }),
+                // Every sixth a version 3 event, with a relay's watermark.
+                watermark: seq.is_multiple_of(6).then_some(crate::wire::Watermark {
+                    source: 5,
+                    lag_us: seq * 10,
+                }),
             }
         } else {
             HeaderExt::default()

@@ -156,6 +156,16 @@ pub struct CacheStatus {
     /// cache fresh enough. Absent in JSON from nodes older than this field.
     #[serde(default)]
     pub stale_bypasses: u64,
+    /// How fresh the node proves the cache, in milliseconds: every change
+    /// acknowledged longer ago than this is applied (the node's
+    /// [`freshness_age_ms`](NodeStatus::freshness_age_ms)), and, for a
+    /// cache fed by a CDC relay, every change its database made visible
+    /// longer ago than this (the node's age plus the relay's lag). `null`
+    /// while unknown: no proof yet, a transport that cannot tell, or a
+    /// relay awaited that has not reported. What a staleness bound is
+    /// held to. Absent in JSON from nodes older than this field.
+    #[serde(default)]
+    pub freshness_age_ms: Option<u64>,
     /// Reads past the bound served from memory all the same
     /// ([`max_staleness_serving`](crate::SyncedCacheBuilder::max_staleness_serving)).
     /// Absent in JSON from nodes older than this field.

@@ -425,6 +425,26 @@ impl Moment {
         self.0.store(n, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Sets the moment to `at`, or none, earlier or later than it was. A
+    /// moment before the clock's base is none: it cannot be told apart
+    /// from the base, and would look far younger than it is.
+    pub(crate) fn set(&self, at: Option<tokio::time::Instant>) {
+        let at = at.filter(|at| *at >= *CLOCK_BASE);
+        let n = at.map_or(0, |at| {
+            let nanos = at.saturating_duration_since(*CLOCK_BASE).as_nanos();
+            u64::try_from(nanos)
+                .unwrap_or(u64::MAX - 1)
+                .saturating_add(1)
+        });
+        self.0.store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The moment, if there is one.
+    pub(crate) fn get(&self) -> Option<tokio::time::Instant> {
+        let n = self.0.load(std::sync::atomic::Ordering::Relaxed);
+        CLOCK_BASE.checked_add(Duration::from_nanos(n.checked_sub(1)?))
+    }
+
     /// How long ago the moment was, if there is one.
     pub(crate) fn age(&self) -> Option<Duration> {
         let n = self.0.load(std::sync::atomic::Ordering::Relaxed);

@@ -441,6 +441,42 @@ const ROWS: &[Row] = &[
         "lag is read (5 s; 100 ms to {})",
     ),
     (
+        RELAY,
+        "DEFAULT_REPORT_INTERVAL",
+        ms,
+        "behind the database it is ({};",
+    ),
+    (
+        RELAY,
+        "MIN_REPORT_INTERVAL",
+        ms,
+        "it is (250 ms; {} to 1 h,",
+    ),
+    (
+        RELAY,
+        "MAX_REPORT_INTERVAL",
+        hours,
+        "it is (250 ms; 10 ms to {},",
+    ),
+    (
+        DESIGN,
+        "DEFAULT_REPORT_INTERVAL",
+        ms,
+        "`freshness_interval` 10 ms to 1 h or never ({} by default)",
+    ),
+    (
+        DESIGN,
+        "MIN_REPORT_INTERVAL",
+        ms,
+        "`freshness_interval` {} to 1 h",
+    ),
+    (
+        DESIGN,
+        "MAX_REPORT_INTERVAL",
+        hours,
+        "`freshness_interval` 10 ms to {}",
+    ),
+    (
         DESIGN,
         "DEFAULT_STANDBY_RETRY",
         secs,

@@ -27,6 +27,8 @@ use sqlx::PgPool;
 mod backpressure;
 #[path = "cdc/faults.rs"]
 mod faults;
+#[path = "cdc/freshness.rs"]
+mod freshness;
 #[path = "cdc/settings.rs"]
 mod settings;
 #[path = "cdc/tables.rs"]

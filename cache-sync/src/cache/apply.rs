@@ -70,6 +70,13 @@ pub(crate) trait CacheHandle: Send + Sync {
     /// applied (see the node's `freshness.rs`): a staleness bound's proof
     /// moves forward, if that node holds the cache.
     fn proved(&self, owner: u64, at: tokio::time::Instant);
+    /// A CDC relay's report, placed on the node's clock (see the node's
+    /// `route.rs`): everything source `source`'s database made visible
+    /// before `at` is applied. Taken if the node `owner` holds the cache.
+    fn relay_reported(&self, owner: u64, source: u64, at: Option<tokio::time::Instant>);
+    /// How fresh the cache is, given its node's proof's age: see
+    /// `bound::Sources::age`.
+    fn freshness_age(&self, node_proof: Option<Duration>) -> Option<Duration>;
     /// Gives the cache up, if `owner` holds it, so another node may claim it.
     fn release(&self, owner: u64);
     /// Applies events, in order. Undecodable keys or values are answered
@@ -173,6 +180,14 @@ where
 
     fn proved(&self, owner: u64, at: tokio::time::Instant) {
         Inner::proved(self, owner, at);
+    }
+
+    fn relay_reported(&self, owner: u64, source: u64, at: Option<tokio::time::Instant>) {
+        Inner::relay_reported(self, owner, source, at);
+    }
+
+    fn freshness_age(&self, node_proof: Option<Duration>) -> Option<Duration> {
+        Inner::freshness_age(self, node_proof)
     }
 
     fn release(&self, owner: u64) {
@@ -323,7 +338,9 @@ where
     }
 
     fn is_past_bound(&self) -> bool {
-        self.bound.as_ref().is_some_and(|b| !b.serve && b.age().1)
+        self.bound
+            .as_ref()
+            .is_some_and(|b| !b.serve && b.age(&self.sources).1)
     }
 
     fn is_quarantined(&self) -> bool {

@@ -4,11 +4,19 @@
 //! node's `freshness.rs`). Past it, a read goes to the source, or, where
 //! the builder said so, is served and counted.
 
+use std::sync::Mutex;
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
-use crate::util::Moment;
+use tokio::time::Instant;
+
+use crate::util::{Moment, lock};
+
+/// CDC relay sources one cache takes reports from, at most. Past it a new
+/// source's reports are refused and the cache's freshness is unknown from
+/// then on: dropping a source to make room could hide a stalled relay.
+const MAX_SOURCES: usize = 16;
 
 /// The bound, and what the cache knows of its node's proof.
 #[derive(Debug)]
@@ -35,17 +43,18 @@ impl Bound {
         }
     }
 
-    /// The node's proof's age, if there is one, and whether it is past
-    /// the bound (older than `max`, or none at all).
-    pub(super) fn age(&self) -> (Option<Duration>, bool) {
-        let age = self.proof.age();
+    /// The cache's freshness age (its node's proof's, and its relays'
+    /// where it has any: see [`Sources::age`]), if known, and whether it
+    /// is past the bound (older than `max`, or unknown).
+    pub(super) fn age(&self, sources: &Sources) -> (Option<Duration>, bool) {
+        let age = sources.age(self.proof.age());
         (age, age.is_none_or(|a| a > self.max))
     }
 
     /// Whether a read now is past the bound (see [`age`](Self::age)). Logs
     /// the start and end of each episode.
-    pub(super) fn past(&self, cache: &str) -> bool {
-        let (age, past) = self.age();
+    pub(super) fn past(&self, cache: &str, sources: &Sources) -> bool {
+        let (age, past) = self.age(sources);
         // A load first: every read of the cache passes here, and a store
         // on each would bounce the flag's cache line between cores.
         if self.past.load(Relaxed) != past && self.past.swap(past, Relaxed) != past {
@@ -75,6 +84,95 @@ impl Bound {
     }
 }
 
+/// What CDC relays report of one cache (see [`Watermark`](crate::wire::Watermark)):
+/// per source, a moment on this process's clock before which everything
+/// the source's database made visible is applied to the cache.
+#[derive(Debug, Default)]
+pub(super) struct Sources {
+    /// Reports are awaited: set by the first (or by the builder's
+    /// [`cdc_relayed`](crate::SyncedCacheBuilder::cdc_relayed)), and never
+    /// unset: a relay that stops reporting is what this is here to see.
+    expected: AtomicBool,
+    /// The earliest of the sources' moments; none while any source has
+    /// none, or past `MAX_SOURCES`. Read by every bounded read.
+    moment: Moment,
+    each: Mutex<SourceMoments>,
+}
+
+#[derive(Debug, Default)]
+struct SourceMoments {
+    each: Vec<(u64, Option<Instant>)>,
+    /// A source past `MAX_SOURCES` reported.
+    full: bool,
+}
+
+impl Sources {
+    pub(super) fn new(expected: bool) -> Self {
+        Sources {
+            expected: AtomicBool::new(expected),
+            ..Sources::default()
+        }
+    }
+
+    /// The cache's freshness age, given its node's proof's age: that age,
+    /// or the oldest source's if older, for a cache that awaits reports;
+    /// unknown if either is.
+    pub(super) fn age(&self, proof: Option<Duration>) -> Option<Duration> {
+        if !self.expected.load(Relaxed) {
+            return proof;
+        }
+        Some(proof?.max(self.moment.age()?))
+    }
+
+    /// Source `source` reported that everything its database made visible
+    /// before `at` is applied (on this process's clock; none when that is
+    /// further back than the clock reaches: a lag longer than the process
+    /// has run). A source's moment never moves back: an older report
+    /// arriving late proves less, not the opposite.
+    pub(super) fn report(&self, cache: &str, source: u64, at: Option<Instant>) {
+        self.expected.store(true, Relaxed);
+        let mut guard = lock(&self.each);
+        let s = &mut *guard;
+        let known = s.each.iter().position(|(id, _)| *id == source);
+        match known {
+            Some(i) => s.each[i].1 = s.each[i].1.max(at),
+            None if s.each.len() < MAX_SOURCES => s.each.push((source, at)),
+            None => {
+                if !s.full {
+                    tracing::error!(
+                        cache,
+                        source,
+                        max = MAX_SOURCES,
+                        "more CDC relay sources report for this cache than it keeps; its freshness is unknown from now on"
+                    );
+                }
+                s.full = true;
+            }
+        }
+        let earliest = if s.full {
+            None
+        } else {
+            s.each
+                .iter()
+                .try_fold(None::<Instant>, |min, (_, at)| {
+                    let at = (*at)?;
+                    Some(Some(min.map_or(at, |m| m.min(at))))
+                })
+                .flatten()
+        };
+        self.moment.set(earliest);
+    }
+
+    /// Forgets every source's moment (a node claimed or let go of the
+    /// cache: its contents start again), still awaiting reports if it was.
+    pub(super) fn reset(&self) {
+        let mut s = lock(&self.each);
+        s.each.clear();
+        s.full = false;
+        self.moment.set(None);
+    }
+}
+
 impl<K, V> super::Inner<K, V> {
     /// Whether a read now must not be served from memory: past the bound
     /// and not serving past it (counted in `stale_bypasses`). Past a
@@ -83,7 +181,7 @@ impl<K, V> super::Inner<K, V> {
         let Some(bound) = &self.bound else {
             return false;
         };
-        if !bound.past(&self.name) {
+        if !bound.past(&self.name, &self.sources) {
             return false;
         }
         if bound.serve {
@@ -100,7 +198,9 @@ impl<K, V> super::Inner<K, V> {
         let (max, age) = self
             .bound
             .as_ref()
-            .map_or((std::time::Duration::ZERO, None), |b| (b.max, b.age().0));
+            .map_or((std::time::Duration::ZERO, None), |b| {
+                (b.max, b.age(&self.sources).0)
+            });
         crate::Error::Stale {
             cache: self.name.clone(),
             max,
@@ -111,9 +211,24 @@ impl<K, V> super::Inner<K, V> {
     /// Holds the cache's reads to `proof`, the proof of the node that
     /// claimed it so far; `None` when it lets the cache go.
     pub(super) fn prove_with(&self, proof: Option<&Moment>) {
+        self.sources.reset();
         if let Some(bound) = &self.bound {
             bound.proof.set_from(proof);
         }
+    }
+
+    /// A CDC relay's report for the cache (see [`Sources::report`]), if
+    /// the node `owner` holds it.
+    pub(super) fn relay_reported(&self, owner: u64, source: u64, at: Option<Instant>) {
+        if self.owner.load(std::sync::atomic::Ordering::Acquire) == owner {
+            self.sources.report(&self.name, source, at);
+        }
+    }
+
+    /// How fresh the node that holds the cache proves it: its proof's age,
+    /// or its relays' (see [`Sources::age`]); `None` if unknown.
+    pub(super) fn freshness_age(&self, node_proof: Option<Duration>) -> Option<Duration> {
+        self.sources.age(node_proof)
     }
 
     /// The node `owner` proved everything acknowledged before `at`

@@ -159,6 +159,8 @@ pub(crate) struct Inner<K, V> {
     max_load_retries: u32,
     /// The staleness bound on reads, if the builder set one (`bound.rs`).
     bound: Option<bound::Bound>,
+    /// What CDC relays report of the cache (`bound.rs`).
+    sources: bound::Sources,
     /// The node that holds the cache, by its token; 0 when none does.
     owner: AtomicU64,
     /// Until then, versioned refreshes are applied as invalidations; see
@@ -215,6 +217,7 @@ where
             trace: None,
             audit: None,
             max_staleness: None,
+            cdc_relayed: false,
         }
     }
 

@@ -144,6 +144,8 @@ where
             fresh_reads: s.fresh_reads.load(Relaxed),
             stale_bypasses: s.stale_bypasses.load(Relaxed),
             stale_served: s.stale_served.load(Relaxed),
+            // Its node fills it in: the cache alone cannot know its proof.
+            freshness_age_ms: None,
             events_applied,
             invalidations: s.invalidations.load(Relaxed),
             refreshes: s.refreshes.load(Relaxed),

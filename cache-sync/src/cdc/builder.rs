@@ -28,12 +28,15 @@ const DEFAULT_LAG_INTERVAL: Duration = Duration::from_secs(5);
 /// How often a standby relay asks whether the slot is free.
 const DEFAULT_STANDBY_RETRY: Duration = Duration::from_secs(1);
 const DEFAULT_MAX_ROW_BYTES: usize = 8 << 20;
+const DEFAULT_REPORT_INTERVAL: Duration = Duration::from_millis(250);
 // The settings' ranges, as `CdcRelayBuilder`'s docs and design.md's limits
 // table state them (tests/doc_limits.rs checks both).
 const MIN_LAG_INTERVAL: Duration = Duration::from_millis(100);
 const MAX_LAG_INTERVAL: Duration = Duration::from_secs(3600);
 const MIN_STANDBY_RETRY: Duration = Duration::from_millis(10);
 const MAX_STANDBY_RETRY: Duration = Duration::from_secs(60);
+const MIN_REPORT_INTERVAL: Duration = Duration::from_millis(10);
+const MAX_REPORT_INTERVAL: Duration = Duration::from_secs(3600);
 const MIN_ROW_BYTES: usize = 1 << 10;
 const MAX_ROW_BYTES: usize = 1 << 30;
 
@@ -50,6 +53,7 @@ pub struct CdcRelayBuilder {
     lag_interval: Duration,
     standby_retry: Duration,
     max_row_bytes: usize,
+    freshness_interval: Duration,
 }
 
 impl fmt::Debug for CdcRelayBuilder {
@@ -85,6 +89,7 @@ impl CdcRelay {
             lag_interval: DEFAULT_LAG_INTERVAL,
             standby_retry: DEFAULT_STANDBY_RETRY,
             max_row_bytes: DEFAULT_MAX_ROW_BYTES,
+            freshness_interval: DEFAULT_REPORT_INTERVAL,
         }
     }
 }
@@ -143,6 +148,24 @@ impl CdcRelayBuilder {
         self
     }
 
+    /// How often the active relay tells nodes how far behind the database
+    /// it is (250 ms; 10 ms to 1 h, or `Duration::MAX` for never), so
+    /// that a cache's freshness, and its
+    /// [`max_staleness`](crate::SyncedCacheBuilder::max_staleness), hold
+    /// against the database rather than the topic: a relay that stalls,
+    /// falls behind a write storm or is cut off from its database shows
+    /// on every node as a freshness that ages (see
+    /// [`SyncedCacheBuilder::cdc_relayed`](crate::SyncedCacheBuilder::cdc_relayed)).
+    ///
+    /// Each report costs a small non-transactional logical message in the
+    /// database's WAL (`pg_logical_emit_message`), and an announcement per
+    /// mapped cache on the topic, which every node receives. A bound of
+    /// `d` on the nodes needs reports well within `d`.
+    pub fn freshness_interval(mut self, every: Duration) -> Self {
+        self.freshness_interval = every;
+        self
+    }
+
     /// How often a standby asks whether the slot is free (1 s; 10 ms to
     /// 1 min).
     pub fn standby_retry(mut self, every: Duration) -> Self {
@@ -197,6 +220,14 @@ impl CdcRelayBuilder {
             MIN_LAG_INTERVAL,
             MAX_LAG_INTERVAL,
         )?;
+        if self.freshness_interval != Duration::MAX {
+            check_duration(
+                "freshness_interval",
+                self.freshness_interval,
+                MIN_REPORT_INTERVAL,
+                MAX_REPORT_INTERVAL,
+            )?;
+        }
         check_duration(
             "standby_retry",
             self.standby_retry,
@@ -229,6 +260,13 @@ impl CdcRelayBuilder {
             .map_err(|e| Error::Config(format!("the relay's database address: {e}")))?;
         let config = replication_config(&self.url, &options, &self.slot, &publication)?
             .with_max_message_size(self.max_row_bytes);
+        // The database as named in the address: every relay of a group
+        // connects to the same one (PostgreSQL's default, the user's
+        // name, when the address names none).
+        let database = options
+            .get_database()
+            .map_or_else(|| options.get_username().to_owned(), str::to_owned);
+        let source = super::watermark::source(&self.slot, &database);
         let pool = PgPoolOptions::new()
             .max_connections(2)
             .acquire_timeout(SQL_TIMEOUT)
@@ -275,6 +313,9 @@ impl CdcRelayBuilder {
             tables: self.tables,
             max_rows_per_transaction: self.max_rows_per_transaction,
             standby_retry: self.standby_retry,
+            freshness_interval: self.freshness_interval,
+            source,
+            marks: super::watermark::Marks::default(),
         });
         let (stop, stopped) = watch::channel(false);
         let lag = tokio::spawn(upkeep::lag_loop(

@@ -43,6 +43,7 @@ impl Stream<'_> {
             publishes: self.batch.take(),
             xids,
             resync: self.resync_at.take(),
+            watermark: self.watermark.take(),
             end: self.pending_end.take(),
             transactions,
             rows,

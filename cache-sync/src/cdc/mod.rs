@@ -40,6 +40,7 @@ mod state;
 mod stats;
 mod stream;
 mod upkeep;
+mod watermark;
 
 pub use builder::CdcRelayBuilder;
 pub use relay::CdcRelay;

@@ -38,6 +38,8 @@ pub(super) struct Job {
     pub(super) xids: Vec<u32>,
     /// The LSN of the newest resync message in it.
     pub(super) resync: Option<u64>,
+    /// A freshness mark it holds: reported once it is published.
+    pub(super) watermark: Option<tokio::time::Instant>,
     /// The end of its last commit: confirmed once it is published.
     pub(super) end: Option<Lsn>,
     pub(super) transactions: u64,
@@ -173,6 +175,11 @@ async fn publish_job(inner: &Inner, job: Job, progress: &watch::Sender<Progress>
         // Counted once published: a session that fails before leaves it
         // to the next, which publishes (and counts) it.
         inner.shared.resyncs.fetch_add(1, Ordering::Relaxed);
+    }
+    if let Some(at) = job.watermark {
+        // After the job, and every job before it: all that the mark
+        // vouches for is published.
+        super::watermark::report(inner, at).await;
     }
     inner
         .shared

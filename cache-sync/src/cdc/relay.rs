@@ -163,6 +163,12 @@ pub(super) struct Inner {
     pub(super) tables: Vec<Mapping>,
     pub(super) max_rows_per_transaction: usize,
     pub(super) standby_retry: Duration,
+    /// How often the active relay reports its lag (`watermark.rs`).
+    pub(super) freshness_interval: Duration,
+    /// The relay group's source, in its reports.
+    pub(super) source: u64,
+    /// The marks written and not yet seen on the stream.
+    pub(super) marks: super::watermark::Marks,
 }
 
 impl CdcRelay {

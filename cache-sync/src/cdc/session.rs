@@ -198,8 +198,16 @@ async fn session(
         handed: 0,
         in_flight: VecDeque::new(),
         batch_oldest: 0,
+        watermark: None,
     };
-    let mut result = stream.pump(&mut client, &mut stop).await;
+    // Marks are written only while this relay streams the slot: a
+    // standby's would reach the active relay's stream as nobody's.
+    let mut result = tokio::select! {
+        result = stream.pump(&mut client, &mut stop) => result,
+        () = super::watermark::write_loop(inner, inner.freshness_interval) => {
+            unreachable!("the marks are written until the session ends")
+        }
+    };
     // What was handed over is published (or the task fails), and
     // confirmed: a stop hands its last position over to the next relay,
     // and a session that fails for another reason does not leave a

@@ -19,6 +19,7 @@ use super::session::Ended;
 use super::slot::{self, RESYNC_PREFIX, db};
 use super::state::{self, Scope};
 use super::upkeep::drop_slot;
+use super::watermark::WATERMARK_PREFIX;
 use crate::error::Result;
 
 /// The longest the database may take to answer the visibility check
@@ -65,6 +66,9 @@ pub(super) struct Stream<'a> {
     pub(super) in_flight: VecDeque<i64>,
     /// The oldest commit time of the batch and the open transaction.
     pub(super) batch_oldest: i64,
+    /// The newest freshness mark seen on the stream (`watermark.rs`):
+    /// reported once the batch it joined is published.
+    pub(super) watermark: Option<tokio::time::Instant>,
 }
 
 /// What the stream waits for.
@@ -175,6 +179,18 @@ impl Stream<'_> {
                     content,
                     ..
                 } => {
+                    if prefix == WATERMARK_PREFIX {
+                        if let Some(at) = self.inner.marks.seen(&shared.slot, &content) {
+                            // Everything visible before `at` came before
+                            // the mark: it is in this batch or an earlier
+                            // one, and is reported once published.
+                            self.watermark = Some(self.watermark.map_or(at, |w| w.max(at)));
+                            if self.open.is_none() {
+                                self.mark_committed();
+                            }
+                        }
+                        continue;
+                    }
                     let scope = (prefix == RESYNC_PREFIX)
                         .then(|| Scope::parse(&content, &shared.slot))
                         .flatten();

@@ -346,6 +346,21 @@ impl Collector for NodeCollector {
                 }
             }
         }
+        if caches.iter().any(|c| c.freshness_age_ms.is_some()) {
+            let mut family = encoder.encode_descriptor(
+                "cache_freshness_age",
+                "Age of the cache's freshness: every change acknowledged, or made visible by a CDC relay's database, longer ago than this has been applied (absent while unknown).",
+                Some(&Unit::Seconds),
+                MetricType::Gauge,
+            )?;
+            for cache in caches {
+                if let Some(ms) = cache.freshness_age_ms {
+                    #[allow(clippy::cast_precision_loss)] // milliseconds: exact below 2^53
+                    ConstGauge::new(ms as f64 / 1e3)
+                        .encode(family.encode_family(&[("cache", cache.name.as_str())])?)?;
+                }
+            }
+        }
         let audited: Vec<(&str, &AuditStatus)> = caches
             .iter()
             .filter_map(|c| Some((c.name.as_str(), c.audit.as_ref()?)))

@@ -335,7 +335,11 @@ impl Node {
     ///   fields of those names (`events_rejected` is `rejected_events`);
     /// - gauges `cache_sync_cache_entries`, `cache_sync_cache_tracked_keys`,
     ///   `cache_sync_cache_version` (only caches with a version have a
-    ///   sample) and `cache_sync_cache_quarantined` (0 or 1);
+    ///   sample), `cache_sync_cache_quarantined` (0 or 1) and
+    ///   `cache_sync_cache_freshness_age_seconds` (its
+    ///   [`freshness_age_ms`](crate::status::CacheStatus::freshness_age_ms)
+    ///   in seconds, while known: the node's age, or a CDC relay's lag
+    ///   added to it);
     /// - histogram `cache_sync_cache_publish_to_apply_latency_seconds`
     ///   (buckets 100 µs to 10 s): one observation per run of events applied
     ///   to the cache together, the latency of the run's last event, the

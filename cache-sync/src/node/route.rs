@@ -97,6 +97,22 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
                     .markers
                     .returned(header.cache, header.published_at_us);
             }
+            if let Some(mark) = opened.ext.watermark
+                && let Some(proof) = shared.freshness.proof.get()
+            {
+                // A CDC relay's report. It was published after the tail
+                // this node last reached was read (it is applied after that
+                // tail, on a topic read in order), so after the node asked
+                // for it: its proof's moment is a time before the report,
+                // and everything the database made visible `lag` before that
+                // is applied. Placed on this node's clock with durations
+                // only. Without a proof the node is replaying what was
+                // published before it started (it has not reached a tail
+                // yet): old reports, of relays that may be gone for good,
+                // place nothing and are not taken.
+                let lag = Duration::from_micros(mark.lag_us);
+                cache.relay_reported(shared.token, mark.source, proof.checked_sub(lag));
+            }
             // Authentic (or the node does not verify), like every event:
             // a forged announcement is refused above and changes nothing.
             let deadline = deadline_after(shared.config.reorder_window);

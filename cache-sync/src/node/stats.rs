@@ -56,7 +56,17 @@ impl Shared {
     /// also knows whether it was told to stop).
     pub(super) fn status(&self) -> NodeStatus {
         let s = self;
-        let mut caches: Vec<_> = s.caches().values().map(|c| c.status()).collect();
+        let node_age = s.freshness.age();
+        let ms = |age: std::time::Duration| u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
+        let mut caches: Vec<_> = s
+            .caches()
+            .values()
+            .map(|c| {
+                let mut status = c.status();
+                status.freshness_age_ms = c.freshness_age(node_age).map(ms);
+                status
+            })
+            .collect();
         caches.sort_by(|a, b| a.name.cmp(&b.name));
         let last_loss = lock(&s.stats.last_loss).clone();
         NodeStatus {
@@ -85,10 +95,7 @@ impl Shared {
             heartbeats_rejected: s.cluster.stats().rejected.load(Relaxed),
             heartbeats_dropped: s.cluster.stats().dropped.load(Relaxed),
             runtime_lateness_us: s.lateness.recent_max_us(tokio::time::Instant::now()),
-            freshness_age_ms: s
-                .freshness
-                .age()
-                .map(|age| u64::try_from(age.as_millis()).unwrap_or(u64::MAX)),
+            freshness_age_ms: node_age.map(ms),
             caches,
         }
     }

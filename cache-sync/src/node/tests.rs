@@ -22,6 +22,7 @@ mod late;
 mod lifecycle;
 mod positions;
 mod probe;
+mod relay_lag;
 mod reorder;
 mod staleness;
 mod stalls;

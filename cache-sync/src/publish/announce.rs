@@ -10,7 +10,7 @@ use bytes::Bytes;
 use super::{Publisher, PublisherInner, SeqState};
 use crate::error::Result;
 use crate::util::{deadline_after, lock, now_us};
-use crate::wire::{Body, Header, HeaderExt, Origin};
+use crate::wire::{Body, Header, HeaderExt, Origin, Watermark};
 
 /// How often a publisher announces its last sequence numbers by default.
 pub(crate) const DEFAULT_ANNOUNCE_INTERVAL: Duration = Duration::from_secs(1);
@@ -113,7 +113,7 @@ async fn announce_loop(mut respawn: Respawn, every: Duration) {
             if n == 0 || times >= QUIET_ANNOUNCEMENTS {
                 continue;
             }
-            match inner.announce(&cache, n, seq.since_prev_us()).await {
+            match inner.announce(&cache, n, seq.since_prev_us(), None).await {
                 Ok(()) => {
                     lock(&inner.announced).insert(cache, (n, times.saturating_add(1)));
                 }
@@ -163,8 +163,15 @@ impl PublisherInner {
     }
 
     /// Sends `seq` again for `cache`, as an announcement (see `wire`),
-    /// sealed like an event, saying how long ago its event was sent.
-    async fn announce(&self, cache: &str, seq: u64, since_prev_us: Option<u64>) -> Result<()> {
+    /// sealed like an event, saying how long ago its event was sent, and
+    /// carrying a CDC relay's `watermark` if there is one.
+    async fn announce(
+        &self,
+        cache: &str,
+        seq: u64,
+        since_prev_us: Option<u64>,
+        watermark: Option<Watermark>,
+    ) -> Result<()> {
         let header = Header {
             cache,
             origin: Origin(self.origin.as_bytes()),
@@ -175,11 +182,27 @@ impl PublisherInner {
         let ext = HeaderExt {
             since_prev_us,
             fence: None,
+            watermark,
         };
         let payload = self.codec.seal_body(&header, &ext, Body::ANNOUNCE)?;
         (*self.transport)
             .publish(&self.topic, cache, Bytes::from(payload))
             .await?;
         Ok(())
+    }
+}
+
+#[cfg(any(test, feature = "postgres-cdc"))]
+impl Publisher {
+    /// A CDC relay's report for `cache` (see [`Watermark`]): an
+    /// announcement of its last number, sent under the cache's publish
+    /// lock, so it reaches the transport after every event it vouches
+    /// for (and after those of any publish under way).
+    pub(crate) async fn watermark(&self, cache: &str, watermark: Watermark) -> Result<()> {
+        let (_, seq) = self.seq(cache)?;
+        let seq = seq.lock().await;
+        self.inner
+            .announce(cache, seq.seq, seq.since_prev_us(), Some(watermark))
+            .await
     }
 }

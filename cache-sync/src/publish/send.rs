@@ -141,6 +141,7 @@ impl Publisher {
             let ext = HeaderExt {
                 since_prev_us: state.since_prev_us_at(now),
                 fence,
+                watermark: None,
             };
             let payload = match self.inner.codec.seal_body(&header, &ext, change) {
                 Ok(payload) => payload,

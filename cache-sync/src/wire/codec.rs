@@ -319,13 +319,15 @@ mod tests {
                         version: Some(u64::MAX),
                     }],
                 };
-                // The largest extension there is.
+                // The largest extension an event with entries has.
                 let ext = HeaderExt {
                     since_prev_us: Some(u64::MAX),
                     fence: Some(crate::wire::Fence {
                         scope: u64::MAX,
                         term: u64::MAX,
                     }),
+                    // Only on announcements, which carry no entries.
+                    watermark: None,
                 };
                 let sealed = codec
                     .seal_ext(&header(&"c".repeat(255), &origin), &ext, &change)

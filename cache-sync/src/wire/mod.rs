@@ -12,9 +12,11 @@
 //! header and the change: how long ago the publisher sent its previous
 //! event for the cache (so a node can tell a lost event from one published
 //! before it listened, without comparing clocks), and an outbox relay's
-//! fence. An event with nothing in its extension is written as version 1,
-//! which nodes built before version 2 read; they refuse a version 2 event
-//! as unreadable and resync its cache, which is safe: upgrade nodes before
+//! fence. Version 3 (format byte 3) adds a CDC relay's [`Watermark`] after
+//! them, on its announcements only. An event with nothing in its extension
+//! is written as version 1, which nodes built before version 2 read; one
+//! without a watermark as version 2. An older node refuses a newer version
+//! as unreadable and resyncs its cache, which is safe: upgrade nodes before
 //! publishers.
 //!
 //! A publisher's announcement of the last sequence number it used for a
@@ -61,8 +63,10 @@ pub(crate) const MAX_NAME_BYTES: usize = 255;
 
 /// The first wire format: the header, then the change.
 pub(crate) const FORMAT_V1: u8 = 1;
-/// The header, its [`HeaderExt`], then the change.
+/// The header, its [`HeaderExt`] (without a watermark), then the change.
 pub(crate) const FORMAT_V2: u8 = 2;
+/// The header, its [`HeaderExt`] with a watermark, then the change.
+pub(crate) const FORMAT_V3: u8 = 3;
 
 /// The default limit on one encoded event: 1 MiB.
 pub(crate) const DEFAULT_MAX_EVENT_BYTES: usize = 1 << 20;
@@ -122,12 +126,40 @@ pub(crate) struct HeaderExt {
     pub(crate) since_prev_us: Option<u64>,
     /// The outbox relay's term that sent it: see [`Fence`].
     pub(crate) fence: Option<Fence>,
+    /// A CDC relay's lag, on its announcements (version 3 only).
+    pub(crate) watermark: Option<Watermark>,
 }
 
 impl HeaderExt {
     fn is_empty(&self) -> bool {
         *self == HeaderExt::default()
     }
+
+    /// The format byte an event with this extension is written with.
+    pub(crate) fn format(&self) -> u8 {
+        if self.watermark.is_some() {
+            FORMAT_V3
+        } else if self.is_empty() {
+            FORMAT_V1
+        } else {
+            FORMAT_V2
+        }
+    }
+}
+
+/// A CDC relay's report, sent with an announcement for each cache it
+/// maps: everything the database had made visible `lag_us` before the
+/// relay sent it has been published before it. A duration on the relay's
+/// own clock, never a time of day: a node adds it to how old its own
+/// proof of the topic is (see the node's `freshness.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[cfg_attr(test, derive(serde::Deserialize))]
+pub(crate) struct Watermark {
+    /// Which relay group (its slot and database, hashed): relays that
+    /// stand in for one another report as one source.
+    pub(crate) source: u64,
+    /// Microseconds from the relay's visibility mark to this report.
+    pub(crate) lag_us: u64,
 }
 
 /// An outbox relay's fencing token. Every pass of a relay that holds the
@@ -259,12 +291,22 @@ pub(crate) fn encode_ext(header: &Header<'_>, ext: &HeaderExt, change: &Change) 
         message: e.to_string(),
     };
     let mut out = Vec::with_capacity(64);
-    let v1 = ext.is_empty();
-    out.push(if v1 { FORMAT_V1 } else { FORMAT_V2 });
+    let format = ext.format();
+    out.push(format);
     bincode::serde::encode_into_std_write(header, &mut out, wire_config()).map_err(encode_err)?;
-    if !v1 {
-        bincode::serde::encode_into_std_write(ext, &mut out, wire_config()).map_err(encode_err)?;
+    match format {
+        FORMAT_V2 => bincode::serde::encode_into_std_write(
+            (ext.since_prev_us, ext.fence),
+            &mut out,
+            wire_config(),
+        )
+        .map(|_| ()),
+        FORMAT_V3 => {
+            bincode::serde::encode_into_std_write(ext, &mut out, wire_config()).map(|_| ())
+        }
+        _ => Ok(()),
     }
+    .map_err(encode_err)?;
     bincode::serde::encode_into_std_write(change, &mut out, wire_config()).map_err(encode_err)?;
     Ok(out)
 }
@@ -297,7 +339,7 @@ pub(crate) fn decode_header_ext<'a>(
             limit,
         }));
     }
-    if format != FORMAT_V1 && format != FORMAT_V2 {
+    if !matches!(format, FORMAT_V1 | FORMAT_V2 | FORMAT_V3) {
         return Err(DecodeError::new(DecodeErrorKind::UnknownFormat(format)));
     }
     let mut r = Reader { rest };
@@ -308,7 +350,9 @@ pub(crate) fn decode_header_ext<'a>(
         seq: r.u64()?,
         published_at_us: r.u64()?,
     };
-    let ext = if format == FORMAT_V2 {
+    let ext = if format == FORMAT_V1 {
+        HeaderExt::default()
+    } else {
         HeaderExt {
             since_prev_us: r.option_u64()?,
             fence: match r.byte()? {
@@ -319,9 +363,20 @@ pub(crate) fn decode_header_ext<'a>(
                 }),
                 b => return Err(Reader::malformed(&format!("invalid option tag {b}"))),
             },
+            watermark: if format == FORMAT_V3 {
+                // Present: that is what version 3 says (an absent one is
+                // version 2), so a tag of 0 is as malformed as any other.
+                match r.byte()? {
+                    1 => Some(Watermark {
+                        source: r.u64()?,
+                        lag_us: r.u64()?,
+                    }),
+                    b => return Err(Reader::malformed(&format!("invalid watermark tag {b}"))),
+                }
+            } else {
+                None
+            },
         }
-    } else {
-        HeaderExt::default()
     };
     Ok((header, ext, bytes.len().saturating_sub(r.rest.len())))
 }
@@ -472,7 +527,7 @@ mod tests {
         for ext in [
             HeaderExt {
                 since_prev_us: Some(0),
-                fence: None,
+                ..HeaderExt::default()
             },
             HeaderExt {
                 since_prev_us: None,
@@ -480,6 +535,7 @@ mod tests {
                     scope: u64::MAX,
                     term: 1,
                 }),
+                ..HeaderExt::default()
             },
             HeaderExt {
                 since_prev_us: Some(u64::MAX),
@@ -487,6 +543,7 @@ mod tests {
                     scope: 7,
                     term: u64::MAX,
                 }),
+                ..HeaderExt::default()
             },
         ] {
             let bytes = encode_ext(&header(), &ext, &refresh()).unwrap();
@@ -495,6 +552,33 @@ mod tests {
                 decode_ext(&bytes, DEFAULT_MAX_EVENT_BYTES).unwrap(),
                 (header(), ext, refresh())
             );
+        }
+        // A watermark makes it version 3, whatever else it holds.
+        for since_prev_us in [None, Some(u64::MAX)] {
+            let ext = HeaderExt {
+                since_prev_us,
+                watermark: Some(Watermark {
+                    source: u64::MAX,
+                    lag_us: 0,
+                }),
+                ..HeaderExt::default()
+            };
+            let bytes = encode_ext(&header(), &ext, &Change::ANNOUNCE).unwrap();
+            assert_eq!(bytes[0], FORMAT_V3);
+            assert_eq!(
+                decode_ext(&bytes, DEFAULT_MAX_EVENT_BYTES).unwrap(),
+                (header(), ext, Change::ANNOUNCE)
+            );
+            // Version 3 with its watermark's tag at 0 (absent) or 2: refused.
+            // From the end: the change (kind, no items: 2 bytes), the lag
+            // (0: 1 byte), the source (u64::MAX: 9 bytes), then the tag.
+            let at = bytes.len() - 2 - 1 - 9 - 1;
+            for tag in [0u8, 2] {
+                let mut bad = bytes.clone();
+                assert_eq!(bad[at], 1, "the watermark's tag");
+                bad[at] = tag;
+                assert!(decode_ext(&bad, DEFAULT_MAX_EVENT_BYTES).is_err());
+            }
         }
     }
 
@@ -536,8 +620,8 @@ mod tests {
         ));
         bytes.push(0);
         assert_eq!(kind(&bytes, 1024), DecodeErrorKind::TrailingBytes(1));
-        bytes[0] = 3;
-        assert_eq!(kind(&bytes, 1024), DecodeErrorKind::UnknownFormat(3));
+        bytes[0] = 4;
+        assert_eq!(kind(&bytes, 1024), DecodeErrorKind::UnknownFormat(4));
     }
 
     #[test]
@@ -603,9 +687,24 @@ mod tests {
         let ext = match format {
             FORMAT_V1 => HeaderExt::default(),
             FORMAT_V2 => {
+                let ((since_prev_us, fence), used) = bincode::serde::decode_from_slice::<
+                    (Option<u64>, Option<Fence>),
+                    _,
+                >(rest, config)
+                .ok()?;
+                rest = &rest[used..];
+                HeaderExt {
+                    since_prev_us,
+                    fence,
+                    watermark: None,
+                }
+            }
+            FORMAT_V3 => {
                 let (ext, used) =
                     bincode::serde::decode_from_slice::<HeaderExt, _>(rest, config).ok()?;
                 rest = &rest[used..];
+                // Version 3 always carries one (see `decode_header_ext`).
+                ext.watermark?;
                 ext
             }
             _ => return None,
@@ -618,11 +717,13 @@ mod tests {
         let number = prop_oneof![0u64..300, any::<u64>(), Just(u64::MAX)];
         (
             proptest::option::of(number.clone()),
+            proptest::option::of((number.clone(), number.clone())),
             proptest::option::of((number.clone(), number)),
         )
-            .prop_map(|(since_prev_us, fence)| HeaderExt {
+            .prop_map(|(since_prev_us, fence, watermark)| HeaderExt {
                 since_prev_us,
                 fence: fence.map(|(scope, term)| Fence { scope, term }),
+                watermark: watermark.map(|(source, lag_us)| Watermark { source, lag_us }),
             })
     }
 
@@ -691,9 +792,17 @@ mod tests {
                 scope: u64::MAX,
                 term: 300,
             }),
+            watermark: None,
+        };
+        let marked = HeaderExt {
+            watermark: Some(Watermark {
+                source: 70_000,
+                lag_us: u64::MAX,
+            }),
+            ..ext
         };
         for change in changes {
-            for ext in [HeaderExt::default(), ext] {
+            for ext in [HeaderExt::default(), ext, marked] {
                 let bytes = encode_ext(&header(), &ext, &change).unwrap();
                 for i in 0..bytes.len() {
                     for b in 0..=255u8 {

@@ -20,7 +20,7 @@ use super::reader::Reader;
 use super::writer::{
     bytes_len, option_len, put_bytes, put_option, put_part, put_varint, varint_len,
 };
-use super::{CLEAR, FORMAT_V1, FORMAT_V2, Header, HeaderExt, INVALIDATE, REFRESH, framed_len_of};
+use super::{CLEAR, FORMAT_V1, Header, HeaderExt, INVALIDATE, REFRESH, framed_len_of};
 use crate::error::{Error, Result};
 
 thread_local! {
@@ -341,16 +341,23 @@ impl Packer {
 /// 2 only, as `encode_ext` decides), the change. Sized exactly first, so
 /// the buffer is allocated once and full.
 pub(crate) fn encode_body(header: &Header<'_>, ext: &HeaderExt, body: Body<'_>) -> Vec<u8> {
-    let v1 = ext.is_empty();
-    let ext_len = if v1 {
+    let format = ext.format();
+    let ext_len = if format == FORMAT_V1 {
         0
     } else {
-        option_len(ext.since_prev_us).saturating_add(match ext.fence {
-            None => 1,
-            Some(f) => 1usize
-                .saturating_add(varint_len(f.scope))
-                .saturating_add(varint_len(f.term)),
-        })
+        option_len(ext.since_prev_us)
+            .saturating_add(match ext.fence {
+                None => 1,
+                Some(f) => 1usize
+                    .saturating_add(varint_len(f.scope))
+                    .saturating_add(varint_len(f.term)),
+            })
+            .saturating_add(match ext.watermark {
+                None => 0,
+                Some(w) => 1usize
+                    .saturating_add(varint_len(w.source))
+                    .saturating_add(varint_len(w.lag_us)),
+            })
     };
     let items_len = if body.kind == CLEAR {
         0
@@ -372,13 +379,13 @@ pub(crate) fn encode_body(header: &Header<'_>, ext: &HeaderExt, body: Body<'_>) 
     .iter()
     .fold(0usize, |sum, n| sum.saturating_add(*n));
     let mut out = Vec::with_capacity(len);
-    out.push(if v1 { FORMAT_V1 } else { FORMAT_V2 });
+    out.push(format);
     put_bytes(&mut out, header.cache.as_bytes());
     put_bytes(&mut out, header.origin.0);
     put_varint(&mut out, header.publisher);
     put_varint(&mut out, header.seq);
     put_varint(&mut out, header.published_at_us);
-    if !v1 {
+    if format != FORMAT_V1 {
         put_option(&mut out, ext.since_prev_us);
         match ext.fence {
             None => out.push(0),
@@ -387,6 +394,11 @@ pub(crate) fn encode_body(header: &Header<'_>, ext: &HeaderExt, body: Body<'_>) 
                 put_varint(&mut out, f.scope);
                 put_varint(&mut out, f.term);
             }
+        }
+        if let Some(w) = ext.watermark {
+            out.push(1);
+            put_varint(&mut out, w.source);
+            put_varint(&mut out, w.lag_us);
         }
     }
     put_varint(&mut out, u64::from(body.kind));
@@ -405,7 +417,7 @@ mod tests {
 
     use super::*;
     use crate::wire::{
-        EntryVersion, Fence, KeyVersion, Origin, encode_ext, encode_part, framed_len,
+        EntryVersion, Fence, KeyVersion, Origin, Watermark, encode_ext, encode_part, framed_len,
     };
 
     fn header<'a>(cache: &'a str, origin: &'a [u8], n: [u64; 3]) -> Header<'a> {
@@ -440,10 +452,12 @@ mod tests {
         (
             prop::option::of(number()),
             prop::option::of((number(), number())),
+            prop::option::of((number(), number())),
         )
-            .prop_map(|(since_prev_us, fence)| HeaderExt {
+            .prop_map(|(since_prev_us, fence, watermark)| HeaderExt {
                 since_prev_us,
                 fence: fence.map(|(scope, term)| Fence { scope, term }),
+                watermark: watermark.map(|(source, lag_us)| Watermark { source, lag_us }),
             })
     }
 

@@ -47,6 +47,15 @@ async fn settings_out_of_range_are_refused() {
             .lag_interval(Duration::MAX),
         CdcRelay::builder(url, Publisher::new(t.clone()))
             .table(table())
+            .freshness_interval(Duration::ZERO),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .freshness_interval(Duration::from_millis(9)),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
+            .freshness_interval(Duration::from_secs(3601)),
+        CdcRelay::builder(url, Publisher::new(t.clone()))
+            .table(table())
             .standby_retry(Duration::ZERO),
         CdcRelay::builder(url, Publisher::new(t.clone()))
             .table(table())
@@ -74,9 +83,11 @@ async fn settings_out_of_range_are_refused() {
         let err = builder.start().await.unwrap_err();
         assert!(err.is_config(), "{err}");
     }
-    // A database that cannot be reached is a database error.
+    // A database that cannot be reached is a database error (and
+    // `Duration::MAX`, never reporting, is a setting, not out of range).
     let err = CdcRelay::builder(url, Publisher::new(t.clone()))
         .table(table())
+        .freshness_interval(Duration::MAX)
         .start()
         .await
         .unwrap_err();

@@ -9,6 +9,7 @@ fn fenced(publisher: u64, seq: u64, term: u64, change: &Change) -> Bytes {
     let ext = HeaderExt {
         since_prev_us: None,
         fence: Some(Fence { scope: 42, term }),
+        watermark: None,
     };
     raw_event_ext("t", publisher, seq, ext, change)
 }
@@ -114,6 +115,7 @@ async fn fenced_versioned_rows_invalidations_and_other_outboxes() {
     let ext = HeaderExt {
         since_prev_us: None,
         fence: Some(Fence { scope: 43, term: 1 }),
+        watermark: None,
     };
     publish(raw_event_ext("t", 3, 1, ext, &refresh_change("k", "other"))).await;
     eventually("the other outbox's row", async || {

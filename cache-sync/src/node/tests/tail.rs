@@ -1124,6 +1124,7 @@ async fn a_publishers_wall_clock_changes_no_loss_decision() {
             let ext = HeaderExt {
                 since_prev_us,
                 fence: None,
+                watermark: None,
             };
             let payload = Bytes::from(encode_ext(&header, &ext, &change).unwrap());
             async move { t.publish(DEFAULT_TOPIC, "t", payload).await.unwrap() }

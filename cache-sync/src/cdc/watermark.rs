@@ -1,0 +1,195 @@
+//! The relay's reports of its own lag (`wire::Watermark`), so that a
+//! node's freshness holds against the database, not only the topic.
+//!
+//! Every `freshness_interval` the active relay notes the time on its own
+//! monotonic clock and writes a logical message into the WAL
+//! (`pg_logical_emit_message`, not transactional), naming a random token.
+//! Any transaction visible before that moment has its commit record
+//! before the message, so it reaches the relay's stream before the
+//! message does. When the message arrives, it joins the batch being
+//! gathered; once that batch (and every one before it, in commit order) is
+//! published, the relay sends each mapped cache a report: everything the
+//! database made visible before the noted moment is published, and that
+//! moment was `lag` ago. A duration on the relay's clock only: no clock of
+//! the database or of a node is read.
+//!
+//! A relay whose stream stalls, falls behind, or is cut off from the
+//! database sends no report for as long as it lasts (or a large lag after
+//! it), and the nodes' freshness ages. Its cost: one small WAL record per
+//! interval on the database, and one announcement per mapped cache per
+//! interval on the topic (linear in the nodes: each receives the relay's).
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::relay::Inner;
+use super::slot::db;
+use super::stream::SQL_TIMEOUT;
+use crate::util::{lock, random_u64};
+use crate::wire::Watermark;
+
+/// The logical message's prefix.
+pub(super) const WATERMARK_PREFIX: &str = "cache-sync.cdc.watermark";
+
+/// Marks written and not yet seen on the stream, kept at most: a stream
+/// that far behind reports the oldest it reaches (a larger lag), never a
+/// younger one.
+const MAX_MARKS: usize = 16;
+
+/// The marks this relay wrote, in order, each with its moment.
+#[derive(Debug, Default)]
+pub(super) struct Marks(Mutex<VecDeque<(u64, Instant)>>);
+
+impl Marks {
+    /// Notes a new mark, now; returns its token.
+    fn note(&self) -> (u64, Instant) {
+        // Random, not counted: any role may write a logical message, and
+        // one naming a token this relay is about to write, placed before
+        // it in the WAL, would claim a moment the stream has not reached.
+        let token = random_u64();
+        let at = Instant::now();
+        let mut marks = lock(&self.0);
+        if marks.len() >= MAX_MARKS {
+            marks.pop_front();
+        }
+        marks.push_back((token, at));
+        (token, at)
+    }
+
+    /// The moment of the mark a message on the stream carries, if it is
+    /// one of this relay's for `slot`; the marks before it are dropped
+    /// (they were written earlier, so their messages were passed).
+    pub(super) fn seen(&self, slot: &str, content: &[u8]) -> Option<Instant> {
+        let token = parse(content, slot)?;
+        let mut marks = lock(&self.0);
+        let i = marks.iter().position(|(t, _)| *t == token)?;
+        let at = marks[i].1;
+        marks.drain(..=i);
+        Some(at)
+    }
+}
+
+fn content(slot: &str, token: u64) -> String {
+    format!("{slot}/{token:016x}")
+}
+
+fn parse(content: &[u8], slot: &str) -> Option<u64> {
+    let text = std::str::from_utf8(content).ok()?;
+    let (of, token) = text.split_once('/')?;
+    if of != slot || token.len() != 16 {
+        return None;
+    }
+    u64::from_str_radix(token, 16).ok()
+}
+
+/// A relay group's source, as nodes tell reports apart: its slot and
+/// database, hashed (FNV-1a, fixed, so every relay of the group, in any
+/// process or version, names it the same).
+pub(super) fn source(slot: &str, database: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in slot.bytes().chain([0]).chain(database.bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// Writes a mark every `every` while the session streams; never returns
+/// (the session drops it). A write that fails is logged: no report
+/// follows, which the nodes see as a freshness that ages.
+pub(super) async fn write_loop(inner: &Inner, every: Duration) {
+    if every == Duration::MAX {
+        return std::future::pending().await;
+    }
+    let slot = &inner.shared.slot;
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let (token, _) = inner.marks.note();
+        let write = sqlx::query("SELECT pg_logical_emit_message(false, $1, $2)")
+            .bind(WATERMARK_PREFIX)
+            .bind(content(slot, token))
+            .execute(&inner.pool);
+        match tokio::time::timeout(SQL_TIMEOUT, write).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(slot = %slot, error = %db(e), "cdc relay: writing a freshness mark failed");
+            }
+            Err(_) => {
+                tracing::debug!(slot = %slot, "cdc relay: writing a freshness mark timed out")
+            }
+        }
+    }
+}
+
+/// Reports to every mapped cache that everything visible before `at` is
+/// published. A report that fails is logged and not retried: the next
+/// one follows within an interval.
+pub(super) async fn report(inner: &Inner, at: Instant) {
+    let lag_us = u64::try_from(at.elapsed().as_micros()).unwrap_or(u64::MAX);
+    let mark = Watermark {
+        source: inner.source,
+        lag_us,
+    };
+    let mut caches: Vec<&str> = inner.tables.iter().map(|t| t.cache.as_str()).collect();
+    caches.sort_unstable();
+    caches.dedup();
+    let sent = futures_util::future::join_all(
+        caches
+            .iter()
+            .map(|cache| inner.publisher.watermark(cache, mark)),
+    )
+    .await;
+    for (cache, result) in caches.iter().zip(sent) {
+        if let Err(e) = result {
+            tracing::debug!(slot = %inner.shared.slot, cache, error = %e, "cdc relay: sending a freshness report failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mark_is_seen_once_in_order_and_only_for_its_slot() {
+        let marks = Marks::default();
+        let (a, at_a) = marks.note();
+        let (b, at_b) = marks.note();
+        assert_eq!(parse(content("s", a).as_bytes(), "s"), Some(a));
+        assert_eq!(marks.seen("s", content("t", a).as_bytes()), None);
+        for bad in ["", "s", "s/", "s/zz", "s/00000000000000001", "s/1"] {
+            assert_eq!(marks.seen("s", bad.as_bytes()), None, "{bad:?}");
+        }
+        assert_eq!(marks.seen("s", b"\xff\xfe/0000000000000001"), None);
+        // The later one first: the earlier is passed with it.
+        assert_eq!(marks.seen("s", content("s", b).as_bytes()), Some(at_b));
+        assert_eq!(marks.seen("s", content("s", a).as_bytes()), None);
+        assert!(at_a <= at_b);
+        // A token never written is nobody's.
+        assert_eq!(marks.seen("s", content("s", a ^ 1).as_bytes()), None);
+    }
+
+    #[test]
+    fn marks_are_bounded_and_keep_the_newest() {
+        let marks = Marks::default();
+        let tokens: Vec<u64> = (0..MAX_MARKS + 4).map(|_| marks.note().0).collect();
+        assert_eq!(lock(&marks.0).len(), MAX_MARKS);
+        assert_eq!(marks.seen("s", content("s", tokens[0]).as_bytes()), None);
+        let last = *tokens.last().unwrap();
+        assert!(marks.seen("s", content("s", last).as_bytes()).is_some());
+    }
+
+    #[test]
+    fn a_source_names_its_slot_and_database() {
+        assert_eq!(source("cache_sync", "app"), source("cache_sync", "app"));
+        assert_ne!(source("cache_sync", "app"), source("cache_sync", "app2"));
+        assert_ne!(source("ab", "c"), source("a", "bc"));
+        // Fixed across builds and processes: the value itself.
+        assert_eq!(source("", ""), 0xaf63_bd4c_8601_b7df);
+    }
+}
