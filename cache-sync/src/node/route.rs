@@ -110,6 +110,10 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
                 // published before it started (it has not reached a tail
                 // yet): old reports, of relays that may be gone for good,
                 // place nothing and are not taken.
+                // What came before it in this batch may be what it vouches
+                // for (published after the proof's tail, but made visible
+                // before the moment it places): applied first.
+                run.flush().await;
                 let lag = Duration::from_micros(mark.lag_us);
                 cache.relay_reported(shared.token, mark.source, proof.checked_sub(lag));
             }

@@ -237,3 +237,80 @@ async fn too_many_sources_or_no_proof_leave_the_freshness_unknown() {
     publisher.watermark("d", mark).await.unwrap();
     eventually("unknown", async || cache_age(&node, "d").is_none()).await;
 }
+
+/// A report vouches for what came before it: the events before it in the
+/// same batch are applied before the cache takes it. Otherwise a read
+/// between the report and the end of the batch would be within the bound
+/// and find a value the batch's earlier invalidation had replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_is_taken_after_the_events_before_it_in_its_batch() {
+    let transport = FaultyTransport::new(EmbeddedTransport::new());
+    // Long enough for the proof taken before the stall below to be
+    // within it when the batch is applied.
+    let bound = Duration::from_secs(10);
+    let c: Cache = SyncedCache::builder("t", moka::future::Cache::new(100_000))
+        .max_staleness(bound)
+        .build()
+        .unwrap();
+    // One batch holds all that is published below.
+    let node = Node::builder("n", transport.clone())
+        .freshness_interval(Duration::from_millis(20))
+        .max_batch(4096)
+        .register(&c)
+        .start()
+        .await
+        .unwrap();
+    let publisher = Publisher::new(transport.clone());
+    eventually("a proof", async || node.status().freshness_age_ms.is_some()).await;
+    // The window is a few milliseconds: ten rounds, each with a source of
+    // its own, so that a missing flush is all but sure to be seen.
+    for round in 0..10u64 {
+        let key = format!("k{round}");
+        c.insert(key.clone(), "old".into()).await;
+        let report = |lag_us| Watermark {
+            source: round,
+            lag_us,
+        };
+        // A relay an hour behind: past the bound.
+        publisher
+            .watermark("t", report(3_600_000_000))
+            .await
+            .unwrap();
+        eventually("past the bound", async || c.get(&key).await.is_none()).await;
+
+        // One batch: the invalidation, the report, then many more events
+        // for the same cache (the run the invalidation is in is not
+        // flushed by a switch of cache).
+        transport.stall(true);
+        publisher.invalidate("t", [&key]).await.unwrap();
+        publisher.watermark("t", report(0)).await.unwrap();
+        for i in 0..2000 {
+            publisher
+                .insert("t", [(format!("o{round}_{i}"), "v".to_owned())])
+                .await
+                .unwrap();
+        }
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reader = {
+            let (c, stop, key) = (c.clone(), stop.clone(), key.clone());
+            tokio::spawn(async move {
+                let mut stale = 0usize;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    stale += usize::from(c.get(&key).await.as_deref() == Some("old"));
+                    tokio::task::yield_now().await;
+                }
+                stale
+            })
+        };
+        transport.stall(false);
+        let last = format!("o{round}_1999");
+        eventually("the batch applied", async || c.peek(&last).await.is_some()).await;
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(
+            reader.await.unwrap(),
+            0,
+            "round {round}: read the invalidated value within the bound"
+        );
+        assert_eq!(c.peek(&key).await, None);
+    }
+}
