@@ -720,6 +720,7 @@ mod replay {
                 loss_resyncs: 1,
                 quarantined: true,
                 last_latency_us: Some(830),
+                freshness_age_ms: Some(120),
                 audit: None,
             }],
         };

@@ -30,6 +30,7 @@ pub(super) fn cache(name: &str, version: Option<u64>) -> CacheHeartbeat {
         loss_resyncs: 0,
         quarantined: false,
         last_latency_us: None,
+        freshness_age_ms: None,
         audit: None,
     }
 }

@@ -97,6 +97,13 @@ pub struct NodeCacheView {
     pub quarantined: bool,
     /// Publish-to-applied time of its last event, in microseconds.
     pub last_latency_us: Option<u64>,
+    /// How fresh that node proved the cache when it sent the heartbeat, in
+    /// milliseconds (see
+    /// [`CacheStatus::freshness_age_ms`](crate::status::CacheStatus::freshness_age_ms):
+    /// the node's own age, or a CDC relay's lag added to it); `None` while
+    /// unknown.
+    #[serde(default)]
+    pub freshness_age_ms: Option<u64>,
     /// What its consistency auditor found there, if the cache is audited
     /// on that node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -393,6 +400,7 @@ pub(super) fn build(
                     loss_resyncs: c.loss_resyncs,
                     quarantined: c.quarantined,
                     last_latency_us: c.last_latency_us,
+                    freshness_age_ms: c.freshness_age_ms,
                     audit: c.audit.as_deref().cloned(),
                 }
             })

@@ -219,6 +219,7 @@ impl Shared {
                     loss_resyncs: c.loss_resyncs,
                     quarantined: c.quarantined,
                     last_latency_us: c.last_latency_us,
+                    freshness_age_ms: c.freshness_age_ms,
                     audit: c.audit,
                 })
                 .collect(),

@@ -572,6 +572,7 @@ mod tests {
             loss_resyncs: 1,
             quarantined: false,
             last_latency_us: None,
+            freshness_age_ms: None,
             audit: None,
         };
         let node = |id: &str, ready, c: NodeCacheView| NodeView {
@@ -652,6 +653,7 @@ mod tests {
                     loss_resyncs: 0,
                     quarantined: false,
                     last_latency_us: None,
+                    freshness_age_ms: None,
                     audit: None,
                 })
                 .collect(),

@@ -72,7 +72,9 @@ const HEADER: [&str; 10] = [
     "AUDIT",
 ];
 
-/// The table (FRESH: the age of each node's freshness proof): one row per node and cache (a node without caches gets one
+/// The table (FRESH: how fresh each node proves each cache, its own
+/// proof's age or a CDC relay's lag added to it; a node's own where it
+/// holds no cache): one row per node and cache (a node without caches gets one
 /// row), the lagging ones marked with `*`, then the nodes gone lately.
 pub(crate) fn render(view: &ClusterView) -> String {
     let mut rows: Vec<[String; 10]> = Vec::new();
@@ -86,10 +88,9 @@ pub(crate) fn render(view: &ClusterView) -> String {
         let age = show(Duration::from_millis(node.age_ms));
         // How old the node's freshness proof was when it sent the heartbeat
         // ("?": its transport tells no tail, or it proved nothing yet).
-        let fresh = node
-            .freshness_age_ms
-            .map_or_else(|| "?".into(), |ms| show(Duration::from_millis(ms)));
-        let node_cells = |cache: String, version, lag, behind, audit| {
+        let fresh =
+            |age: Option<u64>| age.map_or_else(|| "?".into(), |ms| show(Duration::from_millis(ms)));
+        let node_cells = |cache: String, version, lag, behind, fresh: String, audit| {
             [
                 format!("{mark}{}", node.node_id),
                 cache,
@@ -97,7 +98,7 @@ pub(crate) fn render(view: &ClusterView) -> String {
                 lag,
                 behind,
                 ready.to_owned(),
-                fresh.clone(),
+                fresh,
                 node.losses.to_string(),
                 age.clone(),
                 audit,
@@ -109,6 +110,7 @@ pub(crate) fn render(view: &ClusterView) -> String {
                 "-".into(),
                 "-".into(),
                 "-".into(),
+                fresh(node.freshness_age_ms),
                 "-".into(),
             ));
         }
@@ -141,7 +143,14 @@ pub(crate) fn render(view: &ClusterView) -> String {
                     )
                 },
             );
-            rows.push(node_cells(c.name.clone(), version, lag, behind, audit));
+            rows.push(node_cells(
+                c.name.clone(),
+                version,
+                lag,
+                behind,
+                fresh(c.freshness_age_ms),
+                audit,
+            ));
         }
     }
     let mut out = String::new();
@@ -325,6 +334,29 @@ mod tests {
         let row = |id: &str| table.lines().find(|l| l.contains(id)).unwrap().to_owned();
         assert_eq!(column(&row("unproved")), "?", "{table}");
         assert_eq!(column(&row("  proved")), "2.5", "{table}");
+
+        // A cache's row shows the cache's own (a relay's lag added, or
+        // unknown while one is awaited), not its node's.
+        let mut caches = Vec::new();
+        for (name, age) in [("relayed", Some(7_000)), ("awaiting", None)] {
+            let mut c = serde_json::to_value(cache(name, Some(1), Some(0), None)).unwrap();
+            c["freshness_age_ms"] = serde_json::json!(age);
+            caches.push(serde_json::from_value::<NodeCacheView>(c).unwrap());
+        }
+        let mut n = serde_json::to_value(node("n1", caches)).unwrap();
+        n["freshness_age_ms"] = serde_json::json!(100);
+        let table = render(&view(vec![serde_json::from_value(n).unwrap()], vec![]));
+        let column = |row: &str| {
+            let header = table.lines().nth(1).unwrap();
+            let at = header.chars().take(header.find("FRESH").unwrap()).count();
+            row.chars()
+                .skip(at)
+                .take_while(|c| *c != ' ')
+                .collect::<String>()
+        };
+        let row = |id: &str| table.lines().find(|l| l.contains(id)).unwrap().to_owned();
+        assert_eq!(column(&row("relayed")), "7.0", "{table}");
+        assert_eq!(column(&row("awaiting")), "?", "{table}");
     }
 
     #[test]

@@ -52,6 +52,7 @@ pub(in crate::cluster) struct StoredCache {
     pub(in crate::cluster) entries: u64,
     pub(in crate::cluster) loss_resyncs: u64,
     pub(in crate::cluster) last_latency_us: Option<u64>,
+    pub(in crate::cluster) freshness_age_ms: Option<u64>,
     pub(in crate::cluster) quarantined: bool,
     /// Boxed: most caches are not audited, and their slot stays small.
     pub(in crate::cluster) audit: Option<Box<AuditStatus>>,
@@ -73,6 +74,7 @@ impl StoredCache {
             entries: c.entries,
             loss_resyncs: c.loss_resyncs,
             last_latency_us: c.last_latency_us,
+            freshness_age_ms: c.freshness_age_ms,
             quarantined: c.quarantined,
             audit: c.audit.map(Box::new),
         }
@@ -163,6 +165,7 @@ impl Member {
                     loss_resyncs: c.loss_resyncs,
                     quarantined: c.quarantined,
                     last_latency_us: c.last_latency_us,
+                    freshness_age_ms: c.freshness_age_ms,
                     audit: c.audit.as_deref().cloned(),
                 })
                 .collect(),

@@ -734,6 +734,7 @@ fn skewed(id: &str, skew_us: i64, version: u64, age_ms: u64) -> Heartbeat {
             loss_resyncs: 0,
             quarantined: false,
             last_latency_us: None,
+            freshness_age_ms: None,
             audit: None,
         }],
     }

@@ -81,6 +81,15 @@ async fn a_relay_lag_counts_against_the_bound_and_a_silent_relay_is_past_it() {
     .await;
     assert!(node.status().freshness_age_ms.is_some_and(|a| a < 150));
     assert!(cache_age(&node, "t").is_some_and(|a| a >= 300));
+    // In the heartbeat, and so in the cluster view, per cache.
+    eventually("the cache's age in the cluster view", async || {
+        node.cluster().view().nodes.iter().any(|n| {
+            n.caches
+                .iter()
+                .any(|c| c.name == "t" && c.freshness_age_ms.is_some_and(|a| a >= 300))
+        })
+    })
+    .await;
     assert!(!node.is_ready(), "past a bound, not ready");
 
     // A large lag: past the bound while it lasts.
