@@ -101,14 +101,14 @@ pub struct CacheHeartbeat {
     /// Publish-to-applied time of the last event, in microseconds.
     #[serde(default)]
     pub last_latency_us: Option<u64>,
-    /// What the cache's consistency auditor found, if it is audited.
-    /// Absent from older nodes.
     /// How fresh the node proves the cache (see
     /// [`CacheStatus::freshness_age_ms`](crate::status::CacheStatus::freshness_age_ms)),
     /// in milliseconds on the sender's clock as of sending. Absent while
     /// unknown, and from nodes older than this field.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub freshness_age_ms: Option<u64>,
+    /// What the cache's consistency auditor found, if it is audited.
+    /// Absent from older nodes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub audit: Option<AuditStatus>,
 }
