@@ -417,7 +417,9 @@ mod replay {
                 // Every sixth a version 3 event, with a relay's watermark.
                 watermark: seq.is_multiple_of(6).then_some(crate::wire::Watermark {
                     source: 5,
-                    lag_us: seq * 10,
+                    epoch: 3,
+                    number: seq,
+                    acked_after_us: seq.is_multiple_of(12).then_some(seq * 10),
                 }),
             }
         } else {

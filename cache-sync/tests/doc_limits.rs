@@ -442,27 +442,15 @@ const ROWS: &[Row] = &[
     ),
     (
         RELAY,
-        "DEFAULT_REPORT_INTERVAL",
-        ms,
-        "behind the database it is ({};",
-    ),
-    (
-        RELAY,
         "MIN_REPORT_INTERVAL",
         ms,
-        "it is (250 ms; {} to 1 h,",
+        "(never by default; {} to 1 h,",
     ),
     (
         RELAY,
         "MAX_REPORT_INTERVAL",
         hours,
-        "it is (250 ms; 10 ms to {},",
-    ),
-    (
-        DESIGN,
-        "DEFAULT_REPORT_INTERVAL",
-        ms,
-        "`freshness_interval` 10 ms to 1 h or never ({} by default)",
+        "(never by default; 10 ms to {},",
     ),
     (
         DESIGN,

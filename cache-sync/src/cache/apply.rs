@@ -70,10 +70,15 @@ pub(crate) trait CacheHandle: Send + Sync {
     /// applied (see the node's `freshness.rs`): a staleness bound's proof
     /// moves forward, if that node holds the cache.
     fn proved(&self, owner: u64, at: tokio::time::Instant);
-    /// A CDC relay's report, placed on the node's clock (see the node's
-    /// `route.rs`): everything source `source`'s database made visible
-    /// before `at` is applied. Taken if the node `owner` holds the cache.
-    fn relay_reported(&self, owner: u64, source: u64, at: Option<tokio::time::Instant>);
+    /// A CDC relay's report, taken when the node's proof was `proof` (see
+    /// the node's `route.rs` and `bound::Sources::report`), if the node
+    /// `owner` holds the cache.
+    fn relay_reported(
+        &self,
+        owner: u64,
+        mark: &crate::wire::Watermark,
+        proof: tokio::time::Instant,
+    );
     /// How fresh the cache is, given its node's proof's age: see
     /// `bound::Sources::age`.
     fn freshness_age(&self, node_proof: Option<Duration>) -> Option<Duration>;
@@ -182,8 +187,13 @@ where
         Inner::proved(self, owner, at);
     }
 
-    fn relay_reported(&self, owner: u64, source: u64, at: Option<tokio::time::Instant>) {
-        Inner::relay_reported(self, owner, source, at);
+    fn relay_reported(
+        &self,
+        owner: u64,
+        mark: &crate::wire::Watermark,
+        proof: tokio::time::Instant,
+    ) {
+        Inner::relay_reported(self, owner, mark, proof);
     }
 
     fn freshness_age(&self, node_proof: Option<Duration>) -> Option<Duration> {

@@ -101,9 +101,20 @@ pub(super) struct Sources {
 
 #[derive(Debug, Default)]
 struct SourceMoments {
-    each: Vec<(u64, Option<Instant>)>,
+    each: Vec<Source>,
     /// A source past `MAX_SOURCES` reported.
     full: bool,
+}
+
+/// One source of reports for a cache.
+#[derive(Debug)]
+struct Source {
+    id: u64,
+    /// Everything its database made visible before then is applied.
+    moment: Option<Instant>,
+    /// Its last report taken: epoch, number, and the node's proof then
+    /// (which that report's acknowledgement came after).
+    last: Option<(u64, u64, Instant)>,
 }
 
 impl Sources {
@@ -124,38 +135,68 @@ impl Sources {
         Some(proof?.max(self.moment.age()?))
     }
 
-    /// Source `source` reported that everything its database made visible
-    /// before `at` is applied (on this process's clock; none when that is
-    /// further back than the clock reaches: a lag longer than the process
-    /// has run). A source's moment never moves back: an older report
-    /// arriving late proves less, not the opposite.
-    pub(super) fn report(&self, cache: &str, source: u64, at: Option<Instant>) {
+    /// A source's report `mark`, taken when the node's proof was `proof`.
+    /// Report `n` says that everything visible before its mark is applied
+    /// (the node took it after the events before it); report `n + 1` of
+    /// the same epoch says how long after that mark `n` was acknowledged,
+    /// which was after `proof` as of `n`: so everything visible before
+    /// that proof less that duration is applied. A source's moment never
+    /// moves back (an older report arriving late proves less, not the
+    /// opposite), and a report at or below the last number of its epoch
+    /// (a copy, a replay) is not taken. A moment further back than the
+    /// clock reaches is unknown.
+    pub(super) fn report(&self, cache: &str, mark: &crate::wire::Watermark, proof: Instant) {
         self.expected.store(true, Relaxed);
         let mut guard = lock(&self.each);
         let s = &mut *guard;
-        let known = s.each.iter().position(|(id, _)| *id == source);
-        match known {
-            Some(i) => s.each[i].1 = s.each[i].1.max(at),
-            None if s.each.len() < MAX_SOURCES => s.each.push((source, at)),
+        let i = match s.each.iter().position(|src| src.id == mark.source) {
+            Some(i) => i,
+            None if s.each.len() < MAX_SOURCES => {
+                s.each.push(Source {
+                    id: mark.source,
+                    moment: None,
+                    last: None,
+                });
+                s.each.len().saturating_sub(1)
+            }
             None => {
                 if !s.full {
                     tracing::error!(
                         cache,
-                        source,
+                        source = mark.source,
                         max = MAX_SOURCES,
                         "more CDC relay sources report for this cache than it keeps; its freshness is unknown from now on"
                     );
                 }
                 s.full = true;
+                self.moment.set(None);
+                return;
+            }
+        };
+        let Some(src) = s.each.get_mut(i) else {
+            return;
+        };
+        if let Some((epoch, number, then)) = src.last
+            && epoch == mark.epoch
+        {
+            if mark.number <= number {
+                return;
+            }
+            if number.checked_add(1) == Some(mark.number)
+                && let Some(after) = mark.acked_after_us
+            {
+                let placed = then.checked_sub(Duration::from_micros(after));
+                src.moment = src.moment.max(placed);
             }
         }
+        src.last = Some((mark.epoch, mark.number, proof));
         let earliest = if s.full {
             None
         } else {
             s.each
                 .iter()
-                .try_fold(None::<Instant>, |min, (_, at)| {
-                    let at = (*at)?;
+                .try_fold(None::<Instant>, |min, src| {
+                    let at = src.moment?;
                     Some(Some(min.map_or(at, |m| m.min(at))))
                 })
                 .flatten()
@@ -217,11 +258,11 @@ impl<K, V> super::Inner<K, V> {
         }
     }
 
-    /// A CDC relay's report for the cache (see [`Sources::report`]), if
-    /// the node `owner` holds it.
-    pub(super) fn relay_reported(&self, owner: u64, source: u64, at: Option<Instant>) {
+    /// A CDC relay's report for the cache, taken at the node's `proof`
+    /// (see [`Sources::report`]), if the node `owner` holds it.
+    pub(super) fn relay_reported(&self, owner: u64, mark: &crate::wire::Watermark, proof: Instant) {
         if self.owner.load(std::sync::atomic::Ordering::Acquire) == owner {
-            self.sources.report(&self.name, source, at);
+            self.sources.report(&self.name, mark, proof);
         }
     }
 

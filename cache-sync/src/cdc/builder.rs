@@ -28,7 +28,6 @@ const DEFAULT_LAG_INTERVAL: Duration = Duration::from_secs(5);
 /// How often a standby relay asks whether the slot is free.
 const DEFAULT_STANDBY_RETRY: Duration = Duration::from_secs(1);
 const DEFAULT_MAX_ROW_BYTES: usize = 8 << 20;
-const DEFAULT_REPORT_INTERVAL: Duration = Duration::from_millis(250);
 // The settings' ranges, as `CdcRelayBuilder`'s docs and design.md's limits
 // table state them (tests/doc_limits.rs checks both).
 const MIN_LAG_INTERVAL: Duration = Duration::from_millis(100);
@@ -89,7 +88,9 @@ impl CdcRelay {
             lag_interval: DEFAULT_LAG_INTERVAL,
             standby_retry: DEFAULT_STANDBY_RETRY,
             max_row_bytes: DEFAULT_MAX_ROW_BYTES,
-            freshness_interval: DEFAULT_REPORT_INTERVAL,
+            // Off: a node older than the reports' wire format resyncs the
+            // cache on each one, so they wait until every node is upgraded.
+            freshness_interval: Duration::MAX,
         }
     }
 }
@@ -149,7 +150,7 @@ impl CdcRelayBuilder {
     }
 
     /// How often the active relay tells nodes how far behind the database
-    /// it is (250 ms; 10 ms to 1 h, or `Duration::MAX` for never), so
+    /// it is (never by default; 10 ms to 1 h, 250 ms a good start), so
     /// that a cache's freshness, and its
     /// [`max_staleness`](crate::SyncedCacheBuilder::max_staleness), hold
     /// against the database rather than the topic: a relay that stalls,
@@ -159,8 +160,12 @@ impl CdcRelayBuilder {
     ///
     /// Each report costs a small non-transactional logical message in the
     /// database's WAL (`pg_logical_emit_message`), and an announcement per
-    /// mapped cache on the topic, which every node receives. A bound of
-    /// `d` on the nodes needs reports well within `d`.
+    /// mapped cache on the topic, which every node receives. A report's
+    /// lag is known once it is acknowledged, and the next one carries it:
+    /// a bound of `d` on the nodes needs reports well within `d` (their
+    /// freshness is at least one interval old). Reports are in a wire
+    /// format nodes older than this version do not read (they resync the
+    /// cache on each): upgrade every node before turning them on.
     pub fn freshness_interval(mut self, every: Duration) -> Self {
         self.freshness_interval = every;
         self
@@ -315,7 +320,7 @@ impl CdcRelayBuilder {
             standby_retry: self.standby_retry,
             freshness_interval: self.freshness_interval,
             source,
-            marks: super::watermark::Marks::default(),
+            marks: super::watermark::Marks::new(),
         });
         let (stop, stopped) = watch::channel(false);
         let lag = tokio::spawn(upkeep::lag_loop(

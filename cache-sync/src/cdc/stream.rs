@@ -177,9 +177,10 @@ impl Stream<'_> {
                     lsn,
                     prefix,
                     content,
-                    ..
+                    transactional,
                 } => {
-                    if prefix == WATERMARK_PREFIX {
+                    // Only the relay's own, which are not transactional.
+                    if prefix == WATERMARK_PREFIX && !transactional {
                         if let Some(at) = self.inner.marks.seen(&shared.slot, &content) {
                             // Everything visible before `at` came before
                             // the mark: it is in this batch or an earlier

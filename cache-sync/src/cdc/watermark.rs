@@ -8,10 +8,13 @@
 //! before the message, so it reaches the relay's stream before the
 //! message does. When the message arrives, it joins the batch being
 //! gathered; once that batch (and every one before it, in commit order) is
-//! published, the relay sends each mapped cache a report: everything the
-//! database made visible before the noted moment is published, and that
-//! moment was `lag` ago. A duration on the relay's clock only: no clock of
-//! the database or of a node is read.
+//! published, the relay sends each mapped cache a numbered report:
+//! everything the database made visible before its mark is published
+//! before it. Once every cache's report is acknowledged the relay knows
+//! how long after its mark that was, and the next report carries that
+//! duration: a node takes it against its proof as of the earlier report,
+//! which the earlier report's acknowledgement came after. A duration on
+//! the relay's clock only: no clock of the database or of a node is read.
 //!
 //! A relay whose stream stalls, falls behind, or is cut off from the
 //! database sends no report for as long as it lasts (or a large lag after
@@ -39,11 +42,35 @@ pub(super) const WATERMARK_PREFIX: &str = "cache-sync.cdc.watermark";
 /// younger one.
 const MAX_MARKS: usize = 16;
 
-/// The marks this relay wrote, in order, each with its moment.
-#[derive(Debug, Default)]
-pub(super) struct Marks(Mutex<VecDeque<(u64, Instant)>>);
+/// The marks this relay wrote, in order, each with its moment; and its
+/// reports' numbering.
+#[derive(Debug)]
+pub(super) struct Marks {
+    written: Mutex<VecDeque<(u64, Instant)>>,
+    reports: Mutex<Reports>,
+}
+
+/// This relay's reports: an epoch of its own, their numbers in it, and
+/// how long after its mark the last one was acknowledged everywhere.
+#[derive(Debug)]
+struct Reports {
+    epoch: u64,
+    number: u64,
+    acked_after_us: Option<u64>,
+}
 
 impl Marks {
+    pub(super) fn new() -> Self {
+        Marks {
+            written: Mutex::default(),
+            reports: Mutex::new(Reports {
+                epoch: random_u64(),
+                number: 0,
+                acked_after_us: None,
+            }),
+        }
+    }
+
     /// Notes a new mark, now; returns its token.
     fn note(&self) -> (u64, Instant) {
         // Random, not counted: any role may write a logical message, and
@@ -51,7 +78,7 @@ impl Marks {
         // it in the WAL, would claim a moment the stream has not reached.
         let token = random_u64();
         let at = Instant::now();
-        let mut marks = lock(&self.0);
+        let mut marks = lock(&self.written);
         if marks.len() >= MAX_MARKS {
             marks.pop_front();
         }
@@ -64,7 +91,7 @@ impl Marks {
     /// (they were written earlier, so their messages were passed).
     pub(super) fn seen(&self, slot: &str, content: &[u8]) -> Option<Instant> {
         let token = parse(content, slot)?;
-        let mut marks = lock(&self.0);
+        let mut marks = lock(&self.written);
         let i = marks.iter().position(|(t, _)| *t == token)?;
         let at = marks[i].1;
         marks.drain(..=i);
@@ -128,12 +155,18 @@ pub(super) async fn write_loop(inner: &Inner, every: Duration) {
 
 /// Reports to every mapped cache that everything visible before `at` is
 /// published. A report that fails is logged and not retried: the next
-/// one follows within an interval.
+/// one follows within an interval (and carries no acknowledgement time,
+/// as this one did not reach every cache).
 pub(super) async fn report(inner: &Inner, at: Instant) {
-    let lag_us = u64::try_from(at.elapsed().as_micros()).unwrap_or(u64::MAX);
-    let mark = Watermark {
-        source: inner.source,
-        lag_us,
+    let mark = {
+        let mut r = lock(&inner.marks.reports);
+        r.number = r.number.saturating_add(1);
+        Watermark {
+            source: inner.source,
+            epoch: r.epoch,
+            number: r.number,
+            acked_after_us: r.acked_after_us.take(),
+        }
     };
     let mut caches: Vec<&str> = inner.tables.iter().map(|t| t.cache.as_str()).collect();
     caches.sort_unstable();
@@ -144,10 +177,18 @@ pub(super) async fn report(inner: &Inner, at: Instant) {
             .map(|cache| inner.publisher.watermark(cache, mark)),
     )
     .await;
+    // Measured once every cache's report is acknowledged: what the next
+    // report says of this one.
+    let acked_after_us = u64::try_from(at.elapsed().as_micros()).unwrap_or(u64::MAX);
+    let mut everywhere = true;
     for (cache, result) in caches.iter().zip(sent) {
         if let Err(e) = result {
+            everywhere = false;
             tracing::debug!(slot = %inner.shared.slot, cache, error = %e, "cdc relay: sending a freshness report failed");
         }
+    }
+    if everywhere {
+        lock(&inner.marks.reports).acked_after_us = Some(acked_after_us);
     }
 }
 
@@ -157,7 +198,7 @@ mod tests {
 
     #[test]
     fn a_mark_is_seen_once_in_order_and_only_for_its_slot() {
-        let marks = Marks::default();
+        let marks = Marks::new();
         let (a, at_a) = marks.note();
         let (b, at_b) = marks.note();
         assert_eq!(parse(content("s", a).as_bytes(), "s"), Some(a));
@@ -176,9 +217,9 @@ mod tests {
 
     #[test]
     fn marks_are_bounded_and_keep_the_newest() {
-        let marks = Marks::default();
+        let marks = Marks::new();
         let tokens: Vec<u64> = (0..MAX_MARKS + 4).map(|_| marks.note().0).collect();
-        assert_eq!(lock(&marks.0).len(), MAX_MARKS);
+        assert_eq!(lock(&marks.written).len(), MAX_MARKS);
         assert_eq!(marks.seen("s", content("s", tokens[0]).as_bytes()), None);
         let last = *tokens.last().unwrap();
         assert!(marks.seen("s", content("s", last).as_bytes()).is_some());

@@ -99,23 +99,23 @@ pub(super) async fn apply_records(shared: &Shared, seqs: &mut PublisherSeqs, rec
             }
             if let Some(mark) = opened.ext.watermark
                 && let Some(proof) = shared.freshness.proof.get()
+                && seqs.applied(header.publisher, header.cache).unwrap_or(0) >= header.seq
             {
                 // A CDC relay's report. It was published after the tail
                 // this node last reached was read (it is applied after that
-                // tail, on a topic read in order), so after the node asked
-                // for it: its proof's moment is a time before the report,
-                // and everything the database made visible `lag` before that
-                // is applied. Placed on this node's clock with durations
-                // only. Without a proof the node is replaying what was
-                // published before it started (it has not reached a tail
-                // yet): old reports, of relays that may be gone for good,
-                // place nothing and are not taken.
-                // What came before it in this batch may be what it vouches
-                // for (published after the proof's tail, but made visible
-                // before the moment it places): applied first.
+                // tail, on a topic read in order), so its acknowledgement
+                // came after the moment the node asked for that tail, its
+                // proof: the next report says how long after its mark that
+                // acknowledgement was (see `bound::Sources::report`).
+                // Taken only with every event of its publisher it vouches
+                // for applied (its number reached: an event that moved
+                // queue could still be on its way), and only with a proof:
+                // without one the node is replaying what was published
+                // before it started, reports of relays that may be gone
+                // for good. What came before it in this batch may be what
+                // it vouches for: applied first.
                 run.flush().await;
-                let lag = Duration::from_micros(mark.lag_us);
-                cache.relay_reported(shared.token, mark.source, proof.checked_sub(lag));
+                cache.relay_reported(shared.token, &mark, proof);
             }
             // Authentic (or the node does not verify), like every event:
             // a forged announcement is refused above and changes nothing.

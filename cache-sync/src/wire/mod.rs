@@ -148,18 +148,27 @@ impl HeaderExt {
 }
 
 /// A CDC relay's report, sent with an announcement for each cache it
-/// maps: everything the database had made visible `lag_us` before the
-/// relay sent it has been published before it. A duration on the relay's
-/// own clock, never a time of day: a node adds it to how old its own
-/// proof of the topic is (see the node's `freshness.rs`).
+/// maps. Report `number` says: everything the database had made visible
+/// before the relay's mark for it is published before it. How long before
+/// its acknowledgement that mark was is only known once it is acknowledged,
+/// so the next report carries it (`acked_after_us`): a duration on the
+/// relay's own clock, never a time of day, which a node takes against its
+/// own proof of the topic as of the earlier report (see the node's
+/// `route.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[cfg_attr(test, derive(serde::Deserialize))]
 pub(crate) struct Watermark {
     /// Which relay group (its slot and database, hashed): relays that
     /// stand in for one another report as one source.
     pub(crate) source: u64,
-    /// Microseconds from the relay's visibility mark to this report.
-    pub(crate) lag_us: u64,
+    /// Random per relay process: its reports are numbered within it.
+    pub(crate) epoch: u64,
+    /// The report's number in its epoch, from 1; never sent twice.
+    pub(crate) number: u64,
+    /// Microseconds from the mark of report `number - 1` of the epoch to
+    /// its acknowledgement by the broker for every cache; `None` for the
+    /// first, or when that one did not reach every cache.
+    pub(crate) acked_after_us: Option<u64>,
 }
 
 /// An outbox relay's fencing token. Every pass of a relay that holds the
@@ -369,7 +378,9 @@ pub(crate) fn decode_header_ext<'a>(
                 match r.byte()? {
                     1 => Some(Watermark {
                         source: r.u64()?,
-                        lag_us: r.u64()?,
+                        epoch: r.u64()?,
+                        number: r.u64()?,
+                        acked_after_us: r.option_u64()?,
                     }),
                     b => return Err(Reader::malformed(&format!("invalid watermark tag {b}"))),
                 }
@@ -559,7 +570,9 @@ mod tests {
                 since_prev_us,
                 watermark: Some(Watermark {
                     source: u64::MAX,
-                    lag_us: 0,
+                    epoch: 0,
+                    number: 0,
+                    acked_after_us: None,
                 }),
                 ..HeaderExt::default()
             };
@@ -570,9 +583,10 @@ mod tests {
                 (header(), ext, Change::ANNOUNCE)
             );
             // Version 3 with its watermark's tag at 0 (absent) or 2: refused.
-            // From the end: the change (kind, no items: 2 bytes), the lag
-            // (0: 1 byte), the source (u64::MAX: 9 bytes), then the tag.
-            let at = bytes.len() - 2 - 1 - 9 - 1;
+            // From the end: the change (kind, no items: 2 bytes), the ack
+            // (none: 1 byte), the number and epoch (0: 1 byte each), the
+            // source (u64::MAX: 9 bytes), then the tag.
+            let at = bytes.len() - 2 - 1 - 1 - 1 - 9 - 1;
             for tag in [0u8, 2] {
                 let mut bad = bytes.clone();
                 assert_eq!(bad[at], 1, "the watermark's tag");
@@ -718,12 +732,22 @@ mod tests {
         (
             proptest::option::of(number.clone()),
             proptest::option::of((number.clone(), number.clone())),
-            proptest::option::of((number.clone(), number)),
+            proptest::option::of((
+                number.clone(),
+                number.clone(),
+                number.clone(),
+                proptest::option::of(number),
+            )),
         )
             .prop_map(|(since_prev_us, fence, watermark)| HeaderExt {
                 since_prev_us,
                 fence: fence.map(|(scope, term)| Fence { scope, term }),
-                watermark: watermark.map(|(source, lag_us)| Watermark { source, lag_us }),
+                watermark: watermark.map(|(source, epoch, number, acked_after_us)| Watermark {
+                    source,
+                    epoch,
+                    number,
+                    acked_after_us,
+                }),
             })
     }
 
@@ -797,7 +821,9 @@ mod tests {
         let marked = HeaderExt {
             watermark: Some(Watermark {
                 source: 70_000,
-                lag_us: u64::MAX,
+                epoch: u64::MAX,
+                number: 300,
+                acked_after_us: Some(u64::MAX),
             }),
             ..ext
         };

@@ -356,7 +356,9 @@ pub(crate) fn encode_body(header: &Header<'_>, ext: &HeaderExt, body: Body<'_>) 
                 None => 0,
                 Some(w) => 1usize
                     .saturating_add(varint_len(w.source))
-                    .saturating_add(varint_len(w.lag_us)),
+                    .saturating_add(varint_len(w.epoch))
+                    .saturating_add(varint_len(w.number))
+                    .saturating_add(option_len(w.acked_after_us)),
             })
     };
     let items_len = if body.kind == CLEAR {
@@ -398,7 +400,9 @@ pub(crate) fn encode_body(header: &Header<'_>, ext: &HeaderExt, body: Body<'_>) 
         if let Some(w) = ext.watermark {
             out.push(1);
             put_varint(&mut out, w.source);
-            put_varint(&mut out, w.lag_us);
+            put_varint(&mut out, w.epoch);
+            put_varint(&mut out, w.number);
+            put_option(&mut out, w.acked_after_us);
         }
     }
     put_varint(&mut out, u64::from(body.kind));
@@ -452,12 +456,17 @@ mod tests {
         (
             prop::option::of(number()),
             prop::option::of((number(), number())),
-            prop::option::of((number(), number())),
+            prop::option::of((number(), number(), number(), prop::option::of(number()))),
         )
             .prop_map(|(since_prev_us, fence, watermark)| HeaderExt {
                 since_prev_us,
                 fence: fence.map(|(scope, term)| Fence { scope, term }),
-                watermark: watermark.map(|(source, lag_us)| Watermark { source, lag_us }),
+                watermark: watermark.map(|(source, epoch, number, acked_after_us)| Watermark {
+                    source,
+                    epoch,
+                    number,
+                    acked_after_us,
+                }),
             })
     }
 

@@ -24,21 +24,53 @@ fn cache_age(node: &Node, name: &str) -> Option<u64> {
         .and_then(|c| c.freshness_age_ms)
 }
 
-/// Reports every 20 ms with `lag` until `stop` is set, as a relay does.
-fn reporting(
+/// One relay's reports for a cache: numbered in an epoch of their own,
+/// each carrying how long after its mark the previous one was
+/// acknowledged (`acked_after`), as a relay sends them.
+#[derive(Clone)]
+struct Reporter {
     publisher: Publisher,
-    cache: &'static str,
     source: u64,
+    epoch: u64,
+    number: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Reporter {
+    fn new(publisher: &Publisher, source: u64) -> Self {
+        Reporter {
+            publisher: publisher.clone(),
+            source,
+            epoch: crate::util::random_u64(),
+            number: Arc::default(),
+        }
+    }
+
+    async fn send(&self, cache: &str, acked_after: Option<Duration>) {
+        let number = self
+            .number
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            + 1;
+        let mark = Watermark {
+            source: self.source,
+            epoch: self.epoch,
+            number,
+            acked_after_us: acked_after.map(|d| u64::try_from(d.as_micros()).unwrap()),
+        };
+        self.publisher.watermark(cache, mark).await.unwrap();
+    }
+}
+
+/// Reports every 20 ms, each acknowledged `lag` after its mark, until
+/// `stop` is set.
+fn reporting(
+    reporter: Reporter,
+    cache: &'static str,
     lag: Duration,
     stop: Arc<std::sync::atomic::AtomicBool>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-            let mark = Watermark {
-                source,
-                lag_us: u64::try_from(lag.as_micros()).unwrap(),
-            };
-            publisher.watermark(cache, mark).await.unwrap();
+            reporter.send(cache, Some(lag)).await;
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
@@ -58,14 +90,9 @@ async fn a_relay_lag_counts_against_the_bound_and_a_silent_relay_is_past_it() {
     })
     .await;
     let publisher = Publisher::new(transport.clone());
+    let relay = Reporter::new(&publisher, 7);
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let task = reporting(
-        publisher.clone(),
-        "t",
-        7,
-        Duration::from_millis(10),
-        stop.clone(),
-    );
+    let task = reporting(relay.clone(), "t", Duration::from_millis(10), stop.clone());
     eventually("within the bound with a small lag", async || {
         cache_age(&node, "t").is_some_and(|a| (10..150).contains(&a)) && c.get("k").await.is_some()
     })
@@ -94,13 +121,7 @@ async fn a_relay_lag_counts_against_the_bound_and_a_silent_relay_is_past_it() {
 
     // A large lag: past the bound while it lasts.
     stop.store(false, std::sync::atomic::Ordering::SeqCst);
-    let task = reporting(
-        publisher.clone(),
-        "t",
-        7,
-        Duration::from_secs(2),
-        stop.clone(),
-    );
+    let task = reporting(relay.clone(), "t", Duration::from_secs(2), stop.clone());
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(
         c.get("k").await.is_none(),
@@ -111,7 +132,7 @@ async fn a_relay_lag_counts_against_the_bound_and_a_silent_relay_is_past_it() {
 
     // A small lag again: within the bound.
     stop.store(false, std::sync::atomic::Ordering::SeqCst);
-    let task = reporting(publisher, "t", 7, Duration::ZERO, stop.clone());
+    let task = reporting(relay, "t", Duration::ZERO, stop.clone());
     eventually("within the bound again", async || {
         c.get("k").await.is_some()
     })
@@ -147,8 +168,14 @@ async fn every_source_counts_and_a_relayed_cache_waits_for_its_first_report() {
     let publisher = Publisher::new(transport.clone());
     let stop_a = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stop_b = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let a = reporting(publisher.clone(), "t", 1, Duration::ZERO, stop_a.clone());
-    let b = reporting(publisher.clone(), "t", 2, Duration::ZERO, stop_b.clone());
+    let one = Reporter::new(&publisher, 1);
+    let a = reporting(one.clone(), "t", Duration::ZERO, stop_a.clone());
+    let b = reporting(
+        Reporter::new(&publisher, 2),
+        "t",
+        Duration::ZERO,
+        stop_b.clone(),
+    );
     eventually("within the bound with both reporting", async || {
         c.get("k").await.is_some()
     })
@@ -176,7 +203,7 @@ async fn every_source_counts_and_a_relayed_cache_waits_for_its_first_report() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(c.get("k").await, None, "still awaiting a report");
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let task = reporting(publisher, "t", 1, Duration::ZERO, stop.clone());
+    let task = reporting(one, "t", Duration::ZERO, stop.clone());
     eventually("within once a report comes", async || {
         c.get("k").await.is_some()
     })
@@ -196,44 +223,38 @@ async fn too_many_sources_or_no_proof_leave_the_freshness_unknown() {
     let node = node_on(&transport, &c).await;
     let publisher = Publisher::new(transport.clone());
     eventually("a proof", async || node.status().freshness_age_ms.is_some()).await;
-    for source in 0..16u64 {
-        let mark = Watermark { source, lag_us: 0 };
-        publisher.watermark("t", mark).await.unwrap();
+    let relays: Vec<Reporter> = (0..=16u64).map(|s| Reporter::new(&publisher, s)).collect();
+    // Two reports each: the second places the first.
+    for relay in &relays[..16] {
+        relay.send("t", None).await;
+        relay.send("t", Some(Duration::ZERO)).await;
     }
     c.insert("k".into(), "v".into()).await;
     eventually("within the bound with 16 sources", async || {
         c.get("k").await.is_some()
     })
     .await;
-    let mark = Watermark {
-        source: 16,
-        lag_us: 0,
-    };
-    publisher.watermark("t", mark).await.unwrap();
+    relays[16].send("t", None).await;
     eventually("unknown past 16 sources", async || {
         cache_age(&node, "t").is_none()
     })
     .await;
-    for source in 0..=16u64 {
-        let mark = Watermark { source, lag_us: 0 };
-        publisher.watermark("t", mark).await.unwrap();
+    for relay in &relays {
+        relay.send("t", Some(Duration::ZERO)).await;
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(cache_age(&node, "t"), None, "for good");
     assert_eq!(c.get("k").await, None);
 
-    // No proof: the tail unanswered from the start. The node cannot place
-    // a report then (it could be one replayed from long ago): not taken.
+    // No proof: the tail unanswered from the start. The node cannot take
+    // a report then (it could be one replayed from long ago).
     let transport = FaultyTransport::new(EmbeddedTransport::new());
     transport.hang_tails(true);
     let d = bounded("d", false);
     let node = node_on(&transport, &d).await;
     let publisher = Publisher::new(transport.clone());
-    let mark = Watermark {
-        source: 1,
-        lag_us: u64::MAX,
-    };
-    publisher.watermark("d", mark).await.unwrap();
+    let relay = Reporter::new(&publisher, 1);
+    relay.send("d", None).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     transport.hang_tails(false);
     eventually(
@@ -241,10 +262,70 @@ async fn too_many_sources_or_no_proof_leave_the_freshness_unknown() {
         async || node.status().freshness_age_ms.is_some() && cache_age(&node, "d").is_some(),
     )
     .await;
-    // With a proof, a lag longer than the process has run: further back
-    // than the clock reaches, so unknown (not the clock's start).
-    publisher.watermark("d", mark).await.unwrap();
+    // With a proof: a first report makes the source known, its moment
+    // unknown until the next places it; one acknowledged longer after its
+    // mark than the process has run places nothing (further back than the
+    // clock reaches), so unknown still.
+    relay.send("d", Some(Duration::ZERO)).await;
     eventually("unknown", async || cache_age(&node, "d").is_none()).await;
+    relay.send("d", Some(Duration::from_micros(u64::MAX))).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(cache_age(&node, "d"), None);
+    relay.send("d", Some(Duration::ZERO)).await;
+    eventually("placed", async || cache_age(&node, "d").is_some()).await;
+}
+
+/// A report is taken once: a copy (a redelivery, a replay) or an older
+/// number of the same epoch places nothing, so a replayed pair cannot make
+/// a silent relay look alive; a number skipped places nothing; a new
+/// epoch (the relay restarted) starts over, its first report placing
+/// nothing.
+#[tokio::test]
+async fn copies_and_older_reports_place_nothing() {
+    let transport = FaultyTransport::new(EmbeddedTransport::new());
+    let c = bounded("t", false);
+    let node = node_on(&transport, &c).await;
+    let publisher = Publisher::new(transport.clone());
+    eventually("a proof", async || node.status().freshness_age_ms.is_some()).await;
+    let mark = |epoch, number, acked: Option<u64>| Watermark {
+        source: 1,
+        epoch,
+        number,
+        acked_after_us: acked,
+    };
+    publisher.watermark("t", mark(5, 1, None)).await.unwrap();
+    publisher.watermark("t", mark(5, 2, Some(0))).await.unwrap();
+    eventually("placed", async || {
+        cache_age(&node, "t").is_some_and(|a| a < 200)
+    })
+    .await;
+    eventually("past the bound", async || {
+        cache_age(&node, "t").is_some_and(|a| a > 400)
+    })
+    .await;
+    for (number, acked) in [(1, None), (2, Some(0)), (2, Some(0)), (1, Some(0))] {
+        publisher
+            .watermark("t", mark(5, number, acked))
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        cache_age(&node, "t").is_some_and(|a| a > 400),
+        "{:?}",
+        cache_age(&node, "t")
+    );
+    publisher.watermark("t", mark(5, 4, Some(0))).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(cache_age(&node, "t").is_some_and(|a| a > 400));
+    publisher.watermark("t", mark(6, 1, Some(0))).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(cache_age(&node, "t").is_some_and(|a| a > 400));
+    publisher.watermark("t", mark(6, 2, Some(0))).await.unwrap();
+    eventually("placed again", async || {
+        cache_age(&node, "t").is_some_and(|a| a < 200)
+    })
+    .await;
 }
 
 /// A report vouches for what came before it: the events before it in the
@@ -276,15 +357,9 @@ async fn a_report_is_taken_after_the_events_before_it_in_its_batch() {
     for round in 0..10u64 {
         let key = format!("k{round}");
         c.insert(key.clone(), "old".into()).await;
-        let report = |lag_us| Watermark {
-            source: round,
-            lag_us,
-        };
-        // A relay an hour behind: past the bound.
-        publisher
-            .watermark("t", report(3_600_000_000))
-            .await
-            .unwrap();
+        let relay = Reporter::new(&publisher, round);
+        // A new source's first report places nothing: past the bound.
+        relay.send("t", None).await;
         eventually("past the bound", async || c.get(&key).await.is_none()).await;
 
         // One batch: the invalidation, the report, then many more events
@@ -292,7 +367,7 @@ async fn a_report_is_taken_after_the_events_before_it_in_its_batch() {
         // flushed by a switch of cache).
         transport.stall(true);
         publisher.invalidate("t", [&key]).await.unwrap();
-        publisher.watermark("t", report(0)).await.unwrap();
+        relay.send("t", Some(Duration::ZERO)).await;
         for i in 0..2000 {
             publisher
                 .insert("t", [(format!("o{round}_{i}"), "v".to_owned())])
@@ -322,4 +397,35 @@ async fn a_report_is_taken_after_the_events_before_it_in_its_batch() {
         );
         assert_eq!(c.peek(&key).await, None);
     }
+}
+
+/// Report `n`'s lag, carried by report `n + 1`, is taken against the
+/// node's proof as of report `n`: the proof when `n + 1` arrives may be
+/// younger than `n`'s acknowledgement (a report whose publish hung
+/// while the node proved on), and would claim too much.
+#[tokio::test]
+async fn a_lag_is_taken_against_the_proof_of_its_own_report() {
+    let transport = FaultyTransport::new(EmbeddedTransport::new());
+    let c = bounded("t", false);
+    let node = node_on(&transport, &c).await;
+    let publisher = Publisher::new(transport.clone());
+    eventually("a proof", async || node.status().freshness_age_ms.is_some()).await;
+    let relay = Reporter::new(&publisher, 1);
+    // A moment before the process's clock base is unknown: let the clock
+    // run past the lag first.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    relay.send("t", None).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // The node proved on meanwhile: its proof now is young.
+    assert!(node.status().freshness_age_ms.is_some_and(|a| a < 100));
+    relay.send("t", Some(Duration::from_millis(100))).await;
+    // Placed 100 ms before the proof as of report 1, about 500 ms ago.
+    eventually("placed", async || cache_age(&node, "t").is_some()).await;
+    let age = cache_age(&node, "t").unwrap();
+    assert!(
+        age >= 450,
+        "placed against the proof as of report 2: {age} ms"
+    );
+    c.insert("k".into(), "v".into()).await;
+    assert_eq!(c.get("k").await, None, "past a 300 ms bound");
 }
