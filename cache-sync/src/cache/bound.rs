@@ -142,9 +142,9 @@ impl Sources {
     /// which was after `proof` as of `n`: so everything visible before
     /// that proof less that duration is applied. A source's moment never
     /// moves back (an older report arriving late proves less, not the
-    /// opposite), and a report at or below the last number of its epoch
-    /// (a copy, a replay) is not taken. A moment further back than the
-    /// clock reaches is unknown.
+    /// opposite), and a report of an older epoch, or at or below the last
+    /// number of its epoch (a copy, a replay), is not taken. A moment
+    /// further back than the clock reaches is unknown.
     pub(super) fn report(&self, cache: &str, mark: &crate::wire::Watermark, proof: Instant) {
         self.expected.store(true, Relaxed);
         let mut guard = lock(&self.each);
@@ -177,9 +177,11 @@ impl Sources {
             return;
         };
         if let Some((epoch, number, then)) = src.last
-            && epoch == mark.epoch
+            && epoch >= mark.epoch
         {
-            if mark.number <= number {
+            // An older epoch's (a replay of an earlier relay session's), a
+            // copy, or an older number: nothing.
+            if epoch > mark.epoch || mark.number <= number {
                 return;
             }
             if number.checked_add(1) == Some(mark.number)

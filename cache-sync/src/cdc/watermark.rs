@@ -50,8 +50,11 @@ pub(super) struct Marks {
     reports: Mutex<Reports>,
 }
 
-/// This relay's reports: an epoch of its own, their numbers in it, and
-/// how long after its mark the last one was acknowledged everywhere.
+/// This relay's reports: their epoch, their numbers in it, and how long
+/// after its mark the last one was acknowledged everywhere. The epoch is
+/// the database's WAL position when the relay's session started: every
+/// session of every relay of a group starts past the marks of the ones
+/// before it, so a node refuses an older epoch's reports (a replay).
 #[derive(Debug)]
 struct Reports {
     epoch: u64,
@@ -64,10 +67,22 @@ impl Marks {
         Marks {
             written: Mutex::default(),
             reports: Mutex::new(Reports {
-                epoch: random_u64(),
+                epoch: 0,
                 number: 0,
                 acked_after_us: None,
             }),
+        }
+    }
+
+    /// Starts a new epoch of reports, if `epoch` is past the current one.
+    fn new_epoch(&self, epoch: u64) {
+        let mut r = lock(&self.reports);
+        if epoch > r.epoch {
+            *r = Reports {
+                epoch,
+                number: 0,
+                acked_after_us: None,
+            };
         }
     }
 
@@ -134,8 +149,30 @@ pub(super) async fn write_loop(inner: &Inner, every: Duration) {
     let slot = &inner.shared.slot;
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut epoch = false;
     loop {
         ticks.tick().await;
+        if !epoch {
+            // The session's epoch first: no mark of its own before it.
+            let lsn = sqlx::query_scalar::<_, i64>(
+                "SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint",
+            )
+            .fetch_one(&inner.pool);
+            match tokio::time::timeout(SQL_TIMEOUT, lsn).await {
+                Ok(Ok(lsn)) => {
+                    inner.marks.new_epoch(u64::try_from(lsn).unwrap_or(0));
+                    epoch = true;
+                }
+                Ok(Err(e)) => {
+                    tracing::debug!(slot = %slot, error = %db(e), "cdc relay: reading the WAL position for the reports' epoch failed");
+                    continue;
+                }
+                Err(_) => {
+                    tracing::debug!(slot = %slot, "cdc relay: reading the WAL position for the reports' epoch timed out");
+                    continue;
+                }
+            }
+        }
         let (token, _) = inner.marks.note();
         let write = sqlx::query("SELECT pg_logical_emit_message(false, $1, $2)")
             .bind(WATERMARK_PREFIX)

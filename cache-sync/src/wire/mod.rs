@@ -161,7 +161,9 @@ pub(crate) struct Watermark {
     /// Which relay group (its slot and database, hashed): relays that
     /// stand in for one another report as one source.
     pub(crate) source: u64,
-    /// Random per relay process: its reports are numbered within it.
+    /// The relay session's: the database's WAL position when it started,
+    /// so a later session (of any relay of the group) has a larger one.
+    /// Its reports are numbered within it.
     pub(crate) epoch: u64,
     /// The report's number in its epoch, from 1; never sent twice.
     pub(crate) number: u64,
