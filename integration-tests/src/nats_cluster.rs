@@ -19,6 +19,33 @@ const SERVERS: usize = 3;
 /// The longest wait for the cluster to settle after a change.
 const SETTLE: Duration = Duration::from_secs(30);
 
+/// The route proxies of a cluster started with
+/// [`NatsCluster::start_with_route_proxies`].
+#[derive(Debug)]
+pub struct RouteLinks {
+    /// (dialing server, dialed server, the proxy between them).
+    pairs: Vec<(usize, usize, crate::proxy::Proxy)>,
+}
+
+impl RouteLinks {
+    /// Cuts server `i` from both its peers, both ways, closing nothing (as
+    /// across a partition); its clients still reach it.
+    pub fn isolate(&self, i: usize) {
+        for (a, b, proxy) in &self.pairs {
+            if *a == i || *b == i {
+                proxy.blackhole();
+            }
+        }
+    }
+
+    /// Restores every route, delivering what was held.
+    pub fn heal(&self) {
+        for (_, _, proxy) in &self.pairs {
+            proxy.heal();
+        }
+    }
+}
+
 /// A running three-server JetStream cluster, stopped on drop.
 #[derive(Debug)]
 pub struct NatsCluster {
@@ -48,17 +75,66 @@ impl NatsCluster {
     }
 
     fn try_start() -> Result<Self, String> {
-        let clients: Vec<u16> = (0..SERVERS).map(|_| free_port()).collect();
         let routes: Vec<u16> = (0..SERVERS).map(|_| free_port()).collect();
+        let direct = |_: usize, j: usize| format!("nats://127.0.0.1:{}", routes[j]);
+        Self::try_start_routed(&routes, direct, None)
+    }
+
+    /// Starts three servers whose routes each pass through a fault proxy
+    /// of their own, one per ordered pair of servers (server `i` dials
+    /// server `j` through its own proxy), so that one server can be cut
+    /// from its peers while the other two stay linked
+    /// ([`RouteLinks::isolate`]). Each server advertises a closed port, so
+    /// no route is opened around the proxies from what the servers gossip.
+    pub async fn start_with_route_proxies() -> (Self, RouteLinks) {
+        let mut last = String::new();
+        for _ in 0..5 {
+            let routes: Vec<u16> = (0..SERVERS).map(|_| free_port()).collect();
+            let mut pairs = Vec::new();
+            for i in 0..SERVERS {
+                for j in (0..SERVERS).filter(|&j| j != i) {
+                    let upstream = std::net::SocketAddr::from(([127, 0, 0, 1], routes[j]));
+                    pairs.push((i, j, crate::proxy::Proxy::start(upstream).await));
+                }
+            }
+            let via = |i: usize, j: usize| {
+                let (_, _, proxy) = pairs
+                    .iter()
+                    .find(|(a, b, _)| *a == i && *b == j)
+                    .expect("a proxy per ordered pair");
+                format!("nats://{}", proxy.addr())
+            };
+            let closed = free_port();
+            let started = tokio::task::block_in_place(|| {
+                Self::try_start_routed(&routes, via, Some(closed))
+                    .inspect(Self::wait_for_meta_leader)
+            });
+            match started {
+                Ok(cluster) => return (cluster, RouteLinks { pairs }),
+                Err(e) => last = e,
+            }
+        }
+        panic!("a NATS cluster behind route proxies did not start in 5 attempts: {last}");
+    }
+
+    /// Starts the servers with route ports `routes`; server `i` dials
+    /// server `j` at `route(i, j)`, and advertises `advertise` to its
+    /// peers if given.
+    fn try_start_routed(
+        routes: &[u16],
+        route: impl Fn(usize, usize) -> String,
+        advertise: Option<u16>,
+    ) -> Result<Self, String> {
+        let clients: Vec<u16> = (0..SERVERS).map(|_| free_port()).collect();
         let monitors: Vec<u16> = (0..SERVERS).map(|_| free_port()).collect();
         let name = format!("cache-sync-{}-{}", std::process::id(), clients[0]);
         let mut servers = Vec::new();
         for i in 0..SERVERS {
             let others: Vec<String> = (0..SERVERS)
                 .filter(|&j| j != i)
-                .map(|j| format!("nats://127.0.0.1:{}", routes[j]))
+                .map(|j| route(i, j))
                 .collect();
-            let extra = vec![
+            let mut extra = vec![
                 "--cluster".to_owned(),
                 format!("nats://127.0.0.1:{}", routes[i]),
                 "--cluster_name".to_owned(),
@@ -68,6 +144,10 @@ impl NatsCluster {
                 "-m".to_owned(),
                 monitors[i].to_string(),
             ];
+            if let Some(port) = advertise {
+                extra.push("--cluster_advertise".to_owned());
+                extra.push(format!("127.0.0.1:{port}"));
+            }
             servers.push(NatsServer::start_with(clients[i], extra)?);
         }
         Ok(Self {
@@ -210,6 +290,14 @@ impl NatsCluster {
                     .unwrap_or(0)
             })
             .expect("no live server")
+    }
+
+    /// Whether server `i` leads the JetStream meta group, as it reports.
+    pub fn is_meta_leader(&self, i: usize) -> bool {
+        let name = self.servers[i].server_name();
+        self.get(i, "/jsz")
+            .and_then(|j| Some(j.pointer("/meta_cluster/leader")?.as_str()? == name))
+            .unwrap_or(false)
     }
 
     fn wait_for_meta_leader(&self) {

@@ -119,3 +119,140 @@ async fn a_subscription_whose_consumer_died_with_its_server_reads_on() {
     );
     eprintln!("read on {:?} after the kill", started.elapsed());
 }
+
+/// One server cut from its two peers (its routes blackholed, nothing
+/// closed), while a bounded node reads through it and a writer writes
+/// through another: the node cannot prove its topic's tail through a
+/// server out of the quorum, so past its bound (1 s) its reads go to the
+/// source; no read returns a value replaced more than the bound (plus one
+/// proof interval and scheduling slack) before it began. After the heal,
+/// the node holds the last value and is ready. The cut server leads
+/// neither the stream nor the JetStream meta group when cut: what a leader
+/// cut off with a minority answers until it steps down is not judged here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_cut_from_its_peers_puts_its_readers_past_their_bound() {
+    use std::sync::{Arc, Mutex};
+    use std::time::Instant;
+
+    use cache_sync::{Node, Publisher, SyncedCache};
+
+    const MAX: Duration = Duration::from_secs(1);
+    const SLACK: Duration = Duration::from_millis(350);
+    let (cluster, links) = NatsCluster::start_with_route_proxies().await;
+    // The default topic, which the publisher and the node use.
+    let topic = "cache-sync";
+    let writer_transport = NatsJetStreamTransport::builder(cluster.url_of(1))
+        .replicas(3)
+        .connect()
+        .await
+        .expect("connect");
+    let publisher = Publisher::new(writer_transport);
+    publisher.insert("t", [("k", 0u64)]).await.expect("publish");
+    let stream = format!("cache-sync_{topic}");
+    // The server to cut: neither the stream's leader nor the meta leader.
+    let leader = cluster.stream_leader(&stream).expect("a stream leader");
+    let cut = (0..cluster.len())
+        .find(|&i| i != leader && !cluster.is_meta_leader(i))
+        .expect("a follower");
+    let reader_transport = NatsJetStreamTransport::builder(cluster.url_of(cut))
+        .replicas(3)
+        .connect()
+        .await
+        .expect("connect");
+    let cache: SyncedCache<String, u64> = SyncedCache::builder("t", moka::future::Cache::new(10))
+        .max_staleness(MAX)
+        .build()
+        .unwrap();
+    let node = Node::builder("n", reader_transport)
+        .freshness_interval(Duration::from_millis(100))
+        .register(&cache)
+        .start()
+        .await
+        .unwrap();
+
+    // The source, and when each value's publish was acknowledged.
+    let db = Arc::new(Mutex::new(0u64));
+    let acked: Arc<Mutex<Vec<(Instant, u64)>>> = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (db, acked, stop) = (db.clone(), acked.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut i = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                i += 1;
+                *db.lock().unwrap() = i;
+                // Unacknowledged while the stream elects: retried with the
+                // next value.
+                if publisher.insert("t", [("k", i)]).await.is_ok() {
+                    acked.lock().unwrap().push((Instant::now(), i));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let reads = std::cell::Cell::new(0usize);
+    let bypassed = std::cell::Cell::new(0usize);
+    let judge = async |until: Instant| {
+        while Instant::now() < until {
+            let began = Instant::now();
+            let mut loaded = false;
+            let got = cache
+                .get_with("k".to_owned(), || {
+                    loaded = true;
+                    let v = *db.lock().unwrap();
+                    async move { v }
+                })
+                .await;
+            reads.set(reads.get() + 1);
+            bypassed.set(bypassed.get() + usize::from(loaded));
+            let must = acked
+                .lock()
+                .unwrap()
+                .iter()
+                .rev()
+                .find(|(at, _)| *at + MAX + SLACK < began)
+                .map_or(0, |(_, v)| *v);
+            assert!(
+                got >= must,
+                "read {got}, but {must} had replaced it more than {MAX:?} before the read"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    judge(Instant::now() + Duration::from_secs(3)).await;
+    eprintln!("cutting server {cut} (stream leader {leader}) from its peers");
+    links.isolate(cut);
+    let cut_at = Instant::now();
+    judge(cut_at + Duration::from_secs(10)).await;
+    assert!(!node.is_ready(), "past its bound, not ready");
+    let during = bypassed.get();
+    links.heal();
+    judge(Instant::now() + Duration::from_secs(5)).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    writer.await.unwrap();
+    assert!(during > 0, "no read went to the source during the cut");
+    // After the heal: ready, within the bound, and holding the last value
+    // or nothing (a refresh in a quarantine after a loss lands as an
+    // invalidation).
+    let last = *db.lock().unwrap();
+    let deadline = Instant::now() + BOUND;
+    loop {
+        let held = cache.peek(&"k".to_owned()).await;
+        if node.is_ready() && held.is_none_or(|v| v == last) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "after the heal: {held:?} of {last}, ready {}",
+            node.is_ready()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "{} reads, {} to the source; losses {}",
+        reads.get(),
+        bypassed.get(),
+        node.status().losses
+    );
+    node.shutdown().await.unwrap();
+}

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, UNIX_EPOCH};
 
 use async_nats::jetstream::{self, consumer};
 use async_trait::async_trait;
@@ -251,6 +251,14 @@ impl Transport for NatsJetStreamTransport {
             .await
             .map_err(|e| self.err(e))?;
         let info = stream.cached_info();
+        if let Some(cluster) = &info.cluster
+            && !authoritative(cluster)
+        {
+            return Err(Error::Transport {
+                transport: KIND,
+                source: "the stream's state was not answered by a leader in touch with a quorum of its replicas".into(),
+            });
+        }
         Ok(Some(seq_position(info.state.last_sequence, created(info))))
     }
 
@@ -278,5 +286,90 @@ impl Transport for NatsJetStreamTransport {
     ) -> Result<Box<dyn HeartbeatSubscription>> {
         self.check_topic(topic)?;
         self.subscribe_beats(self.reply_subject(topic, to)).await
+    }
+}
+
+/// How recently a replica must have been heard from by the stream's
+/// leader to count toward its quorum in a tail: below NATS's shortest
+/// election timeout (4 s), so that no other leader can have been elected,
+/// and taken acknowledgements, since the quorum last heard from this one.
+const QUORUM_HEARD_WITHIN: Duration = Duration::from_secs(2);
+
+/// Whether a replicated stream's state, as answered, is a tail: a
+/// server cut off from the stream's group answers with its own replica's
+/// state when the group has no leader it can reach (and a leader cut off
+/// with a minority answers until it steps down), which can be behind what
+/// the group acknowledged since. So only the answer of a named leader that
+/// has heard from a quorum of the group within `QUORUM_HEARD_WITHIN`.
+fn authoritative(cluster: &async_nats::jetstream::stream::ClusterInfo) -> bool {
+    if cluster.leader.as_deref().is_none_or(str::is_empty) {
+        return false;
+    }
+    let group = cluster.replicas.len().saturating_add(1);
+    let heard = cluster
+        .replicas
+        .iter()
+        .filter(|r| !r.offline && r.active <= QUORUM_HEARD_WITHIN)
+        .count()
+        .saturating_add(1);
+    // A majority of the group, the leader counted.
+    heard.saturating_mul(2) > group
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cluster(
+        leader: &str,
+        replicas: &[(bool, u64)],
+    ) -> async_nats::jetstream::stream::ClusterInfo {
+        let replicas: Vec<serde_json::Value> = replicas
+            .iter()
+            .enumerate()
+            .map(|(i, (offline, active_ms))| {
+                serde_json::json!({
+                    "name": format!("s{i}"),
+                    "current": true,
+                    "active": active_ms * 1_000_000,
+                    "offline": offline,
+                })
+            })
+            .collect();
+        serde_json::from_value(serde_json::json!({
+            "name": "c",
+            "leader": leader,
+            "replicas": replicas,
+        }))
+        .unwrap()
+    }
+
+    /// A tail of a replicated stream is a named leader's, in touch with a
+    /// majority of its group: not a replica's answer while it can reach no
+    /// leader, nor a leader's that heard from too few peers lately.
+    #[test]
+    fn only_a_leader_in_touch_with_a_quorum_tells_the_tail() {
+        assert!(authoritative(&cluster("s", &[(false, 100), (false, 100)])));
+        assert!(authoritative(&cluster("s", &[(false, 100), (true, 100)])));
+        assert!(authoritative(&cluster(
+            "s",
+            &[(false, 100), (false, 60_000)]
+        )));
+        assert!(!authoritative(&cluster("", &[(false, 100), (false, 100)])));
+        assert!(!authoritative(&cluster(
+            "s",
+            &[(true, 100), (false, 3_000)]
+        )));
+        assert!(!authoritative(&cluster(
+            "s",
+            &[(false, 2_001), (false, 2_001)]
+        )));
+        // R5: two of four peers heard, the leader the third of five.
+        let five = [(false, 100), (false, 100), (true, 100), (false, 9_000)];
+        assert!(authoritative(&cluster("s", &five)));
+        let five = [(false, 100), (true, 100), (true, 100), (false, 9_000)];
+        assert!(!authoritative(&cluster("s", &five)));
+        // A one-replica stream on a cluster: its leader alone.
+        assert!(authoritative(&cluster("s", &[])));
     }
 }
