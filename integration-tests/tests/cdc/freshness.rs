@@ -35,9 +35,9 @@ fn age(node: &Node) -> Option<u64> {
         .and_then(|c| c.freshness_age_ms)
 }
 
-/// Reads key 1 until `until`, failing on a read of `old` later than the
-/// bound (plus slack) after `replaced`; returns how many reads went to
-/// the source (answered `None`).
+/// Reads key 1 until `until`, failing on a read begun later than the
+/// bound (plus slack) after `replaced` that returns `old`; returns how many
+/// reads went to the source (answered `None`).
 async fn judge(
     cache: &SyncedCache<i64, String>,
     old: &str,
@@ -46,12 +46,15 @@ async fn judge(
 ) -> usize {
     let mut bypassed = 0;
     while Instant::now() < until {
-        let got = cache.get(&1).await;
+        // When the read began: the bound is checked then, and a loaded
+        // machine may take long to return (a full run measured one read
+        // 9 ms past the slack when timed from its end).
         let late = replaced.elapsed();
+        let got = cache.get(&1).await;
         if got.as_deref() == Some(old) {
             assert!(
                 late <= BOUND + SLACK,
-                "read {old:?} {late:?} after the database replaced it, past a bound of {BOUND:?}"
+                "a read begun {late:?} after the database replaced {old:?} returned it, past a bound of {BOUND:?}"
             );
         }
         bypassed += usize::from(got.is_none());
@@ -173,6 +176,11 @@ async fn a_relay_whose_publishes_hang_puts_nodes_past_their_bound() {
     let (pg, pool, transport, nodes) = items_fixture(0).await;
     let cache = SyncedCache::builder(ITEMS, moka::future::Cache::new(1000))
         .max_staleness(BOUND)
+        // Waits for the relay's reports from the start: a cache that
+        // learns of its relay from the first report is judged by its
+        // node's proof alone until then, and the hang below may come
+        // first (it did, in one run of three).
+        .cdc_relayed()
         .build()
         .unwrap();
     let node = Node::builder("n", transport.clone())
