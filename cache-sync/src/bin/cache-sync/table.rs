@@ -317,23 +317,23 @@ mod tests {
         assert!(row.contains(" ? "), "{table}");
     }
 
+    /// The FRESH cell of the first row that contains `id`.
+    fn fresh_cell(table: &str, id: &str) -> String {
+        let header = table.lines().nth(1).unwrap();
+        let at = header.chars().take(header.find("FRESH").unwrap()).count();
+        let row = table.lines().find(|l| l.contains(id)).unwrap();
+        row.chars().skip(at).take_while(|c| *c != ' ').collect()
+    }
+
     #[test]
     fn freshness_shows_per_node_and_unknown_as_a_question_mark() {
         let mut proved = serde_json::to_value(node("proved", vec![])).unwrap();
         proved["freshness_age_ms"] = serde_json::json!(2_500);
         let proved: NodeView = serde_json::from_value(proved).unwrap();
         let table = render(&view(vec![proved, node("unproved", vec![])], vec![]));
-        let column = |row: &str| {
-            let header = table.lines().nth(1).unwrap();
-            let at = header.chars().take(header.find("FRESH").unwrap()).count();
-            row.chars()
-                .skip(at)
-                .take_while(|c| *c != ' ')
-                .collect::<String>()
-        };
-        let row = |id: &str| table.lines().find(|l| l.contains(id)).unwrap().to_owned();
-        assert_eq!(column(&row("unproved")), "?", "{table}");
-        assert_eq!(column(&row("  proved")), "2.5", "{table}");
+        let fresh = |id: &str| fresh_cell(&table, id);
+        assert_eq!(fresh("unproved"), "?", "{table}");
+        assert_eq!(fresh("  proved"), "2.5", "{table}");
 
         // A cache's row shows the cache's own (a relay's lag added, or
         // unknown while one is awaited), not its node's.
@@ -346,17 +346,9 @@ mod tests {
         let mut n = serde_json::to_value(node("n1", caches)).unwrap();
         n["freshness_age_ms"] = serde_json::json!(100);
         let table = render(&view(vec![serde_json::from_value(n).unwrap()], vec![]));
-        let column = |row: &str| {
-            let header = table.lines().nth(1).unwrap();
-            let at = header.chars().take(header.find("FRESH").unwrap()).count();
-            row.chars()
-                .skip(at)
-                .take_while(|c| *c != ' ')
-                .collect::<String>()
-        };
-        let row = |id: &str| table.lines().find(|l| l.contains(id)).unwrap().to_owned();
-        assert_eq!(column(&row("relayed")), "7.0", "{table}");
-        assert_eq!(column(&row("awaiting")), "?", "{table}");
+        let fresh = |id: &str| fresh_cell(&table, id);
+        assert_eq!(fresh("relayed"), "7.0", "{table}");
+        assert_eq!(fresh("awaiting"), "?", "{table}");
     }
 
     #[test]
