@@ -28,6 +28,23 @@ fn relay_through(proxy: &Proxy, transport: &EmbeddedTransport) -> cache_sync::cd
     .table(CdcTable::new(ITEMS, "items", |row| row.parse("id")).value(|row| row.parse("name")))
 }
 
+/// A node proving every 100 ms, holding `items` bounded at `BOUND` and
+/// waiting for a relay's reports from the start.
+async fn bounded_node(transport: &EmbeddedTransport) -> (SyncedCache<i64, String>, Node) {
+    let cache = SyncedCache::builder(ITEMS, moka::future::Cache::new(1000))
+        .max_staleness(BOUND)
+        .cdc_relayed()
+        .build()
+        .unwrap();
+    let node = Node::builder("n", transport.clone())
+        .freshness_interval(Duration::from_millis(100))
+        .register(&cache)
+        .start()
+        .await
+        .unwrap();
+    (cache, node)
+}
+
 fn age(node: &Node) -> Option<u64> {
     node.status()
         .caches
@@ -71,17 +88,7 @@ async fn a_relay_cut_off_from_its_database_puts_nodes_past_their_bound() {
     let transport = EmbeddedTransport::new();
     let upstream = std::net::SocketAddr::from(([127, 0, 0, 1], pg.port()));
     let proxy = Proxy::start(upstream).await;
-    let cache = SyncedCache::builder(ITEMS, moka::future::Cache::new(1000))
-        .max_staleness(BOUND)
-        .cdc_relayed()
-        .build()
-        .unwrap();
-    let node = Node::builder("n", transport.clone())
-        .freshness_interval(Duration::from_millis(100))
-        .register(&cache)
-        .start()
-        .await
-        .unwrap();
+    let (cache, node) = bounded_node(&transport).await;
     // Awaited from the start: nothing proves the cache fresh yet.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(age(&node), None, "no report yet");
@@ -137,17 +144,7 @@ async fn a_relay_cut_off_from_its_database_puts_nodes_past_their_bound() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_that_never_reports_leaves_a_relayed_cache_unproved() {
     let (pg, pool, transport, nodes) = items_fixture(0).await;
-    let cache = SyncedCache::builder(ITEMS, moka::future::Cache::new(1000))
-        .max_staleness(BOUND)
-        .cdc_relayed()
-        .build()
-        .unwrap();
-    let node = Node::builder("n", transport.clone())
-        .freshness_interval(Duration::from_millis(100))
-        .register(&cache)
-        .start()
-        .await
-        .unwrap();
+    let (cache, node) = bounded_node(&transport).await;
     let relay = relay(&pg, &transport)
         .freshness_interval(Duration::MAX)
         .start()
@@ -174,21 +171,10 @@ async fn a_relay_that_never_reports_leaves_a_relayed_cache_unproved() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_whose_publishes_hang_puts_nodes_past_their_bound() {
     let (pg, pool, transport, nodes) = items_fixture(0).await;
-    let cache = SyncedCache::builder(ITEMS, moka::future::Cache::new(1000))
-        .max_staleness(BOUND)
-        // Waits for the relay's reports from the start: a cache that
-        // learns of its relay from the first report is judged by its
-        // node's proof alone until then, and the hang below may come
-        // first (it did, in one run of three).
-        .cdc_relayed()
-        .build()
-        .unwrap();
-    let node = Node::builder("n", transport.clone())
-        .freshness_interval(Duration::from_millis(100))
-        .register(&cache)
-        .start()
-        .await
-        .unwrap();
+    // Built `cdc_relayed`: a cache that learns of its relay from the first
+    // report is judged by its node's proof alone until then, and the hang
+    // below may come first (it did, in one run of three).
+    let (cache, node) = bounded_node(&transport).await;
     let faulty = cache_sync::transport::FaultyTransport::new(transport.clone());
     let relay = CdcRelay::builder(pg.url(), Publisher::new(faulty.clone()))
         .freshness_interval(Duration::from_millis(50))
