@@ -10,8 +10,14 @@
 //! A connection opened while the link is cut is accepted (the kernel
 //! would take the handshake into the backlog) and relays nothing until the
 //! heal.
+//!
+//! A cut can also be of some clients only, told apart by their source
+//! address ([`Proxy::cut_sources`]): servers of a cluster that each dial
+//! their peers from a loopback address of their own (Redis's
+//! `bind-source-addr`) can be cut from one another while every client
+//! still reaches them, through one proxy in front of each server.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -24,7 +30,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 /// What the link does now, in each direction.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Link {
     /// Client → server bytes move.
     up: bool,
@@ -34,10 +40,16 @@ struct Link {
     latency: Duration,
     /// Bumped by [`Proxy::reset`]: connections of an older epoch end.
     epoch: u64,
+    /// Connections from these addresses move nothing either way, whatever
+    /// `up` and `down` say.
+    cut_sources: Arc<[IpAddr]>,
 }
 
 impl Link {
-    fn open(&self, direction: Direction) -> bool {
+    fn open(&self, direction: Direction, source: IpAddr) -> bool {
+        if self.cut_sources.contains(&source) {
+            return false;
+        }
         match direction {
             Direction::Up => self.up,
             Direction::Down => self.down,
@@ -76,13 +88,14 @@ impl Proxy {
             down: true,
             latency: Duration::ZERO,
             epoch: 0,
+            cut_sources: Arc::new([]),
         });
         let accepted = Arc::new(AtomicU64::new(0));
         let counted = accepted.clone();
         let accept = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
+            while let Ok((client, from)) = listener.accept().await {
                 counted.fetch_add(1, Ordering::Relaxed);
-                tokio::spawn(relay(client, upstream, watching.clone()));
+                tokio::spawn(relay(client, from.ip(), upstream, watching.clone()));
             }
         });
         Self {
@@ -132,12 +145,20 @@ impl Proxy {
         self.set(|l| l.latency = latency);
     }
 
-    /// Restores both directions and delivers what was held.
+    /// Cuts both directions of every connection from one of `sources`
+    /// (opened before or after), closing nothing; others move as before.
+    pub fn cut_sources(&self, sources: &[IpAddr]) {
+        self.set(|l| l.cut_sources = sources.into());
+    }
+
+    /// Restores both directions, for every source, and delivers what was
+    /// held.
     pub fn heal(&self) {
         self.stop_flapping();
         self.set(|l| {
             l.up = true;
             l.down = true;
+            l.cut_sources = Arc::new([]);
         });
     }
 
@@ -181,11 +202,16 @@ impl Drop for Proxy {
     }
 }
 
-async fn relay(client: TcpStream, upstream: SocketAddr, mut link: watch::Receiver<Link>) {
+async fn relay(
+    client: TcpStream,
+    source: IpAddr,
+    upstream: SocketAddr,
+    mut link: watch::Receiver<Link>,
+) {
     let epoch = link.borrow_and_update().epoch;
     // The server is dialled only once the client's bytes may pass: a
     // partitioned client's connection never reaches it.
-    if !wait_open(&mut link, Direction::Up, epoch, None).await {
+    if !wait_open(&mut link, Direction::Up, source, epoch, None).await {
         return;
     }
     let Ok(server) = TcpStream::connect(upstream).await else {
@@ -208,14 +234,14 @@ async fn relay(client: TcpStream, upstream: SocketAddr, mut link: watch::Receive
     let up = tokio::spawn(pump(
         client_read,
         server_write,
-        Direction::Up,
+        (Direction::Up, source),
         link.clone(),
         epoch,
     ));
     let down = tokio::spawn(pump(
         server_read,
         client_write,
-        Direction::Down,
+        (Direction::Down, source),
         link,
         epoch,
     ));
@@ -227,15 +253,16 @@ async fn relay(client: TcpStream, upstream: SocketAddr, mut link: watch::Receive
 async fn wait_open(
     link: &mut watch::Receiver<Link>,
     direction: Direction,
+    source: IpAddr,
     epoch: u64,
     arrived: Option<Instant>,
 ) -> bool {
     loop {
-        let now = *link.borrow_and_update();
+        let now = link.borrow_and_update().clone();
         if now.epoch != epoch {
             return false;
         }
-        if now.open(direction) {
+        if now.open(direction, source) {
             let Some(arrived) = arrived else {
                 return true;
             };
@@ -259,7 +286,7 @@ async fn wait_open(
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
-    direction: Direction,
+    (direction, source): (Direction, IpAddr),
     mut link: watch::Receiver<Link>,
     epoch: u64,
 ) {
@@ -273,7 +300,7 @@ async fn pump(
             Ok(0) | Err(_) => {
                 // The sender closed: pass the close on once the link lets
                 // bytes through (a FIN is a packet too).
-                if wait_open(&mut link, direction, epoch, Some(Instant::now())).await {
+                if wait_open(&mut link, direction, source, epoch, Some(Instant::now())).await {
                     let _ = to.shutdown().await;
                 }
                 return;
@@ -282,7 +309,7 @@ async fn pump(
         };
         // Held here while the link is cut: the proxy reads no more, so the
         // sender's kernel buffers fill, as they would with packets unacked.
-        if !wait_open(&mut link, direction, epoch, Some(Instant::now())).await {
+        if !wait_open(&mut link, direction, source, epoch, Some(Instant::now())).await {
             return;
         }
         if to.write_all(&buf[..n]).await.is_err() {
@@ -378,5 +405,41 @@ mod tests {
         assert!(closed.is_ok(), "a reset connection ends");
         let mut fresh = TcpStream::connect(proxy.addr()).await.expect("connect");
         assert!(echoes(&mut fresh, Duration::from_secs(5)).await);
+    }
+
+    /// Dials `to` from `source`, as a server with `bind-source-addr` does.
+    async fn connect_from(source: IpAddr, to: SocketAddr) -> TcpStream {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket
+            .bind(SocketAddr::new(source, 0))
+            .expect("bind the source");
+        socket.connect(to).await.expect("connect")
+    }
+
+    #[tokio::test]
+    async fn a_cut_of_some_sources_leaves_the_others_moving() {
+        let proxy = Proxy::start(echo_server().await).await;
+        let peer: IpAddr = "127.0.0.2".parse().unwrap();
+        let client: IpAddr = "127.0.0.1".parse().unwrap();
+        let mut from_peer = connect_from(peer, proxy.addr()).await;
+        let mut from_client = connect_from(client, proxy.addr()).await;
+        assert!(echoes(&mut from_peer, Duration::from_secs(5)).await);
+
+        proxy.cut_sources(&[peer]);
+        assert!(!echoes(&mut from_peer, Duration::from_millis(200)).await);
+        assert!(echoes(&mut from_client, Duration::from_secs(5)).await);
+        // A connection the peer opens during the cut relays nothing either.
+        let mut late = connect_from(peer, proxy.addr()).await;
+        assert!(!echoes(&mut late, Duration::from_millis(200)).await);
+
+        proxy.heal();
+        let mut buf = [0u8; 4];
+        for c in [&mut from_peer, &mut late] {
+            tokio::time::timeout(Duration::from_secs(5), c.read_exact(&mut buf))
+                .await
+                .expect("the held bytes arrive")
+                .expect("read");
+            assert!(echoes(c, Duration::from_secs(5)).await);
+        }
     }
 }
