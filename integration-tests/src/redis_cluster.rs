@@ -8,10 +8,18 @@
 //!
 //! Servers are addressed by their index in the cluster, which stays theirs
 //! across restarts and changes of role.
+//!
+//! [`RedisCluster::start_with_server_links`] puts a proxy in front of each
+//! server's port and bus port, and has each server dial its peers from a
+//! loopback address of its own: a server can then be cut from its peers
+//! while clients still reach it ([`ServerLinks::isolate`]), the split
+//! brain of a master partitioned away from the majority.
 
+use std::net::{IpAddr, SocketAddr};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::proxy::Proxy;
 use crate::redis_server::{RedisServer, Reply};
 
 /// How long a master may be unreachable before its replica takes over: a
@@ -50,7 +58,50 @@ impl ClusterNode {
 #[derive(Debug)]
 pub struct RedisCluster {
     servers: Vec<RedisServer>,
+    /// The port each server tells clients and peers to use: its own, or its
+    /// proxy's.
+    announced: Vec<u16>,
     paused: Vec<bool>,
+}
+
+/// The links to the servers of a cluster started with
+/// [`RedisCluster::start_with_server_links`].
+#[derive(Debug)]
+pub struct ServerLinks {
+    /// Per server: the proxy in front of its port, then of its bus port.
+    proxies: Vec<[Proxy; 2]>,
+    /// Per server: the loopback address it dials its peers from (its bus
+    /// links and, as a replica, its replication link).
+    sources: Vec<IpAddr>,
+}
+
+impl ServerLinks {
+    /// Cuts server `i` from every other server, both ways, closing nothing
+    /// (as across a partition): no bus link and no replication link between
+    /// them moves a byte. Every client still reaches every server, `i`
+    /// included.
+    pub fn isolate(&self, i: usize) {
+        for (j, proxies) in self.proxies.iter().enumerate() {
+            let cut: Vec<IpAddr> = if j == i {
+                (0..self.sources.len())
+                    .filter(|&k| k != i)
+                    .map(|k| self.sources[k])
+                    .collect()
+            } else {
+                vec![self.sources[i]]
+            };
+            for proxy in proxies {
+                proxy.cut_sources(&cut);
+            }
+        }
+    }
+
+    /// Restores every link and delivers what was held.
+    pub fn heal(&self) {
+        for proxy in self.proxies.iter().flatten() {
+            proxy.heal();
+        }
+    }
 }
 
 impl RedisCluster {
@@ -61,9 +112,61 @@ impl RedisCluster {
         let servers: Vec<RedisServer> = (0..MASTERS * 2)
             .map(|_| RedisServer::start_cluster_node(millis(NODE_TIMEOUT)))
             .collect();
-        let addrs: Vec<String> = servers
+        let announced = servers.iter().map(RedisServer::port).collect();
+        Self::create(servers, announced)
+    }
+
+    /// [`RedisCluster::start`], with every link to a server, from clients
+    /// and from its peers, through a proxy in front of it, and each server
+    /// dialling from a loopback address of its own (`bind-source-addr`,
+    /// 127.0.0.(101 + its index)), so that [`ServerLinks::isolate`] can cut
+    /// servers from one another and not from clients. The servers announce
+    /// the proxies' ports, so clients that follow the cluster's topology
+    /// (`CLUSTER SLOTS`, `MOVED`) go through them too.
+    ///
+    /// Blocking calls run off the runtime: the proxies need it to move the
+    /// bytes the cluster's creation waits for. A test that waits on the
+    /// cluster itself later (`wait_whole`, `wait_for_new_master`) does so
+    /// from `spawn_blocking` or a multi-threaded runtime, for the same
+    /// reason.
+    pub async fn start_with_server_links() -> (Self, ServerLinks) {
+        let mut servers = tokio::task::spawn_blocking(|| {
+            (0..MASTERS * 2)
+                .map(|_| RedisServer::start_cluster_node(millis(NODE_TIMEOUT)))
+                .collect::<Vec<_>>()
+        })
+        .await
+        .expect("start the servers");
+        let mut proxies = Vec::new();
+        let mut sources = Vec::new();
+        let mut announced = Vec::new();
+        for (i, server) in servers.iter_mut().enumerate() {
+            let bus_port = server
+                .cluster_bus_port()
+                .expect("a cluster node's bus port");
+            let client = Proxy::start(server.addr()).await;
+            let bus = Proxy::start(SocketAddr::from(([127, 0, 0, 1], bus_port))).await;
+            let source = IpAddr::from([127, 0, 0, 101 + u8::try_from(i).expect("few servers")]);
+            server.configure("cluster-announce-ip", "127.0.0.1");
+            server.configure("cluster-announce-port", &client.addr().port().to_string());
+            server.configure("cluster-announce-bus-port", &bus.addr().port().to_string());
+            server.configure("bind-source-addr", &source.to_string());
+            announced.push(client.addr().port());
+            sources.push(source);
+            proxies.push([client, bus]);
+        }
+        let cluster = tokio::task::spawn_blocking(move || Self::create(servers, announced))
+            .await
+            .expect("create the cluster");
+        (cluster, ServerLinks { proxies, sources })
+    }
+
+    /// Joins `servers` into a cluster (each reached at its `announced`
+    /// port) and waits until it is whole.
+    fn create(servers: Vec<RedisServer>, announced: Vec<u16>) -> Self {
+        let addrs: Vec<String> = announced
             .iter()
-            .map(|s| format!("127.0.0.1:{}", s.port()))
+            .map(|port| format!("127.0.0.1:{port}"))
             .collect();
         let out = match Command::new("redis-cli")
             .args(["--cluster", "create"])
@@ -84,6 +187,7 @@ impl RedisCluster {
         let cluster = RedisCluster {
             paused: vec![false; servers.len()],
             servers,
+            announced,
         };
         cluster.wait_whole();
         cluster
@@ -117,10 +221,13 @@ impl RedisCluster {
         self.servers.is_empty()
     }
 
-    /// Every server's URL, `redis://127.0.0.1:PORT/`: the seeds a client
-    /// is given.
+    /// Every server's URL, `redis://127.0.0.1:PORT/` at the port it
+    /// announces: the seeds a client is given.
     pub fn urls(&self) -> Vec<String> {
-        self.servers.iter().map(RedisServer::url).collect()
+        self.announced
+            .iter()
+            .map(|port| format!("redis://127.0.0.1:{port}/"))
+            .collect()
     }
 
     /// One server.
@@ -250,7 +357,7 @@ impl RedisCluster {
             Ok(Reply::Status(s)) if s == "OK" => {}
             other => panic!("{command:?} on server {replica} answered {other:?}"),
         }
-        let port = self.servers[replica].port();
+        let port = self.announced[replica];
         self.wait_until(&format!("server {replica} a master"), || {
             self.live().all(|i| {
                 self.nodes_seen_by(i)
@@ -335,9 +442,9 @@ impl RedisCluster {
     }
 
     fn index_of(&self, port: u16) -> usize {
-        self.servers
+        self.announced
             .iter()
-            .position(|s| s.port() == port)
+            .position(|&p| p == port)
             .unwrap_or_else(|| panic!("no server of this cluster on port {port}"))
     }
 

@@ -163,6 +163,23 @@ impl RedisServer {
         self.process.pid().is_some() && self.process.exited().is_none()
     }
 
+    /// Its cluster bus port, for a cluster node.
+    pub fn cluster_bus_port(&self) -> Option<u16> {
+        let at = self.extra.iter().position(|a| a == "--cluster-port")?;
+        self.extra.get(at + 1)?.parse().ok()
+    }
+
+    /// `CONFIG SET name value` now, and the same argument on every later
+    /// start ([`RedisServer::restart`]).
+    pub fn configure(&mut self, name: &str, value: &str) {
+        match self.query(&["CONFIG", "SET", name, value]) {
+            Ok(Reply::Status(s)) if s == "OK" => {}
+            other => panic!("CONFIG SET {name} {value} answered {other:?}"),
+        }
+        self.extra.push(format!("--{name}"));
+        self.extra.push(value.to_owned());
+    }
+
     /// Its loopback address, for a proxy in front of it.
     pub fn addr(&self) -> std::net::SocketAddr {
         std::net::SocketAddr::from(([127, 0, 0, 1], self.port))
