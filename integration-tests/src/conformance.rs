@@ -74,6 +74,14 @@ pub enum Fault {
     /// A node's link to its broker is cut (both ways without a reset, one
     /// way, slowed, flapping) by a proxy, then healed ([`partitioned`]).
     Partition,
+    /// On a cluster, the server that leads the topic is cut from its peers
+    /// (both ways, closing nothing) while every client still reaches it,
+    /// past the cluster's failover timeout, then healed: a split brain.
+    /// The majority elects a new leader; the old one takes writes from the
+    /// clients beside it until it finds itself alone, and loses them when
+    /// it rejoins ([`partitioned`] with [`Cut::LeaderSplit`]). The fixture
+    /// checks that it did lose some.
+    LeaderSplit,
 }
 
 impl Fault {
@@ -86,6 +94,7 @@ impl Fault {
                 | Fault::SlotMoved
                 | Fault::FailoverLosesWrites
                 | Fault::ConnectedServerKilled
+                | Fault::LeaderSplit
         )
     }
 }
@@ -151,6 +160,14 @@ pub trait Fixture: Send + Sync {
     async fn transport_at(&self, addr: std::net::SocketAddr) -> Arc<dyn Transport> {
         let _ = addr;
         cannot_run(self.name(), "a client through a proxy")
+    }
+    /// For [`Fault::LeaderSplit`]: a new client held to the server that
+    /// leads the topic now, and one held to another server, so that a
+    /// split puts a node on the minority's side and the publisher on the
+    /// majority's. `None` where clients go wherever the cluster sends them
+    /// (both sides then hold whatever clients they hold).
+    async fn transports_either_side(&self) -> Option<[Arc<dyn Transport>; 2]> {
+        None
     }
     /// Kills the broker (`kill -9`) and leaves it down.
     fn kill(&mut self) {}

@@ -201,14 +201,18 @@ impl NatsCluster {
 
     /// The server that leads `stream`, as a live server reports it.
     pub fn stream_leader(&self, stream: &str) -> Option<usize> {
-        self.live().find_map(|i| {
-            let jsz = self.get(i, "/jsz?accounts=true&streams=true")?;
-            let leader = stream_detail(&jsz, stream)?
-                .pointer("/cluster/leader")?
-                .as_str()?
-                .to_owned();
-            self.index_of(&leader)
-        })
+        self.live()
+            .find_map(|i| self.stream_leader_seen_by(i, stream))
+    }
+
+    /// The leader of `stream` as server `i` reports it.
+    fn stream_leader_seen_by(&self, i: usize, stream: &str) -> Option<usize> {
+        let jsz = self.get(i, "/jsz?accounts=true&streams=true")?;
+        let leader = stream_detail(&jsz, stream)?
+            .pointer("/cluster/leader")?
+            .as_str()?
+            .to_owned();
+        self.index_of(&leader)
     }
 
     /// The servers that host consumers of `stream` (an ordered consumer
@@ -244,7 +248,13 @@ impl NatsCluster {
     pub fn wait_for_new_leader(&self, stream: &str, old: usize) -> usize {
         let mut found = None;
         self.wait_until(&format!("a new leader of {stream}"), || {
-            found = self.stream_leader(stream).filter(|&l| l != old);
+            // As the others see it: `old`, if it runs cut off from them,
+            // names itself until it steps down.
+            found = self
+                .live()
+                .filter(|&i| i != old)
+                .find_map(|i| self.stream_leader_seen_by(i, stream))
+                .filter(|&l| l != old);
             found.is_some()
         });
         found.expect("found")

@@ -605,6 +605,9 @@ macro_rules! case {
     ($f:expr, a_link_flapping_for_a_minute) => {
         integration_tests::conformance::partitioned(&mut $f, Cut::Flapping).await
     };
+    ($f:expr, leader_split_from_its_peers) => {
+        integration_tests::conformance::partitioned(&mut $f, Cut::LeaderSplit).await
+    };
     ($f:expr, readiness_follows_a_paused_broker) => {
         cluster_view::readiness_follows_a_paused_broker(&mut $f).await
     };
@@ -657,6 +660,7 @@ const SCENARIOS: &[&str] = &[
     "partition_cuts_the_publisher",
     "latency_spikes_on_a_node_link",
     "a_link_flapping_for_a_minute",
+    "leader_split_from_its_peers",
     "leader_killed_while_events_flow",
     "leader_paused_past_failover_then_resumed_stale",
     "slot_moved_while_events_flow",
@@ -737,6 +741,7 @@ conformance!(embedded, Embedded::new(), {
     partition_cuts_the_publisher = ignore "in-process: no network link to cut",
     latency_spikes_on_a_node_link = ignore "in-process: no network link to cut",
     a_link_flapping_for_a_minute = ignore "in-process: no network link to cut",
+    leader_split_from_its_peers = ignore "in-process: no servers to split",
     leader_killed_while_events_flow = ignore "in-process: no servers",
     leader_paused_past_failover_then_resumed_stale = ignore "in-process: no servers",
     slot_moved_while_events_flow = ignore "in-process: no servers",
@@ -776,6 +781,7 @@ conformance!(redis_streams, Streams { server: RedisServer::start() }, {
     partition_cuts_the_publisher,
     latency_spikes_on_a_node_link,
     a_link_flapping_for_a_minute,
+    leader_split_from_its_peers = ignore "one server: no peers to split it from; the cluster fixtures run it",
     leader_killed_while_events_flow = ignore "one server: no replica to take over",
     leader_paused_past_failover_then_resumed_stale = ignore "one server: no replica to take over",
     slot_moved_while_events_flow = ignore "one server: no slot to move",
@@ -815,6 +821,7 @@ conformance!(redis_pubsub, PubSub { server: RedisServer::start() }, {
     partition_cuts_the_publisher,
     latency_spikes_on_a_node_link,
     a_link_flapping_for_a_minute,
+    leader_split_from_its_peers = ignore "one server: no peers to split it from; the cluster fixtures run it",
     leader_killed_while_events_flow = ignore "one server: no replica to take over",
     leader_paused_past_failover_then_resumed_stale = ignore "one server: no replica to take over",
     slot_moved_while_events_flow = ignore "one server: no slot to move",
@@ -855,6 +862,7 @@ conformance!(nats_jetstream, Nats { server: NatsServer::start() }, {
     partition_cuts_the_publisher,
     latency_spikes_on_a_node_link,
     a_link_flapping_for_a_minute,
+    leader_split_from_its_peers = ignore "one server: no peers to split it from; the cluster fixtures run it",
     leader_killed_while_events_flow = ignore "one server: no replica to take over",
     leader_paused_past_failover_then_resumed_stale = ignore "one server: no replica to take over",
     slot_moved_while_events_flow = ignore "one server: no slot to move",
@@ -897,6 +905,7 @@ conformance!(rocketmq, RocketMq { server: RocketMqServer::start() }, {
     partition_cuts_the_publisher = ignore "clients learn the broker's address from the name server, so a proxy in front of one address cuts only the name server: no partition of the broker link yet",
     latency_spikes_on_a_node_link = ignore "clients learn the broker's address from the name server, so a proxy in front of one address cuts only the name server: no partition of the broker link yet",
     a_link_flapping_for_a_minute = ignore "clients learn the broker's address from the name server, so a proxy in front of one address cuts only the name server: no partition of the broker link yet",
+    leader_split_from_its_peers = ignore "one server: no peers to split it from; the cluster fixtures run it",
     leader_killed_while_events_flow = ignore "one server: no replica to take over",
     leader_paused_past_failover_then_resumed_stale = ignore "one server: no replica to take over",
     slot_moved_while_events_flow = ignore "one server: no slot to move",

@@ -40,13 +40,29 @@ pub enum Cut {
     LatencySpikes,
     /// Cut and healed every 200 ms.
     Flapping,
+    /// No proxy between the clients and the cluster: the topic's leader
+    /// cut from its peers by the fixture ([`Fault::LeaderSplit`]), the
+    /// nodes and the publisher on either side, wherever their clients take
+    /// them.
+    LeaderSplit,
 }
 
 impl Cut {
     /// Whether the cut stops the node's proof for longer than the bound,
-    /// so its bounded reads must go to the source.
+    /// so its bounded reads must go to the source. A split leaves the
+    /// nodes a server to read from: whether they prove anything meanwhile
+    /// depends on the cluster's timing, and every read is judged either
+    /// way.
     fn outlives_the_bound(self) -> bool {
-        !matches!(self, Cut::Publisher | Cut::Flapping)
+        !matches!(self, Cut::Publisher | Cut::Flapping | Cut::LeaderSplit)
+    }
+
+    /// The fault a fixture is asked to expect of it.
+    fn fault(self) -> Fault {
+        match self {
+            Cut::LeaderSplit => Fault::LeaderSplit,
+            _ => Fault::Partition,
+        }
     }
 }
 
@@ -105,19 +121,33 @@ struct Reads {
 /// after the heal every node converges.
 pub async fn partitioned(fixture: &mut dyn Fixture, cut: Cut) {
     let name = fixture.name();
-    let Some(expect) = fixture.expect(Fault::Partition) else {
-        cannot_run(name, "a partition (no single broker address to proxy)");
+    let Some(expect) = fixture.expect(cut.fault()) else {
+        cannot_run(name, &format!("the cut {cut:?}"));
     };
-    let Some(upstream) = fixture.address() else {
-        cannot_run(name, "a partition (no single broker address to proxy)");
-    };
-    let proxy = Proxy::start(upstream).await;
-    let through = fixture.transport_at(proxy.addr()).await;
     let direct = fixture.transport().await;
-    let (node_link, publisher_link) = if cut == Cut::Publisher {
-        (direct.clone(), through)
+    // A split is the fixture's to make; every other cut a proxy's, in
+    // front of the fixture's one broker address.
+    let proxy = if cut == Cut::LeaderSplit {
+        None
     } else {
-        (through, direct.clone())
+        let Some(upstream) = fixture.address() else {
+            cannot_run(name, "a partition (no single broker address to proxy)");
+        };
+        Some(Proxy::start(upstream).await)
+    };
+    let (node_link, publisher_link) = match &proxy {
+        None => match fixture.transports_either_side().await {
+            Some([beside_the_leader, beside_the_others]) => (beside_the_leader, beside_the_others),
+            None => (fixture.transport().await, direct.clone()),
+        },
+        Some(proxy) => {
+            let through = fixture.transport_at(proxy.addr()).await;
+            if cut == Cut::Publisher {
+                (direct.clone(), through)
+            } else {
+                (through, direct.clone())
+            }
+        }
     };
 
     let db: Arc<Db> = Arc::default();
@@ -172,10 +202,24 @@ pub async fn partitioned(fixture: &mut dyn Fixture, cut: Cut) {
 
     let started = Instant::now();
     reads.faulted.store(true, Ordering::Relaxed);
-    let cuts = inject(&proxy, cut).await;
+    let cuts = match &proxy {
+        Some(proxy) => inject(proxy, cut).await,
+        None => {
+            // The fixture returns once the majority has a new leader and
+            // the old one has taken writes the new one lacks.
+            fixture.inject(Fault::LeaderSplit).await;
+            1
+        }
+    };
     let faulted = started.elapsed();
-    proxy.heal();
-    proxy.latency(Duration::ZERO);
+    match &proxy {
+        Some(proxy) => {
+            proxy.heal();
+            proxy.latency(Duration::ZERO);
+        }
+        // Returns once the old leader rejoined as a follower.
+        None => fixture.heal(Fault::LeaderSplit).await,
+    }
     reads.faulted.store(false, Ordering::Relaxed);
     // Reads go on through the heal and the catch-up after it.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -194,7 +238,7 @@ pub async fn partitioned(fixture: &mut dyn Fixture, cut: Cut) {
         reads.done.load(Ordering::Relaxed),
         reads.oldest_ms.load(Ordering::Relaxed),
         reads.not_ready.load(Ordering::Relaxed),
-        proxy.accepted(),
+        proxy.as_ref().map_or(0, Proxy::accepted),
     );
     assert!(
         violations.is_empty(),
@@ -301,6 +345,7 @@ pub async fn partitioned(fixture: &mut dyn Fixture, cut: Cut) {
 /// number of separate cuts made.
 async fn inject(proxy: &Proxy, cut: Cut) -> u64 {
     match cut {
+        Cut::LeaderSplit => unreachable!("a split is the fixture's, not a proxy's"),
         Cut::Blackhole | Cut::Publisher => {
             proxy.blackhole();
             // Past every client timeout the fixtures set (NATS's requests

@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use cache_sync::transport::NatsJetStreamTransport;
 use cache_sync::transport::Transport;
 use integration_tests::conformance::{Expect, Fault, Fixture, retry};
-use integration_tests::nats_cluster::NatsCluster;
+use integration_tests::nats_cluster::{NatsCluster, RouteLinks};
 
 use super::*;
 
@@ -20,11 +20,22 @@ const STREAM: &str = "cache-sync_cache-sync";
 
 struct NatsOnCluster {
     cluster: NatsCluster,
+    /// The routes between the servers, to split them.
+    links: RouteLinks,
     /// A server killed by the fault, until it is healed.
     down: Option<usize>,
 }
 
 impl NatsOnCluster {
+    async fn start() -> Self {
+        let (cluster, links) = NatsCluster::start_with_route_proxies().await;
+        Self {
+            cluster,
+            links,
+            down: None,
+        }
+    }
+
     /// Lets events flow for a while with the cluster as it is.
     async fn let_events_flow() {
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -50,6 +61,19 @@ impl NatsOnCluster {
                 Self::let_events_flow().await;
                 self.cluster.resume(leader);
                 self.cluster.wait_in_sync(STREAM);
+            }
+            Fault::LeaderSplit => {
+                Self::let_events_flow().await;
+                let leader = self.leader();
+                self.links.isolate(leader);
+                // A publish needs two of the three servers: the cut leader
+                // acknowledges none from now on, and the other two elect
+                // a new one.
+                let new = self.cluster.wait_for_new_leader(STREAM, leader);
+                eprintln!("{STREAM}: leader {leader} cut from its peers, server {new} leads");
+                // Past the bound with the new leader taking writes: a node
+                // held to the old one must not serve what they replaced.
+                tokio::time::sleep(Duration::from_secs(3)).await;
             }
             Fault::ConnectedServerKilled => {
                 Self::let_events_flow().await;
@@ -88,6 +112,42 @@ impl Fixture for NatsOnCluster {
         Arc::new(transport)
     }
 
+    /// One URL each, and the connections stay open through a split (only
+    /// the routes are cut): each client reads and publishes through its
+    /// server for as long as the split lasts.
+    async fn transports_either_side(&self) -> Option<[Arc<dyn Transport>; 2]> {
+        // The first publish makes the stream, which elects its leader
+        // soon after (a cache no node holds: nothing to apply).
+        let p = cache_sync::Publisher::new(self.transport().await);
+        retry(|| p.insert("split-setup", [(0u32, 0u32)])).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while tokio::task::block_in_place(|| self.cluster.stream_leader(STREAM)).is_none() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{STREAM} has no leader 30 s after a client made it"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let leader = tokio::task::block_in_place(|| self.leader());
+        let other = (0..self.cluster.len())
+            .find(|&i| i != leader)
+            .expect("a follower");
+        let mut either = Vec::new();
+        for i in [leader, other] {
+            let url = self.cluster.url_of(i);
+            let transport = retry(|| {
+                NatsJetStreamTransport::builder(url.as_str())
+                    .max_messages(2000)
+                    .replicas(3)
+                    .connect()
+            })
+            .await;
+            either.push(Arc::new(transport) as Arc<dyn Transport>);
+        }
+        eprintln!("a node held to server {leader} (the leader), the publisher to server {other}");
+        either.try_into().ok()
+    }
+
     fn expect(&self, fault: Fault) -> Option<Expect> {
         match fault {
             // A publish is acknowledged once two of the three servers hold
@@ -103,6 +163,11 @@ impl Fixture for NatsOnCluster {
             // and resyncs their caches. Safe, and a cost (seen: one
             // publisher gap on the node reading through the paused leader).
             Fault::LeaderPaused => Some(Expect::MayLose),
+            // Nothing acknowledged is lost (the cut leader acknowledges
+            // nothing alone), but a node reading through it hears its
+            // publishers' announcements only after the heal, and may take
+            // what it missed meanwhile for lost, as above.
+            Fault::LeaderSplit => Some(Expect::MayLose),
             Fault::TrimPastReader => Some(Expect::Loss),
             _ => None,
         }
@@ -130,7 +195,11 @@ impl Fixture for NatsOnCluster {
         }
     }
 
-    async fn heal(&mut self, _fault: Fault) {
+    async fn heal(&mut self, fault: Fault) {
+        if fault == Fault::LeaderSplit {
+            self.links.heal();
+            tokio::task::block_in_place(|| self.cluster.wait_in_sync(STREAM));
+        }
         if let Some(server) = self.down.take() {
             tokio::task::block_in_place(|| {
                 self.cluster.restart(server);
@@ -150,7 +219,7 @@ impl Fixture for NatsOnCluster {
     }
 }
 
-conformance!(nats_jetstream_cluster, NatsOnCluster { cluster: NatsCluster::start(), down: None }, {
+conformance!(nats_jetstream_cluster, NatsOnCluster::start().await, {
     normal_path_every_node_gets_every_event_in_order,
     leader_killed_while_events_flow,
     leader_paused_past_failover_then_resumed_stale,
@@ -182,10 +251,11 @@ conformance!(nats_jetstream_cluster, NatsOnCluster { cluster: NatsCluster::start
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker = ignore "not on the cluster fixture, which fails one server at a time: the whole broker killed, paused or wiped is the one-server fixture's scenario",
     freshness_follows_a_paused_broker = ignore "not on the cluster fixture, which fails one server at a time: the whole broker paused is the one-server fixture's scenario",
-    partition_blackholes_a_node = ignore "clients learn the other servers' addresses from the one they reach: no proxy on those links yet; the one-server fixture runs the partitions",
-    partition_loses_the_answers = ignore "clients learn the other servers' addresses from the one they reach: no proxy on those links yet; the one-server fixture runs the partitions",
-    partition_loses_the_requests = ignore "clients learn the other servers' addresses from the one they reach: no proxy on those links yet; the one-server fixture runs the partitions",
-    partition_cuts_the_publisher = ignore "clients learn the other servers' addresses from the one they reach: no proxy on those links yet; the one-server fixture runs the partitions",
-    latency_spikes_on_a_node_link = ignore "clients learn the other servers' addresses from the one they reach: no proxy on those links yet; the one-server fixture runs the partitions",
-    a_link_flapping_for_a_minute = ignore "clients learn the other servers' addresses from the one they reach: no proxy on those links yet; the one-server fixture runs the partitions",
+    partition_blackholes_a_node = ignore "clients learn the other servers' addresses from the one they reach and move to them, so no proxy on one client link holds a node cut off; the one-server fixture runs the node-link partitions, leader_split_from_its_peers the servers' own",
+    partition_loses_the_answers = ignore "clients learn the other servers' addresses from the one they reach and move to them, so no proxy on one client link holds a node cut off; the one-server fixture runs the node-link partitions, leader_split_from_its_peers the servers' own",
+    partition_loses_the_requests = ignore "clients learn the other servers' addresses from the one they reach and move to them, so no proxy on one client link holds a node cut off; the one-server fixture runs the node-link partitions, leader_split_from_its_peers the servers' own",
+    partition_cuts_the_publisher = ignore "clients learn the other servers' addresses from the one they reach and move to them, so no proxy on one client link holds a node cut off; the one-server fixture runs the node-link partitions, leader_split_from_its_peers the servers' own",
+    latency_spikes_on_a_node_link = ignore "clients learn the other servers' addresses from the one they reach and move to them, so no proxy on one client link holds a node cut off; the one-server fixture runs the node-link partitions, leader_split_from_its_peers the servers' own",
+    a_link_flapping_for_a_minute = ignore "clients learn the other servers' addresses from the one they reach and move to them, so no proxy on one client link holds a node cut off; the one-server fixture runs the node-link partitions, leader_split_from_its_peers the servers' own",
+    leader_split_from_its_peers,
 });

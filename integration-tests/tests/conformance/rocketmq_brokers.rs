@@ -181,6 +181,7 @@ conformance!(rocketmq_brokers, TwoBrokers::start(), {
     partition_cuts_the_publisher = ignore "clients learn the brokers' addresses from the name server: no proxy on the broker links yet",
     latency_spikes_on_a_node_link = ignore "clients learn the brokers' addresses from the name server: no proxy on the broker links yet",
     a_link_flapping_for_a_minute = ignore "clients learn the brokers' addresses from the name server: no proxy on the broker links yet",
+    leader_split_from_its_peers = ignore "two master brokers, each the only one for its queues: no leader is elected, so none can be split from its peers",
     leader_paused_past_failover_then_resumed_stale = ignore "no replica: a paused broker's queue is read again once it resumes, as on one broker",
     slot_moved_while_events_flow = ignore "RocketMQ has no slots: a cache's queue moves only when its broker fails",
     connected_server_killed = ignore "a node connects to every broker of the topic: the broker killed is that scenario's",
