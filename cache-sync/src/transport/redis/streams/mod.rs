@@ -351,15 +351,15 @@ impl Transport for RedisStreamsTransport {
         let keys = self.keys(topic);
         let mut conn = self.publisher.clone();
         let state = stream_state(&mut conn, &keys).await?;
-        let mut tail = Position::single(ORDINAL, Offset::Seq(state.entries_added));
-        tail.set(EPOCH, Offset::Seq(state.epoch));
-        Ok(Some(tail))
+        Ok(Some(state.position()))
     }
 
-    /// The ordinal read at or past the tail's, in the same epoch: an
-    /// ordinal of another history says nothing of this one.
+    /// The ordinal read at or past the tail's, in the same epoch (an
+    /// ordinal of another history says nothing of this one), and ids that
+    /// agree with it (see `ids_agree`).
     fn covers(&self, position: &Position, tail: &Position) -> bool {
         crate::transport::position::reached_in_history(position, tail, ORDINAL, EPOCH)
+            && ids_agree(position, tail)
     }
 
     async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {
@@ -387,9 +387,76 @@ impl Transport for RedisStreamsTransport {
     }
 }
 
+/// Whether the ids of `position` and `tail` could be of one history: in
+/// one, a later ordinal has a later id and the same ordinal the same id.
+///
+/// The epoch alone does not tell histories apart after a split brain: a
+/// replica promoted while its master was cut off keeps the stream's epoch
+/// (it was replicated) but not the entries the old master took alone. A
+/// node that read those is at an ordinal the new master's counter has not
+/// reached, so its position would cover the new master's tail, entries it
+/// never read included, until its reader reaches the new master and finds
+/// the history reset. The new master's entries carry ids from after the
+/// split, which a position read on the old master does not pass. Only a
+/// further refusal: in one history it agrees with the ordinals, so it
+/// refuses no proof there; across a split it catches what the new master
+/// added after the entries it lacks (ids are both servers' clocks, and
+/// with the new master's far behind it may not: the reader's reset then
+/// remains the only catch).
+fn ids_agree(position: &Position, tail: &Position) -> bool {
+    fn id(p: &Position) -> Option<(u64, u64)> {
+        let Some(Offset::Id(id)) = p.get(ID) else {
+            return None;
+        };
+        let (ms, seq) = id.split_once('-')?;
+        Some((ms.parse().ok()?, seq.parse().ok()?))
+    }
+    let (Some(Offset::Seq(at)), Some(Offset::Seq(end))) =
+        (position.get(ORDINAL), tail.get(ORDINAL))
+    else {
+        return false;
+    };
+    match (id(position), id(tail)) {
+        (Some(read), Some(last)) => match at.cmp(end) {
+            std::cmp::Ordering::Equal => read == last,
+            std::cmp::Ordering::Greater => read > last,
+            std::cmp::Ordering::Less => false,
+        },
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A position read on an old master past its split, against tails of
+    /// the promoted replica; and positions of one history, which it always
+    /// covers when the ordinals do.
+    #[test]
+    fn a_tail_of_a_history_forked_by_a_split_is_not_covered() {
+        let p = |ordinal, id: &str| streams_position(id, ordinal, 7);
+        let node = p(1000, "5000-3");
+        let covers = |tail: &Position| {
+            crate::transport::position::reached_in_history(&node, tail, ORDINAL, EPOCH)
+                && ids_agree(&node, tail)
+        };
+        // The new master: fewer entries, but added after the split.
+        assert!(!covers(&p(920, "7000-0")));
+        assert!(!covers(&p(1000, "7000-0")), "same ordinal, another entry");
+        assert!(!covers(&p(1000, "5000-2")), "same ordinal, another entry");
+        // One history: behind the position, or at it.
+        assert!(covers(&p(920, "4000-9")));
+        assert!(covers(&p(1000, "5000-3")));
+        assert!(!covers(&p(1001, "5000-4")), "not read yet");
+        // Another epoch, or ids that are no stream ids: never.
+        assert!(!covers(&streams_position("4000-0", 920, 8)));
+        assert!(!covers(&p(920, "x")));
+        assert!(!ids_agree(
+            &p(1000, "5000-3"),
+            &Position::single(ORDINAL, Offset::Seq(920))
+        ));
+    }
 
     fn entry(ordinal: Option<u64>) -> reply::Entry {
         reply::Entry {
