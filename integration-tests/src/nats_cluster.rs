@@ -205,6 +205,15 @@ impl NatsCluster {
             .find_map(|i| self.stream_leader_seen_by(i, stream))
     }
 
+    /// The sequence number of the last message in `stream` as server `i`
+    /// holds it.
+    pub fn last_seq_on(&self, i: usize, stream: &str) -> Option<u64> {
+        let jsz = self.get(i, "/jsz?accounts=true&streams=true")?;
+        stream_detail(&jsz, stream)?
+            .pointer("/state/last_seq")?
+            .as_u64()
+    }
+
     /// The leader of `stream` as server `i` reports it.
     fn stream_leader_seen_by(&self, i: usize, stream: &str) -> Option<usize> {
         let jsz = self.get(i, "/jsz?accounts=true&streams=true")?;

@@ -70,7 +70,26 @@ impl NatsOnCluster {
                 // acknowledges none from now on, and the other two elect
                 // a new one.
                 let new = self.cluster.wait_for_new_leader(STREAM, leader);
-                eprintln!("{STREAM}: leader {leader} cut from its peers, server {new} leads");
+                eprintln!(
+                    "{STREAM}: leader {leader} cut from its peers, server {new} leads (meta leader: {})",
+                    if self.cluster.is_meta_leader(leader) {
+                        "the cut one"
+                    } else {
+                        "another"
+                    }
+                );
+                // Until the new leader stores publishes again: only then is
+                // there something for the cut-off node to miss.
+                let elected = self.cluster.last_seq_on(new, STREAM).unwrap_or(0);
+                let deadline = std::time::Instant::now() + Duration::from_secs(60);
+                while self.cluster.last_seq_on(new, STREAM).unwrap_or(0) < elected + 10 {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "{STREAM}: the new leader stored no publish in 60 s"
+                    );
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                eprintln!("{STREAM}: the new leader stores publishes");
                 // Past the bound with the new leader taking writes: a node
                 // held to the old one must not serve what they replaced.
                 tokio::time::sleep(Duration::from_secs(3)).await;
