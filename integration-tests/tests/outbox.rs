@@ -201,6 +201,8 @@ async fn enqueue_many(
     order
 }
 
+#[path = "outbox/audit.rs"]
+mod audit;
 #[path = "outbox/failures.rs"]
 mod failures;
 #[path = "outbox/fencing.rs"]
