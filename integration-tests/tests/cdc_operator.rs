@@ -3,7 +3,8 @@
 //! altered, replaced, pre-created with other settings), the mapped tables
 //! (a partition truncated, detached, attached or dropped; the table
 //! dropped; no replica identity), the slot (read by another client), the
-//! relay's role (`REPLICATION`, `SELECT` revoked) and the server
+//! relay's role (`REPLICATION`, `SELECT`, `EXECUTE` on its marks' function
+//! revoked) and the server
 //! (`wal_level` lowered). Each ends in a correct stream, a resync, or a
 //! clear refusal: never a stall nor a stale node. Also the relay's own
 //! seams (issue 35): an oversized value, two relays starting at once, a
@@ -576,6 +577,69 @@ async fn the_relays_role_losing_replication_or_select() {
         resyncs,
         "nothing was lost: no resync"
     );
+    relay.shutdown().await;
+    nodes.shutdown().await;
+}
+
+/// The relay's role losing `EXECUTE` on `pg_logical_emit_message` while
+/// it reports its lag: the stream goes on (row changes still arrive), its
+/// marks fail, counted, and the nodes' freshness of the mapped cache ages
+/// with no report (their own proof stays young: the topic is fine). Given
+/// back, reports resume and the age is young again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relays_role_losing_the_right_to_write_its_marks() {
+    let (pg, pool, transport, nodes) = items_fixture(1).await;
+    exec(
+        &pool,
+        "CREATE ROLE relay LOGIN REPLICATION; ALTER TABLE items OWNER TO relay; \
+         GRANT CREATE ON DATABASE postgres TO relay;",
+    )
+    .await;
+    let url = pg.url().replace("postgres@", "relay@");
+    let relay = CdcRelay::builder(url, Publisher::new(transport.clone()))
+        .standby_retry(Duration::from_millis(50))
+        .freshness_interval(Duration::from_millis(100))
+        .table(CdcTable::new(ITEMS, "items", |row| row.parse("id")).value(|row| row.parse("name")))
+        .start()
+        .await
+        .unwrap();
+    insert(&pool, 0..20, "a").await;
+    eventually("rows arrive", async || nodes.hold(&named(0..20, "a")).await).await;
+    first_resync(&relay).await;
+    // The cache's freshness: the node's own proof, or the relay's lag
+    // added to it once it reports.
+    let age = || {
+        nodes.nodes[0].status().caches[0]
+            .freshness_age_ms
+            .unwrap_or(u64::MAX)
+    };
+    let own = || nodes.nodes[0].status().freshness_age_ms.unwrap_or(u64::MAX);
+    eventually("reports keep the cache young", async || age() < 1000).await;
+
+    exec(
+        &pool,
+        "REVOKE EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) FROM PUBLIC",
+    )
+    .await;
+    let failures = relay.stats().mark_failures;
+    exec(&pool, "UPDATE items SET name = 'r' || id").await;
+    eventually("changes arrive without the marks", async || {
+        nodes.hold(&named(0..20, "r")).await
+    })
+    .await;
+    eventually(
+        "the marks fail, and the cache ages while the node's own proof does not",
+        async || relay.stats().mark_failures >= failures + 3 && age() > 2000 && own() < 2000,
+    )
+    .await;
+
+    exec(
+        &pool,
+        "GRANT EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) TO PUBLIC",
+    )
+    .await;
+    eventually("reports resume", async || age() < 1000).await;
+    nodes.agree(&pool).await;
     relay.shutdown().await;
     nodes.shutdown().await;
 }

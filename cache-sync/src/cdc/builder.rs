@@ -303,6 +303,7 @@ impl CdcRelayBuilder {
             takeovers: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             skipped: AtomicU64::new(0),
+            mark_failures: AtomicU64::new(0),
             confirmed: AtomicU64::new(0),
             lag_bytes: AtomicU64::new(u64::MAX),
             oldest_pending_commit: AtomicI64::new(0),

@@ -55,6 +55,11 @@ impl Collector for RelayCollector {
                 "Replication sessions that ended in an error.",
                 s.failures,
             ),
+            (
+                "cdc_mark_failures",
+                "Freshness marks that could not be written into the WAL: no report follows each.",
+                s.mark_failures,
+            ),
         ] {
             ConstCounter::new(value).encode(
                 encoder
@@ -118,12 +123,14 @@ mod tests {
             confirmed_lsn: 99,
             lag_bytes: Some(4096),
             lag_seconds: 1.5,
+            mark_failures: 5,
         };
         let text = encode("cache_sync", &stats);
         for line in [
             "cache_sync_cdc_active{slot=\"cache_sync\"} 1",
             "cache_sync_cdc_transactions_total{slot=\"cache_sync\"} 7",
             "cache_sync_cdc_takeovers_total{slot=\"cache_sync\"} 2",
+            "cache_sync_cdc_mark_failures_total{slot=\"cache_sync\"} 5",
             "cache_sync_cdc_slot_lag_bytes{slot=\"cache_sync\"} 4096",
             "cache_sync_cdc_slot_lag_seconds{slot=\"cache_sync\"} 1.5",
         ] {

@@ -193,6 +193,7 @@ impl CdcRelay {
             takeovers: s.takeovers.load(Ordering::Relaxed),
             failures: s.failures.load(Ordering::Relaxed),
             skipped: s.skipped.load(Ordering::Relaxed),
+            mark_failures: s.mark_failures.load(Ordering::Relaxed),
             confirmed_lsn: s.confirmed.load(Ordering::Relaxed),
             lag_bytes: (lag_bytes != u64::MAX).then_some(lag_bytes),
             #[allow(clippy::cast_precision_loss)] // microseconds: exact below 2^53

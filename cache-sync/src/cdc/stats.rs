@@ -37,6 +37,13 @@ pub struct CdcRelayStats {
     /// down, or a standby, or the server is slow to send) shows in
     /// `lag_bytes` only.
     pub lag_seconds: f64,
+    /// Freshness marks this relay could not write into the WAL (see
+    /// [`freshness_interval`](crate::cdc::CdcRelayBuilder::freshness_interval)):
+    /// refused (the role may not run `pg_logical_emit_message`) or timed
+    /// out. No report follows such a mark, so the mapped caches' freshness
+    /// ages on every node; the first of a run of them is logged as a
+    /// warning, the run's end at `info`.
+    pub mark_failures: u64,
 }
 
 pub(super) struct Shared {
@@ -48,6 +55,7 @@ pub(super) struct Shared {
     pub(super) takeovers: AtomicU64,
     pub(super) failures: AtomicU64,
     pub(super) skipped: AtomicU64,
+    pub(super) mark_failures: AtomicU64,
     pub(super) confirmed: AtomicU64,
     /// `u64::MAX`: not known yet.
     pub(super) lag_bytes: AtomicU64,

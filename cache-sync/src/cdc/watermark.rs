@@ -24,6 +24,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -150,6 +151,8 @@ pub(super) async fn write_loop(inner: &Inner, every: Duration) {
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut epoch = false;
+    // A run of marks that could not be written (see `noted`).
+    let mut failing = false;
     loop {
         ticks.tick().await;
         if !epoch {
@@ -178,16 +181,52 @@ pub(super) async fn write_loop(inner: &Inner, every: Duration) {
             .bind(WATERMARK_PREFIX)
             .bind(content(slot, token))
             .execute(&inner.pool);
-        match tokio::time::timeout(SQL_TIMEOUT, write).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => {
-                tracing::debug!(slot = %slot, error = %db(e), "cdc relay: writing a freshness mark failed");
+        let failed = match tokio::time::timeout(SQL_TIMEOUT, write).await {
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) => Some(refusal(&e).unwrap_or_else(|| db(e).to_string())),
+            Err(_) => Some(format!("no answer within {SQL_TIMEOUT:?}")),
+        };
+        failing = noted(inner, failing, failed);
+    }
+}
+
+/// Counts a mark that could not be written, logging the first of a run
+/// as a warning (every node's freshness of the mapped caches ages from
+/// now on, which an operator must hear of once, not every interval) and
+/// the run's end at `info`; returns whether a run goes on.
+fn noted(inner: &Inner, failing: bool, failed: Option<String>) -> bool {
+    let slot = &inner.shared.slot;
+    match failed {
+        Some(error) => {
+            inner.shared.mark_failures.fetch_add(1, Ordering::Relaxed);
+            if failing {
+                tracing::debug!(slot = %slot, %error, "cdc relay: writing a freshness mark failed again");
+            } else {
+                tracing::warn!(slot = %slot, %error,
+                    "cdc relay: writing a freshness mark failed; no report follows until one is written, so the mapped caches' freshness ages on every node");
             }
-            Err(_) => {
-                tracing::debug!(slot = %slot, "cdc relay: writing a freshness mark timed out")
+            true
+        }
+        None => {
+            if failing {
+                tracing::info!(slot = %slot, "cdc relay: freshness marks are written again");
             }
+            false
         }
     }
+}
+
+/// What to do about a mark the database refused for want of a
+/// privilege: the relay's role must be able to run the function.
+fn refusal(e: &sqlx::Error) -> Option<String> {
+    let code = e.as_database_error()?.code()?;
+    // 42501: insufficient_privilege.
+    (code == "42501").then(|| {
+        format!(
+            "{e}: the relay's role may not run pg_logical_emit_message; \
+             GRANT EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) to it"
+        )
+    })
 }
 
 /// Reports to every mapped cache that everything visible before `at` is

@@ -64,13 +64,25 @@ async fn the_server_killed_or_stopped_loses_nothing() {
 
 /// An operator drops the slot (terminating its session first): changes
 /// made while there was none are lost to the stream, so the relay creates
-/// the slot again and every node clears the cache.
+/// the slot again and every node clears the cache. The relay reports its
+/// lag throughout: the new session's reports (a new epoch) are taken, and
+/// the cache's freshness is young again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_slot_is_detected_recreated_and_resynced() {
     let (pg, pool, transport, nodes) = items_fixture(2).await;
-    let relay = relay(&pg, &transport).start().await.unwrap();
+    let relay = relay(&pg, &transport)
+        .freshness_interval(std::time::Duration::from_millis(100))
+        .start()
+        .await
+        .unwrap();
+    let age = || {
+        nodes.nodes[0].status().caches[0]
+            .freshness_age_ms
+            .unwrap_or(u64::MAX)
+    };
     insert(&pool, 0..20, "a").await;
     eventually("rows arrive", async || nodes.hold(&named(0..20, "a")).await).await;
+    eventually("reports keep the cache young", async || age() < 1000).await;
     // The relay takes the slot again within 100 ms: drop it in one
     // statement with the termination, until the drop wins.
     let mut dropped = false;
@@ -96,6 +108,10 @@ async fn a_dropped_slot_is_detected_recreated_and_resynced() {
     let want: BTreeMap<i64, String> = [(15, "after15".to_owned())].into();
     eventually("changes flow again", async || nodes.hold(&want).await).await;
     nodes.agree(&pool).await;
+    // Young on the new session's reports: 1.5 s on, what the old one
+    // reported is past 1 s, so a young age is the new epoch's.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    eventually("the new session's reports taken", async || age() < 1000).await;
     relay.shutdown().await;
     nodes.shutdown().await;
 }
