@@ -38,9 +38,10 @@ use crate::wire::Watermark;
 /// The logical message's prefix.
 pub(super) const WATERMARK_PREFIX: &str = "cache-sync.cdc.watermark";
 
-/// Marks written and not yet seen on the stream, kept at most: a stream
-/// that far behind reports the oldest it reaches (a larger lag), never a
-/// younger one.
+/// Marks written and not yet seen on the stream, kept at most. A stream
+/// further behind than that many intervals keeps the oldest and the newest
+/// and as even a spread between them as it can (see `Marks::note`), so it
+/// still reports about every lag ÷ 16, each report as old as its mark.
 const MAX_MARKS: usize = 16;
 
 /// The marks this relay wrote, in order, each with its moment; and its
@@ -96,7 +97,17 @@ impl Marks {
         let at = Instant::now();
         let mut marks = lock(&self.written);
         if marks.len() >= MAX_MARKS {
-            marks.pop_front();
+            // Forget the mark whose neighbours are closest together: the
+            // oldest stays (the next the stream reaches), and the kept ones
+            // thin out evenly over the lag. Dropping the oldest instead
+            // left a stream more than 16 intervals behind reaching only
+            // marks it no longer knew: no report at all until it caught up
+            // (a node's age grew to 23 s under a write storm the relay
+            // was 8.7 s behind).
+            let forget = (1..marks.len().saturating_sub(1))
+                .min_by_key(|&i| marks[i + 1].1.saturating_duration_since(marks[i - 1].1))
+                .unwrap_or(0);
+            marks.remove(forget);
         }
         marks.push_back((token, at));
         (token, at)
@@ -272,6 +283,32 @@ pub(super) async fn report(inner: &Inner, at: Instant) {
 mod tests {
     use super::*;
 
+    /// Marks written every 100 ms for 10 s, none seen: the oldest and the
+    /// newest are kept, and those between spread over the span.
+    #[tokio::test(start_paused = true)]
+    async fn marks_far_behind_thin_out_evenly() {
+        let marks = Marks::new();
+        let mut all = Vec::new();
+        for _ in 0..100 {
+            all.push(marks.note());
+            tokio::time::advance(Duration::from_millis(100)).await;
+        }
+        let kept: Vec<(u64, Instant)> = lock(&marks.written).iter().copied().collect();
+        assert_eq!(kept.len(), MAX_MARKS);
+        assert_eq!(kept[0], all[0], "the oldest stays");
+        assert_eq!(kept[MAX_MARKS - 1], all[99], "the newest is kept");
+        let span = all[99].1 - all[0].1;
+        let even = span / u32::try_from(MAX_MARKS - 1).unwrap();
+        for pair in kept.windows(2) {
+            let gap = pair[1].1 - pair[0].1;
+            assert!(gap <= even * 2, "a gap of {gap:?} against {even:?} each");
+        }
+        // The stream reaching them finds each, in order.
+        for (token, at) in kept {
+            assert_eq!(marks.seen("s", content("s", token).as_bytes()), Some(at));
+        }
+    }
+
     #[test]
     fn a_mark_is_seen_once_in_order_and_only_for_its_slot() {
         let marks = Marks::new();
@@ -292,11 +329,15 @@ mod tests {
     }
 
     #[test]
-    fn marks_are_bounded_and_keep_the_newest() {
+    fn marks_are_bounded_and_keep_the_oldest_and_the_newest() {
         let marks = Marks::new();
         let tokens: Vec<u64> = (0..MAX_MARKS + 4).map(|_| marks.note().0).collect();
         assert_eq!(lock(&marks.written).len(), MAX_MARKS);
-        assert_eq!(marks.seen("s", content("s", tokens[0]).as_bytes()), None);
+        assert!(
+            marks
+                .seen("s", content("s", tokens[0]).as_bytes())
+                .is_some()
+        );
         let last = *tokens.last().unwrap();
         assert!(marks.seen("s", content("s", last).as_bytes()).is_some());
     }
