@@ -111,6 +111,8 @@ const BURST_TX_ROWS: u64 = 10_000;
 /// "Drained": the slot's lag back under this.
 const DRAINED_BYTES: u64 = 64 << 10;
 const LAG_EVERY: Duration = Duration::from_millis(500);
+/// How often the relay reports its lag in the reporting phase.
+const REPORT_EVERY: Duration = Duration::from_millis(100);
 const TP_SLOT: &str = "bench_throughput";
 const LAG_SLOT: &str = "bench_lag";
 const FLOOR_SLOT: &str = "bench_floor";
@@ -481,15 +483,16 @@ where
 }
 
 /// A CDC relay on its own slot and publication, mapping `relation`
-/// (`id`, `name`) to `table`'s cache; returned once it streams and every
-/// node applied the new slot's clear.
+/// (`id`, `name`) to `table`'s cache, with its `lag_interval` and its
+/// `freshness_interval` if given; returned once it streams and every node
+/// applied the new slot's clear.
 async fn cdc_relay(
     url: &str,
     transport: &EmbeddedTransport,
     slot: &str,
     table: Table<u64, String>,
     relation: &str,
-    lag_interval: Option<Duration>,
+    (lag_interval, freshness): (Option<Duration>, Option<Duration>),
     caches: &[Cache],
 ) -> CdcRelay {
     let clears: Vec<u64> = caches.iter().map(|c| c.status().clears).collect();
@@ -502,6 +505,9 @@ async fn cdc_relay(
         );
     if let Some(every) = lag_interval {
         b = b.lag_interval(every);
+    }
+    if let Some(every) = freshness {
+        b = b.freshness_interval(every);
     }
     let relay = on_relay_runtime(async move { b.start().await })
         .await
@@ -601,7 +607,7 @@ async fn latency(
         "bench_latency",
         LAT_CDC,
         "lat_cdc",
-        None,
+        (None, None),
         &cdc_caches,
     )
     .await;
@@ -1474,6 +1480,11 @@ struct Throughput {
     /// `None` where `pg_recvlogical` is missing.
     floor: Option<Phase>,
     with: Phase,
+    /// With the relay reporting its lag every `REPORT_EVERY`.
+    reported: Phase,
+    /// Node 0's freshness age of `items` while `reported` ran, every
+    /// 100 ms (`None`: not known then).
+    ages: Vec<Option<u64>>,
     after: Phase,
 }
 
@@ -1527,11 +1538,49 @@ async fn throughput(
         TP_SLOT,
         ITEMS,
         "items",
-        Some(LAG_EVERY),
+        (Some(LAG_EVERY), None),
         &caches,
     )
     .await;
     let with = run(Reader::Relay(&relay, &caches)).await;
+    agree(pool, &caches).await;
+    relay.shutdown().await;
+    drop_slot(pool, TP_SLOT).await;
+    // The same, the relay reporting its lag to the nodes every 100 ms:
+    // what the reports cost it, and the lag they put in each node's
+    // freshness (node 0's `items`, sampled every 100 ms off the bench's
+    // runtime while the writers run).
+    let relay = cdc_relay(
+        url,
+        transport,
+        TP_SLOT,
+        ITEMS,
+        "items",
+        (Some(LAG_EVERY), Some(REPORT_EVERY)),
+        &caches,
+    )
+    .await;
+    let sampling = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let (node, sampling) = (nodes.nodes[0].clone(), sampling.clone());
+        std::thread::spawn(move || {
+            let mut ages = Vec::new();
+            while sampling.load(Ordering::Relaxed) {
+                let age = node
+                    .status()
+                    .caches
+                    .iter()
+                    .find(|c| c.name == ITEMS.name())
+                    .and_then(|c| c.freshness_age_ms);
+                ages.push(age);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            ages
+        })
+    };
+    let reported = run(Reader::Relay(&relay, &caches)).await;
+    sampling.store(false, Ordering::Relaxed);
+    let ages = sampler.join().expect("sampler");
     agree(pool, &caches).await;
     relay.shutdown().await;
     drop_slot(pool, TP_SLOT).await;
@@ -1541,6 +1590,8 @@ async fn throughput(
         before,
         floor,
         with,
+        reported,
+        ages,
         after,
     }
 }
@@ -1620,6 +1671,7 @@ fn print_throughput(t: &Throughput, s: &Sizes) {
         rows.push(("slot streamed by `pg_recvlogical` to /dev/null", f));
     }
     rows.push(("with the CDC relay streaming", &t.with));
+    rows.push(("the relay reporting its lag every 100 ms", &t.reported));
     rows.push(("database alone, after (no slot)", &t.after));
     for (name, ph) in rows {
         let (rows, tx, ev) = ph
@@ -1702,6 +1754,49 @@ fn print_throughput(t: &Throughput, s: &Sizes) {
         r.drain.as_millis(),
         t.with.counted.2,
         t.with.timeouts,
+    );
+    print_reports(t);
+}
+
+/// What the relay's lag reports cost it, and the lag a node showed for
+/// them while the writers ran.
+fn print_reports(t: &Throughput) {
+    let (off, on) = (
+        t.with.relay.as_ref().expect("the relay's phase"),
+        t.reported
+            .relay
+            .as_ref()
+            .expect("the reporting relay's phase"),
+    );
+    println!(
+        "\nReports every {} ms against none, same writers: updates/s {:.2}×, relay rows/s {:.2}× \
+         ({} against {}); peak `lag_seconds` {:.3} against {:.3}.",
+        REPORT_EVERY.as_millis(),
+        t.reported.rate / t.with.rate,
+        on.rows_rate / off.rows_rate,
+        thf(on.rows_rate),
+        thf(off.rows_rate),
+        on.peak_lag_seconds,
+        off.peak_lag_seconds,
+    );
+    let mut known: Vec<u64> = t.ages.iter().flatten().copied().collect();
+    known.sort_unstable();
+    let at = |q: f64| {
+        known
+            .get(((known.len() as f64 * q) as usize).min(known.len().saturating_sub(1)))
+            .copied()
+    };
+    let ms = |v: Option<u64>| v.map_or("–".into(), th);
+    println!(
+        "Node 0's freshness age of `items` (its own proof, every 1 s, and the relay's lag as \
+         reported), sampled every 100 ms while the writers ran: {} samples, {} known; ms p50 {}, \
+         p99 {}, max {}; the last sample {}.",
+        t.ages.len(),
+        known.len(),
+        ms(at(0.5)),
+        ms(at(0.99)),
+        ms(known.last().copied()),
+        ms(t.ages.last().copied().flatten()),
     );
 }
 
@@ -1932,7 +2027,7 @@ async fn lag(
         LAG_SLOT,
         BURST,
         "burst",
-        Some(LAG_EVERY),
+        (Some(LAG_EVERY), None),
         &caches,
     )
     .await;
