@@ -104,9 +104,12 @@ impl Marks {
             // marks it no longer knew: no report at all until it caught up
             // (a node's age grew to 23 s under a write storm the relay
             // was 8.7 s behind).
-            let forget = (1..marks.len().saturating_sub(1))
-                .min_by_key(|&i| marks[i + 1].1.saturating_duration_since(marks[i - 1].1))
-                .unwrap_or(0);
+            let forget = marks
+                .make_contiguous()
+                .windows(3)
+                .enumerate()
+                .min_by_key(|(_, w)| w[2].1.saturating_duration_since(w[0].1))
+                .map_or(0, |(i, _)| i.saturating_add(1));
             marks.remove(forget);
         }
         marks.push_back((token, at));
