@@ -386,3 +386,45 @@ async fn the_live_nodes_members_count_follow_their_heartbeats() {
     c.observe(heartbeat("me", vec![]));
     assert_eq!(c.live_nodes(), 2, "the echo is the node itself");
 }
+
+/// The owning node is ahead of its own echo among the members (its echo
+/// was sent before it applied the newest version). A member's heartbeat
+/// arriving meanwhile must not trim the staircase to the echo's version:
+/// that dropped the step the owning node taught, and a node behind it
+/// looked behind only since the next version came (a full test run caught
+/// it by 63 ms in `node::tests::cluster`).
+#[tokio::test(start_paused = true)]
+async fn a_member_heartbeat_keeps_what_the_owning_node_taught() {
+    let mine = Arc::new(std::sync::Mutex::new(1u64));
+    let local: LocalHeartbeat = {
+        let mine = mine.clone();
+        Box::new(move || {
+            let mut a = cache("a", Some(*mine.lock().unwrap()));
+            a.version_age_ms = Some(0);
+            Some(heartbeat("me", vec![a]))
+        })
+    };
+    let c = watcher(Some(local));
+    // Members that stay for the test (10 s intervals): a view rebuilt from
+    // nothing would know nothing of before.
+    let member = |id: &str, sent_at_us: u64| {
+        let mut h = heartbeat(id, vec![cache("a", Some(1))]);
+        h.interval_ms = 10_000;
+        h.sent_at_us = sent_at_us;
+        h
+    };
+    c.observe(member("me", 2_000_000));
+    c.observe(member("n2", 2_000_000));
+    *mine.lock().unwrap() = 2;
+    // The view learns version 2 from the owning node, now.
+    let view = c.view();
+    assert_eq!(view.node("n2").unwrap().caches[0].lag, Some(1));
+    tokio::time::advance(Duration::from_millis(500)).await;
+    // n2 again, still at 1; the owning node's echo still says 1.
+    c.observe(member("n2", 2_500_000));
+    let behind = c.view().node("n2").unwrap().caches[0].behind_ms;
+    assert!(
+        behind.is_some_and(|ms| ms >= 500),
+        "behind {behind:?} ms, since the view first knew of version 2 500 ms ago"
+    );
+}

@@ -18,6 +18,12 @@ pub(in crate::cluster) struct CacheIndex {
     /// counted here; `unversioned` counts them).
     versions: BTreeMap<u64, u32>,
     unversioned: u32,
+    /// The owning node's version at its last fresh heartbeat (it is no
+    /// member: see `Members::learn`). A view's newest counts it, so the
+    /// staircase keeps what it taught: its echo among the members can be
+    /// older, and trimming to that dropped the steps of the versions
+    /// between, making a node behind them look behind for less long.
+    pub(super) own: Option<u64>,
     pub(in crate::cluster) staircase: Staircase,
 }
 
@@ -72,7 +78,7 @@ impl CacheIndex {
     /// no live node holds any more, such as a forged one, must not stand
     /// for the ones below it).
     pub(super) fn tidy(&mut self, now: Instant) {
-        let Some(newest) = self.newest() else {
+        let Some(newest) = self.newest().max(self.own) else {
             self.staircase.clear();
             return;
         };

@@ -315,10 +315,16 @@ impl Members {
     /// What the owning node's own heartbeat, fresh, tells of how long its
     /// versions have been known (it is no member: see `Cluster::view`).
     pub(super) fn learn(&mut self, h: &Heartbeat, now: Instant) {
+        for idx in self.caches.values_mut() {
+            idx.own = None;
+        }
         for c in &h.caches {
-            if let (Some(v), Some(idx)) = (c.version, self.caches.get_mut(c.name.as_str())) {
-                idx.staircase
-                    .learn(v, known_since(h, c.version_age_ms, now), now);
+            if let Some(idx) = self.caches.get_mut(c.name.as_str()) {
+                idx.own = c.version;
+                if let Some(v) = c.version {
+                    idx.staircase
+                        .learn(v, known_since(h, c.version_age_ms, now), now);
+                }
             }
         }
     }
