@@ -627,10 +627,15 @@ async fn the_relays_role_losing_the_right_to_write_its_marks() {
         nodes.hold(&named(0..20, "r")).await
     })
     .await;
-    eventually(
-        "the marks fail, and the cache ages while the node's own proof does not",
-        async || relay.stats().mark_failures >= failures + 3 && age() > 2000 && own() < 2000,
-    )
+    eventually("the marks fail, counted", async || {
+        relay.stats().mark_failures >= failures + 3
+    })
+    .await;
+    // The cache ages with no report, while the node's own proof goes on
+    // (renewed every second, later under load: compared, not bounded).
+    eventually("the cache's age 1.5 s past the node's own", async || {
+        age() > own().saturating_add(1500)
+    })
     .await;
 
     exec(
