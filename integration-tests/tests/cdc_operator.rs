@@ -517,6 +517,25 @@ async fn a_dropped_table_clears_its_cache_and_its_successor_is_followed() {
     nodes.shutdown().await;
 }
 
+/// A relay connecting as a role of its own, `relay`: the owner of `items`
+/// with `REPLICATION`, as an operator would set one up (standbys retry
+/// every 50 ms).
+async fn relay_of_its_own_role(
+    pg: &PostgresServer,
+    pool: &PgPool,
+    transport: &EmbeddedTransport,
+) -> CdcRelayBuilder {
+    exec(
+        pool,
+        "CREATE ROLE relay LOGIN REPLICATION; ALTER TABLE items OWNER TO relay; \
+         GRANT CREATE ON DATABASE postgres TO relay;",
+    )
+    .await;
+    let url = pg.url().replace("postgres@", "relay@");
+    CdcRelay::builder(url, Publisher::new(transport.clone()))
+        .standby_retry(Duration::from_millis(50))
+}
+
 /// The relay's role, an owner of the table with `REPLICATION`: losing
 /// `REPLICATION` stops its sessions (counted as failures, retried); given
 /// back, the stream goes on from the confirmed position, nothing lost.
@@ -525,15 +544,8 @@ async fn a_dropped_table_clears_its_cache_and_its_successor_is_followed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relays_role_losing_replication_or_select() {
     let (pg, pool, transport, nodes) = items_fixture(2).await;
-    exec(
-        &pool,
-        "CREATE ROLE relay LOGIN REPLICATION; ALTER TABLE items OWNER TO relay; \
-         GRANT CREATE ON DATABASE postgres TO relay;",
-    )
-    .await;
-    let url = pg.url().replace("postgres@", "relay@");
-    let relay = CdcRelay::builder(url, Publisher::new(transport.clone()))
-        .standby_retry(Duration::from_millis(50))
+    let relay = relay_of_its_own_role(&pg, &pool, &transport)
+        .await
         .lag_interval(Duration::from_millis(200))
         .table(CdcTable::new(ITEMS, "items", |row| row.parse("id")).value(|row| row.parse("name")))
         .start()
@@ -589,15 +601,8 @@ async fn the_relays_role_losing_replication_or_select() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relays_role_losing_the_right_to_write_its_marks() {
     let (pg, pool, transport, nodes) = items_fixture(1).await;
-    exec(
-        &pool,
-        "CREATE ROLE relay LOGIN REPLICATION; ALTER TABLE items OWNER TO relay; \
-         GRANT CREATE ON DATABASE postgres TO relay;",
-    )
-    .await;
-    let url = pg.url().replace("postgres@", "relay@");
-    let relay = CdcRelay::builder(url, Publisher::new(transport.clone()))
-        .standby_retry(Duration::from_millis(50))
+    let relay = relay_of_its_own_role(&pg, &pool, &transport)
+        .await
         .freshness_interval(Duration::from_millis(100))
         .table(CdcTable::new(ITEMS, "items", |row| row.parse("id")).value(|row| row.parse("name")))
         .start()
