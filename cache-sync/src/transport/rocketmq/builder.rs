@@ -110,6 +110,8 @@ impl RocketMqBuilder {
             creating: Mutex::new(HashMap::new()),
             names: AtomicU64::new(0),
             closed: AtomicBool::new(false),
+            tail_admin: tokio::sync::Mutex::new(None),
+            tails: Mutex::new(HashMap::new()),
         });
         let producer = inner.new_producer().await?;
         *inner.producer.write().await = Some(producer);

@@ -13,6 +13,7 @@ use rocketmq_client_rust::{ClientConfig, ClientRuntime, DefaultMQAdminExt, Defau
 use rocketmq_runtime::RuntimeOwner;
 use tokio::sync::RwLock;
 
+use super::super::Position;
 use super::*;
 use crate::error::{Error, Result};
 use crate::util::lock;
@@ -36,6 +37,14 @@ pub(super) struct Inner {
     pub(super) creating: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     pub(super) names: AtomicU64,
     pub(super) closed: AtomicBool,
+    /// The admin client the freshness tails are asked with, kept between
+    /// checks (one per check would start a client instance every second);
+    /// replaced after a failure.
+    pub(super) tail_admin: tokio::sync::Mutex<Option<Admin>>,
+    /// The newest tail read per topic (escaped), for this transport's
+    /// subscriptions to look past the other caches' messages it names (see
+    /// `watch_skips`).
+    pub(super) tails: Mutex<HashMap<String, tokio::sync::watch::Sender<Option<Position>>>>,
 }
 
 pub(super) fn unique_id(prefix: &str) -> String {
@@ -83,6 +92,15 @@ pub(super) fn client_config(namesrv: &str, instance: &str) -> ClientConfig {
 }
 
 impl Inner {
+    /// The newest tail of `topic` (escaped), as [`tail`](Self::tail) reads
+    /// them.
+    pub(super) fn tails_of(&self, topic: &str) -> tokio::sync::watch::Receiver<Option<Position>> {
+        lock(&self.tails)
+            .entry(topic.to_owned())
+            .or_insert_with(|| tokio::sync::watch::channel(None).0)
+            .subscribe()
+    }
+
     pub(super) fn next_name(&self, what: &str) -> String {
         let n = self.names.fetch_add(1, Ordering::Relaxed);
         format!("{}-{what}-{n}", self.id)
@@ -114,6 +132,9 @@ impl Inner {
         }
         if let Some(mut producer) = self.producer.write().await.take() {
             producer.shutdown().await;
+        }
+        if let Some(mut admin) = self.tail_admin.lock().await.take() {
+            admin.shutdown().await;
         }
         let _ = self.rt.shutdown().await;
         let owner = lock(&self.owner).take();

@@ -13,7 +13,7 @@ use rocketmq_model::common::topic::{TOPIC_MAX_LENGTH, TopicValidator};
 use super::{
     HeartbeatSubscription, Position, StartFrom, SubscribeOptions, Subscription, Transport,
 };
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::transport::names::{self, NameKind};
 
 mod admin;
@@ -25,6 +25,7 @@ mod naming;
 mod plan;
 mod producer;
 mod subscription;
+mod tail;
 mod watchdog;
 
 use admin::*;
@@ -37,6 +38,7 @@ use naming::*;
 use plan::*;
 use producer::*;
 use subscription::*;
+use tail::*;
 use watchdog::*;
 
 const KIND: &str = "rocketmq";
@@ -81,6 +83,12 @@ type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 ///   connections again, `next` fails so the node re-subscribes from its
 ///   position with a fresh client instance. The producer is recreated under a
 ///   new instance name when sends keep failing while the broker is up.
+/// - **Freshness:** the tail ([`Transport::tail`]) is every queue's end on
+///   every master broker, read once the broker has indexed all it stored.
+///   A subscription also notes how far its consumer has read past other
+///   caches' messages, which the broker filters out, so that a queue whose
+///   last message is another cache's is still reached (see
+///   `docs/design.md`, The freshness bound).
 /// - **Heartbeats** ([`Transport::publish_heartbeat`]) go to a topic of
 ///   their own, `<escaped topic>%hb`, which no topic escapes to, created
 ///   like a change topic on first use; never into the change topic, so they
@@ -190,6 +198,32 @@ impl Transport for RocketMqTransport {
         Ok(Box::new(
             self.open(topic, &options.from, &expression).await?,
         ))
+    }
+
+    /// Every queue's end on every master broker of the topic, read once
+    /// each broker has indexed all it stored: one request to the name
+    /// server and two to each broker.
+    async fn tail(&self, topic: &str) -> Result<Option<Position>> {
+        self.check_topic(topic)?;
+        let topic = rmq_topic(topic).into_owned();
+        // On a task of its own: a check that gives up on it drops only the
+        // wait, and the request ends on its own (within its timeout) rather
+        // than leaving the client mid-request.
+        let inner = self.inner.clone();
+        let tail = tokio::spawn(async move { inner.get().tail(&topic).await })
+            .await
+            .map_err(|e| Error::Transport {
+                transport: KIND,
+                source: format!("the tail request ended abnormally: {e}").into(),
+            })??;
+        Ok(Some(tail))
+    }
+
+    /// Every queue of the tail read up to its end: by the records handed
+    /// over, or past them by the consumer where the broker filtered out the
+    /// rest (other caches' messages, see `watch_skips`).
+    fn covers(&self, position: &Position, tail: &Position) -> bool {
+        covered(position, tail)
     }
 
     async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {

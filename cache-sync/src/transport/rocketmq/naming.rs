@@ -32,6 +32,14 @@ pub(super) fn partition(broker: &str, queue_id: i32) -> String {
     format!("{broker}:{queue_id}")
 }
 
+/// Where a subscription notes how far its consumer has read in a queue,
+/// past messages the broker filtered out: what the freshness bound is
+/// checked against, never where a subscription resumes (see
+/// `watch_skips`). A name no queue's partition or anchor takes.
+pub(super) fn read_past(queue: &str) -> String {
+    format!("{queue}~")
+}
+
 pub(super) fn next_offset(offset: i64) -> Offset {
     Offset::Seq(u64::try_from(offset.saturating_add(1)).unwrap_or(0))
 }

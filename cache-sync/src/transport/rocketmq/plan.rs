@@ -132,7 +132,11 @@ pub(super) async fn plan_start(
         let read: HashSet<&str> = queues.iter().map(|q| q.name.as_str()).collect();
         let mut named: HashSet<String> = missing.iter().map(|(name, _)| name.clone()).collect();
         for (partition, offset) in p.iter() {
-            if read.contains(partition.strip_suffix('@').unwrap_or(partition)) {
+            let queue = partition
+                .strip_suffix('@')
+                .or_else(|| partition.strip_suffix('~'))
+                .unwrap_or(partition);
+            if read.contains(queue) {
                 continue;
             }
             seed.set(partition, offset.clone());
@@ -150,9 +154,12 @@ pub(super) async fn plan_start(
         }
     }
     // Name the history each starting offset belongs to, so that a later
-    // re-subscription from this position can tell whether it still exists.
+    // re-subscription from this position can tell whether it still exists;
+    // and start each queue's read-past mark there, replacing one of an
+    // earlier subscription (perhaps of a history since replaced).
     for q in &queues {
         if let Some(Offset::Seq(n)) = seed.get(&q.name).cloned() {
+            seed.set(read_past(&q.name), Offset::Seq(n));
             set_anchor(&mut seed, q, anchor_before(admin, topic, q, n).await?);
         }
     }

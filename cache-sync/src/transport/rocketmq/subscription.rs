@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use rocketmq_client_rust::ConsumerAdmin;
 use rocketmq_client_rust::{
     ClientResult, ConsumeOrderlyContext, ConsumeOrderlyStatus, DefaultMQPushConsumer,
-    MQPushConsumer, MessageQueueListener,
+    MQPushConsumer, MessageQueueListener, OffsetStore, ReadOffsetType,
 };
 use rocketmq_model::common::message::message_ext::MessageExt;
 use rocketmq_model::common::message::message_queue::MessageQueue;
@@ -42,15 +43,19 @@ impl MessageQueueListener for AssignWatch {
     }
 }
 
-/// A message as the listener hands it over: the record, and where it
-/// leaves its queue.
+/// What the listener (or the skip watch) hands over: a record and where it
+/// leaves its queue, or only how far the consumer has read past.
 pub(super) struct Received {
-    record: Record,
-    /// `<broker>:<queue>`, shared by the messages of one queue.
+    /// `None` for a skip: the consumer moved past messages the broker
+    /// filtered out (other caches' tags).
+    record: Option<Record>,
+    /// `<broker>:<queue>` for a record, shared by the messages of one
+    /// queue; its [`read_past`] partition for a skip.
     queue: Arc<str>,
-    /// The queue's offset after this message.
+    /// The queue's offset after this message (or skip).
     next: Offset,
-    anchor: Anchor,
+    /// The message itself, naming the queue's history; `None` for a skip.
+    anchor: Option<Anchor>,
 }
 
 /// What the listener passes on from one call: a call's messages come from
@@ -65,10 +70,10 @@ pub(super) fn received(msgs: &[&MessageExt], tags: &mut Tags) -> Vec<Received> {
             _ => queue.insert(Arc::from(name)).clone(),
         };
         out.push(Received {
-            record: record(m, tags),
+            record: Some(record(m, tags)),
             queue,
             next: next_offset(m.queue_offset()),
-            anchor: Anchor::of(m),
+            anchor: Some(Anchor::of(m)),
         });
     }
     out
@@ -115,6 +120,8 @@ pub(super) struct RocketMqSubscription {
     /// check (its broker was down then, or joined the topic's route since).
     pub(super) stray: watch::Receiver<bool>,
     pub(super) watchdog: tokio::task::JoinHandle<()>,
+    /// Hands over the consumer's moves past filtered messages.
+    pub(super) skips: Option<tokio::task::JoinHandle<()>>,
     pub(super) consumer: Option<Consumer>,
 }
 
@@ -129,6 +136,9 @@ impl fmt::Debug for RocketMqSubscription {
 impl Drop for RocketMqSubscription {
     fn drop(&mut self) {
         self.watchdog.abort();
+        if let Some(skips) = &self.skips {
+            skips.abort();
+        }
         let Some(mut consumer) = self.consumer.take() else {
             return;
         };
@@ -146,75 +156,285 @@ impl Subscription for RocketMqSubscription {
         if let Some(loss) = self.pending.take() {
             return Ok(Delivery::Lost(loss));
         }
-        if self.buffered.is_empty() {
-            tokio::select! {
-                batch = self.rx.recv() => match batch {
-                    Some(b) => self.buffered.extend(b),
-                    None => return Err(Error::disconnected(KIND, "the consumer stopped")),
-                },
-                Ok(_) = self.stray.wait_for(|s| *s) => {
-                    return Err(Error::Transport {
-                        transport: KIND,
-                        source: "the consumer offered messages of a queue whose history was \
-                                 not checked; the consumer starts afresh to check it"
-                            .into(),
-                    });
-                }
-                Ok(state) = self.brokers.wait_for(|b| *b != Brokers::Up) => {
-                    // Ending here shows the outage at once (the node stops
-                    // reporting itself healthy), and a fresh consumer does
-                    // not wait out the client's 30 s pull timeout.
-                    return Err(match *state {
-                        Brokers::Down => Error::disconnected(KIND, "a broker went down"),
-                        Brokers::Returned => Error::Transport {
+        // A batch of skips that move nothing (the consumer's offset where
+        // its records already took the position) is not handed out.
+        loop {
+            if self.buffered.is_empty() {
+                tokio::select! {
+                    batch = self.rx.recv() => match batch {
+                        Some(b) => self.buffered.extend(b),
+                        None => return Err(Error::disconnected(KIND, "the consumer stopped")),
+                    },
+                    Ok(_) = self.stray.wait_for(|s| *s) => {
+                        return Err(Error::Transport {
                             transport: KIND,
-                            source: "a broker that was down is back; the consumer starts \
-                                     afresh to read its queues from where it stopped"
+                            source: "the consumer offered messages of a queue whose history was \
+                                     not checked; the consumer starts afresh to check it"
                                 .into(),
-                        },
-                        _ => Error::disconnected(
-                            KIND,
-                            "a broker closed its connection; the consumer starts afresh",
-                        ),
-                    });
+                        });
+                    }
+                    Ok(state) = self.brokers.wait_for(|b| *b != Brokers::Up) => {
+                        // Ending here shows the outage at once (the node stops
+                        // reporting itself healthy), and a fresh consumer does
+                        // not wait out the client's 30 s pull timeout.
+                        return Err(match *state {
+                            Brokers::Down => Error::disconnected(KIND, "a broker went down"),
+                            Brokers::Returned => Error::Transport {
+                                transport: KIND,
+                                source: "a broker that was down is back; the consumer starts \
+                                         afresh to read its queues from where it stopped"
+                                    .into(),
+                            },
+                            _ => Error::disconnected(
+                                KIND,
+                                "a broker closed its connection; the consumer starts afresh",
+                            ),
+                        });
+                    }
                 }
             }
-        }
-        while self.buffered.len() < max {
-            match self.rx.try_recv() {
-                Ok(b) => self.buffered.extend(b),
-                Err(_) => break,
+            while self.buffered.len() < max {
+                match self.rx.try_recv() {
+                    Ok(b) => self.buffered.extend(b),
+                    Err(_) => break,
+                }
             }
-        }
-        let n = self.buffered.len().min(max.max(1));
-        let mut records = Vec::with_capacity(n);
-        // The newest anchor per queue, written into the position once per
-        // batch rather than once per record.
-        let mut last: Vec<(Arc<str>, Offset, Anchor)> = Vec::new();
-        for r in self.buffered.drain(..n) {
-            match last
-                .iter_mut()
-                .find(|(q, ..)| Arc::ptr_eq(q, &r.queue) || *q == r.queue)
-            {
-                Some((_, next, anchor)) => (*next, *anchor) = (r.next, r.anchor),
-                None => last.push((r.queue, r.next, r.anchor)),
+            let n = self.buffered.len().min(max.max(1));
+            let mut records = Vec::with_capacity(n);
+            // The newest place and anchor per queue, written into the position
+            // once per batch rather than once per record.
+            let mut last: Vec<(Arc<str>, Offset, Option<Anchor>)> = Vec::new();
+            for r in self.buffered.drain(..n) {
+                match last
+                    .iter_mut()
+                    .find(|(q, ..)| Arc::ptr_eq(q, &r.queue) || *q == r.queue)
+                {
+                    Some((_, next, anchor)) => {
+                        if !matches!((&*next, &r.next), (Offset::Seq(a), Offset::Seq(b)) if a > b) {
+                            *next = r.next;
+                        }
+                        if r.anchor.is_some() {
+                            *anchor = r.anchor;
+                        }
+                    }
+                    None => last.push((r.queue, r.next, r.anchor)),
+                }
+                if let Some(record) = r.record {
+                    records.push(record);
+                }
             }
-            records.push(r.record);
+            let mut moved = false;
+            for (queue, next, anchor) in last {
+                // A skip never moves back: one read before a record was
+                // handed over names an offset that record already passed.
+                if anchor.is_none()
+                    && let (Some(Offset::Seq(at)), Offset::Seq(to)) =
+                        (self.position.get(&queue), &next)
+                    && at >= to
+                {
+                    continue;
+                }
+                moved = true;
+                self.position.set(&*queue, next);
+                if let Some(anchor) = anchor {
+                    self.position
+                        .set(anchor_partition(&queue), anchor.to_offset());
+                }
+            }
+            if records.is_empty() && !moved {
+                continue;
+            }
+            return Ok(Delivery::Batch {
+                records,
+                position: self.position.clone(),
+            });
         }
-        for (queue, next, anchor) in last {
-            self.position.set(&*queue, next);
-            self.position
-                .set(anchor_partition(&queue), anchor.to_offset());
-        }
-        Ok(Delivery::Batch {
-            records,
-            position: self.position.clone(),
-        })
     }
 
     fn position(&self) -> Option<Position> {
         Some(self.position.clone())
     }
+}
+
+/// The tag codes a tag expression (`a||b`, or `*` for all) takes.
+fn tag_codes(expression: &str) -> Option<HashSet<i64>> {
+    if expression.trim() == "*" {
+        return None;
+    }
+    Some(
+        expression
+            .split("||")
+            .map(|t| i64::from(java_hash(t.trim())))
+            .collect(),
+    )
+}
+
+/// How often the consumer's own offsets are read for moves past filtered
+/// messages.
+const SKIP_CHECK: Duration = Duration::from_millis(50);
+
+/// Entries of a queue one look past the consumer reads at most; a longer
+/// run of other caches' messages takes several tails.
+const PROBE_ENTRIES: u64 = 256;
+
+/// What the skip watch needs: the consumer's offset store, the queues it
+/// reads and where the subscription began on each.
+struct Skips {
+    store: Arc<OffsetStore>,
+    queues: Vec<QueueRef>,
+    /// Each queue's read-past mark as last handed over.
+    at: Position,
+    /// Weak: the channel still closes when the consumer's listener goes.
+    tx: mpsc::WeakSender<Vec<Received>>,
+    /// The topic's newest tail, as the node's freshness checks read it.
+    tails: watch::Receiver<Option<Position>>,
+    /// The tag codes this subscription takes (Java's `hashCode` of each
+    /// tag, as the broker stores and filters them); `None` for all tags.
+    ours: Option<HashSet<i64>>,
+    topic: String,
+    shared: Arc<dyn Shared>,
+    admin: Option<Admin>,
+}
+
+/// Hands the subscription the consumer's moves past messages the broker
+/// filtered out (other caches' tags), which no record shows: without them
+/// the position would stay at this node's last message in each queue and
+/// never [cover](RocketMqTransport::covers) the queue's end (the freshness
+/// bound) once another cache's message is last there.
+///
+/// Two sources. The consumer's own offset, which the client moves past
+/// filtered messages when a pull finds nothing else. And, because a pull
+/// that found nothing is held by the broker until a message *for it*
+/// arrives or 15 s pass (the client's fixed long-poll time), a look at the
+/// queue's index from the consumer's offset up to the newest tail's end
+/// when a tail names more than the consumer has read: a run of entries
+/// whose tag codes are none of this subscription's is passed at once. A
+/// tag whose code collides with one of ours stops the run (its message
+/// comes through the consumer, which filters by the tag itself).
+///
+/// The moves go under each queue's [`read_past`] partition, never into the
+/// queue's own offset, which stays the place a later subscription resumes
+/// from, anchored to the message just before it: the messages passed are
+/// pulled (and filtered) again then, and a history replaced among them
+/// (lost with a broker's unflushed pages, say) is still checked.
+///
+/// The consumer moves its offset past a message only after the listener
+/// handed the message over (or the broker filtered it out); a move is read
+/// after that and sent through the same channel, so it arrives behind every
+/// record before it.
+async fn watch_skips(mut s: Skips) {
+    let names: Vec<Arc<str>> = s
+        .queues
+        .iter()
+        .map(|q| Arc::from(read_past(&q.name)))
+        .collect();
+    let mut tick = tokio::time::interval(SKIP_CHECK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let probe = tokio::select! {
+            _ = tick.tick() => None,
+            changed = s.tails.changed() => match changed {
+                Ok(()) => s.tails.borrow_and_update().clone(),
+                Err(_) => return,
+            },
+        };
+        let mut batch = Vec::new();
+        for (i, name) in names.iter().enumerate() {
+            let stored = s
+                .store
+                .read_offset(&s.queues[i].mq, ReadOffsetType::ReadFromMemory)
+                .await;
+            // -1 until the client has loaded the queue's offset.
+            let Ok(stored) = u64::try_from(stored) else {
+                continue;
+            };
+            let marked = match s.at.get(name) {
+                Some(Offset::Seq(at)) => *at,
+                _ => 0,
+            };
+            let mut past = stored.max(marked);
+            if let Some(Offset::Seq(end)) = probe.as_ref().and_then(|t| t.get(&s.queues[i].name))
+                && *end > past
+                && s.ours.is_some()
+            {
+                let end = *end;
+                past = past.saturating_add(others_from(&mut s, i, past, end).await);
+            }
+            if past > marked {
+                batch.push(Received {
+                    record: None,
+                    queue: name.clone(),
+                    next: Offset::Seq(past),
+                    anchor: None,
+                });
+            }
+        }
+        if batch.is_empty() {
+            continue;
+        }
+        let sent: Vec<(Arc<str>, Offset)> = batch
+            .iter()
+            .map(|r| (r.queue.clone(), r.next.clone()))
+            .collect();
+        let Some(tx) = s.tx.upgrade() else {
+            return;
+        };
+        match tx.try_send(batch) {
+            Ok(()) => {
+                for (name, next) in sent {
+                    s.at.set(&*name, next);
+                }
+            }
+            // Full: records are waiting, and the next check comes after them.
+            Err(mpsc::error::TrySendError::Full(_)) => {}
+            Err(mpsc::error::TrySendError::Closed(_)) => return,
+        }
+    }
+}
+
+/// How many entries of queue `i` from offset `from` (below `end`) in a row
+/// carry other caches' tags: 0 where the first is ours, or the broker does
+/// not answer (then the next tail asks again, on a fresh admin client).
+async fn others_from(s: &mut Skips, i: usize, from: u64, end: u64) -> u64 {
+    let Some(ours) = &s.ours else {
+        return 0;
+    };
+    if s.admin.is_none() {
+        s.admin = s.shared.get().admin().await.ok();
+    }
+    let Some(admin) = &s.admin else {
+        return 0;
+    };
+    let q = &s.queues[i];
+    let count = i32::try_from(end.saturating_sub(from).min(PROBE_ENTRIES)).unwrap_or(1);
+    let answer = tokio::time::timeout(
+        Duration::from_millis(ADMIN_TIMEOUT_MS),
+        ConsumerAdmin::query_consume_queue(
+            admin.get(),
+            q.addr.as_str().into(),
+            s.topic.as_str().into(),
+            q.mq.queue_id(),
+            from,
+            count,
+            // Any group: the broker only uses it to evaluate a filter.
+            "cache-sync-probe".into(),
+        ),
+    )
+    .await;
+    let Ok(Ok(body)) = answer else {
+        if let Some(mut a) = s.admin.take() {
+            a.shutdown().await;
+        }
+        return 0;
+    };
+    let entries = body.queue_data.as_deref().unwrap_or_default();
+    others_leading(entries.iter().map(|e| e.tags_code), ours)
+}
+
+/// How many tag codes in a row, from the first, are none of `ours`.
+fn others_leading(codes: impl Iterator<Item = i64>, ours: &HashSet<i64>) -> u64 {
+    let others = codes.take_while(|c| !ours.contains(c)).count();
+    u64::try_from(others).unwrap_or(0)
 }
 
 /// Batches the listener may park in a subscription before it pushes back.
@@ -251,6 +471,7 @@ impl RocketMqTransport {
         seed_offsets(&instance_dir.join(&group), topic, &plan.queues, &plan.seed)?;
 
         let (tx, rx) = mpsc::channel::<Vec<Received>>(BUFFER_BATCHES);
+        let skips_tx = tx.downgrade();
         let tags = std::sync::Mutex::new(Tags::default());
         let (assigned_tx, mut assigned) = watch::channel(HashSet::new());
         let planned: HashSet<String> = plan.queues.iter().map(|q| q.name.clone()).collect();
@@ -324,6 +545,23 @@ impl RocketMqTransport {
             consumer.shutdown().await;
             return Err(e);
         }
+        let skips = consumer
+            .consumer
+            .as_ref()
+            .and_then(DefaultMQPushConsumer::offset_store)
+            .map(|store| {
+                tokio::spawn(watch_skips(Skips {
+                    store,
+                    queues: plan.queues.clone(),
+                    at: plan.seed.clone(),
+                    tx: skips_tx,
+                    tails: inner.tails_of(topic),
+                    ours: tag_codes(expression),
+                    topic: topic.to_owned(),
+                    shared: self.inner.clone(),
+                    admin: None,
+                }))
+            });
 
         let mut addrs: Vec<String> = plan.queues.iter().map(|q| q.addr.clone()).collect();
         addrs.sort();
@@ -371,7 +609,35 @@ impl RocketMqTransport {
             brokers,
             stray,
             watchdog,
+            skips,
             consumer: Some(consumer),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tag_expression_names_its_tags_by_their_java_hash_codes() {
+        assert_eq!(tag_codes("*"), None);
+        assert_eq!(tag_codes(" * "), None);
+        let codes = tag_codes("users||fresh").unwrap();
+        // As the broker logs them for a subscription to `fresh`.
+        assert!(codes.contains(&97_696_046));
+        assert!(codes.contains(&111_578_632));
+        assert_eq!(codes.len(), 2);
+    }
+
+    #[test]
+    fn a_look_ahead_stops_at_the_first_message_of_ours() {
+        let ours: HashSet<i64> = [7].into();
+        assert_eq!(others_leading([1, 2, 7, 3].into_iter(), &ours), 2);
+        assert_eq!(others_leading([7, 1].into_iter(), &ours), 0);
+        assert_eq!(others_leading([1, 2, 3].into_iter(), &ours), 3);
+        assert_eq!(others_leading(std::iter::empty(), &ours), 0);
+        // A message with no tag (code 0) from another producer is not ours.
+        assert_eq!(others_leading([0, 7].into_iter(), &ours), 1);
     }
 }
