@@ -494,13 +494,14 @@ impl Fixture for RocketMq {
         self.server.restart();
     }
 
-    // Not paused for the readiness scenario: the RocketMQ client notices
-    // a hung (SIGSTOPped) broker only when a connection closes, so its
-    // nodes stay ready through a pause (a known limit, in
+    // The readiness scenario stays ignored here: the RocketMQ client
+    // notices a hung (SIGSTOPped) broker only when a connection closes, so
+    // its nodes stay ready through a pause (a known limit, in
     // docs/transports.md); a killed broker is noticed at once
-    // (`health_follows_a_killed_broker`).
+    // (`health_follows_a_killed_broker`). The freshness bound does see it.
     fn pause(&mut self) -> bool {
-        false
+        self.server.pause();
+        true
     }
 
     fn resume(&mut self) {
@@ -587,6 +588,9 @@ macro_rules! case {
     ($f:expr, freshness_follows_a_paused_broker) => {
         integration_tests::conformance::freshness_follows_a_paused_broker(&mut $f).await
     };
+    ($f:expr, freshness_proved_past_other_caches_events) => {
+        integration_tests::conformance::freshness_proved_past_other_caches_events(&mut $f).await
+    };
     ($f:expr, partition_blackholes_a_node) => {
         integration_tests::conformance::partitioned(&mut $f, Cut::Blackhole).await
     };
@@ -654,6 +658,7 @@ const SCENARIOS: &[&str] = &[
     "a_stopped_node_leaves_the_cluster_view",
     "readiness_follows_a_paused_broker",
     "freshness_follows_a_paused_broker",
+    "freshness_proved_past_other_caches_events",
     "partition_blackholes_a_node",
     "partition_loses_the_answers",
     "partition_loses_the_requests",
@@ -735,6 +740,7 @@ conformance!(embedded, Embedded::new(), {
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker = ignore "in-process: no broker to pause",
     freshness_follows_a_paused_broker = ignore "in-process: no broker to pause (node::tests::freshness hangs the tail instead)",
+    freshness_proved_past_other_caches_events,
     partition_blackholes_a_node = ignore "in-process: no network link to cut",
     partition_loses_the_answers = ignore "in-process: no network link to cut",
     partition_loses_the_requests = ignore "in-process: no network link to cut",
@@ -775,6 +781,7 @@ conformance!(redis_streams, Streams { server: RedisServer::start() }, {
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker,
     freshness_follows_a_paused_broker,
+    freshness_proved_past_other_caches_events,
     partition_blackholes_a_node,
     partition_loses_the_answers,
     partition_loses_the_requests,
@@ -815,6 +822,7 @@ conformance!(redis_pubsub, PubSub { server: RedisServer::start() }, {
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker,
     freshness_follows_a_paused_broker,
+    freshness_proved_past_other_caches_events,
     partition_blackholes_a_node,
     partition_loses_the_answers,
     partition_loses_the_requests,
@@ -856,6 +864,7 @@ conformance!(nats_jetstream, Nats { server: NatsServer::start() }, {
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker,
     freshness_follows_a_paused_broker,
+    freshness_proved_past_other_caches_events,
     partition_blackholes_a_node,
     partition_loses_the_answers,
     partition_loses_the_requests,
@@ -898,7 +907,8 @@ conformance!(rocketmq, RocketMq { server: RocketMqServer::start() }, {
     cluster_view_converges_and_publishes_are_acknowledged,
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker = ignore "the client notices a hung (SIGSTOPped) broker only when a connection closes: nodes stay ready through a pause (docs/transports.md)",
-    freshness_follows_a_paused_broker = ignore "the RocketMQ transport does not tell its tail yet: no freshness bound (docs/design.md, The freshness bound)",
+    freshness_follows_a_paused_broker,
+    freshness_proved_past_other_caches_events,
     partition_blackholes_a_node = ignore "clients learn the broker's address from the name server, so a proxy in front of one address cuts only the name server: no partition of the broker link yet",
     partition_loses_the_answers = ignore "clients learn the broker's address from the name server, so a proxy in front of one address cuts only the name server: no partition of the broker link yet",
     partition_loses_the_requests = ignore "clients learn the broker's address from the name server, so a proxy in front of one address cuts only the name server: no partition of the broker link yet",

@@ -163,7 +163,8 @@ impl NodeBuilder {
 
     /// How often the node proves its freshness bound: it asks the broker
     /// for the topic's tail (one request, the transport's
-    /// [`tail`](crate::transport::Transport::tail)) and notes, on its own
+    /// [`tail`](crate::transport::Transport::tail); on RocketMQ one to the
+    /// name server and two per broker) and notes, on its own
     /// monotonic clock, when it asked; once it has applied everything up
     /// to that tail, every publish acknowledged before that moment is
     /// applied. `freshness_age_ms` in [`NodeStatus`](crate::status::NodeStatus)
@@ -174,8 +175,9 @@ impl NodeBuilder {
     ///
     /// A transport that cannot tell its tail proves nothing: the age stays
     /// unknown (`None`), and the node asks once. The embedded transport,
-    /// Redis Streams and NATS JetStream tell; Redis Pub/Sub (no history)
-    /// and RocketMQ do not yet.
+    /// Redis Streams, NATS JetStream, classic Redis Pub/Sub on one server
+    /// and RocketMQ tell; sharded Pub/Sub and Pub/Sub on a Redis Cluster do
+    /// not.
     pub fn freshness_interval(mut self, every: Duration) -> Self {
         self.config.freshness_interval = every;
         self

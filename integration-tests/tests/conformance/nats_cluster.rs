@@ -270,6 +270,7 @@ conformance!(nats_jetstream_cluster, NatsOnCluster::start().await, {
     a_stopped_node_leaves_the_cluster_view,
     readiness_follows_a_paused_broker = ignore "not on the cluster fixture, which fails one server at a time: the whole broker killed, paused or wiped is the one-server fixture's scenario",
     freshness_follows_a_paused_broker = ignore "not on the cluster fixture, which fails one server at a time: the whole broker paused is the one-server fixture's scenario",
+    freshness_proved_past_other_caches_events,
     partition_blackholes_a_node = ignore "clients learn the other servers' addresses from the one they reach and move to them, so no proxy on one client link holds a node cut off; the one-server fixture runs the node-link partitions, leader_split_from_its_peers the servers' own",
     partition_loses_the_answers = ignore "clients learn the other servers' addresses from the one they reach and move to them, so no proxy on one client link holds a node cut off; the one-server fixture runs the node-link partitions, leader_split_from_its_peers the servers' own",
     partition_loses_the_requests = ignore "clients learn the other servers' addresses from the one they reach and move to them, so no proxy on one client link holds a node cut off; the one-server fixture runs the node-link partitions, leader_split_from_its_peers the servers' own",
