@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use crate::util::{Moment, lock};
 
-/// CDC relay sources one cache takes reports from, at most. Past it a new
+/// Relay sources one cache takes reports from, at most. Past it a new
 /// source's reports are refused and the cache's freshness is unknown from
 /// then on: dropping a source to make room could hide a stalled relay.
 const MAX_SOURCES: usize = 16;
@@ -84,13 +84,13 @@ impl Bound {
     }
 }
 
-/// What CDC relays report of one cache (see [`Watermark`](crate::wire::Watermark)):
+/// What relays (CDC and outbox) report of one cache (see [`Watermark`](crate::wire::Watermark)):
 /// per source, a moment on this process's clock before which everything
 /// the source's database made visible is applied to the cache.
 #[derive(Debug, Default)]
 pub(super) struct Sources {
     /// Reports are awaited: set by the first (or by the builder's
-    /// [`cdc_relayed`](crate::SyncedCacheBuilder::cdc_relayed)), and never
+    /// [`relayed`](crate::SyncedCacheBuilder::relayed)), and never
     /// unset: a relay that stops reporting is what this is here to see.
     expected: AtomicBool,
     /// The earliest of the sources' moments; none while any source has

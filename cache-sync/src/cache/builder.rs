@@ -31,7 +31,7 @@ pub struct SyncedCacheBuilder<K, V> {
     /// The staleness bound on reads, and whether to serve past it.
     pub(super) max_staleness: Option<(Duration, bool)>,
     /// Await a CDC relay's reports from the start.
-    pub(super) cdc_relayed: bool,
+    pub(super) relayed: bool,
 }
 
 impl<K, V> fmt::Debug for SyncedCacheBuilder<K, V> {
@@ -113,23 +113,24 @@ where
         self
     }
 
-    /// The cache is fed by a CDC relay (`cdc::CdcRelay`, feature
-    /// `postgres-cdc`): its
-    /// freshness (and so its [staleness bound](Self::max_staleness)) is
-    /// unknown until the relay's first report reaches its node, rather
-    /// than from the first report on.
+    /// The cache is fed by a relay that reports its lag: a CDC relay
+    /// (`cdc::CdcRelay`, feature `postgres-cdc`) with
+    /// `CdcRelayBuilder::freshness_interval`, or an outbox relay
+    /// (`outbox::OutboxRelay`, feature `postgres-outbox`) with
+    /// `OutboxRelayBuilder::freshness_interval` and `reports_for` naming
+    /// this cache. Its freshness (and so its
+    /// [staleness bound](Self::max_staleness)) is unknown until the relay's
+    /// first report reaches its node, rather than from the first report on.
     ///
-    /// A relay reports for every cache it maps, every
-    /// `CdcRelayBuilder::freshness_interval`:
-    /// how long ago the database had made visible everything it has
-    /// published. A node adds that to its own proof, so the cache's
-    /// freshness is its age against the database, and a relay that stalls,
-    /// falls behind or is cut off from its database shows as an age that
-    /// grows. A node learns of a relay from its first report; a node
-    /// started while its relay is down would not know to wait for one:
-    /// this says so from the start.
-    pub fn cdc_relayed(mut self) -> Self {
-        self.cdc_relayed = true;
+    /// A relay reports, every interval, how long ago the database had made
+    /// visible everything it has published. A node adds that to its own
+    /// proof, so the cache's freshness is its age against the database,
+    /// and a relay that stalls, falls behind or is cut off from its
+    /// database shows as an age that grows. A node learns of a relay from
+    /// its first report; a node started while its relay is down would not
+    /// know to wait for one: this says so from the start.
+    pub fn relayed(mut self) -> Self {
+        self.relayed = true;
         self
     }
 
@@ -225,7 +226,7 @@ where
                 bound: self
                     .max_staleness
                     .map(|(max, serve)| super::bound::Bound::new(max, serve)),
-                sources: super::bound::Sources::new(self.cdc_relayed),
+                sources: super::bound::Sources::new(self.relayed),
             }),
         }
     }

@@ -217,7 +217,7 @@ where
             trace: None,
             audit: None,
             max_staleness: None,
-            cdc_relayed: false,
+            relayed: false,
         }
     }
 

@@ -156,7 +156,7 @@ impl CdcRelayBuilder {
     /// against the database rather than the topic: a relay that stalls,
     /// falls behind a write storm or is cut off from its database shows
     /// on every node as a freshness that ages (see
-    /// [`SyncedCacheBuilder::cdc_relayed`](crate::SyncedCacheBuilder::cdc_relayed)).
+    /// [`SyncedCacheBuilder::relayed`](crate::SyncedCacheBuilder::relayed)).
     ///
     /// Each report costs a small non-transactional logical message in the
     /// database's WAL (`pg_logical_emit_message`), and an announcement per

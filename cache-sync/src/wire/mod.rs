@@ -158,12 +158,14 @@ impl HeaderExt {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[cfg_attr(test, derive(serde::Deserialize))]
 pub(crate) struct Watermark {
-    /// Which relay group (its slot and database, hashed): relays that
-    /// stand in for one another report as one source.
+    /// Which relay group (a CDC relay's slot and database, an outbox's
+    /// database and schema, hashed): relays that stand in for one another
+    /// report as one source.
     pub(crate) source: u64,
-    /// The relay session's: the database's WAL position when it started,
-    /// so a later session (of any relay of the group) has a larger one.
-    /// Its reports are numbered within it.
+    /// A CDC relay session's: the database's WAL position when it started,
+    /// so a later session (of any relay of the group) has a larger one. An
+    /// outbox relay's: the fencing term of the pass reported on, drawn
+    /// from a sequence by every pass. Its reports are numbered within it.
     pub(crate) epoch: u64,
     /// The report's number in its epoch, from 1; never sent twice.
     pub(crate) number: u64,

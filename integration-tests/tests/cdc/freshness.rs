@@ -33,7 +33,7 @@ fn relay_through(proxy: &Proxy, transport: &EmbeddedTransport) -> cache_sync::cd
 async fn bounded_node(transport: &EmbeddedTransport) -> (SyncedCache<i64, String>, Node) {
     let cache = SyncedCache::builder(ITEMS, moka::future::Cache::new(1000))
         .max_staleness(BOUND)
-        .cdc_relayed()
+        .relayed()
         .build()
         .unwrap();
     let node = Node::builder("n", transport.clone())
@@ -140,7 +140,7 @@ async fn a_relay_cut_off_from_its_database_puts_nodes_past_their_bound() {
 }
 
 /// Without reports (`freshness_interval(Duration::MAX)`), a cache built
-/// `cdc_relayed` is never proved fresh: its reads go to the source.
+/// `relayed` is never proved fresh: its reads go to the source.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_that_never_reports_leaves_a_relayed_cache_unproved() {
     let (pg, pool, transport, nodes) = items_fixture(0).await;
@@ -171,7 +171,7 @@ async fn a_relay_that_never_reports_leaves_a_relayed_cache_unproved() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_whose_publishes_hang_puts_nodes_past_their_bound() {
     let (pg, pool, transport, nodes) = items_fixture(0).await;
-    // Built `cdc_relayed`: a cache that learns of its relay from the first
+    // Built `relayed`: a cache that learns of its relay from the first
     // report is judged by its node's proof alone until then, and the hang
     // below may come first (it did, in one run of three).
     let (cache, node) = bounded_node(&transport).await;

@@ -12,7 +12,7 @@ const MAX: Duration = Duration::from_millis(300);
 
 fn bounded(name: &str, relayed: bool) -> Cache {
     let b = SyncedCache::builder(name, moka::future::Cache::new(100)).max_staleness(MAX);
-    let b = if relayed { b.cdc_relayed() } else { b };
+    let b = if relayed { b.relayed() } else { b };
     b.build().unwrap()
 }
 
@@ -145,7 +145,7 @@ async fn a_relay_lag_counts_against_the_bound_and_a_silent_relay_is_past_it() {
 }
 
 /// One moment per source: a second relay that stops holds the cache back
-/// though the first reports on; a cache built `cdc_relayed` waits for its
+/// though the first reports on; a cache built `relayed` waits for its
 /// first report; another cache on the topic is not held by this one's.
 #[tokio::test]
 async fn every_source_counts_and_a_relayed_cache_waits_for_its_first_report() {
