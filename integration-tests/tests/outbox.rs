@@ -207,6 +207,8 @@ mod audit;
 mod failures;
 #[path = "outbox/fencing.rs"]
 mod fencing;
+#[path = "outbox/freshness.rs"]
+mod freshness;
 #[path = "outbox/order.rs"]
 mod order;
 

@@ -93,6 +93,8 @@ pub struct OutboxRelayBuilder {
     outbox: Outbox,
     poll_interval: Duration,
     batch_size: usize,
+    freshness_interval: Duration,
+    reports_for: Vec<String>,
 }
 
 impl fmt::Debug for OutboxRelayBuilder {
@@ -101,6 +103,8 @@ impl fmt::Debug for OutboxRelayBuilder {
             .field("outbox", &self.outbox)
             .field("poll_interval", &self.poll_interval)
             .field("batch_size", &self.batch_size)
+            .field("freshness_interval", &self.freshness_interval)
+            .field("reports_for", &self.reports_for)
             .finish_non_exhaustive()
     }
 }
@@ -139,6 +143,20 @@ pub(super) struct Shared {
     pub(super) poll_interval: Duration,
     pub(super) batch_size: i64,
     pub(super) counters: Counters,
+    /// Freshness reports, when asked for.
+    pub(super) reports: Option<Reports>,
+}
+
+/// What an outbox relay's freshness reports need (see `relay_pass.rs`).
+pub(super) struct Reports {
+    pub(super) every: Duration,
+    /// The caches reported for, sorted, each once.
+    pub(super) caches: Vec<String>,
+    /// The outbox (its database and schema, hashed): relays that stand in
+    /// for one another report as one source.
+    pub(super) source: u64,
+    /// When the last report's mark was taken.
+    pub(super) last: std::sync::Mutex<Option<tokio::time::Instant>>,
 }
 
 impl OutboxRelayBuilder {
@@ -160,6 +178,42 @@ impl OutboxRelayBuilder {
     /// Default 256; 1 to 100 000.
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n;
+        self
+    }
+
+    /// How often the relay tells nodes how far behind the outbox it is
+    /// (never by default; 10 ms to 1 h, with [`reports_for`](Self::reports_for)),
+    /// so that a cache's freshness, and its
+    /// [`max_staleness`](crate::SyncedCacheBuilder::max_staleness), hold
+    /// against the database rather than the topic: a relay that stalls,
+    /// falls behind, or is cut off from its database or its broker shows
+    /// on every node as a freshness that ages (see
+    /// [`SyncedCacheBuilder::relayed`](crate::SyncedCacheBuilder::relayed)).
+    ///
+    /// A report follows a pass that found fewer rows than a batch (the
+    /// outbox drained): everything committed before the pass began is
+    /// published then, except rows whose `not_before` had not come (held
+    /// back on purpose, and not covered). Each report is two announcements
+    /// per cache on the topic, the second carrying how long after the
+    /// pass's start the first was acknowledged; while reports are on, the
+    /// relay passes at least this often. A bound of `d` on the nodes needs
+    /// reports well within `d`. Reports are in a wire format nodes older
+    /// than this version do not read (they resync the cache on each):
+    /// upgrade every node before turning them on.
+    pub fn freshness_interval(mut self, every: Duration) -> Self {
+        self.freshness_interval = every;
+        self
+    }
+
+    /// The caches the relay's freshness reports are for: those whose
+    /// changes go through this outbox. A relay cannot tell them from its
+    /// rows (an idle outbox holds none).
+    pub fn reports_for<I, S>(mut self, caches: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.reports_for = caches.into_iter().map(Into::into).collect();
         self
     }
 
@@ -210,6 +264,38 @@ impl OutboxRelayBuilder {
                     .into(),
                 )
             })?;
+        let reports = if self.freshness_interval == Duration::MAX {
+            None
+        } else {
+            crate::util::check_duration(
+                "freshness_interval",
+                self.freshness_interval,
+                MIN_REPORT_INTERVAL,
+                MAX_REPORT_INTERVAL,
+            )?;
+            let mut caches = self.reports_for;
+            if caches.is_empty() {
+                return Err(Error::Config(
+                    "freshness_interval is set, and reports_for names no cache to report for"
+                        .into(),
+                ));
+            }
+            for cache in &caches {
+                crate::transport::names::check(crate::transport::names::NameKind::Cache, cache)?;
+            }
+            caches.sort_unstable();
+            caches.dedup();
+            let database: String = sqlx::query_scalar("SELECT current_database()::text")
+                .fetch_one(&self.pool)
+                .await
+                .map_err(db)?;
+            Some(Reports {
+                every: self.freshness_interval,
+                caches,
+                source: source(&database, schema),
+                last: std::sync::Mutex::new(None),
+            })
+        };
         let mut listener = PgListener::connect_with(&self.pool).await.map_err(db)?;
         listener.listen(CHANNEL).await.map_err(db)?;
         let shared = Arc::new(Shared {
@@ -220,6 +306,7 @@ impl OutboxRelayBuilder {
             poll_interval: self.poll_interval,
             batch_size,
             counters: Counters::default(),
+            reports,
         });
         let (stop, stopped) = watch::channel(false);
         let task = tokio::spawn(run(shared.clone(), listener, stopped));
@@ -229,6 +316,28 @@ impl OutboxRelayBuilder {
             task: std::sync::Mutex::new(Some(task)),
         })
     }
+}
+
+/// The freshness interval's range.
+const MIN_REPORT_INTERVAL: Duration = Duration::from_millis(10);
+const MAX_REPORT_INTERVAL: Duration = Duration::from_secs(3600);
+
+/// An outbox's report source: its database and schema, hashed (FNV-1a),
+/// and apart from any CDC relay's (whose source hashes a slot first).
+fn source(database: &str, schema: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in b"outbox"
+        .iter()
+        .copied()
+        .chain([0])
+        .chain(database.bytes())
+        .chain([0])
+        .chain(schema.bytes())
+    {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
 }
 
 impl OutboxRelay {
@@ -241,6 +350,8 @@ impl OutboxRelay {
             outbox: Outbox::new(),
             poll_interval: Duration::from_secs(1),
             batch_size: 256,
+            freshness_interval: Duration::MAX,
+            reports_for: Vec::new(),
         }
     }
 

@@ -9,11 +9,13 @@ use std::time::Duration;
 use sqlx::postgres::PgListener;
 use tokio::sync::watch;
 
-use super::relay::Shared;
+use tokio::time::Instant;
+
+use super::relay::{Reports, Shared};
 use super::{db, decode_row};
 use crate::error::{Error, Result};
-use crate::util::Backoff;
-use crate::wire::Fence;
+use crate::util::{Backoff, lock};
+use crate::wire::{Fence, Watermark};
 
 /// Backoff after a failed pass (broker or database down): doubling from
 /// the first to the second, then staying there.
@@ -27,8 +29,10 @@ const LEADER_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How a pass ended.
 enum Pass {
-    /// Fewer rows than a batch were due: wait for a wake-up.
-    Drained,
+    /// Fewer rows than a batch were due: wait for a wake-up. Everything
+    /// committed before `began` (not held back by `not_before`) is
+    /// published; `term` is the pass's fencing term.
+    Drained { began: Instant, term: u64 },
     /// A full batch: there may be more at once.
     More,
     /// Another relay holds the leader lock.
@@ -50,7 +54,14 @@ pub(super) async fn run(
                 backoff.reset();
                 continue;
             }
-            Ok(Pass::Drained | Pass::NotLeader) => {
+            Ok(Pass::Drained { began, term }) => {
+                backoff.reset();
+                if let Some(reports) = &shared.reports {
+                    report(&shared, reports, began, term).await;
+                }
+                None
+            }
+            Ok(Pass::NotLeader) => {
                 backoff.reset();
                 None
             }
@@ -76,6 +87,56 @@ pub(super) async fn run(
     }
 }
 
+/// Tells every cache the relay reports for that everything committed
+/// before `began` is published, at most once per report interval: a pair
+/// of reports under the pass's fencing term (later passes, of any relay of
+/// the outbox, draw later terms, so a node refuses an older pair replayed),
+/// the second carrying how long after `began` the first was acknowledged
+/// for every cache. A pair, not one report that the next carries on: relays
+/// standing in for one another may take turns pass by pass, and a node
+/// pairs reports of one term only. A report that fails is logged and not
+/// retried: the next follows within an interval.
+async fn report(shared: &Shared, reports: &Reports, began: Instant, term: u64) {
+    {
+        let mut last = lock(&reports.last);
+        if last.is_some_and(|at| began.saturating_duration_since(at) < reports.every) {
+            return;
+        }
+        *last = Some(began);
+    }
+    // One cache after another: a relay reports for a few caches, and the
+    // second report's duration covers them all.
+    let send = async |number: u64, acked_after_us: Option<u64>| -> Result<()> {
+        let mark = Watermark {
+            source: reports.source,
+            epoch: term,
+            number,
+            acked_after_us,
+        };
+        for cache in &reports.caches {
+            shared.publisher.watermark(cache, mark).await?;
+        }
+        Ok(())
+    };
+    // Bounded: a broker that does not answer holds the relay's passes no
+    // longer than an interval (at least a second).
+    let limit = reports.every.max(Duration::from_secs(1));
+    let pair = async {
+        send(1, None).await?;
+        let after = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX);
+        send(2, Some(after)).await
+    };
+    let sent = tokio::time::timeout(limit, pair).await;
+    if !matches!(sent, Ok(Ok(()))) {
+        let error = match sent {
+            Ok(Err(e)) => e.to_string(),
+            _ => format!("not acknowledged within {limit:?}"),
+        };
+        tracing::debug!(schema = shared.outbox.schema(), %error,
+            "outbox relay: sending a freshness report failed");
+    }
+}
+
 /// Until a notification for this schema, or the poll interval (or, after a
 /// failure, the backoff) passes.
 async fn wait(shared: &Shared, listener: &mut PgListener, pause: Option<Duration>) {
@@ -83,8 +144,14 @@ async fn wait(shared: &Shared, listener: &mut PgListener, pause: Option<Duration
         tokio::time::sleep(pause).await;
         return;
     }
+    // With reports on, a pass at least every report interval: an idle
+    // outbox is drained, and says so.
+    let every = shared
+        .reports
+        .as_ref()
+        .map_or(shared.poll_interval, |r| r.every.min(shared.poll_interval));
     let deadline = tokio::time::Instant::now()
-        .checked_add(shared.poll_interval)
+        .checked_add(every)
         .unwrap_or_else(tokio::time::Instant::now);
     loop {
         // `recv` reconnects a dropped listener by itself (notifications sent
@@ -108,6 +175,9 @@ impl Shared {
     /// and the published ones deleted.
     async fn pass(&self) -> Result<Pass> {
         let schema = self.outbox.schema();
+        // Before the transaction: every statement's snapshot in it is
+        // taken after this, so a row committed before it is seen.
+        let began = Instant::now();
         let mut tx = self.pool.begin().await.map_err(db)?;
         // The term only when the lock was taken (CASE evaluates in order):
         // a relay that is not the leader draws none.
@@ -197,7 +267,10 @@ impl Shared {
         match failure {
             Some(e) => Err(e),
             None if full => Ok(Pass::More),
-            None => Ok(Pass::Drained),
+            None => Ok(Pass::Drained {
+                began,
+                term: fence.term,
+            }),
         }
     }
 
