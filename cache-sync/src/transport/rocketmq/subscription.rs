@@ -120,8 +120,9 @@ pub(super) struct RocketMqSubscription {
     /// check (its broker was down then, or joined the topic's route since).
     pub(super) stray: watch::Receiver<bool>,
     pub(super) watchdog: tokio::task::JoinHandle<()>,
-    /// Hands over the consumer's moves past filtered messages.
-    pub(super) skips: Option<tokio::task::JoinHandle<()>>,
+    /// Ends the task that hands over the consumer's moves past filtered
+    /// messages (which then shuts its admin client down).
+    pub(super) skips: Option<watch::Sender<bool>>,
     pub(super) consumer: Option<Consumer>,
 }
 
@@ -137,7 +138,7 @@ impl Drop for RocketMqSubscription {
     fn drop(&mut self) {
         self.watchdog.abort();
         if let Some(skips) = &self.skips {
-            skips.abort();
+            skips.send_replace(true);
         }
         let Some(mut consumer) = self.consumer.take() else {
             return;
@@ -294,6 +295,7 @@ struct Skips {
     topic: String,
     shared: Arc<dyn Shared>,
     admin: Option<Admin>,
+    stop: watch::Receiver<bool>,
 }
 
 /// Hands the subscription the consumer's moves past messages the broker
@@ -323,6 +325,13 @@ struct Skips {
 /// after that and sent through the same channel, so it arrives behind every
 /// record before it.
 async fn watch_skips(mut s: Skips) {
+    skip_loop(&mut s).await;
+    if let Some(mut admin) = s.admin.take() {
+        admin.shutdown().await;
+    }
+}
+
+async fn skip_loop(s: &mut Skips) {
     let names: Vec<Arc<str>> = s
         .queues
         .iter()
@@ -332,6 +341,7 @@ async fn watch_skips(mut s: Skips) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let probe = tokio::select! {
+            _ = s.stop.wait_for(|stop| *stop) => return,
             _ = tick.tick() => None,
             changed = s.tails.changed() => match changed {
                 Ok(()) => s.tails.borrow_and_update().clone(),
@@ -358,7 +368,7 @@ async fn watch_skips(mut s: Skips) {
                 && s.ours.is_some()
             {
                 let end = *end;
-                past = past.saturating_add(others_from(&mut s, i, past, end).await);
+                past = past.saturating_add(others_from(s, i, past, end).await);
             }
             if past > marked {
                 batch.push(Received {
@@ -428,12 +438,22 @@ async fn others_from(s: &mut Skips, i: usize, from: u64, end: u64) -> u64 {
         return 0;
     };
     let entries = body.queue_data.as_deref().unwrap_or_default();
-    others_leading(entries.iter().map(|e| e.tags_code), ours)
+    // With the broker's extended consume queue on, an entry's code may be
+    // an address into it rather than the tag's hash: such an entry (one
+    // with extended data, or a code no `i32` hash gives) is not known to
+    // be another cache's, and ends the run.
+    let codes = entries.iter().map(|e| {
+        (e.extend_data_json.is_none() && i32::try_from(e.tags_code).is_ok()).then_some(e.tags_code)
+    });
+    others_leading(codes, ours)
 }
 
-/// How many tag codes in a row, from the first, are none of `ours`.
-fn others_leading(codes: impl Iterator<Item = i64>, ours: &HashSet<i64>) -> u64 {
-    let others = codes.take_while(|c| !ours.contains(c)).count();
+/// How many entries in a row, from the first, carry a tag code that is
+/// none of `ours`; `None` (a code that is no tag's hash) ends the run.
+fn others_leading(codes: impl Iterator<Item = Option<i64>>, ours: &HashSet<i64>) -> u64 {
+    let others = codes
+        .take_while(|c| c.is_some_and(|c| !ours.contains(&c)))
+        .count();
     u64::try_from(others).unwrap_or(0)
 }
 
@@ -550,6 +570,7 @@ impl RocketMqTransport {
             .as_ref()
             .and_then(DefaultMQPushConsumer::offset_store)
             .map(|store| {
+                let (stop_tx, stop) = watch::channel(false);
                 tokio::spawn(watch_skips(Skips {
                     store,
                     queues: plan.queues.clone(),
@@ -560,7 +581,9 @@ impl RocketMqTransport {
                     topic: topic.to_owned(),
                     shared: self.inner.clone(),
                     admin: None,
-                }))
+                    stop,
+                }));
+                stop_tx
             });
 
         let mut addrs: Vec<String> = plan.queues.iter().map(|q| q.addr.clone()).collect();
@@ -633,11 +656,17 @@ mod tests {
     #[test]
     fn a_look_ahead_stops_at_the_first_message_of_ours() {
         let ours: HashSet<i64> = [7].into();
-        assert_eq!(others_leading([1, 2, 7, 3].into_iter(), &ours), 2);
-        assert_eq!(others_leading([7, 1].into_iter(), &ours), 0);
-        assert_eq!(others_leading([1, 2, 3].into_iter(), &ours), 3);
+        let codes = |c: &[i64]| c.iter().map(|&c| Some(c)).collect::<Vec<_>>().into_iter();
+        assert_eq!(others_leading(codes(&[1, 2, 7, 3]), &ours), 2);
+        assert_eq!(others_leading(codes(&[7, 1]), &ours), 0);
+        assert_eq!(others_leading(codes(&[1, 2, 3]), &ours), 3);
         assert_eq!(others_leading(std::iter::empty(), &ours), 0);
         // A message with no tag (code 0) from another producer is not ours.
-        assert_eq!(others_leading([0, 7].into_iter(), &ours), 1);
+        assert_eq!(others_leading(codes(&[0, 7]), &ours), 1);
+        // An entry whose code is no tag's hash ends the run.
+        assert_eq!(
+            others_leading([Some(1), None, Some(2)].into_iter(), &ours),
+            1
+        );
     }
 }

@@ -12,6 +12,7 @@
 //! the indexer's place): nothing behind means every message stored before
 //! that answer is indexed, and the queue ends read after it count them.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use rocketmq_client_rust::{BrokerAdmin, DefaultMQAdminExt, TopicAdmin};
@@ -70,13 +71,33 @@ impl Inner {
 
 /// Whether `position` has read every queue of `tail` up to its end: by the
 /// records handed over, or past them where the consumer passed other
-/// caches' messages (its [`read_past`] marks).
+/// caches' messages (its [`read_past`] marks). And every broker whose
+/// queues the position names is in the tail: a broker that died leaves the
+/// topic's route (the name server drops it when its connection closes), so
+/// a tail read meanwhile does not name it, and the messages it acknowledged
+/// before it died may be unread; until it is back, or the node starts
+/// afresh, nothing is proved.
 pub(super) fn covered(position: &Position, tail: &Position) -> bool {
     let reached = |partition: &str, end: u64| matches!(position.get(partition), Some(Offset::Seq(at)) if *at >= end);
-    tail.iter().all(|(queue, end)| match end {
+    let queues_reached = tail.iter().all(|(queue, end)| match end {
         Offset::Seq(end) => reached(queue, *end) || reached(&read_past(queue), *end),
         Offset::Id(_) => false,
-    })
+    });
+    if !queues_reached {
+        return false;
+    }
+    let named: HashSet<&str> = tail.iter().filter_map(|(p, _)| broker_of(p)).collect();
+    position
+        .iter()
+        .filter_map(|(p, _)| broker_of(p))
+        .all(|broker| named.contains(broker))
+}
+
+/// The broker of a queue's partition (`<broker>:<queue id>`); `None` for
+/// its anchor (`…@`) and read-past mark (`…~`).
+fn broker_of(partition: &str) -> Option<&str> {
+    let (broker, id) = partition.rsplit_once(':')?;
+    id.parse::<i32>().ok().map(|_| broker)
 }
 
 async fn read_tail(admin: &DefaultMQAdminExt, topic: &str) -> Result<Position> {
@@ -177,6 +198,25 @@ mod tests {
         let mut more = tail();
         more.set("c:0", Offset::Seq(0));
         assert!(!covered(&p, &more), "a queue the position never read");
+    }
+
+    #[test]
+    fn a_broker_the_position_names_and_the_tail_lacks_proves_nothing() {
+        // Broker `d` died: the route, and so the tail, no longer names it.
+        let mut p = Position::single("b:0", Offset::Seq(10));
+        p.set("b:1", Offset::Seq(4));
+        p.set("d:0", Offset::Seq(7));
+        p.set("d:0@", Offset::Id("1@2".into()));
+        assert!(!covered(&p, &tail()));
+        // Back in the tail (its queue read up to its end): covered.
+        let mut back = tail();
+        back.set("d:0", Offset::Seq(7));
+        assert!(covered(&p, &back));
+        // Broker names with colons, and partitions that are not queues.
+        assert_eq!(broker_of("a:b:3"), Some("a:b"));
+        assert_eq!(broker_of("a:3@"), None);
+        assert_eq!(broker_of("a:3~"), None);
+        assert_eq!(broker_of("a"), None);
     }
 
     #[test]
