@@ -57,7 +57,11 @@ pub(super) async fn run(
             Ok(Pass::Drained { began, term }) => {
                 backoff.reset();
                 if let Some(reports) = &shared.reports {
-                    report(&shared, reports, began, term).await;
+                    // A shutdown does not wait for a slow broker's answer.
+                    tokio::select! {
+                        _ = stopped.changed() => return,
+                        () = report(&shared, reports, began, term) => {}
+                    }
                 }
                 None
             }
