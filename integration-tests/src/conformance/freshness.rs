@@ -19,6 +19,33 @@ const PROVED_PAST_WITHIN: Duration = Duration::from_secs(8);
 /// An age past this was proved by nothing for seconds.
 const STALE_MS: u64 = 3000;
 
+/// A node on `topic` holding `cache`, proving every `EVERY`, once it has
+/// proved a young bound. A transport that proves none cannot run these
+/// scenarios.
+async fn proving_node(
+    fixture: &mut dyn Fixture,
+    topic: &str,
+    cache: &str,
+) -> (SyncedCache<String, String>, Node) {
+    let name = fixture.name();
+    let cache: SyncedCache<String, String> = SyncedCache::new(cache, moka::future::Cache::new(100));
+    let node = fixture
+        .configure(Node::builder("fresh", fixture.transport().await))
+        .topic(topic)
+        .freshness_interval(EVERY)
+        .register(&cache)
+        .start()
+        .await
+        .unwrap_or_else(|e| panic!("{name}: node: {e}"));
+    let age = || node.status().freshness_age_ms;
+    first_bound(name, &age).await;
+    crate::eventually(&format!("{name}: a young bound"), async || {
+        age().is_some_and(|a| a <= FRESH_MS)
+    })
+    .await;
+    (cache, node)
+}
+
 /// Waits for the node's first bound; a transport that proves none cannot
 /// run these scenarios.
 async fn first_bound(name: &str, age: &impl Fn() -> Option<u64>) {
@@ -41,20 +68,9 @@ async fn first_bound(name: &str, age: &impl Fn() -> Option<u64>) {
 pub async fn freshness_follows_a_paused_broker(fixture: &mut dyn Fixture) {
     let name = fixture.name();
     let topic = format!("fresh-{name}-{}", std::process::id());
-    let cache: SyncedCache<String, String> =
-        SyncedCache::new("fresh", moka::future::Cache::new(100));
-    let node = fixture
-        .configure(Node::builder("fresh", fixture.transport().await))
-        .topic(&topic)
-        .freshness_interval(EVERY)
-        .register(&cache)
-        .start()
-        .await
-        .unwrap_or_else(|e| panic!("{name}: node: {e}"));
+    let (cache, node) = proving_node(fixture, &topic, "fresh").await;
     let age = || node.status().freshness_age_ms;
-    first_bound(name, &age).await;
     let fresh = async || age().is_some_and(|a| a <= FRESH_MS);
-    crate::eventually(&format!("{name}: a young bound"), fresh).await;
 
     let publisher = Publisher::builder(fixture.transport().await)
         .topic(&topic)
@@ -100,22 +116,8 @@ pub async fn freshness_follows_a_paused_broker(fixture: &mut dyn Fixture) {
 pub async fn freshness_proved_past_other_caches_events(fixture: &mut dyn Fixture) {
     let name = fixture.name();
     let topic = format!("fresh-past-{name}-{}", std::process::id());
-    let cache: SyncedCache<String, String> =
-        SyncedCache::new("mine", moka::future::Cache::new(100));
-    let node = fixture
-        .configure(Node::builder("fresh-past", fixture.transport().await))
-        .topic(&topic)
-        .freshness_interval(EVERY)
-        .register(&cache)
-        .start()
-        .await
-        .unwrap_or_else(|e| panic!("{name}: node: {e}"));
+    let (cache, node) = proving_node(fixture, &topic, "mine").await;
     let age = || node.status().freshness_age_ms;
-    first_bound(name, &age).await;
-    crate::eventually(&format!("{name}: a young bound"), async || {
-        age().is_some_and(|a| a <= FRESH_MS)
-    })
-    .await;
 
     // No announcements: one of this node's cache, coming after the other
     // cache's events, would carry the node past them by itself.
