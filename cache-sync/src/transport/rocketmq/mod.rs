@@ -84,7 +84,9 @@ type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 ///   position with a fresh client instance. The producer is recreated under a
 ///   new instance name when sends keep failing while the broker is up.
 /// - **Freshness:** the tail ([`Transport::tail`]) is every queue's end on
-///   every master broker, read once the broker has indexed all it stored.
+///   every master broker, read once the broker reports its commit-log
+///   reader caught up (which leaves a short hand-off inside the broker
+///   uncovered: see `docs/design.md`, The freshness bound).
 ///   A subscription also notes how far its consumer has read past other
 ///   caches' messages, which the broker filters out, so that a queue whose
 ///   last message is another cache's is still reached (see
@@ -201,8 +203,8 @@ impl Transport for RocketMqTransport {
     }
 
     /// Every queue's end on every master broker of the topic, read once
-    /// each broker has indexed all it stored: one request to the name
-    /// server and two to each broker.
+    /// each broker's commit-log reader has caught up: one request to the
+    /// name server and two to each broker.
     async fn tail(&self, topic: &str) -> Result<Option<Position>> {
         self.check_topic(topic)?;
         let topic = rmq_topic(topic).into_owned();

@@ -1,16 +1,19 @@
 //! The topic's tail, for the node's freshness bound: every queue's end on
-//! every master broker, read only once the broker has indexed everything it
-//! acknowledged.
+//! every master broker, read once the broker's commit-log reader has caught
+//! up with what it acknowledged.
 //!
 //! A broker acknowledges a send once the message is in its commit log, and
 //! indexes it into its queue (the offsets a consumer reads and the admin API
-//! reports) a moment later, on a thread of its own. A queue's end read in
+//! reports) a moment later, on tasks of its own. A queue's end read in
 //! between would leave out a message already acknowledged, and a node that
 //! reached that end would claim a bound it does not have. So each broker is
-//! first asked how far its indexing is behind its commit log
+//! first asked how far its reader is behind its commit log
 //! (`dispatchBehindBytes` in its runtime stats, the log's end read before
-//! the indexer's place): nothing behind means every message stored before
-//! that answer is indexed, and the queue ends read after it count them.
+//! the reader's place), and the queue ends are read only once it is not.
+//! That narrows the window without closing it: the Rust broker's reader
+//! hands what it parsed to a separate task that writes the queue entries,
+//! and nothing the broker answers says where that task is (see
+//! `docs/design.md`, The freshness bound).
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -120,7 +123,7 @@ async fn read_tail(admin: &DefaultMQAdminExt, topic: &str) -> Result<Position> {
                 ),
             ));
         };
-        indexed(admin, addr.as_str()).await?;
+        reader_caught_up(admin, addr.as_str()).await?;
         let stats = TopicAdmin::examine_topic_stats(admin, topic.into(), Some(addr.clone()))
             .await
             .map_err(err)?;
@@ -143,9 +146,9 @@ async fn read_tail(admin: &DefaultMQAdminExt, topic: &str) -> Result<Position> {
     Ok(tail)
 }
 
-/// Waits (briefly) until the broker at `addr` has indexed everything it
-/// stored.
-async fn indexed(admin: &DefaultMQAdminExt, addr: &str) -> Result<()> {
+/// Waits (briefly) until the broker at `addr` reports its commit-log
+/// reader caught up with everything it stored.
+async fn reader_caught_up(admin: &DefaultMQAdminExt, addr: &str) -> Result<()> {
     for _ in 0..INDEXED_TRIES {
         let stats = BrokerAdmin::fetch_broker_runtime_stats(admin, addr.into())
             .await
