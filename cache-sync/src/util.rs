@@ -25,6 +25,25 @@ pub(crate) type HashSet<T> = std::collections::HashSet<T, Hasher>;
 /// changes them with every instance; hashing a process-wide counter with a
 /// fresh one needs no `rand` dependency, and its output is not predictable
 /// without the keys.
+/// FNV-1a of `parts`, each followed by a zero byte but the last: a stable
+/// name for a relay group's report source, the same in every process and
+/// release (relays standing in for one another must agree on it).
+#[cfg(any(feature = "postgres-cdc", feature = "postgres-outbox"))]
+pub(crate) fn source_hash(parts: &[&str]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            // The zero byte between parts (xor with 0 changes nothing).
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        for b in part.bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
 pub(crate) fn random_u64() -> u64 {
     use std::hash::BuildHasher;
     use std::sync::atomic::{AtomicU64, Ordering::Relaxed};

@@ -325,19 +325,7 @@ const MAX_REPORT_INTERVAL: Duration = Duration::from_secs(3600);
 /// An outbox's report source: its database and schema, hashed (FNV-1a),
 /// and apart from any CDC relay's (whose source hashes a slot first).
 fn source(database: &str, schema: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in b"outbox"
-        .iter()
-        .copied()
-        .chain([0])
-        .chain(database.bytes())
-        .chain([0])
-        .chain(schema.bytes())
-    {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
+    crate::util::source_hash(&["outbox", database, schema])
 }
 
 impl OutboxRelay {
