@@ -186,6 +186,21 @@ pub(super) async fn consume_loop(
             }
             next = s.next(cfg.max_batch) => next,
         };
+        // A batch fetched after a registration may have been filtered with
+        // the tags of before it: the new cache's events published since
+        // (after `register` returned) are missing from it, and a
+        // re-subscription from its end would start after them. So nothing
+        // of it is applied: it is read again, with the new tags, from where
+        // it began. (The registration was made before those publishes, so a
+        // fetch that saw them sees it too.)
+        if matches!(next, Ok(Delivery::Batch { .. }))
+            && shared.transport.filters_by_tag()
+            && registrations.has_changed().unwrap_or(false)
+        {
+            registrations.borrow_and_update();
+            sub = None;
+            continue;
+        }
         match next {
             Ok(Delivery::Batch { records, position }) => {
                 // A short batch: the transport handed over all it had.
