@@ -182,3 +182,157 @@ async fn with_one_broker_down_publishes_move_and_subscriptions_read_the_other() 
         panic!("the broker kept its store: {loss:?}");
     }
 }
+
+/// A broker that comes back without its store counts its queues from 0
+/// again, so a node's old offsets pass its new queue ends; RocketMQ names
+/// no history in them. Until the node has started a subscription on the
+/// new store (and signalled what it lost there), no bound asked after the
+/// wipe may be proved: the node never read what the new store holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wiped_brokers_return_proves_no_bound_until_the_node_has_read_its_new_store() {
+    use cache_sync::{Node, Publisher, SyncedCache};
+
+    let mut server = RocketMqServer::start();
+    let transport = || async {
+        std::sync::Arc::new(
+            RocketMqTransport::builder(server.namesrv_addr())
+                .queues_per_topic(1)
+                .connect()
+                .await
+                .expect("connect"),
+        )
+    };
+    let cache: SyncedCache<String, String> =
+        SyncedCache::new("fresh", moka::future::Cache::new(100));
+    let node = Node::builder("wiped", transport().await)
+        .topic("wiped-return")
+        .freshness_interval(Duration::from_millis(20))
+        // Seconds between re-subscriptions: the broker is back, and the
+        // tails read it, long before the node subscribes to it again (past
+        // the 5 s a tail request left hanging by the broker's death may
+        // take to give up).
+        .reconnect_backoff(Duration::from_secs(8), Duration::from_secs(8))
+        .register(&cache)
+        .start()
+        .await
+        .expect("node");
+    let publisher = Publisher::builder(transport().await)
+        .topic("wiped-return")
+        .build()
+        .expect("publisher");
+    // Thirty events: the queue's offset, 30, is past what the wiped
+    // broker will hold.
+    for i in 0..30 {
+        publisher
+            .insert("fresh", [("k", format!("v{i}"))])
+            .await
+            .expect("publish");
+    }
+    let waited = tokio::time::Instant::now();
+    while cache.peek("k").await.as_deref() != Some("v29")
+        || node.status().freshness_age_ms.is_none_or(|a| a > 1000)
+    {
+        assert!(
+            waited.elapsed() < Duration::from_secs(60),
+            "v29 applied and a young bound"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let losses = node.status().losses;
+
+    let wiped = tokio::time::Instant::now();
+    server.wipe();
+    let transport = || async {
+        std::sync::Arc::new(
+            RocketMqTransport::builder(server.namesrv_addr())
+                .queues_per_topic(1)
+                .connect()
+                .await
+                .expect("connect"),
+        )
+    };
+    // On the new store, made again by a new client with the same single
+    // queue (a send alone would have the broker make it with its default
+    // queue count, which the node's position would not cover anyway):
+    // offset 0 of a new queue, which the old offset 30 passes.
+    let publisher = Publisher::builder(transport().await)
+        .topic("wiped-return")
+        .build()
+        .expect("publisher");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match publisher.insert("fresh", [("k", "after")]).await {
+            Ok(_) => break,
+            Err(e) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "publish after the wipe: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    // Until the node signals the loss, every bound it shows was asked
+    // before the wipe (its age at least the time since; the age is in
+    // whole milliseconds).
+    let mut samples = 0u32;
+    loop {
+        let since = wiped.elapsed();
+        let status = node.status();
+        if status.losses > losses {
+            break;
+        }
+        if let Some(age) = status.freshness_age_ms {
+            assert!(
+                u128::from(age) + 2 >= since.as_millis(),
+                "a bound asked {} ms after the wipe was proved before the node read the new \
+                 store (sample {samples})",
+                since.as_millis().saturating_sub(u128::from(age))
+            );
+        }
+        samples += 1;
+        assert!(
+            since < Duration::from_secs(90),
+            "no loss signalled 90 s after the wipe"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    eprintln!(
+        "loss signalled {:?} after the wipe, {samples} samples before it",
+        wiped.elapsed()
+    );
+    // The loss cleared the cache (what the new store held before the node
+    // read it is answered by that, not replayed): nothing of the old
+    // history is left. Then the node proves again, and takes what comes.
+    assert_ne!(
+        cache.peek("k").await.as_deref(),
+        Some("v29"),
+        "the old value survived the loss"
+    );
+    let later = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match publisher.insert("fresh", [("k", "later")]).await {
+            Ok(_) => break,
+            Err(e) => {
+                assert!(
+                    tokio::time::Instant::now() < later,
+                    "publish after the loss: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    let waited = tokio::time::Instant::now();
+    while cache.peek("k").await.as_deref() != Some("later")
+        || node.status().freshness_age_ms.is_none_or(|a| a > 1000)
+    {
+        assert!(
+            waited.elapsed() < Duration::from_secs(60),
+            "the value published after the loss, and a young bound: {:?}, age {:?}",
+            cache.peek("k").await,
+            node.status().freshness_age_ms
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    node.shutdown().await.expect("shutdown");
+}

@@ -111,6 +111,7 @@ impl RocketMqBuilder {
             names: AtomicU64::new(0),
             closed: AtomicBool::new(false),
             tail_admin: tokio::sync::Mutex::new(None),
+            watches: Mutex::new(HashMap::new()),
             tails: Mutex::new(HashMap::new()),
         });
         let producer = inner.new_producer().await?;

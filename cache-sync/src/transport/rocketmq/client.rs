@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rocketmq_client_rust::{ClientConfig, ClientRuntime, DefaultMQAdminExt, DefaultMQProducer};
@@ -45,6 +45,9 @@ pub(super) struct Inner {
     /// subscriptions to look past the other caches' messages it names (see
     /// `watch_skips`).
     pub(super) tails: Mutex<HashMap<String, tokio::sync::watch::Sender<Option<Position>>>>,
+    /// The live subscriptions' watches per topic (escaped), which vouch for
+    /// the brokers a tail was read from (see `vouched`).
+    pub(super) watches: Mutex<HashMap<String, Vec<Weak<Watch>>>>,
 }
 
 pub(super) fn unique_id(prefix: &str) -> String {
@@ -99,6 +102,29 @@ impl Inner {
             .entry(topic.to_owned())
             .or_insert_with(|| tokio::sync::watch::channel(None).0)
             .subscribe()
+    }
+
+    /// Registers a new subscription's watch of `topic` (escaped).
+    pub(super) fn watching(&self, topic: &str, watch: &Arc<Watch>) {
+        let mut watches = lock(&self.watches);
+        let list = watches.entry(topic.to_owned()).or_default();
+        list.retain(|w| w.strong_count() > 0);
+        list.push(Arc::downgrade(watch));
+    }
+
+    /// Whether the live subscriptions of the tail's topic vouch for the
+    /// brokers it was read from: each is the process, with the store,
+    /// whose history the subscriptions checked. None live, none vouched:
+    /// between subscriptions, and after a broker closed, nothing is proved.
+    pub(super) fn vouched(&self, tail: &Position) -> bool {
+        let Some(topic) = tail_topic(tail) else {
+            return false;
+        };
+        let live: Vec<Arc<Watch>> = lock(&self.watches)
+            .get(topic)
+            .map(|list| list.iter().filter_map(Weak::upgrade).collect())
+            .unwrap_or_default();
+        !live.is_empty() && live.iter().all(|w| w.vouches_for(tail_brokers(tail)))
     }
 
     pub(super) fn next_name(&self, what: &str) -> String {

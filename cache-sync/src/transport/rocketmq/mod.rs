@@ -225,7 +225,7 @@ impl Transport for RocketMqTransport {
     /// over, or past them by the consumer where the broker filtered out the
     /// rest (other caches' messages, see `watch_skips`).
     fn covers(&self, position: &Position, tail: &Position) -> bool {
-        covered(position, tail)
+        covered(position, tail) && self.inner.get().vouched(tail)
     }
 
     async fn publish_heartbeat(&self, topic: &str, payload: Bytes) -> Result<()> {

@@ -123,6 +123,9 @@ pub(super) struct RocketMqSubscription {
     /// Ends the task that hands over the consumer's moves past filtered
     /// messages (which then shuts its admin client down).
     pub(super) skips: Option<watch::Sender<bool>>,
+    /// Its connections to the brokers it reads, which vouch for the tails
+    /// its node proves against.
+    pub(super) watch: Arc<Watch>,
     pub(super) consumer: Option<Consumer>,
 }
 
@@ -136,6 +139,7 @@ impl fmt::Debug for RocketMqSubscription {
 
 impl Drop for RocketMqSubscription {
     fn drop(&mut self) {
+        self.watch.unsettle();
         self.watchdog.abort();
         if let Some(skips) = &self.skips {
             skips.send_replace(true);
@@ -479,11 +483,20 @@ impl RocketMqTransport {
         // Looked up afresh: subscriptions are rare, and a broker that lost
         // its store has lost the topic with it.
         inner.topics.lock().await.remove(topic);
-        inner.ensure_topic(topic).await?;
+        let route = inner.ensure_topic(topic).await?;
+        // Before the plan checks what the brokers hold: a connection still
+        // open afterwards shows the broker is the one it checked.
+        let watch = Arc::new(Watch::open(&route).await);
         let mut admin = inner.admin().await?;
         let plan = plan_start(admin.get(), topic, from).await;
         admin.shutdown().await;
         let plan = plan?;
+        let read: TopicBrokers = plan
+            .queues
+            .iter()
+            .map(|q| (q.mq.broker_name().to_string(), q.addr.clone()))
+            .collect();
+        watch.planned(&read, !plan.missing.is_empty()).await;
 
         let instance = inner.next_name("node");
         let group = inner.next_name("group");
@@ -586,9 +599,6 @@ impl RocketMqTransport {
                 stop_tx
             });
 
-        let mut addrs: Vec<String> = plan.queues.iter().map(|q| q.addr.clone()).collect();
-        addrs.sort();
-        addrs.dedup();
         let (report, brokers) = watch::channel(Brokers::Up);
         // A broker that was down is back once it accepts connections and
         // the name server lists it again (so that its queues, made again if
@@ -623,7 +633,8 @@ impl RocketMqTransport {
                 }
             }
         };
-        let watchdog = tokio::spawn(watchdog(addrs, returned, report));
+        inner.watching(topic, &watch);
+        let watchdog = tokio::spawn(watchdog(watch.clone(), returned, report));
         Ok(RocketMqSubscription {
             rx,
             buffered: VecDeque::new(),
@@ -633,6 +644,7 @@ impl RocketMqTransport {
             stray,
             watchdog,
             skips,
+            watch,
             consumer: Some(consumer),
         })
     }

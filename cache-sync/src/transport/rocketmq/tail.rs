@@ -82,7 +82,14 @@ impl Inner {
 /// afresh, nothing is proved.
 pub(super) fn covered(position: &Position, tail: &Position) -> bool {
     let reached = |partition: &str, end: u64| matches!(position.get(partition), Some(Offset::Seq(at)) if *at >= end);
-    let queues_reached = tail.iter().all(|(queue, end)| match end {
+    let mut queues = tail
+        .iter()
+        .filter(|(p, _)| broker_of(p).is_some())
+        .peekable();
+    if queues.peek().is_none() {
+        return false;
+    }
+    let queues_reached = queues.all(|(queue, end)| match end {
         Offset::Seq(end) => reached(queue, *end) || reached(&read_past(queue), *end),
         Offset::Id(_) => false,
     });
@@ -94,6 +101,31 @@ pub(super) fn covered(position: &Position, tail: &Position) -> bool {
         .iter()
         .filter_map(|(p, _)| broker_of(p))
         .all(|broker| named.contains(broker))
+}
+
+/// The tail's partition naming its topic (escaped): no queue's, as it has
+/// no `:<queue id>`.
+const TAIL_TOPIC: &str = "!topic";
+
+/// The tail's partition naming the address `broker` was read at.
+fn broker_mark(broker: &str) -> String {
+    format!("{broker}!")
+}
+
+/// The topic a tail was read for.
+pub(super) fn tail_topic(tail: &Position) -> Option<&str> {
+    match tail.get(TAIL_TOPIC) {
+        Some(Offset::Id(topic)) => Some(topic),
+        _ => None,
+    }
+}
+
+/// The brokers a tail was read from, by name and address.
+pub(super) fn tail_brokers(tail: &Position) -> impl Iterator<Item = (&str, &str)> {
+    tail.iter().filter_map(|(p, o)| match o {
+        Offset::Id(addr) if p != TAIL_TOPIC => p.strip_suffix('!').map(|b| (b, addr.as_str())),
+        _ => None,
+    })
 }
 
 /// The broker of a queue's partition (`<broker>:<queue id>`); `None` for
@@ -111,6 +143,7 @@ async fn read_tail(admin: &DefaultMQAdminExt, topic: &str) -> Result<Position> {
         ));
     };
     let mut tail = Position::default();
+    tail.set(TAIL_TOPIC, Offset::Id(topic.to_owned()));
     for broker in &route.broker_datas {
         // A broker with no master listed holds queues nobody can vouch for
         // now: no tail, rather than one that leaves them out.
@@ -123,6 +156,12 @@ async fn read_tail(admin: &DefaultMQAdminExt, topic: &str) -> Result<Position> {
                 ),
             ));
         };
+        // Which process answered is checked against the node's
+        // subscriptions (`Inner::vouched`), by its address.
+        tail.set(
+            broker_mark(broker.broker_name()),
+            Offset::Id(addr.to_string()),
+        );
         reader_caught_up(admin, addr.as_str()).await?;
         let stats = TopicAdmin::examine_topic_stats(admin, topic.into(), Some(addr.clone()))
             .await
@@ -137,7 +176,7 @@ async fn read_tail(admin: &DefaultMQAdminExt, topic: &str) -> Result<Position> {
             );
         }
     }
-    if tail.iter().next().is_none() {
+    if !tail.iter().any(|(p, _)| broker_of(p).is_some()) {
         return Err(Error::disconnected(
             KIND,
             format!("topic {topic} has no queue on a master broker"),
@@ -234,5 +273,32 @@ mod tests {
         let mut p = Position::single("b:0@", Offset::Seq(99));
         p.set(read_past("b:0@"), Offset::Seq(99));
         assert!(!covered(&p, &Position::single("b:0", Offset::Seq(1))));
+    }
+
+    #[test]
+    fn a_tails_topic_and_addresses_are_no_queues() {
+        let mut t = tail();
+        t.set(TAIL_TOPIC, Offset::Id("orders".into()));
+        t.set(broker_mark("b"), Offset::Id("127.0.0.1:10911".into()));
+        t.set(broker_mark("x:1"), Offset::Id("127.0.0.1:10921".into()));
+        assert_eq!(tail_topic(&t), Some("orders"));
+        let mut brokers: Vec<_> = tail_brokers(&t).collect();
+        brokers.sort_unstable();
+        assert_eq!(
+            brokers,
+            [("b", "127.0.0.1:10911"), ("x:1", "127.0.0.1:10921")]
+        );
+        // The marks neither need covering nor name a broker the position
+        // must hold.
+        let mut p = Position::single("b:0", Offset::Seq(10));
+        p.set("b:1", Offset::Seq(4));
+        assert!(covered(&p, &t));
+        p.set("b:1", Offset::Seq(3));
+        assert!(!covered(&p, &t));
+        // A tail of marks alone covers nothing.
+        let mut marks = Position::single(TAIL_TOPIC, Offset::Id("orders".into()));
+        marks.set(broker_mark("b"), Offset::Id("127.0.0.1:10911".into()));
+        assert!(!covered(&Position::default(), &marks));
+        assert_eq!(tail_topic(&Position::default()), None);
     }
 }
