@@ -14,6 +14,7 @@ pub mod built;
 pub mod cdc;
 pub mod cluster_view;
 pub mod conformance;
+pub mod mariadb_server;
 pub mod nats_cluster;
 pub mod nats_server;
 pub mod postgres_server;
