@@ -259,19 +259,7 @@ async fn a_wiped_brokers_return_proves_no_bound_until_the_node_has_read_its_new_
         .topic("wiped-return")
         .build()
         .expect("publisher");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        match publisher.insert("fresh", [("k", "after")]).await {
-            Ok(_) => break,
-            Err(e) => {
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "publish after the wipe: {e}"
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
+    insert_within_a_minute(&publisher, "after").await;
     // Until the node signals the loss, every bound it shows was asked
     // before the wipe (its age at least the time since; the age is in
     // whole milliseconds).
@@ -309,19 +297,7 @@ async fn a_wiped_brokers_return_proves_no_bound_until_the_node_has_read_its_new_
         Some("v29"),
         "the old value survived the loss"
     );
-    let later = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        match publisher.insert("fresh", [("k", "later")]).await {
-            Ok(_) => break,
-            Err(e) => {
-                assert!(
-                    tokio::time::Instant::now() < later,
-                    "publish after the loss: {e}"
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
+    insert_within_a_minute(&publisher, "later").await;
     let waited = tokio::time::Instant::now();
     while cache.peek("k").await.as_deref() != Some("later")
         || node.status().freshness_age_ms.is_none_or(|a| a > 1000)
@@ -335,4 +311,22 @@ async fn a_wiped_brokers_return_proves_no_bound_until_the_node_has_read_its_new_
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     node.shutdown().await.expect("shutdown");
+}
+
+/// Publishes `k` = `value` to cache `fresh`, retrying while the broker is
+/// not yet taking sends (back from a wipe) for up to a minute.
+async fn insert_within_a_minute(publisher: &cache_sync::Publisher, value: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match publisher.insert("fresh", [("k", value)]).await {
+            Ok(_) => return,
+            Err(e) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "publish {value}: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
 }
