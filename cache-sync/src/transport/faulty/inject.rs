@@ -120,10 +120,12 @@ impl Transport for FaultyTransport {
         let inner = self.inner.subscribe(topic, options).await?;
         self.faults.subscriptions.fetch_add(1, SeqCst);
         let breaks_after = self.faults.break_next_subscription_after.swap(0, SeqCst);
+        let handed = inner.position();
         Ok(Box::new(FaultySubscription {
             inner,
             faults: self.faults.clone(),
             held: None,
+            handed,
             breaks_after: (breaks_after > 0).then_some(breaks_after),
         }))
     }
@@ -198,6 +200,10 @@ struct FaultySubscription {
     /// A delivery fetched while stalled, held until the stall ends: kept
     /// here so that a dropped `next` loses nothing.
     held: Option<Result<Delivery>>,
+    /// The position after the last delivery handed out: while one is held,
+    /// the inner subscription's is past it, and a re-subscription from
+    /// there would skip what was never handed out.
+    handed: Option<Position>,
     /// Batches left before this subscription breaks, if it is to.
     breaks_after: Option<usize>,
 }
@@ -243,10 +249,14 @@ impl Subscription for FaultySubscription {
                 *left = left.saturating_sub(1);
             }
         }
+        self.handed = self.inner.position();
         Ok(delivery)
     }
 
     fn position(&self) -> Option<Position> {
+        if self.held.is_some() {
+            return self.handed.clone();
+        }
         self.inner.position()
     }
 }

@@ -475,15 +475,21 @@ mod tests {
         t.stall(true);
         publish(&t, &["a"]).await;
         assert_eq!(t.holding(), 0);
+        let before = sub.position();
         let held = tokio::time::timeout(Duration::from_secs(60), batch(&mut sub)).await;
         assert!(held.is_err(), "delivered while stalled");
-        // The cancelled read kept what it fetched, and is no longer held.
+        // The cancelled read kept what it fetched, and is no longer held;
+        // the position is still before it, so a subscription from there
+        // would read it again.
         assert_eq!(t.holding(), 0);
-        let reading = tokio::spawn(async move { batch(&mut sub).await });
+        assert_eq!(sub.position(), before, "past a delivery never handed out");
+        let reading = tokio::spawn(async move { (batch(&mut sub).await, sub) });
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert_eq!(t.holding(), 1, "the reader is parked in the stall");
         t.stall(false);
-        assert_eq!(reading.await.expect("joins"), bytes(&["a"]));
+        let (got, sub) = reading.await.expect("joins");
+        assert_eq!(got, bytes(&["a"]));
+        assert_ne!(sub.position(), before, "past the delivery once handed out");
         assert_eq!(t.holding(), 0);
         // A restarted process's client under the same switches.
         let again = t.sharing(t.inner());
