@@ -81,6 +81,10 @@ async fn a_relay_whose_session_dies(at: Kill) {
     let mut killed_at = None;
     // Held by the test while A selects, for `InSelect`.
     let mut table_lock = None;
+    let b_transport = FaultyTransport::new(embedded.clone());
+    b_transport.record_publishes(true);
+    // Started before the table is let go, for `InSelect`.
+    let mut relay_b_early = None;
     if let Kill::InSelect = at {
         let mut tx = db.pool.begin().await.unwrap();
         sqlx::query(&format!(
@@ -113,6 +117,26 @@ async fn a_relay_whose_session_dies(at: Kill) {
         .await;
         kill_sessions(&db.pool, &name_a).await;
         killed_at = Some(events(&a_transport).len());
+        // B takes its pass (the leader lock) and queues for the table
+        // before the test lets go of it: otherwise A's next pass, on a new
+        // session, could take the lock first and publish the rows, as a
+        // relay that holds the lock may (it is no longer the one whose
+        // session died), and the check below could not tell.
+        relay_b_early = Some(db.relay(Publisher::new(b_transport.clone())).await);
+        eventually("relay B waits for the table", async || {
+            let waiting: i64 = sqlx::query_scalar(&format!(
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+                 WHERE NOT l.granted AND l.relation = '{}.outbox'::regclass \
+                 AND a.application_name <> $1",
+                db.schema
+            ))
+            .bind(&name_a)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+            waiting >= 1
+        })
+        .await;
         tx.rollback().await.unwrap();
     }
     // B starts once A holds its pass (or has died in it).
@@ -121,9 +145,10 @@ async fn a_relay_whose_session_dies(at: Kill) {
     })
     .await;
     // Relay B's transport keeps what B sends, on the node's broker.
-    let b_transport = FaultyTransport::new(embedded.clone());
-    b_transport.record_publishes(true);
-    let relay_b = db.relay(Publisher::new(b_transport.clone())).await;
+    let relay_b = match relay_b_early {
+        Some(relay) => relay,
+        None => db.relay(Publisher::new(b_transport.clone())).await,
+    };
     if let Kill::DuringPublish(_) | Kill::AfterPublish(_) = at {
         eventually("relay A's publish is parked", async || {
             a_transport.hanging() == 1
