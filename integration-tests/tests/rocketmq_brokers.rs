@@ -193,15 +193,8 @@ async fn a_wiped_brokers_return_proves_no_bound_until_the_node_has_read_its_new_
     use cache_sync::{Node, Publisher, SyncedCache};
 
     let mut server = RocketMqServer::start();
-    let transport = || async {
-        std::sync::Arc::new(
-            RocketMqTransport::builder(server.namesrv_addr())
-                .queues_per_topic(1)
-                .connect()
-                .await
-                .expect("connect"),
-        )
-    };
+    let namesrv = server.namesrv_addr();
+    let transport = || one_queue_transport(&namesrv);
     let cache: SyncedCache<String, String> =
         SyncedCache::new("fresh", moka::future::Cache::new(100));
     let node = Node::builder("wiped", transport().await)
@@ -242,15 +235,6 @@ async fn a_wiped_brokers_return_proves_no_bound_until_the_node_has_read_its_new_
 
     let wiped = tokio::time::Instant::now();
     server.wipe();
-    let transport = || async {
-        std::sync::Arc::new(
-            RocketMqTransport::builder(server.namesrv_addr())
-                .queues_per_topic(1)
-                .connect()
-                .await
-                .expect("connect"),
-        )
-    };
     // On the new store, made again by a new client with the same single
     // queue (a send alone would have the broker make it with its default
     // queue count, which the node's position would not cover anyway):
@@ -329,4 +313,15 @@ async fn insert_within_a_minute(publisher: &cache_sync::Publisher, value: &str) 
             }
         }
     }
+}
+
+/// A client of the name server at `namesrv` whose topics have one queue.
+async fn one_queue_transport(namesrv: &str) -> std::sync::Arc<RocketMqTransport> {
+    std::sync::Arc::new(
+        RocketMqTransport::builder(namesrv)
+            .queues_per_topic(1)
+            .connect()
+            .await
+            .expect("connect"),
+    )
 }
