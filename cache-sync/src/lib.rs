@@ -387,8 +387,8 @@
 #![cfg_attr(not(test), warn(clippy::arithmetic_side_effects))]
 
 mod cache;
-#[cfg(feature = "postgres-cdc")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres-cdc")))]
+#[cfg(any(feature = "postgres-cdc", feature = "mysql-cdc"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres-cdc", feature = "mysql-cdc"))))]
 pub mod cdc;
 pub mod cluster;
 pub mod error;

@@ -11,6 +11,8 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 
+use crate::error::Result;
+use crate::publish::Publisher;
 use crate::wire::{Change, EntryVersion, KeyVersion};
 
 /// Bytes of keys and values one transaction may gather for one cache
@@ -111,6 +113,7 @@ impl Batch {
     }
 
     /// Forgets everything (an open transaction given up).
+    #[cfg_attr(not(feature = "postgres-cdc"), allow(dead_code))]
     pub(crate) fn reset(&mut self) {
         *self = Batch::default();
     }
@@ -170,4 +173,92 @@ impl Pending {
         // Every key gathered so far is older or as old: the clear covers it.
         self.keys.clear();
     }
+}
+
+/// Publishes one cache's changes. An entry that can never fit the
+/// publisher's size limit is sent as an invalidation of its own key, and a
+/// key that cannot fit either as a clear: never dropped, and never more
+/// than that entry made an invalidation (the others of its change go as
+/// they are).
+pub(crate) async fn publish(
+    publisher: &Publisher,
+    cache: &str,
+    changes: Vec<Change>,
+) -> Result<()> {
+    let mut split = Vec::new();
+    // A clear in place of keys that fit in no form, at their newest version.
+    let mut fallback: Option<Option<u64>> = None;
+    let mut clear_at = |version: Option<u64>| {
+        tracing::warn!(
+            cache,
+            "cdc relay: a key is over the event size limit; clearing the cache instead"
+        );
+        fallback = Some(fallback.flatten().max(version));
+    };
+    for change in changes {
+        match publisher.resplit(change.clone()) {
+            Ok(parts) => split.extend(parts),
+            Err(e) if e.is_too_large() => match change {
+                Change::Refresh { entries } => {
+                    let mut fit = Vec::new();
+                    let mut keys = Vec::new();
+                    for entry in entries {
+                        let key = KeyVersion {
+                            key: entry.key.clone(),
+                            version: entry.version,
+                        };
+                        let version = entry.version;
+                        let one = Change::Refresh {
+                            entries: vec![entry],
+                        };
+                        if publisher.resplit(one.clone()).is_ok() {
+                            let Change::Refresh { entries } = one else {
+                                unreachable!("built above")
+                            };
+                            fit.extend(entries);
+                        } else if fits_invalidation(publisher, &key) {
+                            tracing::warn!(
+                                cache,
+                                "cdc relay: an entry is over the event size limit; invalidating its key instead"
+                            );
+                            keys.push(key);
+                        } else {
+                            clear_at(version);
+                        }
+                    }
+                    split.extend(publisher.resplit(Change::Invalidate { keys })?);
+                    split.extend(publisher.resplit(Change::Refresh { entries: fit })?);
+                }
+                Change::Invalidate { keys } => {
+                    let mut fit = Vec::new();
+                    for key in keys {
+                        if fits_invalidation(publisher, &key) {
+                            fit.push(key);
+                        } else {
+                            clear_at(key.version);
+                        }
+                    }
+                    split.extend(publisher.resplit(Change::Invalidate { keys: fit })?);
+                }
+                // A clear carries no key: it always fits.
+                Change::Clear { version } => clear_at(version),
+            },
+            Err(e) => return Err(e),
+        }
+    }
+    if let Some(version) = fallback {
+        split.insert(0, Change::Clear { version });
+    }
+    publisher
+        .send(cache, crate::wire::Outgoing::from_changes(split))
+        .await
+        .map(|_| ())
+}
+
+fn fits_invalidation(publisher: &Publisher, key: &KeyVersion) -> bool {
+    publisher
+        .resplit(Change::Invalidate {
+            keys: vec![key.clone()],
+        })
+        .is_ok()
 }

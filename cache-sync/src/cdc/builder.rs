@@ -247,18 +247,7 @@ impl CdcRelayBuilder {
                 self.max_row_bytes
             )));
         }
-        let topic = self.publisher.topic().to_owned();
-        for t in &self.tables {
-            if let Some(pinned) = t.topic
-                && pinned != topic
-            {
-                return Err(Error::Config(format!(
-                    "cache {:?} is pinned to topic {pinned:?}, but the relay's publisher publishes to {topic:?}",
-                    t.cache
-                )));
-            }
-            crate::transport::names::check(crate::transport::names::NameKind::Cache, &t.cache)?;
-        }
+        super::check_tables(&self.publisher, &self.tables)?;
         let options: sqlx::postgres::PgConnectOptions = self
             .url
             .parse()

@@ -24,25 +24,44 @@ use serde::Serialize;
 use crate::table::Table;
 use crate::wire::encode_part;
 
+#[cfg(feature = "postgres-cdc")]
 mod address;
 mod batch;
+#[cfg(feature = "mysql-cdc")]
+mod binlog;
+#[cfg(feature = "postgres-cdc")]
 mod builder;
+#[cfg(feature = "postgres-cdc")]
 mod changes;
+#[cfg(feature = "postgres-cdc")]
 mod handoff;
 mod metrics;
 pub(crate) mod pgoutput;
+#[cfg(feature = "postgres-cdc")]
 mod publication;
+#[cfg(feature = "postgres-cdc")]
 mod publishing;
+#[cfg(feature = "postgres-cdc")]
 mod relay;
+#[cfg(feature = "postgres-cdc")]
 mod session;
+#[cfg(feature = "postgres-cdc")]
 mod slot;
+#[cfg(feature = "postgres-cdc")]
 mod state;
 mod stats;
+#[cfg(feature = "postgres-cdc")]
 mod stream;
+#[cfg(feature = "postgres-cdc")]
 mod upkeep;
+#[cfg(feature = "postgres-cdc")]
 mod watermark;
 
+#[cfg(feature = "mysql-cdc")]
+pub use binlog::{BinlogRelay, BinlogRelayBuilder};
+#[cfg(feature = "postgres-cdc")]
 pub use builder::CdcRelayBuilder;
+#[cfg(feature = "postgres-cdc")]
 pub use relay::CdcRelay;
 pub use stats::CdcRelayStats;
 
@@ -81,6 +100,9 @@ use pgoutput::{Datum, Relation, Tuple};
 /// the key: never a value built from part of a row.
 pub struct CdcTable<K, V> {
     schema: String,
+    /// The relation named its schema (a binlog relay files a bare name
+    /// under its address's database, not `public`).
+    qualified: bool,
     name: String,
     cache: String,
     topic: Option<&'static str>,
@@ -112,12 +134,13 @@ where
     where
         F: Fn(&Row<'_>) -> Option<K> + Send + Sync + 'static,
     {
-        let (schema, name) = match relation.split_once('.') {
-            Some((schema, name)) => (schema.to_owned(), name.to_owned()),
-            None => ("public".to_owned(), relation.to_owned()),
+        let (schema, name, qualified) = match relation.split_once('.') {
+            Some((schema, name)) => (schema.to_owned(), name.to_owned(), true),
+            None => ("public".to_owned(), relation.to_owned(), false),
         };
         CdcTable {
             schema,
+            qualified,
             name,
             cache: table.name().to_owned(),
             topic: table.topic(),
@@ -139,6 +162,7 @@ where
     pub(crate) fn erase(self) -> Mapping {
         Mapping {
             schema: self.schema,
+            qualified: self.qualified,
             name: self.name,
             cache: self.cache,
             topic: self.topic,
@@ -154,6 +178,8 @@ where
 #[derive(Clone)]
 pub(crate) struct Mapping {
     pub(crate) schema: String,
+    #[cfg_attr(not(feature = "mysql-cdc"), allow(dead_code))]
+    pub(crate) qualified: bool,
     pub(crate) name: String,
     pub(crate) cache: String,
     pub(crate) topic: Option<&'static str>,
@@ -164,6 +190,24 @@ impl Mapping {
     pub(crate) fn relation(&self) -> String {
         format!("{}.{}", self.schema, self.name)
     }
+}
+
+/// Refuses a mapping whose cache is pinned to a topic other than the
+/// relay's publisher's, or whose cache name a transport cannot carry.
+pub(crate) fn check_tables(publisher: &crate::Publisher, tables: &[Mapping]) -> crate::Result<()> {
+    let topic = publisher.topic().to_owned();
+    for t in tables {
+        if let Some(pinned) = t.topic
+            && pinned != topic
+        {
+            return Err(crate::Error::Config(format!(
+                "cache {:?} is pinned to topic {pinned:?}, but the relay's publisher publishes to {topic:?}",
+                t.cache
+            )));
+        }
+        crate::transport::names::check(crate::transport::names::NameKind::Cache, &t.cache)?;
+    }
+    Ok(())
 }
 
 /// One row of a change, as [`CdcTable`]'s functions see it: column values
@@ -201,6 +245,7 @@ impl<'a> Row<'a> {
 
     /// Reads the columns this row lacks (left unchanged) from `old`, when
     /// it is a whole old row (`'O'`: replica identity FULL).
+    #[cfg_attr(not(feature = "postgres-cdc"), allow(dead_code))]
     pub(crate) fn with_before(mut self, old: Option<&'a Tuple<'a>>) -> Self {
         self.before = old.filter(|t| t.kind == b'O');
         self
@@ -299,5 +344,5 @@ impl<K: Serialize, V: Serialize> Mapper for Typed<K, V> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "postgres-cdc"))]
 mod tests;

@@ -28,8 +28,7 @@ use super::slot;
 use super::state;
 use super::stream::SQL_TIMEOUT;
 use crate::error::{Error, Result};
-use crate::publish::Publisher;
-use crate::wire::{Change, KeyVersion};
+use crate::wire::Change;
 
 /// Committed work handed over by the stream.
 pub(super) struct Job {
@@ -151,7 +150,9 @@ async fn publish_job(inner: &Inner, job: Job, progress: &watch::Sender<Progress>
     // ends the session: none is cut off half sent.
     let results =
         futures_util::future::join_all(job.publishes.into_iter().map(
-            |(cache, changes)| async move { publish(&inner.publisher, &cache, changes).await },
+            |(cache, changes)| async move {
+                super::batch::publish(&inner.publisher, &cache, changes).await
+            },
         ))
         .await;
     for result in results {
@@ -196,88 +197,4 @@ async fn publish_job(inner: &Inner, job: Job, progress: &watch::Sender<Progress>
         }
     });
     Ok(())
-}
-
-/// Publishes one cache's changes. An entry that can never fit the
-/// publisher's size limit is sent as an invalidation of its own key, and a
-/// key that cannot fit either as a clear: never dropped, and never more
-/// than that entry made an invalidation (the others of its change go as
-/// they are).
-async fn publish(publisher: &Publisher, cache: &str, changes: Vec<Change>) -> Result<()> {
-    let mut split = Vec::new();
-    // A clear in place of keys that fit in no form, at their newest version.
-    let mut fallback: Option<Option<u64>> = None;
-    let mut clear_at = |version: Option<u64>| {
-        tracing::warn!(
-            cache,
-            "cdc relay: a key is over the event size limit; clearing the cache instead"
-        );
-        fallback = Some(fallback.flatten().max(version));
-    };
-    for change in changes {
-        match publisher.resplit(change.clone()) {
-            Ok(parts) => split.extend(parts),
-            Err(e) if e.is_too_large() => match change {
-                Change::Refresh { entries } => {
-                    let mut fit = Vec::new();
-                    let mut keys = Vec::new();
-                    for entry in entries {
-                        let key = KeyVersion {
-                            key: entry.key.clone(),
-                            version: entry.version,
-                        };
-                        let version = entry.version;
-                        let one = Change::Refresh {
-                            entries: vec![entry],
-                        };
-                        if publisher.resplit(one.clone()).is_ok() {
-                            let Change::Refresh { entries } = one else {
-                                unreachable!("built above")
-                            };
-                            fit.extend(entries);
-                        } else if fits_invalidation(publisher, &key) {
-                            tracing::warn!(
-                                cache,
-                                "cdc relay: an entry is over the event size limit; invalidating its key instead"
-                            );
-                            keys.push(key);
-                        } else {
-                            clear_at(version);
-                        }
-                    }
-                    split.extend(publisher.resplit(Change::Invalidate { keys })?);
-                    split.extend(publisher.resplit(Change::Refresh { entries: fit })?);
-                }
-                Change::Invalidate { keys } => {
-                    let mut fit = Vec::new();
-                    for key in keys {
-                        if fits_invalidation(publisher, &key) {
-                            fit.push(key);
-                        } else {
-                            clear_at(key.version);
-                        }
-                    }
-                    split.extend(publisher.resplit(Change::Invalidate { keys: fit })?);
-                }
-                // A clear carries no key: it always fits.
-                Change::Clear { version } => clear_at(version),
-            },
-            Err(e) => return Err(e),
-        }
-    }
-    if let Some(version) = fallback {
-        split.insert(0, Change::Clear { version });
-    }
-    publisher
-        .send(cache, crate::wire::Outgoing::from_changes(split))
-        .await
-        .map(|_| ())
-}
-
-fn fits_invalidation(publisher: &Publisher, key: &KeyVersion) -> bool {
-    publisher
-        .resplit(Change::Invalidate {
-            keys: vec![key.clone()],
-        })
-        .is_ok()
 }

@@ -176,29 +176,7 @@ impl CdcRelay {
 
     /// The counters and gauges.
     pub fn stats(&self) -> CdcRelayStats {
-        let s = &self.shared;
-        let lag_bytes = s.lag_bytes.load(Ordering::Relaxed);
-        let oldest = s.oldest_pending_commit.load(Ordering::Relaxed);
-        let now = s.server_time.load(Ordering::Relaxed);
-        let lag_micros = if oldest == 0 {
-            0
-        } else {
-            now.saturating_sub(oldest).max(0)
-        };
-        CdcRelayStats {
-            active: s.active.load(Ordering::Relaxed),
-            transactions: s.transactions.load(Ordering::Relaxed),
-            rows: s.rows.load(Ordering::Relaxed),
-            resyncs: s.resyncs.load(Ordering::Relaxed),
-            takeovers: s.takeovers.load(Ordering::Relaxed),
-            failures: s.failures.load(Ordering::Relaxed),
-            skipped: s.skipped.load(Ordering::Relaxed),
-            mark_failures: s.mark_failures.load(Ordering::Relaxed),
-            confirmed_lsn: s.confirmed.load(Ordering::Relaxed),
-            lag_bytes: (lag_bytes != u64::MAX).then_some(lag_bytes),
-            #[allow(clippy::cast_precision_loss)] // microseconds: exact below 2^53
-            lag_seconds: lag_micros as f64 / 1e6,
-        }
+        self.shared.snapshot()
     }
 
     /// The stats in Prometheus' text format (families

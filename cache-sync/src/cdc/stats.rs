@@ -1,7 +1,7 @@
 //! The relay's counters and gauges: the snapshot it hands out, and the
 //! atomics its tasks keep them in.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 
 /// The relay's counters and gauges, since it started.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -62,4 +62,33 @@ pub(super) struct Shared {
     /// Microseconds since 2000-01-01 on the server's clock; 0: none.
     pub(super) oldest_pending_commit: AtomicI64,
     pub(super) server_time: AtomicI64,
+}
+
+impl Shared {
+    /// The counters and gauges, now.
+    pub(super) fn snapshot(&self) -> CdcRelayStats {
+        let s = self;
+        let lag_bytes = s.lag_bytes.load(Ordering::Relaxed);
+        let oldest = s.oldest_pending_commit.load(Ordering::Relaxed);
+        let now = s.server_time.load(Ordering::Relaxed);
+        let lag_micros = if oldest == 0 {
+            0
+        } else {
+            now.saturating_sub(oldest).max(0)
+        };
+        CdcRelayStats {
+            active: s.active.load(Ordering::Relaxed),
+            transactions: s.transactions.load(Ordering::Relaxed),
+            rows: s.rows.load(Ordering::Relaxed),
+            resyncs: s.resyncs.load(Ordering::Relaxed),
+            takeovers: s.takeovers.load(Ordering::Relaxed),
+            failures: s.failures.load(Ordering::Relaxed),
+            skipped: s.skipped.load(Ordering::Relaxed),
+            mark_failures: s.mark_failures.load(Ordering::Relaxed),
+            confirmed_lsn: s.confirmed.load(Ordering::Relaxed),
+            lag_bytes: (lag_bytes != u64::MAX).then_some(lag_bytes),
+            #[allow(clippy::cast_precision_loss)] // microseconds: exact below 2^53
+            lag_seconds: lag_micros as f64 / 1e6,
+        }
+    }
 }

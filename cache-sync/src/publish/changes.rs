@@ -66,7 +66,7 @@ pub(crate) fn replacement<'a, K: Serialize + 'a, V: Serialize + 'a>(
 /// Splits an already built change (the outbox relay's, stored before the
 /// publisher's limit was known) as `budget` needs. An entry that can never
 /// fit is [`Error::TooLarge`].
-#[cfg(feature = "_sql")]
+#[cfg(any(feature = "_sql", feature = "mysql-cdc"))]
 pub(crate) fn resplit(change: Change, budget: usize) -> Result<Vec<Change>> {
     match change {
         Change::Invalidate { keys } => split_invalidations(keys, budget),

@@ -12,7 +12,7 @@ use crate::error::Result;
 use crate::table::Table;
 use crate::transport::{DEFAULT_TOPIC, Transport};
 use crate::util::Hasher;
-#[cfg(feature = "_sql")]
+#[cfg(any(feature = "_sql", feature = "mysql-cdc"))]
 use crate::wire::Change;
 use crate::wire::{Codec, DEFAULT_MAX_EVENT_BYTES, Outgoing};
 
@@ -251,7 +251,7 @@ impl Publisher {
 
     /// Splits an already built change (the outbox relay's) as this
     /// publisher's limit needs.
-    #[cfg(feature = "_sql")]
+    #[cfg(any(feature = "_sql", feature = "mysql-cdc"))]
     pub(crate) fn resplit(&self, change: Change) -> Result<Vec<Change>> {
         changes::resplit(change, self.budget())
     }
@@ -260,7 +260,7 @@ impl Publisher {
 mod again;
 mod announce;
 mod builder;
-#[cfg(feature = "_sql")]
+#[cfg(any(feature = "_sql", feature = "mysql-cdc"))]
 mod changes;
 mod dictionary;
 mod in_flight;

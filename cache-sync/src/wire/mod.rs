@@ -213,7 +213,7 @@ impl fmt::Debug for Origin<'_> {
 
 /// What changed, as a publisher used to build it, and as the outbox
 /// stores it (a publish itself goes out as [`Outgoing`]).
-#[cfg(any(test, feature = "_sql", feature = "_fuzz"))]
+#[cfg(any(test, feature = "_sql", feature = "mysql-cdc", feature = "_fuzz"))]
 // Deserialize: tests, and the outbox, which stores changes in its rows (`row.rs`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub(crate) enum Change {
@@ -228,14 +228,14 @@ impl Change {
     pub(crate) const ANNOUNCE: Change = Change::Invalidate { keys: Vec::new() };
 }
 
-#[cfg(any(test, feature = "_sql", feature = "_fuzz"))]
+#[cfg(any(test, feature = "_sql", feature = "mysql-cdc", feature = "_fuzz"))]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub(crate) struct KeyVersion {
     pub(crate) key: Bytes,
     pub(crate) version: Option<u64>,
 }
 
-#[cfg(any(test, feature = "_sql", feature = "_fuzz"))]
+#[cfg(any(test, feature = "_sql", feature = "mysql-cdc", feature = "_fuzz"))]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub(crate) struct EntryVersion {
     pub(crate) key: Bytes,
@@ -248,7 +248,7 @@ const INVALIDATE: u32 = 0;
 const REFRESH: u32 = 1;
 const CLEAR: u32 = 2;
 
-#[cfg(any(test, feature = "_sql", feature = "_fuzz"))]
+#[cfg(any(test, feature = "_sql", feature = "mysql-cdc", feature = "_fuzz"))]
 impl Change {
     /// How many keys the change names; `Clear` counts as one.
     #[cfg(test)]
@@ -471,7 +471,7 @@ pub(crate) fn decode_part<T: DeserializeOwned>(
 
 /// Encoded size of a key or entry inside a change, used to split batches
 /// before they exceed the event limit. Over-estimates the varint prefixes.
-#[cfg(any(test, feature = "_sql", feature = "_fuzz"))]
+#[cfg(any(test, feature = "_sql", feature = "mysql-cdc", feature = "_fuzz"))]
 pub(crate) fn framed_len(parts: &[&Bytes]) -> usize {
     parts.iter().fold(10usize, |sum, p| {
         sum.saturating_add(p.len().saturating_add(9))

@@ -14,7 +14,7 @@
 
 use serde::Serialize;
 
-#[cfg(any(test, feature = "_sql"))]
+#[cfg(any(test, feature = "_sql", feature = "mysql-cdc"))]
 use super::Change;
 use super::reader::Reader;
 use super::writer::{
@@ -136,7 +136,7 @@ impl Outgoing {
 
     /// Changes built elsewhere (an outbox's rows, a CDC relay's), already
     /// split to the limit: one event each.
-    #[cfg(feature = "_sql")]
+    #[cfg(any(feature = "_sql", feature = "mysql-cdc"))]
     pub(crate) fn from_changes(changes: Vec<Change>) -> Self {
         let mut out = Outgoing::default();
         for change in changes {
@@ -146,7 +146,7 @@ impl Outgoing {
     }
 
     /// One change as one more event.
-    #[cfg(any(test, feature = "_sql"))]
+    #[cfg(any(test, feature = "_sql", feature = "mysql-cdc"))]
     pub(crate) fn put_change(&mut self, change: &Change) {
         let (kind, items) = match change {
             Change::Invalidate { keys } => {
