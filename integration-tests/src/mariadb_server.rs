@@ -58,32 +58,49 @@ fn own_files(dir: &std::path::Path) -> Vec<String> {
     args
 }
 
+/// A new data directory with its system tables. Installs run one at a
+/// time in a process and are tried again once: two at once have failed
+/// here in the bootstrap (`Unknown table 'mysql.tmp_user_sys'`).
+fn install() -> tempfile::TempDir {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut last = String::new();
+    for _ in 0..3 {
+        let dir = tempfile::tempdir().expect("temp dir for mariadb");
+        let out = match Command::new(bin("mariadb-install-db"))
+            .args(own_files(dir.path()))
+            .args([
+                // root over TCP without a password, as on the machine's
+                // shared server.
+                "--auth-root-authentication-method=normal",
+                "--skip-test-db",
+            ])
+            .stdin(Stdio::null())
+            .output()
+        {
+            Ok(o) => o,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!("{MISSING}"),
+            Err(e) => panic!("cannot run mariadb-install-db: {e}"),
+        };
+        if out.status.success() {
+            return dir;
+        }
+        last = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    panic!("mariadb-install-db failed three times: {last}\n{MISSING}");
+}
+
 impl MariaDbServer {
     /// A new data directory (`mariadb-install-db`), then the server.
     pub fn start() -> Self {
         start_on_free_ports("mariadb", || {
-            let dir = tempfile::tempdir().expect("temp dir for mariadb");
-            let out = match Command::new(bin("mariadb-install-db"))
-                .args(own_files(dir.path()))
-                .args([
-                    // root over TCP without a password, as on the machine's
-                    // shared server.
-                    "--auth-root-authentication-method=normal",
-                    "--skip-test-db",
-                ])
-                .stdin(Stdio::null())
-                .output()
-            {
-                Ok(o) => o,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!("{MISSING}"),
-                Err(e) => panic!("cannot run mariadb-install-db: {e}"),
-            };
-            assert!(
-                out.status.success(),
-                "mariadb-install-db failed: {}{}\n{MISSING}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
+            let dir = install();
             let mut server = Self {
                 port: free_port(),
                 dir,
@@ -117,6 +134,9 @@ impl MariaDbServer {
             .args([
                 "--binlog-format=ROW",
                 "--binlog-row-image=FULL",
+                // Column names in every table map: a binlog relay reads
+                // columns by name.
+                "--binlog-row-metadata=FULL",
                 "--server-id=1",
                 "--skip-name-resolve",
                 // Small: a test server holds a few tables.
@@ -217,12 +237,29 @@ impl MariaDbServer {
     /// Starts a new binary log and deletes every older one, as an operator
     /// (or `binlog_expire_logs_seconds`) would: a reader's position in them
     /// is gone.
+    ///
+    /// The server keeps a log a replica's dump thread still reads, and
+    /// such a thread outlives its reader until the server next writes to
+    /// it: this tries again for up to 20 s until only the newest log is
+    /// left.
     pub fn purge_binlogs(&self) {
         self.sql("FLUSH BINARY LOGS")
             .unwrap_or_else(|e| panic!("FLUSH BINARY LOGS: {e}"));
         let newest = self.binlogs().pop().expect("a binary log after a flush");
-        self.sql(&format!("PURGE BINARY LOGS TO '{newest}'"))
-            .unwrap_or_else(|e| panic!("PURGE BINARY LOGS: {e}"));
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            self.sql(&format!("PURGE BINARY LOGS TO '{newest}'"))
+                .unwrap_or_else(|e| panic!("PURGE BINARY LOGS: {e}"));
+            let left = self.binlogs();
+            if left == [newest.clone()] {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the server kept binary logs {left:?} (a dump thread reads them?)"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// The server's pid, from its pid file.

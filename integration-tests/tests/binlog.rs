@@ -1,0 +1,440 @@
+//! The binlog relay against a MariaDB of the test's own (`mariadb_server`:
+//! a row binlog with full metadata): what commits reaches every node, what
+//! rolls back never does, values of every column type a dictionary table
+//! uses read as text, and after a fault (the relay stopped, its position
+//! purged, the server killed, the relay's lock lost) every node agrees
+//! with the database.
+#![cfg(feature = "mysql-cdc")]
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use cache_sync::cdc::{BinlogRelay, BinlogRelayBuilder, CdcTable};
+use cache_sync::transport::EmbeddedTransport;
+use cache_sync::{Node, Publisher, SyncedCache, Table};
+use integration_tests::eventually;
+use integration_tests::mariadb_server::MariaDbServer;
+
+const ITEMS: Table<i64, String> = Table::new("items");
+
+struct Fixture {
+    db: MariaDbServer,
+    transport: EmbeddedTransport,
+    nodes: Vec<Node>,
+    caches: Vec<SyncedCache<i64, String>>,
+}
+
+async fn fixture(n: usize) -> Fixture {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let db = tokio::task::spawn_blocking(MariaDbServer::start)
+        .await
+        .unwrap();
+    db.sql(
+        "CREATE DATABASE app;
+         CREATE TABLE app.items (id BIGINT PRIMARY KEY, name VARCHAR(100) CHARACTER SET utf8mb4 NOT NULL) ENGINE=InnoDB",
+    )
+    .unwrap();
+    let transport = EmbeddedTransport::new();
+    let mut nodes = Vec::new();
+    let mut caches = Vec::new();
+    for i in 0..n {
+        let cache = SyncedCache::new(ITEMS, moka::future::Cache::new(100_000));
+        nodes.push(
+            Node::builder(format!("n{i}"), transport.clone())
+                .register(&cache)
+                .start()
+                .await
+                .unwrap(),
+        );
+        caches.push(cache);
+    }
+    Fixture {
+        db,
+        transport,
+        nodes,
+        caches,
+    }
+}
+
+impl Fixture {
+    fn url(&self) -> String {
+        format!("{}app", self.db.url())
+    }
+
+    fn relay(&self) -> BinlogRelayBuilder {
+        BinlogRelay::builder(self.url(), Publisher::new(self.transport.clone())).table(
+            CdcTable::new(ITEMS, "items", |row| row.parse("id")).value(|row| row.parse("name")),
+        )
+    }
+
+    fn sql(&self, sql: &str) {
+        if let Err(e) = self.db.sql(&format!("USE app; {sql}")) {
+            panic!("{sql}: {e}");
+        }
+    }
+
+    /// The table's rows.
+    fn rows(&self) -> BTreeMap<i64, String> {
+        self.db
+            .sql("SELECT id, name FROM app.items")
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let (id, name) = l.split_once('\t').unwrap();
+                (id.parse().unwrap(), name.to_owned())
+            })
+            .collect()
+    }
+
+    async fn hold(&self, want: &BTreeMap<i64, String>) -> bool {
+        for cache in &self.caches {
+            for (k, v) in want {
+                if cache.peek(k).await.as_ref() != Some(v) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// No node holds a value the table does not have.
+    fn stale(&self) -> Option<String> {
+        let db = self.rows();
+        for (i, cache) in self.caches.iter().enumerate() {
+            for (k, v) in cache.iter() {
+                if db.get(&*k) != Some(&v) {
+                    return Some(format!(
+                        "node {i} holds {k} = {v:?}, the table {:?}",
+                        db.get(&*k)
+                    ));
+                }
+            }
+        }
+        None
+    }
+
+    /// Every row updated once more arrives on every node, and nothing
+    /// stale is left.
+    async fn flows(&self, tag: &str) {
+        self.sql(&format!("UPDATE items SET name = CONCAT('{tag}', id)"));
+        let want = self.rows();
+        eventually("every node holds every row's last value", async || {
+            self.hold(&want).await
+        })
+        .await;
+        assert_eq!(self.stale(), None);
+    }
+
+    async fn shutdown(self) {
+        for node in self.nodes {
+            node.shutdown().await.unwrap();
+        }
+    }
+}
+
+fn named(range: std::ops::Range<i64>, name: &str) -> BTreeMap<i64, String> {
+    range.map(|i| (i, format!("{name}{i}"))).collect()
+}
+
+fn insert(range: std::ops::Range<i64>, name: &str) -> String {
+    let values: Vec<String> = range.map(|i| format!("({i}, '{name}{i}')")).collect();
+    format!("INSERT INTO items (id, name) VALUES {}", values.join(", "))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn committed_changes_reach_every_node_and_rolled_back_ones_never() {
+    let f = fixture(3).await;
+    let relay = f.relay().start().await.unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    f.sql(&insert(0..50, "a"));
+    eventually("every node holds the inserted rows", async || {
+        f.hold(&named(0..50, "a")).await
+    })
+    .await;
+    f.sql("UPDATE items SET name = CONCAT('b', id) WHERE id < 10");
+    f.sql("DELETE FROM items WHERE id >= 40");
+    f.sql("BEGIN; UPDATE items SET name = 'rolled back' WHERE id = 20; ROLLBACK");
+    f.sql(
+        "BEGIN; INSERT INTO items VALUES (1000, 'gone'); DELETE FROM items WHERE id = 1000; COMMIT",
+    );
+    // A key changed: the old key is dropped, the new one installed.
+    f.sql("UPDATE items SET id = 3000 WHERE id = 30");
+    f.sql("INSERT INTO items VALUES (2000, 'last')");
+    let want = f.rows();
+    eventually("every node holds the committed rows", async || {
+        f.hold(&want).await
+    })
+    .await;
+    for cache in &f.caches {
+        for id in (40..50).chain([30, 1000]) {
+            assert_eq!(cache.peek(&id).await, None, "{id}");
+        }
+        assert!(cache.iter().all(|(_, v)| v != "rolled back"));
+    }
+    assert_eq!(f.stale(), None);
+    let stats = relay.stats();
+    assert!(stats.active, "{stats:?}");
+    assert!(stats.transactions >= 6, "{stats:?}");
+    assert_eq!(stats.resyncs, 1, "the first start's clear: {stats:?}");
+    assert!(stats.confirmed_lsn > 0, "{stats:?}");
+    let metrics = relay.metrics();
+    assert!(
+        metrics.contains("cache_sync_cdc_active{slot=\"cache_sync\"} 1"),
+        "{metrics}"
+    );
+    relay.shutdown().await;
+    f.shutdown().await;
+}
+
+/// Every column type a dictionary table uses, read as `CdcTable`'s
+/// functions see it: the text `Row::get` returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_dictionary_column_type_reads_as_text() {
+    const ROWS: Table<i64, String> = Table::new("typed");
+    let f = fixture(0).await;
+    f.sql(
+        "CREATE TABLE typed (
+            id BIGINT UNSIGNED PRIMARY KEY,
+            small TINYINT, big BIGINT UNSIGNED, price DECIMAL(12, 3),
+            ratio DOUBLE, name VARCHAR(50) CHARACTER SET utf8mb4, body TEXT CHARACTER SET utf8mb4,
+            raw BLOB, bin VARBINARY(8), day DATE, at DATETIME(6), ts TIMESTAMP NULL,
+            span TIME, doc JSON, kind ENUM('red', 'green'), tags SET('x', 'y', 'z'),
+            bits BIT(10), year YEAR, nothing INT NULL
+        )",
+    );
+    let cache = SyncedCache::new(ROWS, moka::future::Cache::new(100));
+    let node = Node::builder("n", f.transport.clone())
+        .register(&cache)
+        .start()
+        .await
+        .unwrap();
+    const COLUMNS: [&str; 18] = [
+        "small", "big", "price", "ratio", "name", "body", "raw", "bin", "day", "at", "ts", "span",
+        "doc", "kind", "tags", "bits", "year", "nothing",
+    ];
+    let relay = BinlogRelay::builder(f.url(), Publisher::new(f.transport.clone()))
+        .table(
+            CdcTable::new(ROWS, "typed", |row| row.parse("id")).value(|row| {
+                Some(
+                    COLUMNS
+                        .iter()
+                        .map(|c| row.get(c).unwrap_or("NULL").to_owned())
+                        .collect::<Vec<_>>()
+                        .join("|"),
+                )
+            }),
+        )
+        .start()
+        .await
+        .unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    f.sql(
+        "SET time_zone = '+00:00';
+         INSERT INTO typed VALUES (7, -5, 18446744073709551615, -123.450,
+            0.5, 'héllo ✓', 'long text', X'00ff', X'0102', '2026-12-07', '2026-12-07 10:11:12.000013',
+            '2026-12-07 10:11:12', '-838:59:59', '{\"a\": [1, 2]}', 'green', 'x,z', b'1000000001', 2026, NULL)",
+    );
+    let want = [
+        "-5",
+        "18446744073709551615",
+        "-123.450",
+        "0.5",
+        "héllo ✓",
+        "long text",
+        "\\x00ff",
+        "\\x0102",
+        "2026-12-07",
+        "2026-12-07 10:11:12.000013",
+        "2026-12-07 10:11:12",
+        "-838:59:59",
+        "{\"a\": [1, 2]}",
+        "green",
+        "x,z",
+        "513",
+        "2026",
+        "NULL",
+    ]
+    .join("|");
+    eventually("the typed row arrives", async || {
+        cache.peek(&7).await.as_deref() == Some(want.as_str())
+    })
+    .await;
+    relay.shutdown().await;
+    node.shutdown().await.unwrap();
+    f.shutdown().await;
+}
+
+/// Stopped and started again, a relay goes on from its saved position: the
+/// changes made while it was down arrive, and nothing is resynced. A
+/// position purged from the server while it was down is a resync: every
+/// mapped cache cleared, nothing stale left. A server killed and started
+/// again: the relay reconnects and goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_resumes_from_its_position_and_a_purged_one_is_a_resync() {
+    let mut f = fixture(2).await;
+    let relay = f.relay().start().await.unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    f.sql(&insert(0..20, "a"));
+    eventually("rows arrive", async || f.hold(&named(0..20, "a")).await).await;
+    relay.shutdown().await;
+
+    f.sql("UPDATE items SET name = CONCAT('down', id) WHERE id < 10");
+    let relay = f.relay().start().await.unwrap();
+    let want = f.rows();
+    eventually(
+        "what changed while the relay was down arrives",
+        async || f.hold(&want).await,
+    )
+    .await;
+    assert_eq!(relay.stats().resyncs, 0, "{:?}", relay.stats());
+    relay.shutdown().await;
+
+    // Changed while down, and the binlog that held it purged: lost.
+    f.sql("UPDATE items SET name = CONCAT('lost', id) WHERE id < 5");
+    f.db.purge_binlogs();
+    let relay = f.relay().start().await.unwrap();
+    eventually("the lost position is a resync", async || {
+        relay.stats().resyncs == 1
+    })
+    .await;
+    eventually("no node holds a row the purge hid", async || {
+        f.stale().is_none()
+    })
+    .await;
+    f.flows("after").await;
+
+    f.db.kill();
+    f.db.restart();
+    eventually("the relay reconnects", async || relay.stats().active).await;
+    f.flows("restarted").await;
+    let stats = relay.stats();
+    assert!(stats.failures >= 1, "{stats:?}");
+    assert_eq!(stats.resyncs, 1, "a restart loses nothing: {stats:?}");
+    relay.shutdown().await;
+    f.shutdown().await;
+}
+
+/// TRUNCATE and DDL naming a mapped table clear its cache; rows written
+/// after them arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_on_a_mapped_table_clear_its_cache() {
+    let f = fixture(1).await;
+    let relay = f.relay().start().await.unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    for (i, statement) in [
+        "TRUNCATE TABLE items",
+        "ALTER TABLE items ADD COLUMN extra INT NULL",
+        "ALTER TABLE items DROP COLUMN extra",
+        "RENAME TABLE items TO items_old, items_old TO items",
+    ]
+    .iter()
+    .enumerate()
+    {
+        f.sql(&format!("DELETE FROM items; {}", insert(0..5, "x")));
+        eventually("rows arrive", async || f.hold(&named(0..5, "x")).await).await;
+        // Written behind the relay's back (not in the binlog): only the
+        // statement's clear removes it.
+        f.sql(&format!(
+            "SET sql_log_bin = 0; UPDATE items SET name = 'unlogged' WHERE id = 1; SET sql_log_bin = 1; {statement}"
+        ));
+        eventually(statement, async || f.caches[0].peek(&1).await.is_none()).await;
+        let _ = i;
+    }
+    f.flows("after").await;
+    relay.shutdown().await;
+    f.shutdown().await;
+}
+
+/// Two relays of one name: one streams, the other stands by and takes
+/// over when the first's connection ends (its lock goes with it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_when_the_active_relays_connection_ends() {
+    let f = fixture(1).await;
+    let a = f.relay().start().await.unwrap();
+    eventually("a streams", async || a.stats().active).await;
+    // Another server id: relays of one name share theirs by default, and
+    // the server then drops the old reader's dump when the new one starts.
+    // Here only a's check of its own connection can stop it.
+    let b = f
+        .relay()
+        .server_id(12_345)
+        .standby_retry(Duration::from_millis(50))
+        .start()
+        .await
+        .unwrap();
+    f.sql(&insert(0..5, "a"));
+    eventually("rows arrive", async || f.hold(&named(0..5, "a")).await).await;
+    assert!(!b.stats().active, "{:?}", b.stats());
+    // Past a's next save: a has nothing more to write, so only its check
+    // of its own connection can tell it the lock is gone.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The active relay's lock connection (idle, in the relay's database)
+    // killed from the server: a notices within a second and stands by.
+    let idle = f
+        .db
+        .sql("SELECT ID FROM information_schema.PROCESSLIST WHERE DB = 'app' AND COMMAND = 'Sleep'")
+        .unwrap();
+    for id in idle.lines() {
+        let _ = f.db.sql(&format!("KILL {id}"));
+    }
+    eventually("b takes over", async || b.stats().active).await;
+    eventually("a stands by", async || !a.stats().active).await;
+    a.shutdown().await;
+    assert_eq!(b.stats().takeovers, 1, "{:?}", b.stats());
+    f.flows("b").await;
+    b.shutdown().await;
+    f.shutdown().await;
+}
+
+/// A server that does not log column names cannot be read by name: the
+/// relay refuses it, counts the failure, and streams once it does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_without_full_row_metadata_is_refused_until_it_has_it() {
+    let f = fixture(1).await;
+    f.db.sql("SET GLOBAL binlog_row_metadata = 'MINIMAL'")
+        .unwrap();
+    let relay = f.relay().start().await.unwrap();
+    eventually("the relay refuses", async || relay.stats().failures >= 2).await;
+    assert!(!relay.stats().active);
+    f.db.sql("SET GLOBAL binlog_row_metadata = 'FULL'").unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    f.sql(&insert(0..5, "a"));
+    eventually("rows arrive", async || f.hold(&named(0..5, "a")).await).await;
+    relay.shutdown().await;
+    f.shutdown().await;
+}
+
+/// A transaction past the row cap reaches nodes as one clear.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_past_the_cap_is_a_clear() {
+    let f = fixture(1).await;
+    let relay = f
+        .relay()
+        .max_rows_per_transaction(10)
+        .start()
+        .await
+        .unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    f.sql(&insert(0..5, "a"));
+    eventually("rows arrive", async || f.hold(&named(0..5, "a")).await).await;
+    f.sql(&format!(
+        "BEGIN; {}; UPDATE items SET name = 'big' WHERE id = 0; COMMIT",
+        insert(100..200, "b")
+    ));
+    eventually("the cache is cleared", async || {
+        f.caches[0].peek(&1).await.is_none()
+    })
+    .await;
+    assert_eq!(f.stale(), None);
+    // Within the cap: keys again.
+    f.sql("UPDATE items SET name = 'small' WHERE id < 5");
+    let want: BTreeMap<i64, String> = (0..5).map(|i| (i, "small".to_owned())).collect();
+    eventually("rows arrive", async || f.hold(&want).await).await;
+    assert_eq!(f.stale(), None);
+    relay.shutdown().await;
+    f.shutdown().await;
+}
