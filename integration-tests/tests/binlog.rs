@@ -15,6 +15,7 @@ use cache_sync::transport::EmbeddedTransport;
 use cache_sync::{Node, Publisher, SyncedCache, Table};
 use integration_tests::eventually;
 use integration_tests::mariadb_server::MariaDbServer;
+use mysql_async::prelude::Queryable as _;
 
 const ITEMS: Table<i64, String> = Table::new("items");
 
@@ -315,6 +316,17 @@ async fn a_relay_resumes_from_its_position_and_a_purged_one_is_a_resync() {
     assert!(stats.failures >= 1, "{stats:?}");
     assert_eq!(stats.resyncs, 1, "a restart loses nothing: {stats:?}");
     relay.shutdown().await;
+    // The saved position is in the binlog the restart began: a relay
+    // started from it reads on from there, losing nothing.
+    f.sql("UPDATE items SET name = CONCAT('new file', id) WHERE id < 3");
+    let relay = f.relay().start().await.unwrap();
+    let want = f.rows();
+    eventually("what changed in the new binlog arrives", async || {
+        f.hold(&want).await
+    })
+    .await;
+    assert_eq!(relay.stats().resyncs, 0, "{:?}", relay.stats());
+    relay.shutdown().await;
     f.shutdown().await;
 }
 
@@ -435,6 +447,176 @@ async fn a_transaction_past_the_cap_is_a_clear() {
     let want: BTreeMap<i64, String> = (0..5).map(|i| (i, "small".to_owned())).collect();
     eventually("rows arrive", async || f.hold(&want).await).await;
     assert_eq!(f.stale(), None);
+    relay.shutdown().await;
+    f.shutdown().await;
+}
+
+/// A client of the test's server, with no default database: it never
+/// looks like the relay's connections (which are in `app`).
+fn client(f: &Fixture) -> mysql_async::Pool {
+    mysql_async::Pool::new(f.db.url().as_str())
+}
+
+/// The binlog holds a transaction when it commits: one that began first
+/// and commits last arrives last, at a version above the ones that
+/// committed before it, and a later change of its row wins over it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_transaction_committing_after_later_ones_arrives_in_commit_order() {
+    let f = fixture(2).await;
+    f.sql(&insert(0..5, "a"));
+    let relay = f.relay().start().await.unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    let pool = client(&f);
+    let mut long = pool.get_conn().await.unwrap();
+    long.query_drop("BEGIN").await.unwrap();
+    long.query_drop("UPDATE app.items SET name = 'long' WHERE id = 1")
+        .await
+        .unwrap();
+    f.sql("UPDATE items SET name = 'short' WHERE id = 2");
+    let short: BTreeMap<i64, String> = [(2, "short".to_owned())].into();
+    eventually("the later, shorter transaction arrives", async || {
+        f.hold(&short).await
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for cache in &f.caches {
+        assert_ne!(cache.peek(&1).await.as_deref(), Some("long"), "uncommitted");
+    }
+    long.query_drop("COMMIT").await.unwrap();
+    let want: BTreeMap<i64, String> = [(1, "long".to_owned()), (2, "short".to_owned())].into();
+    eventually("the long transaction arrives once committed", async || {
+        f.hold(&want).await
+    })
+    .await;
+    f.sql("UPDATE items SET name = 'later' WHERE id = 1");
+    let later: BTreeMap<i64, String> = [(1, "later".to_owned())].into();
+    eventually("a later change wins", async || f.hold(&later).await).await;
+    assert_eq!(f.stale(), None);
+    drop(long);
+    pool.disconnect().await.unwrap();
+    relay.shutdown().await;
+    f.shutdown().await;
+}
+
+/// Composite keys, NULL values, a partitioned table (its partitions are
+/// the table's own business in the binlog), a partition truncated, and a
+/// table nobody maps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn composite_keys_nulls_and_partitioned_tables() {
+    const PAIRS: Table<(i64, String), Option<String>> = Table::new("pairs");
+    let f = fixture(0).await;
+    f.sql(
+        "CREATE TABLE pairs (a INT, b VARCHAR(10), v VARCHAR(10) NULL, PRIMARY KEY (a, b))
+             PARTITION BY RANGE (a) (PARTITION low VALUES LESS THAN (100), PARTITION high VALUES LESS THAN MAXVALUE);
+         CREATE TABLE other (id INT PRIMARY KEY, v INT)",
+    );
+    let cache = SyncedCache::new(PAIRS, moka::future::Cache::new(100));
+    let node = Node::builder("n", f.transport.clone())
+        .register(&cache)
+        .start()
+        .await
+        .unwrap();
+    let relay = BinlogRelay::builder(f.url(), Publisher::new(f.transport.clone()))
+        .table(
+            CdcTable::new(PAIRS, "app.pairs", |row| {
+                Some((row.parse("a")?, row.get("b")?.to_owned()))
+            })
+            .value(|row| Some(row.get("v").map(str::to_owned))),
+        )
+        .start()
+        .await
+        .unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    f.sql(
+        "INSERT INTO pairs VALUES (1, 'x', 'one'), (1, 'y', NULL), (150, 'x', 'high');
+         INSERT INTO other VALUES (1, 1)",
+    );
+    let key = |a: i64, b: &str| (a, b.to_owned());
+    eventually("the rows arrive", async || {
+        cache.peek(&key(1, "x")).await == Some(Some("one".into()))
+            && cache.peek(&key(1, "y")).await == Some(None)
+            && cache.peek(&key(150, "x")).await == Some(Some("high".into()))
+    })
+    .await;
+    // A key's part changed: the old key goes.
+    f.sql("UPDATE pairs SET b = 'z', v = 'moved' WHERE a = 1 AND b = 'x'");
+    eventually("the old key goes, the new arrives", async || {
+        cache.peek(&key(1, "x")).await.is_none()
+            && cache.peek(&key(1, "z")).await == Some(Some("moved".into()))
+    })
+    .await;
+    f.sql("ALTER TABLE pairs TRUNCATE PARTITION high");
+    eventually("the partition's truncate clears", async || {
+        cache.peek(&key(150, "x")).await.is_none() && cache.peek(&key(1, "z")).await.is_none()
+    })
+    .await;
+    relay.shutdown().await;
+    node.shutdown().await.unwrap();
+    f.shutdown().await;
+}
+
+/// Four writers on overlapping keys (updates, deletes, inserts, several
+/// rows per transaction) while the relay's connections are killed from the
+/// server at random moments: once the writes stop, every node agrees with
+/// the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_storm_with_the_relays_connections_killed_ends_equal_to_the_table() {
+    let f = fixture(2).await;
+    f.sql(&insert(0..100, "a"));
+    let relay = f.relay().start().await.unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    let pool = client(&f);
+    let mut writers = Vec::new();
+    for w in 0..4u64 {
+        let pool = pool.clone();
+        writers.push(tokio::spawn(async move {
+            let mut conn = pool.get_conn().await.unwrap();
+            let mut x = w.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            for i in 0..150u64 {
+                // xorshift: keys collide across writers.
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let id = x % 100;
+                let sql = match x % 5 {
+                    0 => format!("DELETE FROM app.items WHERE id = {id}"),
+                    1 => format!("REPLACE INTO app.items VALUES ({id}, 'w{w}i{i}')"),
+                    2 => format!(
+                        "BEGIN; UPDATE app.items SET name = 'w{w}t{i}' WHERE id = {id}; UPDATE app.items SET name = 'w{w}u{i}' WHERE id = {}; COMMIT",
+                        (id + 1) % 100
+                    ),
+                    _ => format!("UPDATE app.items SET name = 'w{w}n{i}' WHERE id = {id}"),
+                };
+                conn.query_drop(sql).await.unwrap();
+            }
+        }));
+    }
+    let killer = {
+        let db_url = f.db.url();
+        tokio::spawn(async move {
+            let pool = mysql_async::Pool::new(db_url.as_str());
+            for round in 0u64..6 {
+                tokio::time::sleep(Duration::from_millis(150 + 97 * (round % 3))).await;
+                let mut conn = pool.get_conn().await.unwrap();
+                let ids: Vec<u64> = conn
+                    .query("SELECT ID FROM information_schema.PROCESSLIST WHERE DB = 'app' AND ID <> CONNECTION_ID()")
+                    .await
+                    .unwrap();
+                for id in ids {
+                    let _ = conn.query_drop(format!("KILL {id}")).await;
+                }
+            }
+            pool.disconnect().await.unwrap();
+        })
+    };
+    for w in writers {
+        w.await.unwrap();
+    }
+    killer.await.unwrap();
+    pool.disconnect().await.unwrap();
+    eventually("no node holds a stale row", async || f.stale().is_none()).await;
+    f.flows("after").await;
+    assert!(relay.stats().failures >= 1, "{:?}", relay.stats());
     relay.shutdown().await;
     f.shutdown().await;
 }

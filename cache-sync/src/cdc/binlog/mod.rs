@@ -22,10 +22,10 @@ mod session;
 mod shape;
 mod state;
 
-const DEFAULT_MAX_ROWS_PER_TRANSACTION: usize = 10_000;
-const DEFAULT_STANDBY_RETRY: Duration = Duration::from_secs(1);
-const MIN_STANDBY_RETRY: Duration = Duration::from_millis(10);
-const MAX_STANDBY_RETRY: Duration = Duration::from_secs(60);
+const BINLOG_DEFAULT_MAX_ROWS: usize = 10_000;
+const BINLOG_DEFAULT_STANDBY_RETRY: Duration = Duration::from_secs(1);
+const BINLOG_MIN_STANDBY_RETRY: Duration = Duration::from_millis(10);
+const BINLOG_MAX_STANDBY_RETRY: Duration = Duration::from_secs(60);
 /// The longest name the relays' table and MariaDB's `GET_LOCK` take.
 const MAX_NAME_BYTES: usize = 64;
 
@@ -153,8 +153,8 @@ impl BinlogRelay {
             tables: Vec::new(),
             name: "cache_sync".to_owned(),
             server_id: None,
-            max_rows_per_transaction: DEFAULT_MAX_ROWS_PER_TRANSACTION,
-            standby_retry: DEFAULT_STANDBY_RETRY,
+            max_rows_per_transaction: BINLOG_DEFAULT_MAX_ROWS,
+            standby_retry: BINLOG_DEFAULT_STANDBY_RETRY,
         }
     }
 
@@ -256,8 +256,8 @@ impl BinlogRelayBuilder {
         check_duration(
             "standby_retry",
             self.standby_retry,
-            MIN_STANDBY_RETRY,
-            MAX_STANDBY_RETRY,
+            BINLOG_MIN_STANDBY_RETRY,
+            BINLOG_MAX_STANDBY_RETRY,
         )?;
         if self.server_id == Some(0) {
             return Err(Error::Config("a replica's server_id cannot be 0".into()));

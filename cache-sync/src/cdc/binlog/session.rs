@@ -31,17 +31,17 @@ const HEARTBEAT: Duration = Duration::from_secs(1);
 /// No event or heartbeat for this long: the connection is dead.
 const SILENCE: Duration = Duration::from_secs(10);
 /// The longest a statement of the relay's own may take.
-const SQL_TIMEOUT: Duration = Duration::from_secs(10);
+const BINLOG_SQL_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often the position is saved when only other tables' transactions
 /// moved it (so a restart does not read them all again), and the lag read.
 const SAVE_EVERY: Duration = Duration::from_secs(1);
 /// A batch is published once it holds this many row changes, or the
 /// stream has nothing more ready.
-const MAX_BATCH_ROWS: u64 = 50_000;
-const MAX_BATCH_BYTES: usize = 32 << 20;
+const BINLOG_BATCH_ROWS: u64 = 50_000;
+const BINLOG_BATCH_BYTES: usize = 32 << 20;
 /// Nor is a batch held longer than this while other tables' changes keep
 /// the stream busy.
-const MAX_BATCH_AGE: Duration = Duration::from_millis(50);
+const BINLOG_BATCH_AGE: Duration = Duration::from_millis(50);
 
 // Event types (MySQL's and MariaDB's `Log_event_type`).
 const QUERY: u8 = 2;
@@ -102,7 +102,7 @@ pub(super) async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
 }
 
 async fn timed<T>(what: &str, f: impl std::future::Future<Output = Result<T>>) -> Result<T> {
-    tokio::time::timeout(SQL_TIMEOUT, f)
+    tokio::time::timeout(BINLOG_SQL_TIMEOUT, f)
         .await
         .map_err(|_| db(format!("{what} timed out")))?
 }
@@ -310,7 +310,7 @@ impl Stream<'_> {
                     // Closed, not dropped: the server's dump thread ends
                     // now rather than at its next write, and holds no
                     // binlog back from a purge.
-                    let _ = tokio::time::timeout(SQL_TIMEOUT, binlog.into_inner().close()).await;
+                    let _ = tokio::time::timeout(BINLOG_SQL_TIMEOUT, binlog.into_inner().close()).await;
                     return Ok(Ended::Stopped);
                 }
             };
@@ -325,9 +325,9 @@ impl Stream<'_> {
                 let since = *self
                     .batch_since
                     .get_or_insert_with(tokio::time::Instant::now);
-                let full = self.batch.rows >= MAX_BATCH_ROWS
-                    || self.batch.bytes >= MAX_BATCH_BYTES
-                    || since.elapsed() >= MAX_BATCH_AGE;
+                let full = self.batch.rows >= BINLOG_BATCH_ROWS
+                    || self.batch.bytes >= BINLOG_BATCH_BYTES
+                    || since.elapsed() >= BINLOG_BATCH_AGE;
                 // More already here: gathered into the same publish,
                 // within the batch's bounds.
                 let more = std::pin::Pin::new(&mut binlog)
