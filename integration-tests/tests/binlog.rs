@@ -149,7 +149,8 @@ fn insert(range: std::ops::Range<i64>, name: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn committed_changes_reach_every_node_and_rolled_back_ones_never() {
     let f = fixture(3).await;
-    let relay = f.relay().start().await.unwrap();
+    // A name outside the database's default character set (latin1).
+    let relay = f.relay().name("реле ✓ 🚀").start().await.unwrap();
     eventually("the relay streams", async || relay.stats().active).await;
     f.sql(&insert(0..50, "a"));
     eventually("every node holds the inserted rows", async || {
@@ -184,10 +185,15 @@ async fn committed_changes_reach_every_node_and_rolled_back_ones_never() {
     assert!(stats.confirmed_lsn > 0, "{stats:?}");
     let metrics = relay.metrics();
     assert!(
-        metrics.contains("cache_sync_cdc_active{slot=\"cache_sync\"} 1"),
+        metrics.contains("cache_sync_cdc_active{slot=\"реле ✓ 🚀\"} 1"),
         "{metrics}"
     );
     relay.shutdown().await;
+    // Its saved position is found again by that name: no resync.
+    let again = f.relay().name("реле ✓ 🚀").start().await.unwrap();
+    eventually("the relay streams again", async || again.stats().active).await;
+    assert_eq!(again.stats().resyncs, 0, "{:?}", again.stats());
+    again.shutdown().await;
     f.shutdown().await;
 }
 

@@ -136,12 +136,14 @@ pub(super) async fn binlogs(conn: &mut Conn) -> Result<Vec<(String, u64)>> {
     Ok(logs)
 }
 
+/// Names are bytes: a relay's name, or a binlog's, in any script, whatever
+/// the database's default character set (latin1 on MariaDB 10.11).
 pub(super) async fn create_table(conn: &mut Conn) -> Result<()> {
     conn.query_drop(format!(
         "CREATE TABLE IF NOT EXISTS {TABLE} (
-            name VARCHAR(64) NOT NULL PRIMARY KEY,
+            name VARBINARY(64) NOT NULL PRIMARY KEY,
             server_id BIGINT UNSIGNED NOT NULL,
-            file VARCHAR(512) NOT NULL,
+            file VARBINARY(512) NOT NULL,
             pos BIGINT UNSIGNED NOT NULL,
             base BIGINT UNSIGNED NOT NULL,
             high BIGINT UNSIGNED NOT NULL,
