@@ -84,6 +84,32 @@ impl Batch {
         false
     }
 
+    /// The open transaction changed a row of `mapping`'s table: its key
+    /// (with the value to install), or, when the row did not tell the key,
+    /// a clear of the cache. `relay` names the relay in the logs.
+    pub(crate) fn change(
+        &mut self,
+        relay: &str,
+        mapping: &super::Mapping,
+        key: Option<Bytes>,
+        value: Option<Bytes>,
+        version: u64,
+        cap: usize,
+    ) {
+        let m = mapping;
+        match key {
+            Some(key) => {
+                if self.key(&m.cache, key, value, version, cap) {
+                    tracing::info!(relay, cache = %m.cache, version, cap, "cdc relay: a transaction changed more rows of the table than the cap; clearing the cache instead");
+                }
+            }
+            None => {
+                tracing::warn!(relay, cache = %m.cache, table = %m.relation(), version, "cdc relay: a change's key could not be read from its row (a key outside the replica identity or the binlog's row image?); clearing the cache");
+                self.clear(&m.cache, version);
+            }
+        }
+    }
+
     /// A clear of `cache` at `version` (a TRUNCATE, a key the row could
     /// not tell, a resync). Later changes of the same transaction still
     /// count: a TRUNCATE followed by INSERTs leaves those rows.

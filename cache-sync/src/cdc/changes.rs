@@ -145,17 +145,8 @@ impl Stream<'_> {
     ) {
         let inner = self.inner;
         let m = &inner.tables[mapping];
-        match key {
-            Some(key) => {
-                if self.gather().key(&m.cache, key, value, version, cap) {
-                    tracing::info!(cache = %m.cache, version, cap, "cdc relay: a transaction changed more rows of the table than the cap; clearing the cache instead");
-                }
-            }
-            None => {
-                tracing::warn!(cache = %m.cache, table = %m.relation(), version, "cdc relay: a change's key could not be read from its row (a key outside the replica identity?); clearing the cache");
-                self.gather().clear(&m.cache, version);
-            }
-        }
+        self.gather()
+            .change(&inner.shared.slot, m, key, value, version, cap);
     }
 
     /// A table's (new) shape. It feeds the mappings of its own name, and

@@ -492,7 +492,6 @@ impl Stream<'_> {
     }
 
     fn commit(&mut self) {
-        let version = self.txn.as_ref().map(|t| t.version);
         let time = self.txn.as_ref().map_or(0, |t| t.time);
         let touched = !self.open.is_empty();
         self.batch.absorb(&mut self.open, None);
@@ -503,7 +502,6 @@ impl Stream<'_> {
                 .oldest_pending_commit
                 .store(time, Ordering::Relaxed);
         }
-        let _ = version;
         // Only the relay's own writes leave `moved` alone: saving the
         // position after them would write again, for ever (see `upkeep`).
         if !self.own_only {
@@ -710,18 +708,15 @@ impl Stream<'_> {
         version: u64,
         cap: usize,
     ) {
-        let m = &self.inner.tables[mapping];
-        match key {
-            Some(key) => {
-                if self.open.key(&m.cache, key, value, version, cap) {
-                    tracing::info!(cache = %m.cache, version, cap, "binlog relay: a transaction changed more rows of the table than the cap; clearing the cache instead");
-                }
-            }
-            None => {
-                tracing::warn!(cache = %m.cache, table = %m.relation(), version, "binlog relay: a change's key could not be read from its row; clearing the cache");
-                self.open.clear(&m.cache, version);
-            }
-        }
+        let inner = self.inner;
+        self.open.change(
+            &inner.shared.slot,
+            &inner.tables[mapping],
+            key,
+            value,
+            version,
+            cap,
+        );
     }
 
     /// Publishes the committed batch, after the write that makes it
