@@ -397,8 +397,11 @@ pub mod error;
 #[doc(hidden)]
 pub mod fuzz;
 mod node;
-#[cfg(feature = "postgres-outbox")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres-outbox")))]
+#[cfg(feature = "_outbox")]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres-outbox", feature = "mysql-outbox")))
+)]
 pub mod outbox;
 mod publish;
 pub mod status;

@@ -28,11 +28,7 @@ pub(crate) type HashSet<T> = std::collections::HashSet<T, Hasher>;
 /// FNV-1a of `parts`, each followed by a zero byte but the last: a stable
 /// name for a relay group's report source, the same in every process and
 /// release (relays standing in for one another must agree on it).
-#[cfg(any(
-    feature = "postgres-cdc",
-    feature = "mysql-cdc",
-    feature = "postgres-outbox"
-))]
+#[cfg(any(feature = "postgres-cdc", feature = "mysql-cdc", feature = "_outbox"))]
 pub(crate) fn source_hash(parts: &[&str]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for (i, part) in parts.iter().enumerate() {

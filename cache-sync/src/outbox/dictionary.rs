@@ -5,9 +5,8 @@ use std::fmt;
 use std::marker::PhantomData;
 
 use serde::Serialize;
-use sqlx::PgConnection;
 
-use super::Outbox;
+use super::{Outbox, OutboxConnection};
 use crate::error::{Error, Result};
 use crate::publish::{invalidations, refreshes, replacement};
 use crate::table::check_topic;
@@ -58,7 +57,12 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
     /// A row was inserted or updated. Returns the version assigned. Key
     /// and row are borrowed as in
     /// [`DictionaryPublisher::insert`](crate::DictionaryPublisher::insert).
-    pub async fn insert<Q, R>(&self, conn: &mut PgConnection, key: &Q, row: &R) -> Result<u64>
+    pub async fn insert<Q, R>(
+        &self,
+        conn: &mut impl OutboxConnection,
+        key: &Q,
+        row: &R,
+    ) -> Result<u64>
     where
         K: Borrow<Q>,
         V: Borrow<R>,
@@ -74,7 +78,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
     /// [`insert`](Self::insert) at the caller's version.
     pub async fn insert_versioned<Q, R>(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl OutboxConnection,
         key: &Q,
         row: &R,
         version: u64,
@@ -94,7 +98,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
     /// Several rows at one version.
     pub async fn insert_many<'a>(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl OutboxConnection,
         rows: impl IntoIterator<Item = (&'a K, &'a V)>,
     ) -> Result<u64>
     where
@@ -109,7 +113,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
 
     /// A row was deleted: nodes drop it and keep a tombstone at the
     /// version.
-    pub async fn invalidate<Q>(&self, conn: &mut PgConnection, key: &Q) -> Result<u64>
+    pub async fn invalidate<Q>(&self, conn: &mut impl OutboxConnection, key: &Q) -> Result<u64>
     where
         K: Borrow<Q>,
         Q: Serialize + ?Sized,
@@ -123,7 +127,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
     /// [`invalidate`](Self::invalidate) at the caller's version.
     pub async fn invalidate_versioned<Q>(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl OutboxConnection,
         key: &Q,
         version: u64,
     ) -> Result<u64>
@@ -139,7 +143,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
 
     /// Every row goes: nodes drop the whole cache, the version a floor
     /// below which later-arriving inserts are ignored.
-    pub async fn invalidate_all(&self, conn: &mut PgConnection) -> Result<u64> {
+    pub async fn invalidate_all(&self, conn: &mut impl OutboxConnection) -> Result<u64> {
         self.enqueue(conn, None, |_, v| {
             Ok(vec![Change::Clear { version: Some(v) }])
         })
@@ -149,7 +153,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
     /// [`invalidate_all`](Self::invalidate_all) at the caller's version.
     pub async fn invalidate_all_versioned(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl OutboxConnection,
         version: u64,
     ) -> Result<u64> {
         self.enqueue(conn, Some(version), |_, v| {
@@ -163,7 +167,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
     /// [`DictionaryPublisher::replace_all`](crate::DictionaryPublisher::replace_all)).
     pub async fn replace_all<'a>(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl OutboxConnection,
         rows: impl IntoIterator<Item = (&'a K, &'a V)>,
     ) -> Result<u64>
     where
@@ -177,7 +181,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
     /// [`replace_all`](Self::replace_all) at the caller's version.
     pub async fn replace_all_versioned<'a>(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl OutboxConnection,
         rows: impl IntoIterator<Item = (&'a K, &'a V)>,
         version: u64,
     ) -> Result<u64>
@@ -193,7 +197,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
     /// caller rolls back, which also returns the version.
     async fn enqueue(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl OutboxConnection,
         version: Option<u64>,
         build: impl FnOnce(&Outbox, u64) -> Result<Vec<Change>>,
     ) -> Result<u64> {
@@ -209,6 +213,7 @@ impl<K: Serialize, V: Serialize> OutboxDictionary<K, V> {
             (pinned, Some(topic)) => check_topic(&self.cache, pinned, topic)?,
             (None, None) => {}
         }
+        let conn = &mut conn.conn();
         o.lock(conn, &self.cache).await?;
         let v = match version {
             Some(v) => {

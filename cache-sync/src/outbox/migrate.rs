@@ -1,48 +1,54 @@
 //! The outbox's schema: its migrations, and running them.
 
-use sqlx::{PgConnection, PgPool};
-
-use super::{LOCK_SQL, Outbox, db};
+use super::Outbox;
+use super::database::{OutboxPool, Pool};
 use crate::error::Result;
 
-/// The migrations, in order, with `{schema}` for the schema's name;
-/// `migrations/0001_outbox.sql` and `migrations/0002_relay_fence.sql` are
-/// these with `cache_sync` (a test keeps them the same).
-const MIGRATIONS: [&str; 2] = [
-    include_str!("migration_0001.sql.in"),
-    include_str!("migration_0002.sql.in"),
-];
-
 impl Outbox {
-    /// The SQL [`migrate`](Self::migrate) runs, one string per migration.
-    pub(super) fn migration_sql(&self) -> [String; 2] {
-        MIGRATIONS.map(|m| m.replace("{schema}", &self.inner.schema))
+    /// The SQL [`migrate`](Self::migrate) runs on PostgreSQL, one string
+    /// per migration.
+    #[cfg(feature = "postgres-outbox")]
+    pub(super) fn migration_sql(&self) -> Vec<String> {
+        self.fill(&super::pg::MIGRATIONS)
     }
 
-    /// Creates the schema, tables, sequences and trigger where missing
-    /// (`migrations/0001_outbox.sql` and `0002_relay_fence.sql`, in this
-    /// outbox's schema), in one transaction. Safe to run at every start and
-    /// from several processes at once: an advisory lock on the schema's
-    /// name lets one run at a time, and every statement is idempotent, so
-    /// it also brings an outbox made by an earlier release up to date (a
-    /// relay refuses to start on a schema without the second migration).
-    /// Needs PostgreSQL 14 or later.
-    pub async fn migrate(&self, pool: &PgPool) -> Result<()> {
-        let mut tx = pool.begin().await.map_err(db)?;
-        sqlx::query(LOCK_SQL)
-            .bind(format!("cache-sync migrate\n{}", self.inner.schema))
-            .execute(&mut *tx)
-            .await
-            .map_err(db)?;
-        // A plain string runs as one simple query, several statements in
-        // it. (Not `raw_sql`: its future is not `Send` for every lifetime,
-        // so a migrate could not be spawned.)
-        for sql in self.migration_sql() {
-            let conn: &mut PgConnection = &mut tx;
-            sqlx::Executor::execute(conn, sql.as_str())
+    fn fill(&self, migrations: &[&str]) -> Vec<String> {
+        migrations
+            .iter()
+            .map(|m| m.replace("{schema}", &self.inner.schema))
+            .collect()
+    }
+
+    /// Creates the outbox's tables where missing, and brings an outbox made
+    /// by an earlier release up to date (a relay refuses to start on a
+    /// schema without its fence). Safe to run at every start and from
+    /// several processes at once: a lock on the schema's name lets one run
+    /// at a time, and every statement is idempotent.
+    ///
+    /// - On PostgreSQL 14 or later (`sqlx::PgPool`): the schema,
+    ///   sequences, tables and trigger of `migrations/0001_outbox.sql` and
+    ///   `0002_relay_fence.sql`, in this outbox's schema, in one
+    ///   transaction under an advisory lock.
+    /// - On MySQL 8 or MariaDB 10.6 and later (`sqlx::MySqlPool`): the
+    ///   database named by the schema, and the tables of
+    ///   `migrations/mysql/0001_outbox.sql`, statement by statement (MySQL
+    ///   commits each DDL statement on its own) under `GET_LOCK`. It needs
+    ///   the `CREATE` privilege, or a database created beforehand.
+    pub async fn migrate(&self, pool: &impl OutboxPool) -> Result<()> {
+        match pool.pool() {
+            #[cfg(feature = "postgres-outbox")]
+            Pool::Pg(pool) => {
+                super::pg::migrate(&pool, &self.inner.schema, &self.migration_sql()).await
+            }
+            #[cfg(feature = "mysql-outbox")]
+            Pool::MySql(pool) => {
+                super::mysql::migrate(
+                    &pool,
+                    &self.inner.schema,
+                    &self.fill(&super::mysql::MIGRATIONS),
+                )
                 .await
-                .map_err(db)?;
+            }
         }
-        tx.commit().await.map_err(db)
     }
 }

@@ -1,4 +1,6 @@
-//! The transactional outbox on PostgreSQL (feature `postgres-outbox`).
+//! The transactional outbox, on PostgreSQL (feature `postgres-outbox`)
+//! and on MySQL or MariaDB (feature `mysql-outbox`): one [`Outbox`] and one
+//! [`OutboxRelay`], on a `sqlx` connection and pool of either database.
 //!
 //! Publishing after a commit is two writes: a crash or a broker outage
 //! between them leaves the change unpublished, and nodes serve the old row
@@ -8,9 +10,11 @@
 //! through a [`Publisher`](crate::Publisher), deleting each only once the
 //! transport has taken it.
 //!
-//! Ordering: every enqueue first takes a transaction-level advisory lock on
-//! its (schema, cache), then takes its row id (and an automatic version)
-//! after the lock. Writers of one cache therefore serialize from their
+//! Ordering: every enqueue first takes a lock on its (schema, cache) that
+//! lasts until its transaction ends (on PostgreSQL a transaction-level
+//! advisory lock; on MySQL an InnoDB row lock on the cache's row in the
+//! outbox's `versions` table), then takes its row id (and an automatic
+//! version) after the lock. Writers of one cache therefore serialize from their
 //! first enqueue to their commit, and per cache, ids and versions follow
 //! commit order. The relay publishes in id order, so per cache it publishes
 //! in commit order. The cost: a transaction that enqueued holds up every
@@ -23,7 +27,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
-use sqlx::PgConnection;
 
 use crate::error::{Error, Result};
 use crate::publish::{invalidations, refreshes};
@@ -33,44 +36,48 @@ pub(crate) use crate::wire::decode_row;
 use crate::wire::{Change, DEFAULT_MAX_EVENT_BYTES, encode_row};
 
 mod builder;
+mod database;
 mod dictionary;
 mod migrate;
+#[cfg(feature = "mysql-outbox")]
+mod mysql;
+#[cfg(feature = "postgres-outbox")]
+mod pg;
 mod relay;
 mod relay_pass;
 
 pub use builder::OutboxBuilder;
+use database::Conn;
+pub use database::{OutboxConnection, OutboxPool};
 pub use dictionary::OutboxDictionary;
 pub use relay::{OutboxRelay, OutboxRelayBuilder, OutboxRelayStats};
 
 /// The schema [`Outbox::new`] uses.
 const DEFAULT_SCHEMA: &str = "cache_sync";
 
-/// PostgreSQL's longest identifier (NAMEDATALEN - 1).
+/// PostgreSQL's longest identifier (NAMEDATALEN - 1); MySQL's is 64.
 const MAX_SCHEMA_BYTES: usize = 63;
-
-/// The channel the insert trigger notifies, with the schema as payload. One
-/// channel for every schema: a channel name is limited like an identifier,
-/// and the payload tells relays of other schemas to ignore it.
-pub(crate) const CHANNEL: &str = "cache_sync_outbox";
 
 /// Writes change events into an outbox table inside the caller's own
 /// transaction; an [`OutboxRelay`] publishes them once committed.
 ///
-/// Every method that enqueues takes `&mut PgConnection`: pass an open
-/// transaction (`&mut *tx` for a `sqlx::Transaction`). The row is written
-/// when the call returns; the relay sees it only once the caller commits,
-/// and a rolled-back transaction publishes nothing.
+/// Every method that enqueues takes an open transaction: `&mut tx` for a
+/// `sqlx::Transaction` of PostgreSQL or MySQL (any [`OutboxConnection`]).
+/// The row is written when the call returns; the relay sees it only once
+/// the caller commits, and a rolled-back transaction publishes nothing.
 ///
-/// **Enqueue last.** Each enqueue first takes a transaction-level advisory
-/// lock on its cache (held until commit or rollback), so that per cache,
+/// **Enqueue last.** Each enqueue first takes a lock on its cache (held
+/// until commit or rollback), so that per cache,
 /// row ids and automatic versions follow commit order and the relay
 /// publishes in commit order. Every other writer of that cache waits for
 /// it: enqueue just before committing, not at the start of a long
 /// transaction. A transaction that enqueues for several caches holds
 /// several locks: take them in one order everywhere (say, by cache name),
-/// or PostgreSQL may find a deadlock and abort one of two transactions
-/// (an [`Error::Database`]; retry it). Outside a transaction (autocommit) each statement commits
-/// on its own and that ordering is not promised.
+/// or the database may find a deadlock and abort one of two transactions
+/// (an [`Error::Database`]; retry it). On MySQL a writer waits for the lock
+/// at most `innodb_lock_wait_timeout` (50 s by default), then fails the
+/// same way. Outside a transaction (autocommit) each statement commits on
+/// its own and that ordering is not promised.
 ///
 /// Cheap to clone.
 ///
@@ -131,10 +138,6 @@ pub(crate) fn db(e: sqlx::Error) -> Error {
     Error::Database(Box::new(e))
 }
 
-/// The 64-bit key of a transaction-level advisory lock, computed by the
-/// database from a string naming what it guards.
-const LOCK_SQL: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))";
-
 impl Outbox {
     /// An outbox in the schema `cache_sync`, rows up to 1 MiB, no second
     /// invalidation.
@@ -172,7 +175,7 @@ impl Outbox {
     /// [`Publisher::insert`](crate::Publisher::insert)).
     pub async fn insert<K: Serialize, V: Serialize>(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl OutboxConnection,
         cache: &str,
         entries: impl IntoIterator<Item = (K, V)>,
     ) -> Result<()> {
@@ -184,11 +187,12 @@ impl Outbox {
     /// (see [`Publisher::insert_versioned`](crate::Publisher::insert_versioned)).
     pub async fn insert_versioned<K: Serialize, V: Serialize>(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl OutboxConnection,
         cache: &str,
         entries: impl IntoIterator<Item = (K, V, Option<u64>)>,
     ) -> Result<()> {
         let changes = refreshes(entries, self.budget())?;
+        let conn = &mut conn.conn();
         self.lock(conn, cache).await?;
         self.write_rows(conn, cache, &changes).await
     }
@@ -197,7 +201,7 @@ impl Outbox {
     /// [`Publisher::invalidate`](crate::Publisher::invalidate)).
     pub async fn invalidate<K: Serialize>(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl OutboxConnection,
         cache: &str,
         keys: impl IntoIterator<Item = K>,
     ) -> Result<()> {
@@ -209,18 +213,24 @@ impl Outbox {
     /// (see [`Publisher::invalidate_versioned`](crate::Publisher::invalidate_versioned)).
     pub async fn invalidate_versioned<K: Serialize>(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl OutboxConnection,
         cache: &str,
         keys: impl IntoIterator<Item = (K, Option<u64>)>,
     ) -> Result<()> {
         let changes = invalidations(keys, self.budget())?;
+        let conn = &mut conn.conn();
         self.lock(conn, cache).await?;
         self.write_rows(conn, cache, &changes).await
     }
 
     /// Enqueues an invalidation of everything in `cache` (see
     /// [`Publisher::invalidate_all`](crate::Publisher::invalidate_all)).
-    pub async fn invalidate_all(&self, conn: &mut PgConnection, cache: &str) -> Result<()> {
+    pub async fn invalidate_all(
+        &self,
+        conn: &mut impl OutboxConnection,
+        cache: &str,
+    ) -> Result<()> {
+        let conn = &mut conn.conn();
         self.lock(conn, cache).await?;
         self.write_rows(conn, cache, &[Change::Clear { version: None }])
             .await
@@ -231,10 +241,11 @@ impl Outbox {
     /// [`Publisher::invalidate_all_versioned`](crate::Publisher::invalidate_all_versioned)).
     pub async fn invalidate_all_versioned(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl OutboxConnection,
         cache: &str,
         version: u64,
     ) -> Result<()> {
+        let conn = &mut conn.conn();
         self.lock(conn, cache).await?;
         self.write_rows(
             conn,
@@ -254,10 +265,11 @@ impl Outbox {
     /// commit order; the lock is held until the transaction ends, as for
     /// an enqueue. A rolled-back transaction gives its version back.
     ///
-    /// Versions are stored as PostgreSQL `bigint`: after a version of
+    /// Versions are stored as a signed 64-bit `bigint`: after a version of
     /// `i64::MAX` (or a caller version above it), this is
     /// [`Error::VersionExhausted`].
-    pub async fn next_version(&self, conn: &mut PgConnection, cache: &str) -> Result<u64> {
+    pub async fn next_version(&self, conn: &mut impl OutboxConnection, cache: &str) -> Result<u64> {
+        let conn = &mut conn.conn();
         self.lock(conn, cache).await?;
         self.auto_version(conn, cache).await
     }
@@ -284,28 +296,27 @@ impl Outbox {
     /// Takes the cache's enqueue lock, held until the transaction ends.
     /// Everything that decides order (the row id, an automatic version) is
     /// taken after it.
-    async fn lock(&self, conn: &mut PgConnection, cache: &str) -> Result<()> {
+    async fn lock(&self, conn: &mut Conn<'_>, cache: &str) -> Result<()> {
         names::check(NameKind::Cache, cache)?;
-        sqlx::query(LOCK_SQL)
-            .bind(format!("cache-sync outbox\n{}\n{cache}", self.inner.schema))
-            .execute(&mut *conn)
-            .await
-            .map_err(db)?;
-        Ok(())
+        let schema = &self.inner.schema;
+        match conn {
+            #[cfg(feature = "postgres-outbox")]
+            Conn::Pg(c) => pg::lock(c, &format!("cache-sync outbox\n{schema}\n{cache}")).await,
+            #[cfg(feature = "mysql-outbox")]
+            Conn::MySql(c) => mysql::lock(c, schema, cache).await,
+        }
     }
 
     /// The next automatic version; the caller holds the cache's lock, which
     /// also serializes every reader and writer of its counter row.
-    async fn auto_version(&self, conn: &mut PgConnection, cache: &str) -> Result<u64> {
-        let (last, now): (Option<i64>, i64) = sqlx::query_as(&format!(
-            "SELECT (SELECT version FROM {s}.versions WHERE cache = $1), \
-             (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
-            s = self.inner.schema
-        ))
-        .bind(cache)
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(db)?;
+    async fn auto_version(&self, conn: &mut Conn<'_>, cache: &str) -> Result<u64> {
+        let schema = &self.inner.schema;
+        let (last, now) = match conn {
+            #[cfg(feature = "postgres-outbox")]
+            Conn::Pg(c) => pg::last_version_and_clock(c, schema, cache).await?,
+            #[cfg(feature = "mysql-outbox")]
+            Conn::MySql(c) => mysql::last_version_and_clock(c, schema, cache).await?,
+        };
         let next = match last {
             Some(last) => last
                 .checked_add(1)
@@ -321,53 +332,29 @@ impl Outbox {
     /// the stored and the given (a caller's version).
     async fn store_version(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut Conn<'_>,
         cache: &str,
         version: i64,
         raise: bool,
     ) -> Result<()> {
-        let update = if raise {
-            "greatest(v.version, EXCLUDED.version)"
-        } else {
-            "EXCLUDED.version"
-        };
-        sqlx::query(&format!(
-            "INSERT INTO {s}.versions AS v (cache, version) VALUES ($1, $2) \
-             ON CONFLICT (cache) DO UPDATE SET version = {update}",
-            s = self.inner.schema
-        ))
-        .bind(cache)
-        .bind(version)
-        .execute(&mut *conn)
-        .await
-        .map_err(db)?;
-        Ok(())
+        let schema = &self.inner.schema;
+        match conn {
+            #[cfg(feature = "postgres-outbox")]
+            Conn::Pg(c) => pg::store_version(c, schema, cache, version, raise).await,
+            #[cfg(feature = "mysql-outbox")]
+            Conn::MySql(c) => mysql::store_version(c, schema, cache, version, raise).await,
+        }
     }
 
     /// Writes the rows (and, with [`again_after`](OutboxBuilder::again_after),
-    /// a delayed invalidation for each), ids from the sequence now, under
-    /// the lock the caller took.
-    async fn write_rows(
-        &self,
-        conn: &mut PgConnection,
-        cache: &str,
-        changes: &[Change],
-    ) -> Result<()> {
+    /// a delayed invalidation for each), ids taken now, under the lock the
+    /// caller took.
+    async fn write_rows(&self, conn: &mut Conn<'_>, cache: &str, changes: &[Change]) -> Result<()> {
         let mut rows = Vec::with_capacity(changes.len());
         for change in changes {
             rows.push(encode_row(change, self.inner.max_event_bytes)?);
         }
-        let sql = format!(
-            "INSERT INTO {s}.outbox (id, cache, change, not_before) \
-             SELECT nextval('{s}.outbox_id_seq'), $1, c, NULL FROM unnest($2::bytea[]) WITH ORDINALITY AS r(c, n) ORDER BY n",
-            s = self.inner.schema
-        );
-        sqlx::query(&sql)
-            .bind(cache)
-            .bind(&rows)
-            .execute(&mut *conn)
-            .await
-            .map_err(db)?;
+        self.insert_rows(conn, cache, &rows, None).await?;
         if let Some(delay) = self.inner.again_after {
             let mut rows = Vec::with_capacity(changes.len());
             for change in changes {
@@ -378,21 +365,27 @@ impl Outbox {
                 )?);
             }
             let micros = i64::try_from(delay.as_micros()).unwrap_or(i64::MAX);
-            let sql = format!(
-                "INSERT INTO {s}.outbox (id, cache, change, not_before) \
-                 SELECT nextval('{s}.outbox_id_seq'), $1, c, clock_timestamp() + $3 * interval '1 microsecond' \
-                 FROM unnest($2::bytea[]) WITH ORDINALITY AS r(c, n) ORDER BY n",
-                s = self.inner.schema
-            );
-            sqlx::query(&sql)
-                .bind(cache)
-                .bind(&rows)
-                .bind(micros)
-                .execute(&mut *conn)
-                .await
-                .map_err(db)?;
+            self.insert_rows(conn, cache, &rows, Some(micros)).await?;
         }
         Ok(())
+    }
+
+    /// Inserts encoded rows in order, due at once or `delay_us` from now by
+    /// the database's clock.
+    async fn insert_rows(
+        &self,
+        conn: &mut Conn<'_>,
+        cache: &str,
+        rows: &[Vec<u8>],
+        delay_us: Option<i64>,
+    ) -> Result<()> {
+        let schema = &self.inner.schema;
+        match conn {
+            #[cfg(feature = "postgres-outbox")]
+            Conn::Pg(c) => pg::insert_rows(c, schema, cache, rows, delay_us).await,
+            #[cfg(feature = "mysql-outbox")]
+            Conn::MySql(c) => mysql::insert_rows(c, schema, cache, rows, delay_us).await,
+        }
     }
 
     /// How many bytes of keys and values one row may hold: the format
@@ -444,6 +437,7 @@ mod tests {
         }
     }
 
+    #[cfg(feature = "postgres-outbox")]
     #[test]
     fn the_shipped_migrations_are_what_migrate_runs_for_cache_sync() {
         assert_eq!(

@@ -7,13 +7,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use sqlx::PgPool;
-use sqlx::postgres::PgListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::relay_pass::run;
-use super::{CHANNEL, Outbox, db};
+use super::Outbox;
+use super::database::{OutboxPool, Pool};
+use super::relay_pass::{Store, run};
 use crate::error::{Error, Result};
 use crate::publish::Publisher;
 use crate::util::lock;
@@ -35,22 +34,28 @@ use crate::util::lock;
 ///   acknowledgement beyond the server taking the `PUBLISH`: it is lossy
 ///   anyway.) A crash between the publish and the commit publishes the
 ///   row again on restart; applying an event twice equals once.
-/// - **One publisher at a time.** Each pass is a transaction that first
-///   takes a transaction-level advisory lock on the schema with
-///   `pg_try_advisory_xact_lock`; a relay that does not get it waits for
-///   the next wake-up. Several relays can run for availability, and never
-///   publish one row at the same time. `FOR UPDATE SKIP LOCKED` was not
-///   used: it lets two relays take different rows of one cache and publish
-///   them in either order.
-/// - **A replaced relay is fenced.** The lock lives as long as the pass's
-///   database session. A session that dies while a publish is slow (killed,
-///   `idle_in_transaction_session_timeout`, a network cut) releases it,
-///   and another relay can take over and publish the same rows and newer
-///   ones before the first relay's slow publish lands. So before each
-///   publish the relay asks the database whether its pass is still alive
-///   (within 5 s, or the pass ends), and publishes nothing once it is not;
-///   and each pass takes a term from a database sequence and every event
-///   it sends carries it (with a random number naming the outbox). A node
+/// - **One publisher at a time.** On PostgreSQL each pass is a transaction
+///   that first takes a transaction-level advisory lock on the schema with
+///   `pg_try_advisory_xact_lock`. On MySQL the relay takes `GET_LOCK` on a
+///   connection of its own (out of the pool) and keeps it, and the lock,
+///   for as long as that connection lives; any database error closes it.
+///   A relay that does not get the lock waits for the next wake-up.
+///   Several relays can run for availability, and never publish one row at
+///   the same time. `FOR UPDATE SKIP LOCKED` was not used: it lets two
+///   relays take different rows of one cache and publish them in either
+///   order.
+/// - **A replaced relay is fenced.** The lock lives as long as the
+///   database session that took it. A session that dies while a publish is
+///   slow (killed, `idle_in_transaction_session_timeout` or `wait_timeout`,
+///   a network cut) releases it, and another relay can take over and
+///   publish the same rows and newer ones before the first relay's slow
+///   publish lands. So before each publish the relay asks the database
+///   whether its session is still alive and (on MySQL) still holds the
+///   lock (within 5 s, or the pass ends), and publishes nothing once it is
+///   not; and each leader draws a term (on PostgreSQL each pass, from a
+///   sequence; on MySQL each time it takes the lock, from a row raised in
+///   a statement committed at once), and every event it sends carries it
+///   (with a random number naming the outbox). A node
 ///   that has seen a higher term of this outbox for a cache applies an
 ///   event of a lower one as an invalidation of its keys: the one publish
 ///   that can be in flight when a session dies can never put an older row
@@ -68,9 +73,12 @@ use crate::util::lock;
 ///   cannot map, which no node can hold), the row is deleted and counted
 ///   the same way.
 ///
-/// It wakes on `LISTEN`/`NOTIFY` (the outbox's insert trigger notifies at
-/// commit) and polls every [`poll_interval`](OutboxRelayBuilder::poll_interval)
-/// besides, for notifications lost while its listener reconnects.
+/// On PostgreSQL it wakes on `LISTEN`/`NOTIFY` (the outbox's insert trigger
+/// notifies at commit) and polls every
+/// [`poll_interval`](OutboxRelayBuilder::poll_interval) besides, for
+/// notifications lost while its listener reconnects. MySQL has no
+/// notifications: there it polls, every 100 ms by default, so a commit is
+/// published within a poll interval plus the publish.
 pub struct OutboxRelay {
     shared: Arc<Shared>,
     stop: watch::Sender<bool>,
@@ -88,7 +96,7 @@ impl fmt::Debug for OutboxRelay {
 
 /// Configures an [`OutboxRelay`].
 pub struct OutboxRelayBuilder {
-    pool: PgPool,
+    pool: Pool,
     publisher: Publisher,
     outbox: Outbox,
     poll_interval: Duration,
@@ -135,7 +143,6 @@ pub(super) struct Counters {
 }
 
 pub(super) struct Shared {
-    pub(super) pool: PgPool,
     pub(super) publisher: Publisher,
     pub(super) outbox: Outbox,
     /// Names this outbox in every fence its relays send.
@@ -167,8 +174,9 @@ impl OutboxRelayBuilder {
         self
     }
 
-    /// How often it looks for rows without a notification. Default 1 s;
-    /// 1 ms to 1 hour.
+    /// How often it looks for rows without a notification: on PostgreSQL
+    /// 1 s by default (notifications wake it sooner), on MySQL, which has
+    /// none, 100 ms. 1 ms to 1 hour.
     pub fn poll_interval(mut self, every: Duration) -> Self {
         self.poll_interval = every;
         self
@@ -251,10 +259,9 @@ impl OutboxRelayBuilder {
             )));
         }
         let schema = self.outbox.schema();
-        let scope: i64 = sqlx::query_scalar(&format!("SELECT scope FROM {schema}.relay"))
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| {
+        let scope = match &self.pool {
+            #[cfg(feature = "postgres-outbox")]
+            Pool::Pg(pool) => super::pg::scope(pool, schema).await.map_err(|e| {
                 Error::Database(
                     format!(
                         "reading the outbox's fencing scope from {schema}.relay: {e}; an outbox made \
@@ -263,7 +270,18 @@ impl OutboxRelayBuilder {
                     )
                     .into(),
                 )
-            })?;
+            })?,
+            #[cfg(feature = "mysql-outbox")]
+            Pool::MySql(pool) => super::mysql::scope(pool, schema).await.map_err(|e| {
+                Error::Database(
+                    format!(
+                        "reading the outbox's fencing scope from {schema}.relay: {e}; run \
+                         Outbox::migrate, or migrations/mysql/0001_outbox.sql, on this database"
+                    )
+                    .into(),
+                )
+            })?,
+        };
         let reports = if self.freshness_interval == Duration::MAX {
             None
         } else {
@@ -285,21 +303,25 @@ impl OutboxRelayBuilder {
             }
             caches.sort_unstable();
             caches.dedup();
-            let database: String = sqlx::query_scalar("SELECT current_database()::text")
-                .fetch_one(&self.pool)
-                .await
-                .map_err(db)?;
+            let source = match &self.pool {
+                #[cfg(feature = "postgres-outbox")]
+                Pool::Pg(pool) => source(&super::pg::database_name(pool).await?, schema),
+                // A MySQL schema is a database, and server-wide: the
+                // outbox's random scope tells two servers' apart.
+                #[cfg(feature = "mysql-outbox")]
+                Pool::MySql(_) => {
+                    crate::util::source_hash(&["outbox", "mysql", schema, &scope.to_string()])
+                }
+            };
             Some(Reports {
                 every: self.freshness_interval,
                 caches,
-                source: source(&database, schema),
+                source,
                 last: std::sync::Mutex::new(None),
             })
         };
-        let mut listener = PgListener::connect_with(&self.pool).await.map_err(db)?;
-        listener.listen(CHANNEL).await.map_err(db)?;
+        let store = Store::connect(self.pool).await?;
         let shared = Arc::new(Shared {
-            pool: self.pool,
             publisher: self.publisher,
             outbox: self.outbox,
             scope: scope.cast_unsigned(),
@@ -309,7 +331,7 @@ impl OutboxRelayBuilder {
             reports,
         });
         let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(run(shared.clone(), listener, stopped));
+        let task = tokio::spawn(run(shared.clone(), store, stopped));
         Ok(OutboxRelay {
             shared,
             stop,
@@ -322,6 +344,7 @@ impl OutboxRelayBuilder {
 const MIN_REPORT_INTERVAL: Duration = Duration::from_millis(10);
 const MAX_REPORT_INTERVAL: Duration = Duration::from_secs(3600);
 
+#[cfg(feature = "postgres-outbox")]
 /// An outbox's report source: its database and schema, hashed (FNV-1a),
 /// and apart from any CDC relay's (whose source hashes a slot first).
 fn source(database: &str, schema: &str) -> u64 {
@@ -329,14 +352,21 @@ fn source(database: &str, schema: &str) -> u64 {
 }
 
 impl OutboxRelay {
-    /// Configures a relay that reads `pool` and publishes through
-    /// `publisher`.
-    pub fn builder(pool: PgPool, publisher: Publisher) -> OutboxRelayBuilder {
+    /// Configures a relay that reads `pool` (a `sqlx::PgPool` or
+    /// `sqlx::MySqlPool`) and publishes through `publisher`.
+    pub fn builder(pool: impl OutboxPool, publisher: Publisher) -> OutboxRelayBuilder {
+        let pool = pool.pool();
+        let poll_interval = match pool {
+            #[cfg(feature = "postgres-outbox")]
+            Pool::Pg(_) => Duration::from_secs(1),
+            #[cfg(feature = "mysql-outbox")]
+            Pool::MySql(_) => Duration::from_millis(100),
+        };
         OutboxRelayBuilder {
             pool,
             publisher,
             outbox: Outbox::new(),
-            poll_interval: Duration::from_secs(1),
+            poll_interval,
             batch_size: 256,
             freshness_interval: Duration::MAX,
             reports_for: Vec::new(),

@@ -6,13 +6,12 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use sqlx::postgres::PgListener;
 use tokio::sync::watch;
-
 use tokio::time::Instant;
 
+use super::database::Pool;
+use super::decode_row;
 use super::relay::{Reports, Shared};
-use super::{db, decode_row};
 use crate::error::{Error, Result};
 use crate::util::{Backoff, lock};
 use crate::wire::{Fence, Watermark};
@@ -39,17 +38,124 @@ enum Pass {
     NotLeader,
 }
 
-pub(super) async fn run(
-    shared: Arc<Shared>,
-    mut listener: PgListener,
-    mut stopped: watch::Receiver<bool>,
-) {
+/// A relay's hold on its database between passes.
+pub(super) enum Store {
+    #[cfg(feature = "postgres-outbox")]
+    Pg(super::pg::Store),
+    #[cfg(feature = "mysql-outbox")]
+    MySql(super::mysql::Store),
+}
+
+/// A pass that leads: it holds the leader lock.
+enum Lease<'a> {
+    #[cfg(feature = "postgres-outbox")]
+    Pg(super::pg::Lease, std::marker::PhantomData<&'a ()>),
+    #[cfg(feature = "mysql-outbox")]
+    MySql(super::mysql::Lease<'a>),
+}
+
+impl Store {
+    pub(super) async fn connect(pool: Pool) -> Result<Self> {
+        Ok(match pool {
+            #[cfg(feature = "postgres-outbox")]
+            Pool::Pg(pool) => Self::Pg(super::pg::Store::connect(pool).await?),
+            #[cfg(feature = "mysql-outbox")]
+            Pool::MySql(pool) => Self::MySql(super::mysql::Store::new(pool)),
+        })
+    }
+
+    async fn lead(&mut self, schema: &str) -> Result<Option<(Lease<'_>, i64)>> {
+        Ok(match self {
+            #[cfg(feature = "postgres-outbox")]
+            Self::Pg(s) => s
+                .lead(schema)
+                .await?
+                .map(|(l, t)| (Lease::Pg(l, std::marker::PhantomData), t)),
+            #[cfg(feature = "mysql-outbox")]
+            Self::MySql(s) => s.lead(schema).await?.map(|(l, t)| (Lease::MySql(l), t)),
+        })
+    }
+
+    async fn waiting(&mut self, schema: &str) -> Result<i64> {
+        match self {
+            #[cfg(feature = "postgres-outbox")]
+            Self::Pg(s) => s.waiting(schema).await,
+            #[cfg(feature = "mysql-outbox")]
+            Self::MySql(s) => s.waiting(schema).await,
+        }
+    }
+
+    /// After a failed pass: whatever the pass held is let go.
+    fn reset(&mut self) {
+        match self {
+            #[cfg(feature = "postgres-outbox")]
+            // The pass's transaction rolled back when it was dropped.
+            Self::Pg(_) => {}
+            #[cfg(feature = "mysql-outbox")]
+            Self::MySql(s) => s.reset(),
+        }
+    }
+
+    /// On shutdown: a standby may take over at once.
+    async fn close(&mut self) {
+        match self {
+            #[cfg(feature = "postgres-outbox")]
+            Self::Pg(_) => {}
+            #[cfg(feature = "mysql-outbox")]
+            Self::MySql(s) => s.close().await,
+        }
+    }
+
+    async fn wait(&mut self, schema: &str, every: Duration) {
+        match self {
+            #[cfg(feature = "postgres-outbox")]
+            Self::Pg(s) => s.wait(schema, every).await,
+            #[cfg(feature = "mysql-outbox")]
+            Self::MySql(s) => {
+                let _ = schema;
+                s.wait(every).await;
+            }
+        }
+    }
+}
+
+impl Lease<'_> {
+    async fn rows(&mut self, schema: &str, limit: i64) -> Result<Vec<(i64, String, Vec<u8>)>> {
+        match self {
+            #[cfg(feature = "postgres-outbox")]
+            Self::Pg(l, _) => l.rows(schema, limit).await,
+            #[cfg(feature = "mysql-outbox")]
+            Self::MySql(l) => l.rows(schema, limit).await,
+        }
+    }
+
+    async fn alive(&mut self, schema: &str) -> sqlx::Result<bool> {
+        match self {
+            #[cfg(feature = "postgres-outbox")]
+            Self::Pg(l, _) => l.alive(schema).await,
+            #[cfg(feature = "mysql-outbox")]
+            Self::MySql(l) => l.alive(schema).await,
+        }
+    }
+
+    async fn finish(self, schema: &str, done: &[i64]) -> Result<()> {
+        match self {
+            #[cfg(feature = "postgres-outbox")]
+            Self::Pg(l, _) => l.finish(schema, done).await,
+            #[cfg(feature = "mysql-outbox")]
+            Self::MySql(l) => l.finish(schema, done).await,
+        }
+    }
+}
+
+pub(super) async fn run(shared: Arc<Shared>, mut store: Store, mut stopped: watch::Receiver<bool>) {
     let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
     loop {
         if *stopped.borrow() {
+            store.close().await;
             return;
         }
-        let pause = match shared.pass().await {
+        let pause = match shared.pass(&mut store).await {
             Ok(Pass::More) => {
                 backoff.reset();
                 continue;
@@ -59,7 +165,10 @@ pub(super) async fn run(
                 if let Some(reports) = &shared.reports {
                     // A shutdown does not wait for a slow broker's answer.
                     tokio::select! {
-                        _ = stopped.changed() => return,
+                        _ = stopped.changed() => {
+                            store.close().await;
+                            return;
+                        }
                         () = report(&shared, reports, began, term) => {}
                     }
                 }
@@ -70,6 +179,7 @@ pub(super) async fn run(
                 None
             }
             Err(e) => {
+                store.reset();
                 shared
                     .counters
                     .publish_failures
@@ -85,8 +195,11 @@ pub(super) async fn run(
             }
         };
         tokio::select! {
-            _ = stopped.changed() => return,
-            () = wait(&shared, &mut listener, pause) => {}
+            _ = stopped.changed() => {
+                store.close().await;
+                return;
+            }
+            () = wait(&shared, &mut store, pause) => {}
         }
     }
 }
@@ -143,7 +256,7 @@ async fn report(shared: &Shared, reports: &Reports, began: Instant, term: u64) {
 
 /// Until a notification for this schema, or the poll interval (or, after a
 /// failure, the backoff) passes.
-async fn wait(shared: &Shared, listener: &mut PgListener, pause: Option<Duration>) {
+async fn wait(shared: &Shared, store: &mut Store, pause: Option<Duration>) {
     if let Some(pause) = pause {
         tokio::time::sleep(pause).await;
         return;
@@ -154,80 +267,46 @@ async fn wait(shared: &Shared, listener: &mut PgListener, pause: Option<Duration
         .reports
         .as_ref()
         .map_or(shared.poll_interval, |r| r.every.min(shared.poll_interval));
-    let deadline = tokio::time::Instant::now()
-        .checked_add(every)
-        .unwrap_or_else(tokio::time::Instant::now);
-    loop {
-        // `recv` reconnects a dropped listener by itself (notifications sent
-        // meanwhile are lost: the poll finds their rows).
-        match tokio::time::timeout_at(deadline, listener.recv()).await {
-            Err(_) => return,
-            Ok(Ok(n)) if n.payload() == shared.outbox.schema() => return,
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => {
-                tracing::debug!(error = %e, "outbox relay: listener error");
-                tokio::time::sleep_until(deadline).await;
-                return;
-            }
-        }
-    }
+    store.wait(shared.outbox.schema(), every).await;
 }
 
 impl Shared {
-    /// One transaction: the leader lock and a fencing term, a batch of due
-    /// rows in id order, each published while the pass is confirmed alive,
+    /// One pass: the leader lock and a fencing term, a batch of due rows
+    /// in id order, each published while the leader is confirmed alive,
     /// and the published ones deleted.
-    async fn pass(&self) -> Result<Pass> {
+    async fn pass(&self, store: &mut Store) -> Result<Pass> {
         let schema = self.outbox.schema();
-        // Before the transaction: every statement's snapshot in it is
-        // taken after this, so a row committed before it is seen.
+        // Before the rows are read: a row committed before it is seen.
         let began = Instant::now();
-        let mut tx = self.pool.begin().await.map_err(db)?;
-        // The term only when the lock was taken (CASE evaluates in order):
-        // a relay that is not the leader draws none.
-        let term: Option<i64> = sqlx::query_scalar(&format!(
-            "SELECT CASE WHEN pg_try_advisory_xact_lock(hashtextextended($1, 0)) \
-             THEN nextval('{schema}.relay_term_seq') END"
-        ))
-        .bind(format!("cache-sync relay\n{schema}"))
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(db)?;
-        let Some(term) = term else {
-            tx.rollback().await.map_err(db)?;
+        let Some((mut lease, term)) = store.lead(schema).await? else {
             return Ok(Pass::NotLeader);
         };
         let fence = Fence {
             scope: self.scope,
             term: term.cast_unsigned(),
         };
-        let rows: Vec<(i64, String, Vec<u8>)> = sqlx::query_as(&format!(
-            "SELECT id, cache, change FROM {schema}.outbox \
-             WHERE not_before IS NULL OR not_before <= clock_timestamp() \
-             ORDER BY id LIMIT $1"
-        ))
-        .bind(self.batch_size)
-        .fetch_all(&mut *tx)
-        .await
-        .map_err(db)?;
+        let rows = lease.rows(schema, self.batch_size).await?;
         let full = i64::try_from(rows.len()).unwrap_or(i64::MAX) >= self.batch_size;
         let mut done = Vec::with_capacity(rows.len());
         let mut failure = None;
         for (id, cache, change) in rows {
-            // The pass is the lock: a session that died since the last
-            // statement took the lock with it, and another relay may be
-            // publishing these rows now. Only a pass the database just
-            // answered for may publish; the fence covers the one publish
-            // that can be in flight when the session dies.
-            let alive = tokio::time::timeout(
-                LEADER_CHECK_TIMEOUT,
-                sqlx::query("SELECT 1").execute(&mut *tx),
-            )
-            .await;
+            // The lock lives with the session: a session that died since
+            // the last statement took the lock with it, and another relay
+            // may be publishing these rows now. Only a leader the database
+            // just answered for may publish; the fence covers the one
+            // publish that can be in flight when the session dies.
+            let alive = tokio::time::timeout(LEADER_CHECK_TIMEOUT, lease.alive(schema)).await;
             match alive {
-                Ok(Ok(_)) => {}
+                Ok(Ok(true)) => {}
+                Ok(Ok(false)) => {
+                    failure = Some(Error::Database(
+                        "the relay's session no longer holds the leader lock; stopped publishing"
+                            .into(),
+                    ));
+                    break;
+                }
                 Ok(Err(e)) => {
-                    failure = Some(db(e));
+                    failure = Some(super::db(e));
                     break;
                 }
                 Err(_) => {
@@ -249,22 +328,12 @@ impl Shared {
                 }
             }
         }
-        if !done.is_empty() {
-            sqlx::query(&format!("DELETE FROM {schema}.outbox WHERE id = ANY($1)"))
-                .bind(&done)
-                .execute(&mut *tx)
-                .await
-                .map_err(db)?;
-        }
-        tx.commit().await.map_err(db)?;
+        lease.finish(schema, &done).await?;
         let published = u64::try_from(done.len()).unwrap_or(u64::MAX);
         self.counters
             .published
             .fetch_add(published, Ordering::Relaxed);
-        let waiting: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {schema}.outbox"))
-            .fetch_one(&self.pool)
-            .await
-            .map_err(db)?;
+        let waiting = store.waiting(schema).await?;
         self.counters
             .waiting
             .store(u64::try_from(waiting).unwrap_or(0), Ordering::Relaxed);

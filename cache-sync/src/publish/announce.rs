@@ -192,7 +192,7 @@ impl PublisherInner {
     }
 }
 
-#[cfg(any(test, feature = "postgres-cdc", feature = "postgres-outbox"))]
+#[cfg(any(test, feature = "postgres-cdc", feature = "_outbox"))]
 impl Publisher {
     /// A CDC relay's report for `cache` (see [`Watermark`]): an
     /// announcement of its last number, sent under the cache's publish

@@ -3,16 +3,16 @@
 //! publisher builds its own in their wire form (`wire::Outgoing`), packed
 //! by the same rule.
 
-#[cfg(feature = "postgres-outbox")]
+#[cfg(feature = "_outbox")]
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-#[cfg(feature = "postgres-outbox")]
+#[cfg(feature = "_outbox")]
 use crate::wire::encode_part;
 use crate::wire::{Change, EntryVersion, KeyVersion, framed_len};
 
 /// Drops `keys`, each at its version if any.
-#[cfg(feature = "postgres-outbox")]
+#[cfg(feature = "_outbox")]
 pub(crate) fn invalidations<K: Serialize>(
     keys: impl IntoIterator<Item = (K, Option<u64>)>,
     budget: usize,
@@ -28,7 +28,7 @@ pub(crate) fn invalidations<K: Serialize>(
 }
 
 /// Installs these entries, each at its version if any.
-#[cfg(feature = "postgres-outbox")]
+#[cfg(feature = "_outbox")]
 pub(crate) fn refreshes<K: Serialize, V: Serialize>(
     entries: impl IntoIterator<Item = (K, V, Option<u64>)>,
     budget: usize,
@@ -47,7 +47,7 @@ pub(crate) fn refreshes<K: Serialize, V: Serialize>(
 /// A table replaced wholesale: a clear at `version` first, so rows the new
 /// table lacks disappear and no older refresh can return, then the rows at
 /// the same version.
-#[cfg(feature = "postgres-outbox")]
+#[cfg(feature = "_outbox")]
 pub(crate) fn replacement<'a, K: Serialize + 'a, V: Serialize + 'a>(
     rows: impl IntoIterator<Item = (&'a K, &'a V)>,
     version: u64,

@@ -268,7 +268,7 @@ mod numbering;
 mod published;
 mod send;
 
-#[cfg(feature = "postgres-outbox")]
+#[cfg(feature = "_outbox")]
 pub(crate) use changes::{invalidations, refreshes, replacement};
 
 use again::AgainQueue;

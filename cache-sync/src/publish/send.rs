@@ -9,7 +9,7 @@ use super::in_flight::{HandedOver, InFlight};
 use super::{Published, Publisher, Sent, SeqState};
 use crate::error::Result;
 use crate::util::now_us;
-#[cfg(feature = "postgres-outbox")]
+#[cfg(feature = "_outbox")]
 use crate::wire::Change;
 use crate::wire::{Fence, Header, HeaderExt, Origin, Outgoing};
 
@@ -21,7 +21,7 @@ impl Publisher {
     }
 
     /// [`send`](Self::send) under an outbox relay's fencing token.
-    #[cfg(feature = "postgres-outbox")]
+    #[cfg(feature = "_outbox")]
     pub(crate) async fn send_fenced(
         &self,
         cache: &str,

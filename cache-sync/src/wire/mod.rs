@@ -40,14 +40,14 @@ mod codec;
 mod keyring;
 mod outgoing;
 mod reader;
-#[cfg(any(test, feature = "postgres-outbox", feature = "_fuzz"))]
+#[cfg(any(test, feature = "_outbox", feature = "_fuzz"))]
 mod row;
 mod view;
 mod writer;
 
 pub(crate) use codec::{Channel, Codec, Refused};
 pub(crate) use outgoing::{Body, Outgoing};
-#[cfg(any(test, feature = "postgres-outbox", feature = "_fuzz"))]
+#[cfg(any(test, feature = "_outbox", feature = "_fuzz"))]
 pub(crate) use row::{decode_row, encode_row};
 
 #[cfg(test)]
@@ -262,7 +262,7 @@ impl Change {
 
     /// What a second, delayed send of this change says: drop what it
     /// changed, at the same versions (see `PublisherBuilder::again_after`).
-    #[cfg(any(test, feature = "postgres-outbox"))]
+    #[cfg(any(test, feature = "_outbox"))]
     pub(crate) fn into_invalidation(self) -> Change {
         match self {
             Change::Refresh { entries } => Change::Invalidate {
