@@ -373,6 +373,7 @@
 //! | `postgres-cdc` | not a transport: invalidation from PostgreSQL's own log (`CdcRelay`, `CdcTable`): every committed row change of the mapped tables, whoever wrote it, read from logical replication (`pgoutput`, through `pgwire-replication`) and published at its commit LSN as a refresh, an invalidation or a clear; at least once, one active relay per slot with standbys, a lost slot resynced |
 //! | `mysql-cdc` | not a transport: invalidation from MySQL's or MariaDB's row binlog (`BinlogRelay`, with the same `CdcTable` mappings), read over the replication protocol through `mysql_async` and published at the binlog position's version; at least once, one active relay per name with standbys, a purged position resynced |
 //! | `postgres` | not a transport: the transactional outbox on PostgreSQL 14+ (`Outbox`, `OutboxDictionary`, `OutboxRelay`, through `sqlx` 0.8): change events written in the caller's own transaction and published, in commit order per cache, once it commits, so a crash or a broker outage between commit and publish loses nothing; several relays may run, one publishes at a time, and nodes fence a relay replaced while it published, so its late events never land over its successor's |
+//! | `mysql-outbox` | not a transport: the same transactional outbox on MariaDB (tested on 10.11) or MySQL 8 (untested) (on a `sqlx::MySqlPool`), with the same guarantees; its relay polls (MySQL has no `NOTIFY`) |
 //!
 //! The crate builds on its declared `rust-version` (1.89) with every feature
 //! but `rocketmq`: the RocketMQ client 1.0 needs Rust 1.95.

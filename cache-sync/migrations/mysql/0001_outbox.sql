@@ -1,4 +1,4 @@
--- cache-sync's transactional outbox on MySQL 8 or MariaDB 10.6 and later
+-- cache-sync's transactional outbox on MariaDB (tested on 10.11) or MySQL 8
 -- (feature `mysql-outbox`), in the database `cache_sync`. `Outbox::migrate`
 -- runs exactly these statements (with the schema it was built with), one
 -- at a time, under GET_LOCK; use this file instead when your own migration

@@ -29,7 +29,7 @@ impl Outbox {
     ///   sequences, tables and trigger of `migrations/0001_outbox.sql` and
     ///   `0002_relay_fence.sql`, in this outbox's schema, in one
     ///   transaction under an advisory lock.
-    /// - On MySQL 8 or MariaDB 10.6 and later (`sqlx::MySqlPool`): the
+    /// - On MariaDB (tested on 10.11) or MySQL 8 (`sqlx::MySqlPool`): the
     ///   database named by the schema, and the tables of
     ///   `migrations/mysql/0001_outbox.sql`, statement by statement (MySQL
     ///   commits each DDL statement on its own) under `GET_LOCK`. It needs
