@@ -625,3 +625,169 @@ async fn a_write_storm_with_the_relays_connections_killed_ends_equal_to_the_tabl
     relay.shutdown().await;
     f.shutdown().await;
 }
+
+/// The size of the binlog `file`, as `SHOW BINARY LOGS` says.
+fn binlog_size(f: &Fixture, file: &str) -> u64 {
+    f.db.sql("SHOW BINARY LOGS")
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            let mut cols = l.split('\t');
+            (cols.next() == Some(file)).then(|| cols.next().unwrap().parse().unwrap())
+        })
+        .unwrap_or(0)
+}
+
+/// `RESET MASTER` while the relay is down, then enough writes that the new
+/// first binlog reaches past the saved offset: the saved position names a
+/// file and an offset the server has again, in another binlog. Resuming
+/// there would skip what the new binlog held before it; it is a loss, and
+/// a resync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reset_master_while_down_is_a_resync_even_where_the_new_binlog_reaches_the_offset() {
+    let f = fixture(2).await;
+    let relay = f.relay().start().await.unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    f.sql(&insert(0..20, "a"));
+    eventually("rows arrive", async || f.hold(&named(0..20, "a")).await).await;
+    relay.shutdown().await;
+    let saved = binlog_size(&f, "binlog.000001");
+    f.sql("RESET MASTER");
+    let mut round = 0;
+    while binlog_size(&f, "binlog.000001") <= saved + 1000 {
+        round += 1;
+        f.sql(&format!(
+            "UPDATE items SET name = CONCAT('reset{round}-', id) WHERE id < 20"
+        ));
+    }
+    let relay = f.relay().start().await.unwrap();
+    eventually("the reset is a resync", async || relay.stats().resyncs >= 1).await;
+    eventually("no node holds a row the reset hid", async || {
+        f.stale().is_none()
+    })
+    .await;
+    f.flows("after").await;
+    relay.shutdown().await;
+    f.shutdown().await;
+}
+
+/// `RESET MASTER` while the relay streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reset_master_while_streaming_is_a_resync() {
+    let f = fixture(2).await;
+    let relay = f.relay().start().await.unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    f.sql(&insert(0..20, "a"));
+    eventually("rows arrive", async || f.hold(&named(0..20, "a")).await).await;
+    f.sql("RESET MASTER");
+    for round in 0..20 {
+        f.sql(&format!(
+            "UPDATE items SET name = CONCAT('reset{round}-', id) WHERE id < 20"
+        ));
+    }
+    eventually("no node holds a row the reset hid", async || {
+        f.stale().is_none()
+    })
+    .await;
+    f.flows("after").await;
+    relay.shutdown().await;
+    f.shutdown().await;
+}
+
+/// The relays' table emptied, or dropped, under a streaming relay: the
+/// relay writes its row again from what it holds (emptied), or starts over
+/// with a resync (dropped: its session ends on the missing table). Either
+/// way nothing is stale, and rows flow after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relays_table_emptied_or_dropped_leaves_nothing_stale() {
+    let f = fixture(2).await;
+    let relay = f.relay().start().await.unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    f.sql(&insert(0..20, "a"));
+    eventually("rows arrive", async || f.hold(&named(0..20, "a")).await).await;
+    f.sql("DELETE FROM cache_sync_binlog_relays");
+    f.sql("UPDATE items SET name = CONCAT('emptied', id) WHERE id < 10");
+    f.flows("after-emptied").await;
+    assert_eq!(relay.stats().resyncs, 1, "{:?}", relay.stats());
+    f.sql("DROP TABLE cache_sync_binlog_relays");
+    f.sql("UPDATE items SET name = CONCAT('dropped', id) WHERE id < 10");
+    eventually("the drop is a resync", async || relay.stats().resyncs == 2).await;
+    eventually("nothing stale", async || f.stale().is_none()).await;
+    f.flows("after-dropped").await;
+    relay.shutdown().await;
+    f.shutdown().await;
+}
+
+/// `binlog_format` set to STATEMENT, and `binlog_row_metadata` to MINIMAL,
+/// while the relay streams: writers' new sessions log what the relay cannot
+/// read row by row. Nothing stale either way, and rows flow once the
+/// settings are back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binlog_settings_changed_under_a_streaming_relay_leave_nothing_stale() {
+    let f = fixture(2).await;
+    let relay = f.relay().start().await.unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    f.sql(&insert(0..20, "a"));
+    eventually("rows arrive", async || f.hold(&named(0..20, "a")).await).await;
+    for (i, (set, reset)) in [
+        (
+            "SET GLOBAL binlog_format = 'STATEMENT'",
+            "SET GLOBAL binlog_format = 'ROW'",
+        ),
+        (
+            "SET GLOBAL binlog_format = 'MIXED'",
+            "SET GLOBAL binlog_format = 'ROW'",
+        ),
+        (
+            "SET GLOBAL binlog_row_metadata = 'MINIMAL'",
+            "SET GLOBAL binlog_row_metadata = 'FULL'",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        f.sql(set);
+        // A new session (the harness's client) takes the global setting.
+        f.sql("UPDATE items SET name = CONCAT('changed', id) WHERE id < 10");
+        eventually(set, async || f.stale().is_none()).await;
+        f.sql(reset);
+        f.flows(&format!("after{i}-")).await;
+    }
+    relay.shutdown().await;
+    f.shutdown().await;
+}
+
+/// A resync whose clear fails to publish (the broker refuses it) is sent
+/// again by the next session: the new position is saved only after the
+/// clear went out, so the next session finds the lost one again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resync_whose_clear_fails_to_publish_is_sent_again() {
+    let f = fixture(2).await;
+    let relay = f.relay().start().await.unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    f.sql(&insert(0..20, "a"));
+    eventually("rows arrive", async || f.hold(&named(0..20, "a")).await).await;
+    relay.shutdown().await;
+    f.sql("UPDATE items SET name = CONCAT('lost', id) WHERE id < 10");
+    f.db.purge_binlogs();
+    let faulty = cache_sync::transport::FaultyTransport::new(f.transport.clone());
+    faulty.fail_publishes(1);
+    let relay = BinlogRelay::builder(f.url(), Publisher::new(faulty.clone()))
+        .standby_retry(Duration::from_millis(10))
+        .table(CdcTable::new(ITEMS, "items", |row| row.parse("id")).value(|row| row.parse("name")))
+        .start()
+        .await
+        .unwrap();
+    eventually("the clear goes out at last", async || {
+        relay.stats().resyncs >= 1
+    })
+    .await;
+    eventually("no node holds a row the purge hid", async || {
+        f.stale().is_none()
+    })
+    .await;
+    assert!(relay.stats().failures >= 1, "{:?}", relay.stats());
+    f.flows("after").await;
+    relay.shutdown().await;
+    f.shutdown().await;
+}

@@ -62,17 +62,31 @@ const FL_STANDALONE: u8 = 1;
 enum Ended {
     Standby,
     Stopped,
+    /// The server cannot read the binlog at the position asked for (ERROR
+    /// 1236): it is not an event's start in the file of that name (the
+    /// binlogs were reset, and the new file reached past the old offset),
+    /// or the file is damaged there. Asking again gets the same answer for
+    /// ever, so the position is treated as lost: the next session resyncs
+    /// at the binlog's end.
+    Unreadable(crate::error::Error),
 }
+
+/// The server's error for a binlog it cannot read at the position a
+/// replica asked for (`ER_MASTER_FATAL_ERROR_READING_BINLOG`).
+const ER_FATAL_READING_BINLOG: u16 = 1236;
 
 pub(super) async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
     let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
     let mut standby = false;
+    // Set when the server could not read the saved position; cleared once
+    // a session has resynced and saved a new one.
+    let mut lost = false;
     loop {
         if *stop.borrow() {
             break;
         }
         let ended = tokio::select! {
-            ended = session(&inner, standby, stop.clone()) => ended,
+            ended = session(&inner, standby, &mut lost, stop.clone()) => ended,
             _ = stop.changed() => break,
         };
         inner.shared.active.store(false, Ordering::Relaxed);
@@ -86,6 +100,14 @@ pub(super) async fn run(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
                 inner.standby_retry
             }
             Ok(Ended::Stopped) => break,
+            Ok(Ended::Unreadable(e)) => {
+                standby = false;
+                lost = true;
+                inner.shared.failures.fetch_add(1, Ordering::Relaxed);
+                let wait = backoff.fail();
+                tracing::error!(relay = %inner.shared.slot, error = %e, retry_in = ?wait, "binlog relay: the server cannot read the binlog at the saved position (binlogs reset, or damaged there); changes may be lost: resyncing at the binlog's end");
+                wait
+            }
             Err(e) => {
                 standby = false;
                 inner.shared.failures.fetch_add(1, Ordering::Relaxed);
@@ -107,7 +129,12 @@ async fn timed<T>(what: &str, f: impl std::future::Future<Output = Result<T>>) -
         .map_err(|_| db(format!("{what} timed out")))?
 }
 
-async fn session(inner: &Inner, was_standby: bool, stop: watch::Receiver<bool>) -> Result<Ended> {
+async fn session(
+    inner: &Inner,
+    was_standby: bool,
+    lost: &mut bool,
+    stop: watch::Receiver<bool>,
+) -> Result<Ended> {
     let name = inner.shared.slot.as_str();
     let lock = state::lock_name(name);
     let mut conn = timed("connecting", async {
@@ -128,8 +155,10 @@ async fn session(inner: &Inner, was_standby: bool, stop: watch::Receiver<bool>) 
         pos: size,
     };
     let saved = timed("reading the saved position", state::load(&mut conn, name)).await?;
+    let previous = saved.clone();
     let kept = saved.as_ref().filter(|s| {
-        s.server_id == server_id
+        !*lost
+            && s.server_id == server_id
             && s.at.raw().is_some()
             && logs
                 .iter()
@@ -198,16 +227,33 @@ async fn session(inner: &Inner, was_standby: bool, stop: watch::Receiver<bool>) 
         for t in &inner.tables {
             stream.batch.clear(&t.cache, version);
         }
-        // Saved first: the position and the version base the resync
-        // stands on outlive this session.
         saved.high = version;
+        // The version base and `high` the resync stands on are saved
+        // before its clear is published, and the new position only after:
+        // a relay that dies in between finds the old, lost position again
+        // (with the raised base) and resyncs again, rather than starting
+        // at the new one with the clear never sent.
+        if let Some(old) = &previous {
+            let first = Saved {
+                server_id: old.server_id,
+                at: old.at.clone(),
+                base: saved.base,
+                high: version,
+            };
+            timed(
+                "saving the resync's versions",
+                state::save(&mut stream.conn, name, &stream.lock, &first),
+            )
+            .await?;
+        }
+        stream.publish().await?;
         timed(
             "saving the position",
             state::save(&mut stream.conn, name, &stream.lock, &saved),
         )
         .await?;
         stream.saved = saved;
-        stream.publish().await?;
+        *lost = false;
         inner.shared.resyncs.fetch_add(1, Ordering::Relaxed);
     }
     inner.shared.confirmed.store(
@@ -317,6 +363,13 @@ impl Stream<'_> {
             let event = match event {
                 Err(_) => return Err(db(format!("no binlog event or heartbeat for {SILENCE:?}"))),
                 Ok(None) => return Err(db("the server ended the binlog stream")),
+                Ok(Some(Err(mysql_async::Error::Server(e))))
+                    if e.code == ER_FATAL_READING_BINLOG =>
+                {
+                    return Ok(Ended::Unreadable(db(format!(
+                        "the binlog stream failed: {e}"
+                    ))));
+                }
                 Ok(Some(Err(e))) => return Err(db(format!("the binlog stream failed: {e}"))),
                 Ok(Some(Ok(event))) => event,
             };
