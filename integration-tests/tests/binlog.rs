@@ -791,3 +791,42 @@ async fn a_resync_whose_clear_fails_to_publish_is_sent_again() {
     relay.shutdown().await;
     f.shutdown().await;
 }
+
+/// While a publish does not return, the relay's lag in seconds grows (by
+/// the server's clock as last read, carried forward by the time passed
+/// here, since nothing more is read meanwhile), and its lag in bytes shows
+/// what it has not confirmed; once the publish returns, both fall back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lag_grows_while_a_publish_hangs_and_falls_after() {
+    let f = fixture(1).await;
+    let faulty = cache_sync::transport::FaultyTransport::new(f.transport.clone());
+    let relay = BinlogRelay::builder(f.url(), Publisher::new(faulty.clone()))
+        .table(CdcTable::new(ITEMS, "items", |row| row.parse("id")).value(|row| row.parse("name")))
+        .start()
+        .await
+        .unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    f.sql(&insert(0..5, "a"));
+    eventually("rows arrive", async || f.hold(&named(0..5, "a")).await).await;
+    assert!(relay.stats().lag_seconds < 1.0, "{:?}", relay.stats());
+    faulty.hang_publishes(true);
+    f.sql("UPDATE items SET name = 'held' WHERE id = 1");
+    eventually("the publish hangs", async || faulty.hanging() >= 1).await;
+    eventually("the lag in seconds grows past 2 s", async || {
+        relay.stats().lag_seconds >= 2.0
+    })
+    .await;
+    eventually("the lag in bytes shows the held change", async || {
+        relay.stats().lag_bytes.is_some_and(|b| b > 0)
+    })
+    .await;
+    faulty.hang_publishes(false);
+    eventually("the lag falls back", async || {
+        let s = relay.stats();
+        s.lag_seconds == 0.0 && s.lag_bytes == Some(0)
+    })
+    .await;
+    f.flows("after").await;
+    relay.shutdown().await;
+    f.shutdown().await;
+}

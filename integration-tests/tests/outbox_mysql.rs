@@ -508,3 +508,55 @@ async fn refusals_and_versions() {
     );
     tx.rollback().await.unwrap();
 }
+
+/// Operator actions on the outbox's tables under a running relay: the
+/// outbox table dropped (every pass fails, counted, until `migrate` makes
+/// it again; nothing committed after is lost), and the relay's row deleted
+/// (the leader keeps the term it drew; a relay that must draw a new one
+/// refuses, naming the fix, until `migrate` writes the row again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tables_dropped_or_emptied_under_a_relay_fail_loudly_and_recover() {
+    let db = db().await;
+    let transport = recorder();
+    let relay = db.relay(Publisher::new(transport.clone())).await;
+    db.enqueue("t", "k", 1).await;
+    eventually("published", async || events(&transport).len() == 1).await;
+
+    db.server.sql("DROP TABLE cache_sync.outbox").unwrap();
+    let failures = relay.stats().publish_failures;
+    eventually("the relay's passes fail", async || {
+        relay.stats().publish_failures > failures
+    })
+    .await;
+    db.outbox().migrate(&db.pool).await.unwrap();
+    db.enqueue("t", "k", 2).await;
+    eventually("published after migrate", async || {
+        events(&transport).len() == 2
+    })
+    .await;
+
+    // The leader holds its lock and its term: it goes on.
+    db.server.sql("DELETE FROM cache_sync.relay").unwrap();
+    db.enqueue("t", "k", 3).await;
+    eventually("the leader goes on", async || events(&transport).len() == 3).await;
+    // A relay that must take the lock again draws a term from the row.
+    relay.shutdown().await;
+    let err = OutboxRelay::builder(db.pool.clone(), Publisher::new(transport.clone()))
+        .outbox(db.outbox())
+        .start()
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("Outbox::migrate"), "{err}");
+    db.outbox().migrate(&db.pool).await.unwrap();
+    let relay = db.relay(Publisher::new(transport.clone())).await;
+    db.enqueue("t", "k", 4).await;
+    eventually("published after the row is back", async || {
+        events(&transport).len() == 4
+    })
+    .await;
+    assert_eq!(
+        first_arrivals(&events(&transport)).remove("t").unwrap(),
+        vec![1, 2, 3, 4]
+    );
+    relay.shutdown().await;
+}

@@ -61,7 +61,66 @@ pub(super) struct Shared {
     pub(super) lag_bytes: AtomicU64,
     /// Microseconds since 2000-01-01 on the server's clock; 0: none.
     pub(super) oldest_pending_commit: AtomicI64,
-    pub(super) server_time: AtomicI64,
+    pub(super) server_time: ServerClock,
+}
+
+/// The server's clock as last seen (on the server's own scale, like the
+/// commit times it is compared with), and when, on this process's
+/// monotonic clock: between readings it is carried forward by the time
+/// that passed here. So the lag in seconds grows while the relay is stuck
+/// (a publish that does not return, a stream that stalls), even when
+/// nothing more arrives to read the server's time from. No clock of one
+/// machine is compared with another's: only time elapsed here is added.
+#[derive(Debug, Default)]
+pub(super) struct ServerClock {
+    micros: AtomicI64,
+    /// When `micros` was last raised: microseconds since [`anchor`].
+    seen: AtomicI64,
+}
+
+/// The process's reference point for [`ServerClock::seen`].
+fn anchor() -> std::time::Instant {
+    static ANCHOR: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    *ANCHOR.get_or_init(std::time::Instant::now)
+}
+
+fn local_micros() -> i64 {
+    i64::try_from(anchor().elapsed().as_micros()).unwrap_or(i64::MAX)
+}
+
+impl ServerClock {
+    /// The server said its time is `micros`.
+    pub(super) fn store(&self, micros: i64, order: Ordering) {
+        self.micros.store(micros, order);
+        self.seen.store(local_micros(), order);
+    }
+
+    /// As [`store`](Self::store), unless an earlier reading was later.
+    pub(super) fn fetch_max(&self, micros: i64, order: Ordering) -> i64 {
+        let before = self.micros.fetch_max(micros, order);
+        if micros >= before {
+            self.seen.store(local_micros(), order);
+        }
+        before
+    }
+
+    /// The last reading, as the server gave it.
+    pub(super) fn load(&self, order: Ordering) -> i64 {
+        self.micros.load(order)
+    }
+
+    /// The server's time now, by the last reading and the time passed here
+    /// since; 0 before the first reading.
+    fn now(&self) -> i64 {
+        let micros = self.micros.load(Ordering::Relaxed);
+        if micros == 0 {
+            return 0;
+        }
+        let since = local_micros()
+            .saturating_sub(self.seen.load(Ordering::Relaxed))
+            .max(0);
+        micros.saturating_add(since)
+    }
 }
 
 impl Shared {
@@ -70,7 +129,7 @@ impl Shared {
         let s = self;
         let lag_bytes = s.lag_bytes.load(Ordering::Relaxed);
         let oldest = s.oldest_pending_commit.load(Ordering::Relaxed);
-        let now = s.server_time.load(Ordering::Relaxed);
+        let now = s.server_time.now();
         let lag_micros = if oldest == 0 {
             0
         } else {

@@ -296,7 +296,7 @@ impl BinlogRelayBuilder {
             confirmed: AtomicU64::new(0),
             lag_bytes: AtomicU64::new(u64::MAX),
             oldest_pending_commit: AtomicI64::new(0),
-            server_time: AtomicI64::new(0),
+            server_time: crate::cdc::stats::ServerClock::default(),
         });
         let inner = Arc::new(Inner {
             shared: Arc::clone(&shared),
