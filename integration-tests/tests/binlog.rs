@@ -830,3 +830,49 @@ async fn the_lag_grows_while_a_publish_hangs_and_falls_after() {
     relay.shutdown().await;
     f.shutdown().await;
 }
+
+/// MariaDB writes an `XA PREPARE`d transaction's rows into the binlog at
+/// prepare time, and its `XA COMMIT` or `XA ROLLBACK` later, as a statement
+/// of its own. Rows that were only prepared must never reach a node as a
+/// value (a rollback would leave it there), and once committed, nodes must
+/// not keep what they held before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn xa_transactions_publish_only_what_commits() {
+    let f = fixture(2).await;
+    let relay = f.relay().start().await.unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    f.sql(&insert(0..5, "a"));
+    eventually("rows arrive", async || f.hold(&named(0..5, "a")).await).await;
+    // Prepared, then rolled back: the value must never be seen.
+    f.sql(
+        "XA START 'x1'; UPDATE items SET name = 'prepared' WHERE id = 1; \
+         XA END 'x1'; XA PREPARE 'x1'",
+    );
+    f.sql("UPDATE items SET name = 'later' WHERE id = 2");
+    eventually("a later change arrives", async || {
+        f.caches[0].peek(&2).await.as_deref() == Some("later")
+    })
+    .await;
+    for c in &f.caches {
+        assert_ne!(c.peek(&1).await.as_deref(), Some("prepared"));
+    }
+    f.sql("XA ROLLBACK 'x1'");
+    // Prepared, then committed in another session: nothing stale after.
+    f.sql(
+        "XA START 'x2'; UPDATE items SET name = 'two-phase' WHERE id = 3; \
+         XA END 'x2'; XA PREPARE 'x2'",
+    );
+    f.sql("XA COMMIT 'x2'");
+    // One phase: an ordinary commit.
+    f.sql(
+        "XA START 'x3'; UPDATE items SET name = 'one-phase' WHERE id = 4; \
+         XA END 'x3'; XA COMMIT 'x3' ONE PHASE",
+    );
+    eventually("nothing stale", async || f.stale().is_none()).await;
+    for c in &f.caches {
+        assert_ne!(c.peek(&1).await.as_deref(), Some("prepared"));
+    }
+    f.flows("after").await;
+    relay.shutdown().await;
+    f.shutdown().await;
+}

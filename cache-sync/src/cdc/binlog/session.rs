@@ -53,6 +53,9 @@ const ROWS: [u8; 6] = [23, 24, 25, 30, 31, 32];
 /// MySQL's partial JSON update: names a path, not the row.
 const PARTIAL_UPDATE_ROWS: u8 = 39;
 const MARIADB_GTID: u8 = 162;
+/// Ends the group of an `XA PREPARE`d transaction (MySQL and MariaDB):
+/// its rows are in the binlog, and it may still roll back.
+const XA_PREPARE: u8 = 38;
 /// MariaDB's compressed query and row events: not decoded here.
 const MARIADB_COMPRESSED: std::ops::RangeInclusive<u8> = 165..=171;
 /// The GTID event's flag: a statement committed on its own (DDL), no XID
@@ -493,6 +496,29 @@ impl Stream<'_> {
                     self.commit();
                     return Ok(true);
                 }
+                // The end of a prepared XA transaction, in a group of its
+                // own. Its rows were dropped at prepare (see XA_PREPARE):
+                // a commit clears every mapped cache, as the relay no
+                // longer knows the keys; a rollback leaves nothing to do.
+                let xa = |verb: &str| {
+                    head.get(..verb.len())
+                        .is_some_and(|h| h.eq_ignore_ascii_case(verb))
+                };
+                if xa("XA COMMIT") || xa("XA ROLLBACK") {
+                    if self.txn.is_none() {
+                        start(self)?;
+                    }
+                    if xa("XA COMMIT") {
+                        self.own_only = false;
+                        let version = self.version();
+                        tracing::info!(relay = %self.inner.shared.slot, version, "binlog relay: a prepared XA transaction committed; clearing every mapped cache");
+                        for t in &self.inner.tables {
+                            self.open.clear(&t.cache, version);
+                        }
+                    }
+                    self.commit();
+                    return Ok(true);
+                }
                 if head.eq_ignore_ascii_case("ROLLBACK") {
                     // A non-transactional table's changes stay: they were
                     // logged as rows before it, and are published.
@@ -507,6 +533,16 @@ impl Stream<'_> {
                 Ok(self.end_if_standalone())
             }
             XID => {
+                self.commit();
+                Ok(true)
+            }
+            XA_PREPARE => {
+                // Prepared, not committed: a node must never see its rows
+                // (an XA ROLLBACK may follow), and readers of the database
+                // do not see them either until XA COMMIT, whose clear
+                // covers them. The group ends here.
+                self.open = Batch::default();
+                self.own_only = false;
                 self.commit();
                 Ok(true)
             }
