@@ -6,6 +6,7 @@
 //! ```text
 //! cargo bench -p integration-tests --bench binlog_latency -- --bench
 //! cargo bench -p integration-tests --bench binlog_latency -- --bench --quick   # 300 samples a path
+//! cargo bench -p integration-tests --bench binlog_latency -- --bench --no-fsync  # innodb_flush_log_at_trx_commit = 2
 //! ```
 //!
 //! Without `--bench` (as under `cargo test --all-targets`) it runs a tiny
@@ -41,6 +42,10 @@
 //!   first, so they share the same moments of a noisy machine. The rows
 //!   updated cycle through 100 ids of each table. The first updates of each
 //!   path are warm-up, not recorded.
+//! - `--no-fsync` sets the server's `innodb_flush_log_at_trx_commit` to 2
+//!   (the redo log written at each commit, flushed to disk once a second):
+//!   the same run without a disk flush in each commit, the writer's or the
+//!   relay's own position write.
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
 
 // Shared with the propagation benches; this one uses the runtime and
@@ -198,6 +203,7 @@ impl Writer {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
+    let no_fsync = args.iter().any(|a| a == "--no-fsync");
     common::main(move |full, workers| async move {
         let started = Instant::now();
         let s = match (full, quick) {
@@ -232,6 +238,10 @@ fn main() {
             m = KEYS - 1
         ))
         .unwrap();
+        if no_fsync {
+            db.sql("SET GLOBAL innodb_flush_log_at_trx_commit = 2")
+                .unwrap();
+        }
         let version = db.sql("SELECT VERSION()").unwrap();
         let settings = db
             .sql(
