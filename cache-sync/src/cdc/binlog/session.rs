@@ -44,6 +44,9 @@ const BINLOG_BATCH_BYTES: usize = 32 << 20;
 /// Nor is a batch held longer than this while other tables' changes keep
 /// the stream busy.
 const BINLOG_BATCH_AGE: Duration = Duration::from_millis(50);
+/// Events handled in a row while they are ready, between two looks at a
+/// stop, the upkeep and a landed flight.
+const READY_EVENTS: u32 = 256;
 
 // Event types (MySQL's and MariaDB's `Log_event_type`).
 const QUERY: u8 = 2;
@@ -384,23 +387,48 @@ impl<'a> Stream<'a> {
                     return Ok(Ended::Stopped);
                 }
             };
-            let event = match event {
+            let mut ready = match event {
                 Err(_) => return Err(db(format!("no binlog event or heartbeat for {SILENCE:?}"))),
-                Ok(None) => return Err(db("the server ended the binlog stream")),
-                Ok(Some(Err(e))) => return Err(db(format!("the binlog stream failed: {e}"))),
-                Ok(Some(Ok(event))) => event,
+                Ok(next) => next,
             };
-            let committed = self.event(binlog.get_ref(), &event)?;
-            if committed && !self.batch.is_empty() {
-                self.batch_since
-                    .get_or_insert_with(tokio::time::Instant::now);
-                if self.full() {
-                    // No more is read until the flight lands: the relay
-                    // holds at most two batches.
+            // Events already here are handled without going back to the
+            // select (its timers and wakers cost more than a small event):
+            // at most `READY_EVENTS` before a stop, the upkeep or a landed
+            // flight is looked at again.
+            let mut budget = READY_EVENTS;
+            loop {
+                let event = match ready {
+                    None => return Err(db("the server ended the binlog stream")),
+                    Some(Err(e)) => return Err(db(format!("the binlog stream failed: {e}"))),
+                    Some(Ok(event)) => event,
+                };
+                let committed = self.event(binlog.get_ref(), &event)?;
+                if committed && !self.batch.is_empty() {
+                    self.batch_since
+                        .get_or_insert_with(tokio::time::Instant::now);
+                    if self.full() {
+                        // No more is read until the flight lands: the
+                        // relay holds at most two batches.
+                        self.land().await?;
+                        self.hand_over();
+                    } else {
+                        self.hand_over_if_ready(&mut binlog);
+                    }
+                }
+                // A flight that landed meanwhile frees the publisher for the
+                // batch gathered since: handed over now, not after the
+                // budget.
+                if self.flight.as_ref().is_some_and(|f| f.task.is_finished()) {
                     self.land().await?;
-                    self.hand_over();
-                } else {
                     self.hand_over_if_ready(&mut binlog);
+                }
+                budget = budget.saturating_sub(1);
+                if budget == 0 {
+                    break;
+                }
+                match binlog.next().now_or_never() {
+                    Some(next) => ready = next,
+                    None => break,
                 }
             }
         }
