@@ -126,6 +126,12 @@ async fn session(
     if !timed("taking the lock", state::take_lock(&mut conn, &lock)).await? {
         return Ok(Ended::Standby);
     }
+    // The binlog's connection is opened and set up meanwhile: it needs
+    // nothing the checks below find until the binlog is asked for, and the
+    // round trips of both connections no longer add up before streaming
+    // starts. Aborted (and the connection closed) if the session ends
+    // before.
+    let dump = Setup(tokio::spawn(dump_connection(inner.opts.clone())));
     let server_id = timed("checking the server", state::check_server(&mut conn)).await?;
     timed("creating the relays' table", state::create_table(&mut conn)).await?;
     let logs = timed("listing binlogs", state::binlogs(&mut conn)).await?;
@@ -228,23 +234,7 @@ async fn session(
         Ordering::Relaxed,
     );
     tracing::info!(relay = %name, at = ?stream.at, "binlog relay: streaming");
-    let mut dump = timed("connecting", async {
-        Conn::new(inner.opts.clone()).await.map_err(db)
-    })
-    .await?;
-    // GTID events, not the BEGIN queries MariaDB makes up for old replicas.
-    timed("setting up the dump", async {
-        dump.query_drop("SET @mariadb_slave_capability = 4")
-            .await
-            .map_err(db)?;
-        dump.query_drop(format!(
-            "SET @master_heartbeat_period = {}",
-            HEARTBEAT.as_nanos()
-        ))
-        .await
-        .map_err(db)
-    })
-    .await?;
+    let dump = dump.finish().await?;
     let file = stream.at.file.clone();
     let request = BinlogStreamRequest::new(inner.server_id)
         .with_filename(file.as_bytes())
@@ -263,6 +253,42 @@ struct Mapped {
     shape: Arc<Shape>,
     maps: Arc<[usize]>,
     raw: Arc<[u8]>,
+}
+
+/// The binlog's connection, set up for the dump.
+async fn dump_connection(opts: mysql_async::Opts) -> Result<Conn> {
+    let mut dump = timed("connecting", async { Conn::new(opts).await.map_err(db) }).await?;
+    // GTID events, not the BEGIN queries MariaDB makes up for old replicas.
+    timed("setting up the dump", async {
+        dump.query_drop("SET @mariadb_slave_capability = 4")
+            .await
+            .map_err(db)?;
+        dump.query_drop(format!(
+            "SET @master_heartbeat_period = {}",
+            HEARTBEAT.as_nanos()
+        ))
+        .await
+        .map_err(db)
+    })
+    .await?;
+    Ok(dump)
+}
+
+/// The binlog connection's setup under way, aborted when dropped.
+struct Setup(tokio::task::JoinHandle<Result<Conn>>);
+
+impl Setup {
+    async fn finish(mut self) -> Result<Conn> {
+        (&mut self.0)
+            .await
+            .map_err(|e| db(format!("setting up the binlog connection ended: {e}")))?
+    }
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// The open transaction.
