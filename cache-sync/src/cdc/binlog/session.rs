@@ -23,6 +23,8 @@ use super::shape::{Cell, Shape};
 use super::state::{self, Position, Saved, db};
 use crate::error::Result;
 use crate::util::Backoff;
+use crate::wire::Change;
+use mysql_common::io::ParseBuf;
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -42,6 +44,9 @@ const BINLOG_BATCH_BYTES: usize = 32 << 20;
 /// Nor is a batch held longer than this while other tables' changes keep
 /// the stream busy.
 const BINLOG_BATCH_AGE: Duration = Duration::from_millis(50);
+/// Events handled in a row while they are ready, between two looks at a
+/// stop, the upkeep and a landed flight.
+const READY_EVENTS: u32 = 256;
 
 // Event types (MySQL's and MariaDB's `Log_event_type`).
 const QUERY: u8 = 2;
@@ -133,7 +138,7 @@ async fn timed<T>(what: &str, f: impl std::future::Future<Output = Result<T>>) -
 }
 
 async fn session(
-    inner: &Inner,
+    inner: &Arc<Inner>,
     was_standby: bool,
     lost: &mut bool,
     stop: watch::Receiver<bool>,
@@ -147,6 +152,12 @@ async fn session(
     if !timed("taking the lock", state::take_lock(&mut conn, &lock)).await? {
         return Ok(Ended::Standby);
     }
+    // The binlog's connection is opened and set up meanwhile: it needs
+    // nothing the checks below find until the binlog is asked for, and the
+    // round trips of both connections no longer add up before streaming
+    // starts. Aborted (and the connection closed) if the session ends
+    // before.
+    let dump = Setup(tokio::spawn(dump_connection(inner.opts.clone())));
     let server_id = timed("checking the server", state::check_server(&mut conn)).await?;
     timed("creating the relays' table", state::create_table(&mut conn)).await?;
     let logs = timed("listing binlogs", state::binlogs(&mut conn)).await?;
@@ -209,7 +220,8 @@ async fn session(
     }
     let mut stream = Stream {
         inner,
-        conn,
+        owner: Arc::clone(inner),
+        conn: Some(conn),
         lock,
         saved: saved.clone(),
         confirmed: saved.at.clone(),
@@ -225,12 +237,15 @@ async fn session(
         described: false,
         oldest: 0,
         batch_since: None,
+        flight: None,
+        images: Default::default(),
     };
     if let Some(version) = resync {
         for t in &inner.tables {
             stream.batch.clear(&t.cache, version);
         }
         saved.high = version;
+        let lock = stream.lock.clone();
         // The version base and `high` the resync stands on are saved
         // before its clear is published, and the new position only after:
         // a relay that dies in between finds the old, lost position again
@@ -245,14 +260,14 @@ async fn session(
             };
             timed(
                 "saving the resync's versions",
-                state::save(&mut stream.conn, name, &stream.lock, &first),
+                state::save(stream.conn()?, name, &lock, &first),
             )
             .await?;
         }
-        stream.publish().await?;
+        publish(inner, stream.batch.take()).await?;
         timed(
             "saving the position",
-            state::save(&mut stream.conn, name, &stream.lock, &saved),
+            state::save(stream.conn()?, name, &lock, &saved),
         )
         .await?;
         stream.saved = saved;
@@ -264,10 +279,30 @@ async fn session(
         Ordering::Relaxed,
     );
     tracing::info!(relay = %name, at = ?stream.at, "binlog relay: streaming");
-    let mut dump = timed("connecting", async {
-        Conn::new(inner.opts.clone()).await.map_err(db)
+    let dump = dump.finish().await?;
+    let file = stream.at.file.clone();
+    let request = BinlogStreamRequest::new(inner.server_id)
+        .with_filename(file.as_bytes())
+        .with_pos(stream.at.pos);
+    let binlog = timed("requesting the binlog", async {
+        dump.get_binlog_stream(request).await.map_err(db)
     })
     .await?;
+    stream.pump(binlog.peekable(), stop).await
+}
+
+/// A mapped table's shape, the mappings (indices into `inner.tables`) it
+/// feeds, and the table map event's bytes it was read from.
+#[derive(Clone)]
+struct Mapped {
+    shape: Arc<Shape>,
+    maps: Arc<[usize]>,
+    raw: Arc<[u8]>,
+}
+
+/// The binlog's connection, set up for the dump.
+async fn dump_connection(opts: mysql_async::Opts) -> Result<Conn> {
+    let mut dump = timed("connecting", async { Conn::new(opts).await.map_err(db) }).await?;
     // GTID events, not the BEGIN queries MariaDB makes up for old replicas.
     timed("setting up the dump", async {
         dump.query_drop("SET @mariadb_slave_capability = 4")
@@ -281,15 +316,24 @@ async fn session(
         .map_err(db)
     })
     .await?;
-    let file = stream.at.file.clone();
-    let request = BinlogStreamRequest::new(inner.server_id)
-        .with_filename(file.as_bytes())
-        .with_pos(stream.at.pos);
-    let binlog = timed("requesting the binlog", async {
-        dump.get_binlog_stream(request).await.map_err(db)
-    })
-    .await?;
-    stream.pump(binlog.peekable(), stop).await
+    Ok(dump)
+}
+
+/// The binlog connection's setup under way, aborted when dropped.
+struct Setup(tokio::task::JoinHandle<Result<Conn>>);
+
+impl Setup {
+    async fn finish(mut self) -> Result<Conn> {
+        (&mut self.0)
+            .await
+            .map_err(|e| db(format!("setting up the binlog connection ended: {e}")))?
+    }
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// The open transaction.
@@ -299,10 +343,42 @@ struct Txn {
     time: i64,
 }
 
+/// A batch handed over: its visibility write and its publish, a task of
+/// its own (on another worker, beside the stream's reading and decoding)
+/// while the stream reads on. It holds the lock's connection (the
+/// visibility write must be made on it) until it lands; dropped with the
+/// session (a failure), it is aborted, and the next session publishes its
+/// batch again from the saved position.
+struct Flight {
+    task: tokio::task::JoinHandle<Landed>,
+    /// The end of its last transaction, confirmed once it lands (`None`
+    /// when handed over inside a transaction, at a stop: the position
+    /// stays where it was).
+    end: Option<Position>,
+    /// Its oldest transaction's time (µs, server clock), for the lag.
+    oldest: i64,
+}
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A flight that ended: the connection back, and what its visibility
+/// write saved once everything in it was published.
+struct Landed {
+    conn: Conn,
+    result: Result<Saved>,
+}
+
 struct Stream<'a> {
     inner: &'a Inner,
-    /// The connection that holds the lock and saves the position.
-    conn: Conn,
+    /// The same, for the flights' tasks.
+    owner: Arc<Inner>,
+    /// The connection that holds the lock and saves the position (`None`
+    /// while a flight has it).
+    conn: Option<Conn>,
     lock: String,
     /// What the relays' table holds.
     saved: Saved,
@@ -312,7 +388,7 @@ struct Stream<'a> {
     /// The end of the last event read.
     at: Position,
     /// Table id → its shape and the mappings it feeds.
-    shapes: HashMap<u64, (Arc<Shape>, Arc<[usize]>)>,
+    shapes: HashMap<u64, Mapped>,
     /// Committed transactions not yet published.
     batch: Batch,
     /// The open transaction's changes.
@@ -332,9 +408,22 @@ struct Stream<'a> {
     oldest: i64,
     /// When the batch got its first committed change.
     batch_since: Option<tokio::time::Instant>,
+    /// The batch before this one, being made visible and published: at
+    /// most one at a time, so publishes keep the binlog's order, and the
+    /// relay holds at most it and the batch it gathers.
+    flight: Option<Flight>,
+    /// The before and after images' buffers, kept from row to row.
+    images: [Image; 2],
 }
 
-impl Stream<'_> {
+impl<'a> Stream<'a> {
+    /// The lock's connection, once no flight holds it.
+    fn conn(&mut self) -> Result<&mut Conn> {
+        self.conn
+            .as_mut()
+            .ok_or_else(|| db("the relay's connection is held by a publish under way"))
+    }
+
     fn version_of(&self, at: &Position) -> Option<u64> {
         self.saved.base.checked_add(at.raw()?)
     }
@@ -348,9 +437,15 @@ impl Stream<'_> {
         save.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let event = tokio::select! {
+                landed = Self::landing(&mut self.flight), if self.flight.is_some() => {
+                    self.landed(landed)?;
+                    self.hand_over_if_ready(&mut binlog);
+                    continue;
+                }
                 event = tokio::time::timeout(SILENCE, binlog.next()) => event,
                 _ = save.tick() => {
                     self.upkeep().await?;
+                    self.hand_over_if_ready(&mut binlog);
                     continue;
                 }
                 _ = stop.changed() => {
@@ -363,38 +458,133 @@ impl Stream<'_> {
                     return Ok(Ended::Stopped);
                 }
             };
-            let event = match event {
+            let mut ready = match event {
                 Err(_) => return Err(db(format!("no binlog event or heartbeat for {SILENCE:?}"))),
-                Ok(None) => return Err(db("the server ended the binlog stream")),
-                Ok(Some(Err(mysql_async::Error::Server(e))))
-                    if e.code == ER_FATAL_READING_BINLOG =>
-                {
-                    return Ok(Ended::Unreadable(db(format!(
-                        "the binlog stream failed: {e}"
-                    ))));
-                }
-                Ok(Some(Err(e))) => return Err(db(format!("the binlog stream failed: {e}"))),
-                Ok(Some(Ok(event))) => event,
+                Ok(next) => next,
             };
-            let committed = self.event(binlog.get_ref(), &event)?;
-            if committed && !self.batch.is_empty() {
-                let since = *self
-                    .batch_since
-                    .get_or_insert_with(tokio::time::Instant::now);
-                let full = self.batch.rows >= BINLOG_BATCH_ROWS
-                    || self.batch.bytes >= BINLOG_BATCH_BYTES
-                    || since.elapsed() >= BINLOG_BATCH_AGE;
-                // More already here: gathered into the same publish,
-                // within the batch's bounds.
-                let more = std::pin::Pin::new(&mut binlog)
-                    .peek()
-                    .now_or_never()
-                    .is_some_and(|next| next.is_some());
-                if full || !more {
-                    self.flush().await?;
+            // Events already here are handled without going back to the
+            // select (its timers and wakers cost more than a small event):
+            // at most `READY_EVENTS` before a stop, the upkeep or a landed
+            // flight is looked at again.
+            let mut budget = READY_EVENTS;
+            loop {
+                let event = match ready {
+                    None => return Err(db("the server ended the binlog stream")),
+                    Some(Err(mysql_async::Error::Server(e)))
+                        if e.code == ER_FATAL_READING_BINLOG =>
+                    {
+                        return Ok(Ended::Unreadable(db(format!(
+                            "the binlog stream failed: {e}"
+                        ))));
+                    }
+                    Some(Err(e)) => return Err(db(format!("the binlog stream failed: {e}"))),
+                    Some(Ok(event)) => event,
+                };
+                let committed = self.event(binlog.get_ref(), &event)?;
+                if committed && !self.batch.is_empty() {
+                    self.batch_since
+                        .get_or_insert_with(tokio::time::Instant::now);
+                    if self.full() {
+                        // No more is read until the flight lands: the
+                        // relay holds at most two batches.
+                        self.land().await?;
+                        self.hand_over();
+                    } else {
+                        self.hand_over_if_ready(&mut binlog);
+                    }
+                }
+                // A flight that landed meanwhile frees the publisher for the
+                // batch gathered since: handed over now, not after the
+                // budget.
+                if self.flight.as_ref().is_some_and(|f| f.task.is_finished()) {
+                    self.land().await?;
+                    self.hand_over_if_ready(&mut binlog);
+                }
+                budget = budget.saturating_sub(1);
+                if budget == 0 {
+                    break;
+                }
+                match binlog.next().now_or_never() {
+                    Some(next) => ready = next,
+                    None => break,
                 }
             }
         }
+    }
+
+    /// The batch reached its bounds.
+    fn full(&self) -> bool {
+        self.batch.rows >= BINLOG_BATCH_ROWS || self.batch.bytes >= BINLOG_BATCH_BYTES
+    }
+
+    /// Hands the batch over when no flight is under way, between
+    /// transactions, and it is full, old, or the stream has nothing more
+    /// ready (more already here is gathered into the same publish, within
+    /// the batch's bounds).
+    fn hand_over_if_ready(&mut self, binlog: &mut Peekable<BinlogStream>) {
+        if self.flight.is_some() || self.txn.is_some() || self.batch.is_empty() {
+            return;
+        }
+        let old = self
+            .batch_since
+            .is_some_and(|since| since.elapsed() >= BINLOG_BATCH_AGE);
+        if self.full() || old {
+            self.hand_over();
+            return;
+        }
+        let more = std::pin::Pin::new(binlog)
+            .peek()
+            .now_or_never()
+            .is_some_and(|next| next.is_some());
+        if !more {
+            self.hand_over();
+        }
+    }
+
+    /// The flight's end, or never when there is none.
+    async fn landing(flight: &mut Option<Flight>) -> Result<Landed> {
+        match flight {
+            Some(f) => (&mut f.task)
+                .await
+                .map_err(|e| db(format!("the relay's publish ended: {e}"))),
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Waits for the flight, if one is under way, to land.
+    async fn land(&mut self) -> Result<()> {
+        if self.flight.is_none() {
+            return Ok(());
+        }
+        let landed = Self::landing(&mut self.flight).await;
+        self.landed(landed)
+    }
+
+    /// A flight landed: everything in it is published, and its end is
+    /// confirmed (saved by the next write).
+    fn landed(&mut self, landed: Result<Landed>) -> Result<()> {
+        let flight = self.flight.take();
+        let landed = landed?;
+        self.conn = Some(landed.conn);
+        self.saved = landed.result?;
+        if let Some(end) = flight.and_then(|mut f| f.end.take()) {
+            self.confirmed = end;
+        }
+        self.show_oldest();
+        Ok(())
+    }
+
+    /// The lag's oldest unpublished transaction: the flight's, else the
+    /// batch's.
+    fn show_oldest(&self) {
+        let oldest = match &self.flight {
+            Some(f) if f.oldest != 0 => f.oldest,
+            _ => self.oldest,
+        };
+        self.inner
+            .shared
+            .oldest_pending_commit
+            .store(oldest, Ordering::Relaxed);
     }
 
     /// One event. `true` when it ended a transaction.
@@ -586,10 +776,7 @@ impl Stream<'_> {
         self.batch.absorb(&mut self.open, None);
         if touched && self.oldest == 0 {
             self.oldest = time;
-            self.inner
-                .shared
-                .oldest_pending_commit
-                .store(time, Ordering::Relaxed);
+            self.show_oldest();
         }
         // Only the relay's own writes leave `moved` alone: saving the
         // position after them would write again, for ever (see `upkeep`).
@@ -641,6 +828,15 @@ impl Stream<'_> {
             return;
         }
         self.own_only = false;
+        // The same table map as before (every transaction repeats its
+        // tables'): the shape read from it stands.
+        if self
+            .shapes
+            .get(&tme.table_id())
+            .is_some_and(|m| *m.raw == *event.data())
+        {
+            return;
+        }
         let maps: Vec<usize> = self
             .inner
             .tables
@@ -655,8 +851,14 @@ impl Stream<'_> {
         }
         match Shape::new(&tme) {
             Ok(shape) => {
-                self.shapes
-                    .insert(tme.table_id(), (Arc::new(shape), maps.into()));
+                self.shapes.insert(
+                    tme.table_id(),
+                    Mapped {
+                        shape: Arc::new(shape),
+                        maps: maps.into(),
+                        raw: event.data().into(),
+                    },
+                );
             }
             Err(why) => {
                 self.shapes.remove(&tme.table_id());
@@ -680,14 +882,14 @@ impl Stream<'_> {
                 return;
             }
         };
-        let Some((shape, maps)) = self.shapes.get(&data.table_id()).cloned() else {
+        let Some(Mapped { shape, maps, .. }) = self.shapes.get(&data.table_id()).cloned() else {
             // Not a mapped table (its table map said so).
             return;
         };
-        let Some(tme) = binlog.get_tme(data.table_id()) else {
+        if binlog.get_tme(data.table_id()).is_none() {
             self.clear_all("a rows event without its table map");
             return;
-        };
+        }
         if matches!(data, RowsEventData::PartialUpdateRowsEvent(_)) {
             self.clear_mapped(
                 &maps,
@@ -695,59 +897,65 @@ impl Stream<'_> {
             );
             return;
         }
-        // mysql_common indexes metadata it trusts; a server's garbage must
-        // not take the relay down.
-        let decoded = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            let before = data
-                .columns_before_image()
-                .map(|b| b.iter().map(|b| *b).collect::<Vec<bool>>());
-            let after = data
-                .columns_after_image()
-                .map(|b| b.iter().map(|b| *b).collect::<Vec<bool>>());
-            let mut out = Vec::new();
-            for row in data.rows(tme) {
-                let (old, new) = row.map_err(|e| e.to_string())?;
-                let old = old.map(|r| cells(&shape, before.as_deref(), &r));
-                let new = new.map(|r| cells(&shape, after.as_deref(), &r));
-                out.push((old, new));
-            }
-            Ok::<_, String>(out)
-        }));
-        let rows = match decoded {
-            Ok(Ok(rows)) => rows,
-            Ok(Err(why)) => {
-                self.clear_mapped(&maps, &format!("a row did not decode: {why}"));
-                return;
-            }
-            Err(_) => {
-                self.clear_mapped(&maps, "a row's decoder panicked");
-                return;
-            }
-        };
         let version = self.version();
         let cap = self.inner.max_rows_per_transaction;
         let relation = &shape.relation;
-        for (old, new) in rows {
-            let old_tuple = old.as_ref().map(|c| tuple(c, b'O'));
-            // An after image lacks what it did not change (MINIMAL):
-            // that is the before image's value.
-            let merged = match (&old, &new) {
-                (Some(old), Some(new)) => Some(
-                    new.iter()
-                        .zip(old)
-                        .map(|(n, o)| {
-                            if *n == Cell::Absent {
-                                o.clone()
-                            } else {
-                                n.clone()
-                            }
-                        })
-                        .collect::<Vec<Cell>>(),
-                ),
-                (None, Some(new)) => Some(new.clone()),
-                _ => None,
+        let before = data
+            .columns_before_image()
+            .map(|b| b.iter().map(|b| *b).collect::<Vec<bool>>());
+        let after = data
+            .columns_after_image()
+            .map(|b| b.iter().map(|b| *b).collect::<Vec<bool>>());
+        if usize::try_from(data.num_columns()).ok() != Some(shape.len()) {
+            self.clear_mapped(&maps, "a rows event whose columns are not its table map's");
+            return;
+        }
+        // The images' buffers, reused from row to row and event to event.
+        let [mut old, mut new] = std::mem::take(&mut self.images);
+        let mut rows = ParseBuf(data.rows_data());
+        loop {
+            // mysql_common's value decoder indexes metadata it trusts; a
+            // server's garbage must not take the relay down. Each row is
+            // decoded and mapped in turn: a row that fails clears the
+            // caches after the rows before it, and the clear covers them.
+            let decoded = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                if rows.is_empty() {
+                    return Ok(None);
+                }
+                let left = rows.0.len();
+                // A before image (UPDATE, DELETE), then an after image
+                // (INSERT, UPDATE), as the event's column bitmaps say.
+                if let Some(present) = &before {
+                    shape.decode(Some(present), &mut rows, &mut old.text, &mut old.cells)?;
+                }
+                if let Some(present) = &after {
+                    shape.decode(Some(present), &mut rows, &mut new.text, &mut new.cells)?;
+                }
+                if rows.0.len() >= left {
+                    // Images of no column: reading on would never end.
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        "a row of no bytes",
+                    ));
+                }
+                Ok::<_, std::io::Error>(Some((before.is_some(), after.is_some())))
+            }));
+            let (has_old, has_new) = match decoded {
+                Ok(Ok(Some(images))) => images,
+                Ok(Ok(None)) => break,
+                Ok(Err(why)) => {
+                    self.clear_mapped(&maps, &format!("a row did not decode: {why}"));
+                    break;
+                }
+                Err(_) => {
+                    self.clear_mapped(&maps, "a row's decoder panicked");
+                    break;
+                }
             };
-            let new_tuple = merged.as_ref().map(|c| tuple(c, b'N'));
+            let old_tuple = has_old.then(|| old.tuple(None, b'O'));
+            // An after image lacks what it did not change (MINIMAL): that
+            // is the before image's value.
+            let new_tuple = has_new.then(|| new.tuple(has_old.then_some(&old), b'N'));
             for &i in maps.iter() {
                 let m = &self.inner.tables[i];
                 let old_key = old_tuple
@@ -778,6 +986,7 @@ impl Stream<'_> {
                 }
             }
         }
+        self.images = [old, new];
     }
 
     fn clear_mapped(&mut self, maps: &[usize], why: &str) {
@@ -808,23 +1017,56 @@ impl Stream<'_> {
         );
     }
 
-    /// Publishes the committed batch, after the write that makes it
-    /// visible. Its end is then confirmed (saved by the next write).
+    /// Hands the committed batch over as a flight: the write that makes
+    /// it visible (which also saves the confirmed position), then its
+    /// publish. The caller has landed the flight before.
+    fn hand_over(&mut self) {
+        let Some(mut conn) = self.conn.take() else {
+            // Never: every caller lands the flight first.
+            return;
+        };
+        let mut saved = self.saved.clone();
+        saved.at = self.confirmed.clone();
+        // Above every version in the batch: a transaction's is its
+        // start's, plus one, and it starts before where the stream is.
+        saved.high = saved.high.max(self.version_of(&self.at).unwrap_or(0));
+        let transactions = self.batch.transactions;
+        let rows = self.batch.rows;
+        let publishes = self.batch.take();
+        let inner = Arc::clone(&self.owner);
+        let lock = self.lock.clone();
+        let landing = async move {
+            let inner = &*inner;
+            let result = async {
+                timed(
+                    "the visibility write",
+                    state::save(&mut conn, &inner.shared.slot, &lock, &saved),
+                )
+                .await?;
+                publish(inner, publishes).await?;
+                let s = &inner.shared;
+                s.transactions.fetch_add(transactions, Ordering::Relaxed);
+                s.rows.fetch_add(rows, Ordering::Relaxed);
+                Ok(saved)
+            }
+            .await;
+            Landed { conn, result }
+        };
+        self.flight = Some(Flight {
+            task: tokio::spawn(landing),
+            end: self.txn.is_none().then(|| self.at.clone()),
+            oldest: self.oldest,
+        });
+        self.oldest = 0;
+        self.batch_since = None;
+    }
+
+    /// Publishes everything committed and waits for it.
     async fn flush(&mut self) -> Result<()> {
+        self.land().await?;
         if !self.batch.is_empty() {
-            let mut saved = self.saved.clone();
-            saved.at = self.confirmed.clone();
-            // Above every version in the batch: a transaction's is its
-            // start's, plus one, and it starts before where the stream is.
-            saved.high = saved.high.max(self.version_of(&self.at).unwrap_or(0));
-            let name = self.inner.shared.slot.as_str();
-            timed(
-                "the visibility write",
-                state::save(&mut self.conn, name, &self.lock, &saved),
-            )
-            .await?;
-            self.saved = saved;
-            self.publish().await?;
+            self.hand_over();
+            self.land().await?;
         }
         if self.txn.is_none() {
             self.confirmed = self.at.clone();
@@ -832,33 +1074,11 @@ impl Stream<'_> {
         Ok(())
     }
 
-    /// Publishes the batch, every cache at once.
-    async fn publish(&mut self) -> Result<()> {
-        let transactions = self.batch.transactions;
-        let rows = self.batch.rows;
-        let publishes = self.batch.take();
-        let publisher = &self.inner.publisher;
-        let results = futures_util::future::join_all(publishes.into_iter().map(
-            |(cache, changes): (String, _)| async move {
-                batch::publish(publisher, &cache, changes).await
-            },
-        ))
-        .await;
-        for result in results {
-            result?;
-        }
-        let s = &self.inner.shared;
-        s.transactions.fetch_add(transactions, Ordering::Relaxed);
-        s.rows.fetch_add(rows, Ordering::Relaxed);
-        self.oldest = 0;
-        s.oldest_pending_commit.store(0, Ordering::Relaxed);
-        self.batch_since = None;
-        Ok(())
-    }
-
     /// Saves the confirmed position when other transactions moved it,
     /// and reads the lag.
     async fn upkeep(&mut self) -> Result<()> {
+        // The lock's connection is the flight's until it lands.
+        self.land().await?;
         if self.txn.is_none() && self.batch.is_empty() {
             self.confirmed = self.at.clone();
         }
@@ -866,9 +1086,10 @@ impl Stream<'_> {
         if self.moved && self.confirmed != self.saved.at {
             let mut saved = self.saved.clone();
             saved.at = self.confirmed.clone();
+            let lock = self.lock.clone();
             timed(
                 "saving the position",
-                state::save(&mut self.conn, name, &self.lock, &saved),
+                state::save(self.conn()?, name, &lock, &saved),
             )
             .await?;
             self.saved = saved;
@@ -881,7 +1102,7 @@ impl Stream<'_> {
         // On the lock's connection: a relay whose connection ended (and a
         // standby may hold its lock now) stops streaming here, within a
         // second, not at its next write.
-        let logs = timed("listing binlogs", state::binlogs(&mut self.conn)).await?;
+        let logs = timed("listing binlogs", state::binlogs(self.conn()?)).await?;
         let mut behind = 0u64;
         let mut past = false;
         for (file, size) in &logs {
@@ -897,41 +1118,68 @@ impl Stream<'_> {
     }
 }
 
-/// A row image's cells, in the table's column order.
-fn cells(
-    shape: &Shape,
-    present: Option<&[bool]>,
-    row: &mysql_async::binlog::row::BinlogRow,
-) -> Vec<Cell> {
-    let mut out = vec![Cell::Absent; shape.len()];
-    let mut j = 0usize;
-    for (i, cell) in out.iter_mut().enumerate() {
-        let here = present.is_none_or(|p| p.get(i).copied().unwrap_or(false));
-        if !here {
-            continue;
-        }
-        if let Some(value) = row.as_ref(j) {
-            *cell = shape.render(i, value);
-        }
-        j = j.saturating_add(1);
+/// Publishes a batch, every cache at once. Every cache's publish is
+/// awaited, failed or not, before the error ends the session: none is cut
+/// off half sent.
+async fn publish(inner: &Inner, publishes: Vec<(String, Vec<Change>)>) -> Result<()> {
+    let publisher = &inner.publisher;
+    let results =
+        futures_util::future::join_all(publishes.into_iter().map(|(cache, changes)| async move {
+            batch::publish(publisher, &cache, changes).await
+        }))
+        .await;
+    for result in results {
+        result?;
     }
-    out
+    Ok(())
 }
 
-fn tuple(cells: &[Cell], kind: u8) -> Tuple<'_> {
-    let whole = cells.iter().all(|c| *c != Cell::Absent);
-    Tuple {
-        columns: cells
+/// A row image rendered: its cells, in the table's column order, and their
+/// text in one buffer, kept from row to row (no allocation per cell).
+#[derive(Debug, Default)]
+struct Image {
+    text: Vec<u8>,
+    cells: Vec<Cell>,
+}
+
+impl Image {
+    fn datum(&self, cell: Cell) -> Datum<'_> {
+        match cell {
+            Cell::Absent => Datum::Unchanged,
+            Cell::Null => Datum::Null,
+            Cell::Text(from, to) => self
+                .text
+                .get(from..to)
+                .map_or(Datum::Unchanged, Datum::Text),
+        }
+    }
+
+    /// The image as a tuple; a cell it lacks is read from `fallback` (the
+    /// before image, for an after image).
+    fn tuple<'i>(&'i self, fallback: Option<&'i Image>, kind: u8) -> Tuple<'i> {
+        let mut whole = true;
+        let columns = self
+            .cells
             .iter()
-            .map(|c| match c {
-                Cell::Absent => Datum::Unchanged,
-                Cell::Null => Datum::Null,
-                Cell::Text(t) => Datum::Text(t),
+            .enumerate()
+            .map(|(i, &cell)| match (cell, fallback) {
+                (Cell::Absent, Some(f)) => {
+                    let cell = f.cells.get(i).copied().unwrap_or(Cell::Absent);
+                    whole &= cell != Cell::Absent;
+                    f.datum(cell)
+                }
+                (cell, _) => {
+                    whole &= cell != Cell::Absent;
+                    self.datum(cell)
+                }
             })
-            .collect(),
-        // A before image without every column holds the primary key:
-        // only it can be read from it.
-        kind: if kind == b'O' && !whole { b'K' } else { kind },
+            .collect();
+        Tuple {
+            columns,
+            // A before image without every column holds the primary key:
+            // only it can be read from it.
+            kind: if kind == b'O' && !whole { b'K' } else { kind },
+        }
     }
 }
 

@@ -11,12 +11,14 @@
 //! `[-]HH:MM:SS[.ffffff]`, ENUM its label, SET its labels joined by `,`,
 //! BIT an unsigned integer, JSON its text.
 
+use std::io::Write as _;
 use std::sync::Arc;
 
 use mysql_async::Value;
 use mysql_async::binlog::events::{OptionalMetadataField, TableMapEvent};
 use mysql_async::binlog::value::BinlogValue;
 use mysql_async::consts::ColumnType;
+use mysql_common::io::ParseBuf;
 
 use super::super::pgoutput::{Column, Relation};
 
@@ -45,15 +47,28 @@ enum Kind {
 pub(super) struct Shape {
     pub(super) relation: Arc<Relation>,
     kinds: Vec<Kind>,
+    /// How each column's values are encoded in a row image: its type
+    /// (`None`: the table map gave none), its metadata bytes, and whether
+    /// it is an unsigned number.
+    wire: Vec<(Option<ColumnType>, Vec<u8>, bool)>,
 }
 
-/// A cell of a row image.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A cell of a row image, its text in the image's buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Cell {
     /// Not in the image (`binlog_row_image` MINIMAL or NOBLOB).
     Absent,
     Null,
-    Text(Vec<u8>),
+    /// At this range of the buffer.
+    Text(usize, usize),
+}
+
+/// What rendering a value gave; a text was appended to the buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Rendered {
+    Absent,
+    Null,
+    Text,
 }
 
 impl Shape {
@@ -72,9 +87,14 @@ impl Shape {
         let mut exceptions: Vec<(u64, u16)> = Vec::new();
         let mut enums: Vec<Vec<String>> = Vec::new();
         let mut sets: Vec<Vec<String>> = Vec::new();
+        // One flag per numeric column, in order: unsigned.
+        let mut unsigned: Vec<bool> = Vec::new();
         for field in tme.iter_optional_meta() {
             let field = field.map_err(|e| format!("a table map's metadata: {e}"))?;
             match field {
+                OptionalMetadataField::Signedness(flags) => {
+                    unsigned.extend(flags.iter().by_vals());
+                }
                 OptionalMetadataField::ColumnName(n) => {
                     for name in n.iter_names() {
                         let name = name.map_err(|e| format!("a column name: {e}"))?;
@@ -140,6 +160,17 @@ impl Shape {
             ));
         }
         let mut kinds = Vec::with_capacity(count);
+        let mut wire = Vec::with_capacity(count);
+        let mut unsigned = unsigned.into_iter();
+        for i in 0..count {
+            let ty = tme.get_column_type(i).ok().flatten();
+            let meta = tme.get_column_metadata(i).unwrap_or(&[]).to_vec();
+            // As mysql_common's row decoder reads the flags: one per
+            // numeric column, none for the others.
+            let is_unsigned =
+                ty.is_some_and(|t| t.is_numeric_type()) && unsigned.next().unwrap_or(false);
+            wire.push((ty, meta, is_unsigned));
+        }
         let mut character = 0usize;
         let (mut next_enum, mut next_set) = (0usize, 0usize);
         for i in 0..count {
@@ -223,7 +254,66 @@ impl Shape {
                 columns,
             }),
             kinds,
+            wire,
         })
+    }
+
+    /// Reads one row image from `buf` (as mysql_common's `BinlogRow`
+    /// does, with its value decoder, without building the column
+    /// descriptions it builds for every row): the cells of the columns
+    /// `present` marks (`None`: all), their text appended to `text`.
+    /// `cells` gets one per column of the table.
+    pub(super) fn decode(
+        &self,
+        present: Option<&[bool]>,
+        buf: &mut ParseBuf<'_>,
+        text: &mut Vec<u8>,
+        cells: &mut Vec<Cell>,
+    ) -> std::io::Result<()> {
+        let bad = |why: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, why.to_owned());
+        text.clear();
+        cells.clear();
+        cells.resize(self.wire.len(), Cell::Absent);
+        let here = |i: usize| present.is_none_or(|p| p.get(i).copied().unwrap_or(false));
+        // Read through a copy that lives no longer than the metadata the
+        // value decoder borrows along with it; `buf` moves past what it
+        // read at the end.
+        let data = buf.0;
+        let mut local = ParseBuf(data);
+        let count = (0..self.wire.len()).filter(|&i| here(i)).count();
+        let nulls: &[u8] = local.parse(count.div_ceil(8))?;
+        let mut j = 0usize;
+        for (i, ((ty, meta, unsigned), cell)) in self.wire.iter().zip(cells.iter_mut()).enumerate()
+        {
+            let Some(ty) = *ty else {
+                return Err(bad("no column type"));
+            };
+            if !here(i) {
+                continue;
+            }
+            // Bit j of the image's null bitmap, least significant first.
+            let null = nulls
+                .get(j / 8)
+                .is_none_or(|byte| byte & (1u8 << (j % 8)) != 0);
+            j = j.saturating_add(1);
+            if null {
+                *cell = Cell::Null;
+                continue;
+            }
+            let value: BinlogValue<'_> = local.parse((ty, meta.as_slice(), *unsigned, false))?;
+            let start = text.len();
+            *cell = match self.render(i, &value, text) {
+                Rendered::Absent => {
+                    text.truncate(start);
+                    Cell::Absent
+                }
+                Rendered::Null => Cell::Null,
+                Rendered::Text => Cell::Text(start, text.len()),
+            };
+        }
+        let read = data.len().saturating_sub(local.0.len());
+        buf.0 = data.get(read..).unwrap_or(&[]);
+        Ok(())
     }
 
     /// The number of columns.
@@ -231,37 +321,56 @@ impl Shape {
         self.kinds.len()
     }
 
-    /// Column `i`'s value as text.
-    pub(super) fn render(&self, i: usize, value: &BinlogValue<'_>) -> Cell {
+    /// Column `i`'s value as text, appended to `out` (rows are rendered
+    /// into one buffer reused from row to row: no allocation per cell).
+    pub(super) fn render(&self, i: usize, value: &BinlogValue<'_>, out: &mut Vec<u8>) -> Rendered {
         let kind = self.kinds.get(i).unwrap_or(&Kind::Other);
         let value = match value {
             BinlogValue::Value(v) => v,
             BinlogValue::Jsonb(j) => {
                 return match serde_json::Value::try_from(j.clone()) {
-                    Ok(v) => Cell::Text(v.to_string().into_bytes()),
-                    Err(_) => Cell::Absent,
+                    Ok(v) => {
+                        out.extend_from_slice(v.to_string().as_bytes());
+                        Rendered::Text
+                    }
+                    Err(_) => Rendered::Absent,
                 };
             }
             // A partial JSON update names a path, not the value.
-            BinlogValue::JsonDiff(_) => return Cell::Absent,
+            BinlogValue::JsonDiff(_) => return Rendered::Absent,
         };
-        render(kind, value)
+        render(kind, value, out)
     }
 }
 
-fn render(kind: &Kind, value: &Value) -> Cell {
+/// `value` as `kind`'s text, appended to `out`. The common cases (strings,
+/// numbers) are written in place; the rarer ones go through a `String`.
+fn render(kind: &Kind, value: &Value, out: &mut Vec<u8>) -> Rendered {
+    // Writing into a Vec cannot fail.
     let text = match (kind, value) {
-        (_, Value::NULL) => return Cell::Null,
-        (Kind::Other, _) => return Cell::Absent,
+        (_, Value::NULL) => return Rendered::Null,
+        (Kind::Other, _) => return Rendered::Absent,
+        (Kind::Text | Kind::Number, Value::Bytes(b)) => {
+            out.extend_from_slice(b);
+            return Rendered::Text;
+        }
+        (Kind::Text | Kind::Number, Value::Int(i)) => {
+            let _ = write!(out, "{i}");
+            return Rendered::Text;
+        }
+        (Kind::Text | Kind::Number, Value::UInt(u)) => {
+            let _ = write!(out, "{u}");
+            return Rendered::Text;
+        }
         (Kind::Enum(labels), Value::Int(i)) => {
             // 1-based; 0 is the empty string an invalid value stores.
             match usize::try_from(*i) {
                 Ok(0) => String::new(),
                 Ok(n) => match n.checked_sub(1).and_then(|i| labels.get(i)) {
                     Some(l) => l.clone(),
-                    None => return Cell::Absent,
+                    None => return Rendered::Absent,
                 },
-                Err(_) => return Cell::Absent,
+                Err(_) => return Rendered::Absent,
             }
         }
         (Kind::Set(labels), Value::Bytes(b)) => {
@@ -285,7 +394,7 @@ fn render(kind: &Kind, value: &Value) -> Cell {
         }
         (Kind::Bit, Value::Bytes(b)) => {
             if b.len() > 8 {
-                return Cell::Absent;
+                return Rendered::Absent;
             }
             b.iter()
                 .fold(0u64, |n, byte| n.wrapping_shl(8) | u64::from(*byte))
@@ -303,12 +412,12 @@ fn render(kind: &Kind, value: &Value) -> Cell {
         (Kind::Timestamp, Value::Bytes(b)) => {
             // `secs` or `secs.micros`, as mysql_common renders TIMESTAMP2.
             let Ok(s) = std::str::from_utf8(b) else {
-                return Cell::Absent;
+                return Rendered::Absent;
             };
             let (secs, micros) = s.split_once('.').unwrap_or((s, "0"));
             match (secs.parse::<i64>(), micros.parse::<u32>()) {
                 (Ok(secs), Ok(micros)) => datetime_utc(secs, micros),
-                _ => return Cell::Absent,
+                _ => return Rendered::Absent,
             }
         }
         (Kind::Date, Value::Date(y, m, d, ..)) => format!("{y:04}-{m:02}-{d:02}"),
@@ -332,10 +441,10 @@ fn render(kind: &Kind, value: &Value) -> Cell {
         (_, Value::UInt(u)) => u.to_string(),
         (_, Value::Float(f)) => f.to_string(),
         (_, Value::Double(f)) => f.to_string(),
-        (Kind::Text | Kind::Number, Value::Bytes(b)) => return Cell::Text(b.clone()),
-        _ => return Cell::Absent,
+        _ => return Rendered::Absent,
     };
-    Cell::Text(text.into_bytes())
+    out.extend_from_slice(text.as_bytes());
+    Rendered::Text
 }
 
 fn fraction(micros: u32) -> String {
@@ -386,10 +495,15 @@ mod tests {
     use super::*;
 
     fn text(kind: &Kind, value: Value) -> String {
-        match render(kind, &value) {
-            Cell::Text(t) => String::from_utf8(t).unwrap(),
+        let mut out = b"before".to_vec();
+        match render(kind, &value, &mut out) {
+            Rendered::Text => String::from_utf8(out.split_off(6)).unwrap(),
             other => panic!("{other:?}"),
         }
+    }
+
+    fn cell(kind: &Kind, value: Value) -> Rendered {
+        render(kind, &value, &mut Vec::new())
     }
 
     #[test]
@@ -412,8 +526,8 @@ mod tests {
             "b"
         );
         assert_eq!(
-            render(&Kind::Enum(vec!["a".into()]), &Value::Int(5)),
-            Cell::Absent
+            cell(&Kind::Enum(vec!["a".into()]), Value::Int(5)),
+            Rendered::Absent
         );
         assert_eq!(
             text(
@@ -443,8 +557,9 @@ mod tests {
             text(&Kind::Timestamp, Value::Bytes(b"1700000000.5".to_vec())),
             "2023-11-14 22:13:20.000005"
         );
-        assert_eq!(render(&Kind::Text, &Value::NULL), Cell::Null);
-        assert_eq!(render(&Kind::Other, &Value::Int(1)), Cell::Absent);
+        assert_eq!(text(&Kind::Text, Value::Int(-3)), "-3");
+        assert_eq!(cell(&Kind::Text, Value::NULL), Rendered::Null);
+        assert_eq!(cell(&Kind::Other, Value::Int(1)), Rendered::Absent);
     }
 
     #[test]
