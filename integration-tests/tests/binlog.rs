@@ -872,3 +872,48 @@ async fn xa_transactions_publish_only_what_commits() {
     relay.shutdown().await;
     f.shutdown().await;
 }
+
+/// After `RESET MASTER` the saved offset can be an event's start in the
+/// new binlog of the same name (here made so by hand: the relays' table
+/// is pointed at one, as a run of same-sized transactions would make
+/// it). The name and offset read fine; the file is another. The relay
+/// tells them apart by the file's creation time and resyncs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reset_master_where_the_saved_offset_is_an_event_in_the_new_binlog_is_a_resync() {
+    let f = fixture(2).await;
+    let relay = f.relay().start().await.unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    f.sql(&insert(0..20, "a"));
+    eventually("rows arrive", async || f.hold(&named(0..20, "a")).await).await;
+    // The new binlog must be created in a later second than the old one.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    f.sql("UPDATE items SET name = CONCAT('b', id) WHERE id >= 10");
+    eventually("the update arrives", async || {
+        f.caches[0].peek(&15).await.as_deref() == Some("b15")
+    })
+    .await;
+    relay.shutdown().await;
+    let created =
+        f.db.sql("SELECT created FROM app.cache_sync_binlog_relays")
+            .unwrap();
+    assert_ne!(created.trim(), "0", "the saved position knows its file");
+    f.sql("RESET MASTER");
+    f.sql("UPDATE items SET name = CONCAT('lost', id) WHERE id < 10");
+    // An event's start in the new binlog, after the change above.
+    let boundary = binlog_size(&f, "binlog.000001");
+    f.sql(&format!(
+        "UPDATE cache_sync_binlog_relays SET file = 'binlog.000001', pos = {boundary}"
+    ));
+    let relay = f.relay().start().await.unwrap();
+    eventually("the other file is a resync", async || {
+        relay.stats().resyncs >= 1
+    })
+    .await;
+    eventually("no node holds a row the reset hid", async || {
+        f.stale().is_none()
+    })
+    .await;
+    f.flows("after").await;
+    relay.shutdown().await;
+    f.shutdown().await;
+}

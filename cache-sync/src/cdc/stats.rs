@@ -90,12 +90,14 @@ fn local_micros() -> i64 {
 
 impl ServerClock {
     /// The server said its time is `micros`.
+    #[cfg_attr(not(feature = "mysql-cdc"), allow(dead_code))]
     pub(super) fn store(&self, micros: i64, order: Ordering) {
         self.micros.store(micros, order);
         self.seen.store(local_micros(), order);
     }
 
     /// As [`store`](Self::store), unless an earlier reading was later.
+    #[cfg_attr(not(feature = "postgres-cdc"), allow(dead_code))]
     pub(super) fn fetch_max(&self, micros: i64, order: Ordering) -> i64 {
         let before = self.micros.fetch_max(micros, order);
         if micros >= before {
@@ -105,6 +107,7 @@ impl ServerClock {
     }
 
     /// The last reading, as the server gave it.
+    #[cfg_attr(not(feature = "postgres-cdc"), allow(dead_code))]
     pub(super) fn load(&self, order: Ordering) -> i64 {
         self.micros.load(order)
     }

@@ -167,6 +167,7 @@ async fn session(
     let end = Position {
         file: last,
         pos: size,
+        created: 0,
     };
     let saved = timed("reading the saved position", state::load(&mut conn, name)).await?;
     let previous = saved.clone();
@@ -239,6 +240,9 @@ async fn session(
         batch_since: None,
         flight: None,
         images: Default::default(),
+        // Checked against the first format description the stream sends.
+        expect_created: (resync.is_none() && saved.at.created != 0).then_some(saved.at.created),
+        wrong_file: None,
     };
     if let Some(version) = resync {
         for t in &inner.tables {
@@ -414,6 +418,11 @@ struct Stream<'a> {
     flight: Option<Flight>,
     /// The before and after images' buffers, kept from row to row.
     images: [Image; 2],
+    /// The saved position's file's creation time, until the stream's first
+    /// format description is checked against it.
+    expect_created: Option<u32>,
+    /// Set when that check failed: the session ends as `Unreadable`.
+    wrong_file: Option<crate::error::Error>,
 }
 
 impl<'a> Stream<'a> {
@@ -481,6 +490,9 @@ impl<'a> Stream<'a> {
                     Some(Ok(event)) => event,
                 };
                 let committed = self.event(binlog.get_ref(), &event)?;
+                if let Some(e) = self.wrong_file.take() {
+                    return Ok(Ended::Unreadable(e));
+                }
                 if committed && !self.batch.is_empty() {
                     self.batch_since
                         .get_or_insert_with(tokio::time::Instant::now);
@@ -595,6 +607,19 @@ impl<'a> Stream<'a> {
         let log_pos = u64::from(header.log_pos());
         if ty == FORMAT_DESCRIPTION {
             self.described = true;
+            let created = header.timestamp();
+            // The first one names the file the stream began in: the saved
+            // position's file, or another by the same name.
+            if let Some(expected) = self.expect_created.take()
+                && created != 0
+                && created != expected
+            {
+                self.wrong_file = Some(db(format!(
+                    "the binlog {} was created at {created}, and the saved position is in one created at {expected} (RESET MASTER?)",
+                    self.at.file
+                )));
+            }
+            self.at.created = created;
         }
         if ty == ROTATE {
             if !self.described {
@@ -610,6 +635,7 @@ impl<'a> Stream<'a> {
             let next = Position {
                 file: String::from_utf8_lossy(rotate.name_raw()).into_owned(),
                 pos: rotate.position(),
+                created: 0,
             };
             if next.file == self.at.file {
                 return Ok(false);
@@ -637,6 +663,7 @@ impl<'a> Stream<'a> {
             let raw = Position {
                 file: s.at.file.clone(),
                 pos: begin,
+                created: 0,
             }
             .raw()
             .ok_or_else(|| {

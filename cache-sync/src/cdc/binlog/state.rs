@@ -20,6 +20,12 @@ pub(super) fn db(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Erro
 pub(super) struct Position {
     pub(super) file: String,
     pub(super) pos: u64,
+    /// When the file was created: its format description's timestamp
+    /// (seconds, the server's clock); 0 while not known. A file's name
+    /// alone does not name it: after `RESET MASTER` the server writes a
+    /// new `binlog.000001`, and an offset saved in the old one may be an
+    /// event's start in the new one too.
+    pub(super) created: u32,
 }
 
 impl Position {
@@ -147,27 +153,48 @@ pub(super) async fn create_table(conn: &mut Conn) -> Result<()> {
             pos BIGINT UNSIGNED NOT NULL,
             base BIGINT UNSIGNED NOT NULL,
             high BIGINT UNSIGNED NOT NULL,
-            writes BIGINT UNSIGNED NOT NULL DEFAULT 0
+            writes BIGINT UNSIGNED NOT NULL DEFAULT 0,
+            created INT UNSIGNED NOT NULL DEFAULT 0
         ) ENGINE=InnoDB"
     ))
     .await
-    .map_err(db)
+    .map_err(db)?;
+    // A table made before `created` existed gets it (MySQL has no ADD
+    // COLUMN IF NOT EXISTS). Its rows read 0, not known: not checked.
+    let has: Option<u64> = conn
+        .exec_first(
+            "SELECT COUNT(*) FROM information_schema.COLUMNS \
+             WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = 'created'",
+            (TABLE,),
+        )
+        .await
+        .map_err(db)?;
+    if has == Some(0) {
+        conn.query_drop(format!(
+            "ALTER TABLE {TABLE} ADD COLUMN created INT UNSIGNED NOT NULL DEFAULT 0"
+        ))
+        .await
+        .map_err(db)?;
+    }
+    Ok(())
 }
 
 pub(super) async fn load(conn: &mut Conn, name: &str) -> Result<Option<Saved>> {
-    let row: Option<(u64, String, u64, u64, u64)> = conn
+    let row: Option<(u64, String, u64, u64, u64, u32)> = conn
         .exec_first(
-            format!("SELECT server_id, file, pos, base, high FROM {TABLE} WHERE name = ?"),
+            format!("SELECT server_id, file, pos, base, high, created FROM {TABLE} WHERE name = ?"),
             (name,),
         )
         .await
         .map_err(db)?;
-    Ok(row.map(|(server_id, file, pos, base, high)| Saved {
-        server_id,
-        at: Position { file, pos },
-        base,
-        high,
-    }))
+    Ok(
+        row.map(|(server_id, file, pos, base, high, created)| Saved {
+            server_id,
+            at: Position { file, pos, created },
+            base,
+            high,
+        }),
+    )
 }
 
 /// Saves `saved`, only while this connection holds `lock`. The write is
@@ -177,11 +204,11 @@ pub(super) async fn load(conn: &mut Conn, name: &str) -> Result<Option<Saved>> {
 pub(super) async fn save(conn: &mut Conn, name: &str, lock: &str, saved: &Saved) -> Result<()> {
     conn.exec_drop(
         format!(
-            "INSERT INTO {TABLE} (name, server_id, file, pos, base, high, writes)
-             SELECT ?, ?, ?, ?, ?, ?, 1 FROM DUAL WHERE IS_USED_LOCK(?) = CONNECTION_ID()
+            "INSERT INTO {TABLE} (name, server_id, file, pos, base, high, writes, created)
+             SELECT ?, ?, ?, ?, ?, ?, 1, ? FROM DUAL WHERE IS_USED_LOCK(?) = CONNECTION_ID()
              ON DUPLICATE KEY UPDATE server_id = VALUES(server_id), file = VALUES(file),
                  pos = VALUES(pos), base = VALUES(base), high = GREATEST(high, VALUES(high)),
-                 writes = writes + 1"
+                 writes = writes + 1, created = VALUES(created)"
         ),
         (
             name,
@@ -190,6 +217,7 @@ pub(super) async fn save(conn: &mut Conn, name: &str, lock: &str, saved: &Saved)
             saved.at.pos,
             saved.base,
             saved.high,
+            saved.at.created,
             lock,
         ),
     )
@@ -212,6 +240,7 @@ mod tests {
         let at = |file: &str, pos| Position {
             file: file.to_owned(),
             pos,
+            created: 0,
         };
         assert!(at("b.000002", 4).raw() > at("b.000001", 1 << 30).raw());
         assert!(at("b.000001", 5).raw() > at("b.000001", 4).raw());
