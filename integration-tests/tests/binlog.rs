@@ -917,3 +917,39 @@ async fn reset_master_where_the_saved_offset_is_an_event_in_the_new_binlog_is_a_
     relay.shutdown().await;
     f.shutdown().await;
 }
+
+/// A compressed binlog (MariaDB's `log_bin_compress`): turned on under a
+/// streaming relay, rows come in compressed events it does not decode, and
+/// each clears (nothing stale); a relay that starts meanwhile refuses the
+/// server, naming the setting, and streams once it is off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compressed_binlog_clears_under_a_relay_and_is_refused_at_start() {
+    let f = fixture(2).await;
+    let relay = f.relay().start().await.unwrap();
+    eventually("the relay streams", async || relay.stats().active).await;
+    f.sql(&insert(0..5, "a"));
+    eventually("rows arrive", async || f.hold(&named(0..5, "a")).await).await;
+    f.sql("SET GLOBAL log_bin_compress = ON; SET GLOBAL log_bin_compress_min_len = 10");
+    // Long enough to be compressed.
+    let long = "x".repeat(90);
+    f.sql(&format!("UPDATE items SET name = '{long}' WHERE id = 1"));
+    eventually("the compressed change clears", async || {
+        f.caches.iter().all(|c| c.iter().next().is_none())
+    })
+    .await;
+    relay.shutdown().await;
+    let relay = f.relay().start().await.unwrap();
+    eventually("a new session refuses the server", async || {
+        relay.stats().failures >= 1
+    })
+    .await;
+    assert!(!relay.stats().active);
+    f.sql("SET GLOBAL log_bin_compress = OFF");
+    eventually("it streams once the setting is off", async || {
+        relay.stats().active
+    })
+    .await;
+    f.flows("after").await;
+    relay.shutdown().await;
+    f.shutdown().await;
+}

@@ -58,6 +58,10 @@ const ROWS: [u8; 6] = [23, 24, 25, 30, 31, 32];
 /// MySQL's partial JSON update: names a path, not the row.
 const PARTIAL_UPDATE_ROWS: u8 = 39;
 const MARIADB_GTID: u8 = 162;
+/// MySQL's compressed transaction (`binlog_transaction_compression`): its
+/// rows are inside, compressed; the relay refuses a server with it on, and
+/// clears if it is turned on under a streaming relay.
+const TRANSACTION_PAYLOAD: u8 = 40;
 /// Ends the group of an `XA PREPARE`d transaction (MySQL and MariaDB):
 /// its rows are in the binlog, and it may still roll back.
 const XA_PREPARE: u8 = 38;
@@ -774,12 +778,12 @@ impl<'a> Stream<'a> {
                 self.rows(binlog, event);
                 Ok(false)
             }
-            t if MARIADB_COMPRESSED.contains(&t) => {
+            t if MARIADB_COMPRESSED.contains(&t) || t == TRANSACTION_PAYLOAD => {
                 if self.txn.is_none() {
                     start(self)?;
                 }
                 self.clear_all(
-                    "a compressed event (log_bin_compress), which this relay does not decode",
+                    "a compressed event (log_bin_compress, binlog_transaction_compression), which this relay does not decode",
                 );
                 Ok(self.end_if_standalone())
             }
