@@ -953,3 +953,62 @@ async fn a_compressed_binlog_clears_under_a_relay_and_is_refused_at_start() {
     relay.shutdown().await;
     f.shutdown().await;
 }
+
+/// The relay as a user with only the grants its docs name; then
+/// `REPLICATION SLAVE` revoked and its sessions killed: every new session
+/// fails (counted), nothing is published meanwhile and nothing is lost;
+/// granted again, it resumes from its position and nodes agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replication_revoked_stops_the_relay_loudly_and_granted_again_it_resumes() {
+    let f = fixture(2).await;
+    f.db.sql(
+        "CREATE USER relay@'%'; \
+         GRANT REPLICATION SLAVE, BINLOG MONITOR ON *.* TO relay@'%'; \
+         GRANT SELECT, INSERT, UPDATE, CREATE, ALTER ON app.* TO relay@'%'",
+    )
+    .unwrap();
+    let url = format!("mysql://relay@127.0.0.1:{}/app", f.db.port());
+    let relay = BinlogRelay::builder(url, Publisher::new(f.transport.clone()))
+        .standby_retry(Duration::from_millis(10))
+        .table(CdcTable::new(ITEMS, "items", |row| row.parse("id")).value(|row| row.parse("name")))
+        .start()
+        .await
+        .unwrap();
+    eventually("the relay streams with its grants", async || {
+        relay.stats().active
+    })
+    .await;
+    f.sql(&insert(0..10, "a"));
+    eventually("rows arrive", async || f.hold(&named(0..10, "a")).await).await;
+    f.db.sql("REVOKE REPLICATION SLAVE ON *.* FROM relay@'%'")
+        .unwrap();
+    let ids =
+        f.db.sql("SELECT ID FROM information_schema.PROCESSLIST WHERE USER = 'relay'")
+            .unwrap();
+    for id in ids.lines() {
+        let _ = f.db.sql(&format!("KILL {id}"));
+    }
+    let failures = relay.stats().failures;
+    eventually("new sessions fail", async || {
+        relay.stats().failures >= failures + 2
+    })
+    .await;
+    f.sql("UPDATE items SET name = CONCAT('revoked', id) WHERE id < 5");
+    f.db.sql("GRANT REPLICATION SLAVE ON *.* TO relay@'%'")
+        .unwrap();
+    eventually("it streams again", async || relay.stats().active).await;
+    let want = f.rows();
+    eventually("what changed meanwhile arrives", async || {
+        f.hold(&want).await
+    })
+    .await;
+    assert_eq!(
+        relay.stats().resyncs,
+        1,
+        "resumed, not resynced: {:?}",
+        relay.stats()
+    );
+    f.flows("after").await;
+    relay.shutdown().await;
+    f.shutdown().await;
+}
