@@ -130,6 +130,16 @@ impl Fixture {
         assert_eq!(self.stale(), None);
     }
 
+    /// A relay once it streams, and rows `0..n` named `a` and their id
+    /// written and arrived on every node.
+    async fn streaming(&self, n: i64) -> BinlogRelay {
+        let relay = self.relay().start().await.unwrap();
+        eventually("the relay streams", async || relay.stats().active).await;
+        self.sql(&insert(0..n, "a"));
+        eventually("rows arrive", async || self.hold(&named(0..n, "a")).await).await;
+        relay
+    }
+
     async fn shutdown(self) {
         for node in self.nodes {
             node.shutdown().await.unwrap();
@@ -283,10 +293,7 @@ async fn every_dictionary_column_type_reads_as_text() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_resumes_from_its_position_and_a_purged_one_is_a_resync() {
     let mut f = fixture(2).await;
-    let relay = f.relay().start().await.unwrap();
-    eventually("the relay streams", async || relay.stats().active).await;
-    f.sql(&insert(0..20, "a"));
-    eventually("rows arrive", async || f.hold(&named(0..20, "a")).await).await;
+    let relay = f.streaming(20).await;
     relay.shutdown().await;
 
     f.sql("UPDATE items SET name = CONCAT('down', id) WHERE id < 10");
@@ -646,10 +653,7 @@ fn binlog_size(f: &Fixture, file: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reset_master_while_down_is_a_resync_even_where_the_new_binlog_reaches_the_offset() {
     let f = fixture(2).await;
-    let relay = f.relay().start().await.unwrap();
-    eventually("the relay streams", async || relay.stats().active).await;
-    f.sql(&insert(0..20, "a"));
-    eventually("rows arrive", async || f.hold(&named(0..20, "a")).await).await;
+    let relay = f.streaming(20).await;
     relay.shutdown().await;
     let saved = binlog_size(&f, "binlog.000001");
     f.sql("RESET MASTER");
@@ -675,10 +679,7 @@ async fn reset_master_while_down_is_a_resync_even_where_the_new_binlog_reaches_t
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reset_master_while_streaming_is_a_resync() {
     let f = fixture(2).await;
-    let relay = f.relay().start().await.unwrap();
-    eventually("the relay streams", async || relay.stats().active).await;
-    f.sql(&insert(0..20, "a"));
-    eventually("rows arrive", async || f.hold(&named(0..20, "a")).await).await;
+    let relay = f.streaming(20).await;
     f.sql("RESET MASTER");
     for round in 0..20 {
         f.sql(&format!(
@@ -701,10 +702,7 @@ async fn reset_master_while_streaming_is_a_resync() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relays_table_emptied_or_dropped_leaves_nothing_stale() {
     let f = fixture(2).await;
-    let relay = f.relay().start().await.unwrap();
-    eventually("the relay streams", async || relay.stats().active).await;
-    f.sql(&insert(0..20, "a"));
-    eventually("rows arrive", async || f.hold(&named(0..20, "a")).await).await;
+    let relay = f.streaming(20).await;
     f.sql("DELETE FROM cache_sync_binlog_relays");
     f.sql("UPDATE items SET name = CONCAT('emptied', id) WHERE id < 10");
     f.flows("after-emptied").await;
@@ -725,10 +723,7 @@ async fn the_relays_table_emptied_or_dropped_leaves_nothing_stale() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn binlog_settings_changed_under_a_streaming_relay_leave_nothing_stale() {
     let f = fixture(2).await;
-    let relay = f.relay().start().await.unwrap();
-    eventually("the relay streams", async || relay.stats().active).await;
-    f.sql(&insert(0..20, "a"));
-    eventually("rows arrive", async || f.hold(&named(0..20, "a")).await).await;
+    let relay = f.streaming(20).await;
     for (i, (set, reset)) in [
         (
             "SET GLOBAL binlog_format = 'STATEMENT'",
@@ -763,10 +758,7 @@ async fn binlog_settings_changed_under_a_streaming_relay_leave_nothing_stale() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resync_whose_clear_fails_to_publish_is_sent_again() {
     let f = fixture(2).await;
-    let relay = f.relay().start().await.unwrap();
-    eventually("the relay streams", async || relay.stats().active).await;
-    f.sql(&insert(0..20, "a"));
-    eventually("rows arrive", async || f.hold(&named(0..20, "a")).await).await;
+    let relay = f.streaming(20).await;
     relay.shutdown().await;
     f.sql("UPDATE items SET name = CONCAT('lost', id) WHERE id < 10");
     f.db.purge_binlogs();
@@ -835,10 +827,7 @@ async fn the_lag_grows_while_a_publish_hangs_and_falls_after() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn xa_transactions_publish_only_what_commits() {
     let f = fixture(2).await;
-    let relay = f.relay().start().await.unwrap();
-    eventually("the relay streams", async || relay.stats().active).await;
-    f.sql(&insert(0..5, "a"));
-    eventually("rows arrive", async || f.hold(&named(0..5, "a")).await).await;
+    let relay = f.streaming(5).await;
     // Prepared, then rolled back: the value must never be seen.
     f.sql(
         "XA START 'x1'; UPDATE items SET name = 'prepared' WHERE id = 1; \
@@ -881,10 +870,7 @@ async fn xa_transactions_publish_only_what_commits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reset_master_where_the_saved_offset_is_an_event_in_the_new_binlog_is_a_resync() {
     let f = fixture(2).await;
-    let relay = f.relay().start().await.unwrap();
-    eventually("the relay streams", async || relay.stats().active).await;
-    f.sql(&insert(0..20, "a"));
-    eventually("rows arrive", async || f.hold(&named(0..20, "a")).await).await;
+    let relay = f.streaming(20).await;
     // The new binlog must be created in a later second than the old one.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     f.sql("UPDATE items SET name = CONCAT('b', id) WHERE id >= 10");
@@ -925,10 +911,7 @@ async fn reset_master_where_the_saved_offset_is_an_event_in_the_new_binlog_is_a_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_compressed_binlog_clears_under_a_relay_and_is_refused_at_start() {
     let f = fixture(2).await;
-    let relay = f.relay().start().await.unwrap();
-    eventually("the relay streams", async || relay.stats().active).await;
-    f.sql(&insert(0..5, "a"));
-    eventually("rows arrive", async || f.hold(&named(0..5, "a")).await).await;
+    let relay = f.streaming(5).await;
     f.sql("SET GLOBAL log_bin_compress = ON; SET GLOBAL log_bin_compress_min_len = 10");
     // Long enough to be compressed.
     let long = "x".repeat(90);
