@@ -28,7 +28,7 @@ use crate::wire::encode_part;
 mod address;
 mod batch;
 #[cfg(feature = "mysql-cdc")]
-mod binlog;
+pub(crate) mod binlog;
 #[cfg(feature = "postgres-cdc")]
 mod builder;
 #[cfg(feature = "postgres-cdc")]

@@ -18,8 +18,9 @@ use crate::error::{Error, Result};
 use crate::publish::Publisher;
 use crate::util::{check_duration, lock};
 
-mod session;
-mod shape;
+// `pub(crate)` for the `binlog_rows` fuzz target (its `Image`, and `Shape`).
+pub(crate) mod session;
+pub(crate) mod shape;
 mod state;
 
 const BINLOG_DEFAULT_MAX_ROWS: usize = 10_000;

@@ -1168,9 +1168,9 @@ async fn publish(inner: &Inner, publishes: Vec<(String, Vec<Change>)>) -> Result
 /// A row image rendered: its cells, in the table's column order, and their
 /// text in one buffer, kept from row to row (no allocation per cell).
 #[derive(Debug, Default)]
-struct Image {
-    text: Vec<u8>,
-    cells: Vec<Cell>,
+pub(crate) struct Image {
+    pub(crate) text: Vec<u8>,
+    pub(crate) cells: Vec<Cell>,
 }
 
 impl Image {
@@ -1187,7 +1187,7 @@ impl Image {
 
     /// The image as a tuple; a cell it lacks is read from `fallback` (the
     /// before image, for an after image).
-    fn tuple<'i>(&'i self, fallback: Option<&'i Image>, kind: u8) -> Tuple<'i> {
+    pub(crate) fn tuple<'i>(&'i self, fallback: Option<&'i Image>, kind: u8) -> Tuple<'i> {
         let mut whole = true;
         let columns = self
             .cells

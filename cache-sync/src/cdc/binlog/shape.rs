@@ -19,6 +19,7 @@ use mysql_async::binlog::events::{OptionalMetadataField, TableMapEvent};
 use mysql_async::binlog::value::BinlogValue;
 use mysql_async::consts::ColumnType;
 use mysql_common::io::ParseBuf;
+use mysql_common::proto::MySerialize as _;
 
 use super::super::pgoutput::{Column, Relation};
 
@@ -44,8 +45,8 @@ enum Kind {
 
 /// One table's shape, from its TABLE_MAP event.
 #[derive(Debug)]
-pub(super) struct Shape {
-    pub(super) relation: Arc<Relation>,
+pub(crate) struct Shape {
+    pub(crate) relation: Arc<Relation>,
     kinds: Vec<Kind>,
     /// How each column's values are encoded in a row image: its type
     /// (`None`: the table map gave none), its metadata bytes, and whether
@@ -55,7 +56,7 @@ pub(super) struct Shape {
 
 /// A cell of a row image, its text in the image's buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Cell {
+pub(crate) enum Cell {
     /// Not in the image (`binlog_row_image` MINIMAL or NOBLOB).
     Absent,
     Null,
@@ -75,7 +76,7 @@ impl Shape {
     /// The shape `tme` describes, or why it cannot be read. Column names
     /// come from its optional metadata (`binlog_row_metadata = FULL`);
     /// without them no column can be read by name.
-    pub(super) fn new(tme: &TableMapEvent<'_>) -> Result<Shape, String> {
+    pub(crate) fn new(tme: &TableMapEvent<'_>) -> Result<Shape, String> {
         let count = usize::try_from(tme.columns_count())
             .map_err(|_| "a table map with more columns than memory".to_owned())?;
         let mut names = Vec::new();
@@ -124,29 +125,17 @@ impl Shape {
                         charsets.push(c.map_err(|e| format!("a charset: {e}"))?);
                     }
                 }
+                // Read here, not with mysql_common's `iter_values`: see
+                // `labels`.
                 OptionalMetadataField::EnumStrValue(v) => {
-                    for labels in v.iter_values() {
-                        let labels = labels.map_err(|e| format!("enum labels: {e}"))?;
-                        enums.push(
-                            labels
-                                .values()
-                                .iter()
-                                .map(|l| String::from_utf8_lossy(l.value_raw()).into_owned())
-                                .collect(),
-                        );
-                    }
+                    let mut raw = Vec::new();
+                    v.serialize(&mut raw);
+                    enums = labels(&raw).map_err(|e| format!("enum labels: {e}"))?;
                 }
                 OptionalMetadataField::SetStrValue(v) => {
-                    for labels in v.iter_values() {
-                        let labels = labels.map_err(|e| format!("set labels: {e}"))?;
-                        sets.push(
-                            labels
-                                .values()
-                                .iter()
-                                .map(|l| String::from_utf8_lossy(l.value_raw()).into_owned())
-                                .collect(),
-                        );
-                    }
+                    let mut raw = Vec::new();
+                    v.serialize(&mut raw);
+                    sets = labels(&raw).map_err(|e| format!("set labels: {e}"))?;
                 }
                 _ => {}
             }
@@ -263,7 +252,7 @@ impl Shape {
     /// descriptions it builds for every row): the cells of the columns
     /// `present` marks (`None`: all), their text appended to `text`.
     /// `cells` gets one per column of the table.
-    pub(super) fn decode(
+    pub(crate) fn decode(
         &self,
         present: Option<&[bool]>,
         buf: &mut ParseBuf<'_>,
@@ -317,7 +306,7 @@ impl Shape {
     }
 
     /// The number of columns.
-    pub(super) fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.kinds.len()
     }
 
@@ -341,6 +330,29 @@ impl Shape {
         };
         render(kind, value, out)
     }
+}
+
+/// The labels of each ENUM (or SET) column, as the optional metadata's
+/// ENUM_STR_VALUE (SET_STR_VALUE) field lists them: for each column a
+/// count, then each label after its length. mysql_common's `iter_values`
+/// reads the same, but first reserves room for as many labels as the count
+/// claims: a count off the wire (up to 2^64) made that a capacity overflow
+/// panic, or an allocation that aborts the process. Here every label is
+/// read before it is kept, so what is kept is no larger than the bytes.
+fn labels(raw: &[u8]) -> Result<Vec<Vec<String>>, &'static str> {
+    let mut buf = ParseBuf(raw);
+    let mut columns = Vec::new();
+    while !buf.is_empty() {
+        let count = buf.checked_eat_lenenc_int().ok_or("a count past the end")?;
+        let mut labels = Vec::new();
+        // Each label takes a byte at least: the loop ends with the bytes.
+        for _ in 0..count {
+            let label = buf.checked_eat_lenenc_str().ok_or("a label past the end")?;
+            labels.push(String::from_utf8_lossy(label).into_owned());
+        }
+        columns.push(labels);
+    }
+    Ok(columns)
 }
 
 /// `value` as `kind`'s text, appended to `out`. The common cases (strings,
@@ -560,6 +572,52 @@ mod tests {
         assert_eq!(text(&Kind::Text, Value::Int(-3)), "-3");
         assert_eq!(cell(&Kind::Text, Value::NULL), Rendered::Null);
         assert_eq!(cell(&Kind::Other, Value::Int(1)), Rendered::Absent);
+    }
+
+    /// A TABLE_MAP event's body of one ENUM column `e`, with `labels` as
+    /// its optional metadata's ENUM_STR_VALUE.
+    fn enum_table_map(labels: &[u8]) -> Vec<u8> {
+        let mut b = vec![1, 0, 0, 0, 0, 0, 1, 0, 1, b'd', 0, 1, b't', 0];
+        // One column: STRING, its metadata ENUM of one byte, nullable.
+        b.extend([1, 254, 2, 0xf7, 1, 1]);
+        b.extend([4, 2, 1, b'e']); // COLUMN_NAME
+        b.push(6); // ENUM_STR_VALUE
+        b.push(u8::try_from(labels.len()).unwrap());
+        b.extend(labels);
+        b
+    }
+
+    fn shape_of(body: &[u8]) -> Result<Shape, String> {
+        use mysql_common::binlog::BinlogCtx;
+        use mysql_common::binlog::consts::{BinlogVersion, EventType};
+        use mysql_common::binlog::events::FormatDescriptionEvent;
+
+        let fde = FormatDescriptionEvent::new(BinlogVersion::Version4);
+        let ctx = BinlogCtx::new(19 + body.len(), &fde, EventType::TABLE_MAP_EVENT as u8);
+        let tme: TableMapEvent<'_> = ParseBuf(body).parse(ctx).unwrap();
+        Shape::new(&tme)
+    }
+
+    /// Found by the `binlog_rows` fuzz target: an ENUM_STR_VALUE whose
+    /// count claims 2^64 - 1 labels panicked with a capacity overflow in
+    /// mysql_common (outside the relay's `catch_unwind`); a count of
+    /// millions reserved their room before reading one.
+    #[test]
+    fn enum_label_counts_larger_than_their_bytes_are_refused() {
+        let shape = shape_of(&enum_table_map(&[2, 3, b's', b'a', b'd', 2, b'o', b'k'])).unwrap();
+        assert_eq!(
+            shape.kinds,
+            vec![Kind::Enum(vec!["sad".into(), "ok".into()])]
+        );
+        let mut huge = vec![0xfe];
+        huge.extend(u64::MAX.to_le_bytes());
+        huge.extend([1, b'x']);
+        let why = shape_of(&enum_table_map(&huge)).unwrap_err();
+        assert!(why.contains("a label past the end"), "{why}");
+        let why = shape_of(&enum_table_map(&[0xfd, 0xff, 0xff, 0xff])).unwrap_err();
+        assert!(why.contains("a label past the end"), "{why}");
+        // Labels of no column, and a count that is not there.
+        assert!(shape_of(&enum_table_map(&[0xfc, 1])).is_err());
     }
 
     #[test]
