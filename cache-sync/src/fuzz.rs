@@ -332,7 +332,7 @@ pub fn binlog_rows(data: &[u8]) {
     use mysql_common::io::ParseBuf;
 
     use crate::cdc::Row;
-    use crate::cdc::binlog::session::Image;
+    use crate::cdc::binlog::session::{Image, next_row};
     use crate::cdc::binlog::shape::{Cell, Shape};
 
     /// The body of an event of type `ty`, read whole, as `Event::read_event`
@@ -414,22 +414,7 @@ pub fn binlog_rows(data: &[u8]) {
         let left = rows.0.len();
         CAUGHT.with(|c| c.set(true));
         let decoded = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            if rows.is_empty() {
-                return Ok(None);
-            }
-            if let Some(present) = &before {
-                shape.decode(Some(present), &mut rows, &mut old.text, &mut old.cells)?;
-            }
-            if let Some(present) = &after {
-                shape.decode(Some(present), &mut rows, &mut new.text, &mut new.cells)?;
-            }
-            if rows.0.len() >= left {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    "a row of no bytes",
-                ));
-            }
-            Ok::<_, std::io::Error>(Some((before.is_some(), after.is_some())))
+            next_row(&shape, &before, &after, &mut rows, &mut old, &mut new)
         }));
         CAUGHT.with(|c| c.set(false));
         let (has_old, has_new) = match decoded {
